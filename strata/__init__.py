@@ -1,0 +1,15 @@
+"""Strata: an LLM inference server."""
+
+from strata.runner.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in the loaders and models; import it on first use so `strata --help` stays fast.
+    if name == "LLM":
+        from strata.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,187 @@
+"""Frozen configuration objects.
+
+`ModelConfig` is what a model file says about itself (read from an HF `config.json` or from GGUF
+metadata turned into the same dict). `EngineConfig` is how the user wants it run; CLI defaults are
+read from its field defaults so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A model configuration that Strata cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | yarn
+    factor: float = 1.0
+    original_max_position: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "RopeConfig":
+        # transformers >= 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`.
+        params = dict(d.get("rope_scaling") or {})
+        params.update(d.get("rope_parameters") or {})
+        theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "yarn"):
+            raise ConfigError(f"unsupported rope type {kind!r}")
+        orig = params.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+        if kind == "yarn" and orig is None:
+            orig = d.get("max_position_embeddings")
+        return cls(
+            theta=float(theta),
+            kind=kind,
+            factor=float(params.get("factor") or 1.0),
+            original_max_position=orig,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    # MoE. num_experts == 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    norm_topk_prob: bool = False
+    scoring: str = "softmax"  # softmax | sigmoid (sigmoid carries an e_score_correction_bias)
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Multi-token prediction layers stored after the decoder layers (DeepSeek-V3 / GLM-4.5 layout).
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        if not self.is_moe or i in self.mlp_only_layers or i < self.first_k_dense_replace:
+            return False
+        return (i + 1) % max(self.decoder_sparse_step, 1) == 0
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed HF `config.json` (either transformers 4.x or 5.x spelling)."""
+        try:
+            mt = d["model_type"]
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            num_experts = int(d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts") or 0)
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            rope_params = d.get("rope_parameters") or {}
+            partial = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+            return cls(
+                model_type=mt,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d.get("intermediate_size") or 0),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                rope=RopeConfig.from_hf(d),
+                partial_rotary_factor=float(partial),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                # qwen3 always normalises q/k per head; glm4_moe says so in `use_qk_norm`.
+                use_qk_norm=bool(d.get("use_qk_norm", mt in ("qwen3", "qwen3_moe"))),
+                num_experts=num_experts,
+                num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+                n_shared_experts=int(d.get("n_shared_experts") or 0),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                scoring="sigmoid" if mt == "glm4_moe" else "softmax",
+                routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+                n_group=int(d.get("n_group") or 1),
+                topk_group=int(d.get("topk_group") or 1),
+                first_k_dense_replace=int(d.get("first_k_dense_replace") or 0),
+                decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config is missing required key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        with open(path) as f:
+            return cls.from_hf(json.load(f))
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a model is run. Every CLI flag of `strata generate/serve` defaults to a field here."""
+
+    model: str | None = None  # None: the embedded default model
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    ctx: int = 4096  # maximum tokens per sequence (prompt + output)
+    seed: int | None = None
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype:
+            return self.dtype
+        return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"

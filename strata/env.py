@@ -1,0 +1,62 @@
+"""The one typed registry of STRATA_* environment switches. Nothing else in Strata reads os.environ.
+
+Each switch is declared once with its type, default and meaning; `strata.env.ENV.<name>` reads it at
+call time so tests can set the variable per case.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def _bool(s: str) -> bool:
+    return s.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Switch(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r}: {e}") from None
+
+
+class _Env:
+    SPLIT_MTP_BATCH = Switch("STRATA_SPLIT_MTP_BATCH", _bool, False,
+                             "compute the MTP layer's prompt K/V batched, chunk by chunk, during the prompt read")
+    PIPED_CONCURRENT = Switch("STRATA_PIPED_CONCURRENT", _bool, False,
+                              "run a prompt read concurrently with decoding on a second stream")
+    PIPED_CONCURRENT_SMB = Switch("STRATA_PIPED_CONCURRENT_SMB", _bool, False,
+                                  "allow STRATA_SPLIT_MTP_BATCH beside STRATA_PIPED_CONCURRENT")
+    NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
+    CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "", "where test fixtures and downloads are cached")
+    LOG_LEVEL = Switch("STRATA_LOG_LEVEL", str, "INFO", "log level for strata's logger (stderr)")
+
+    def __getattr__(self, item: str):  # pragma: no cover - typo guard
+        raise AttributeError(f"unknown Strata switch {item!r}")
+
+    def switches(self) -> list[Switch]:
+        return [v for v in type(self).__dict__.values() if isinstance(v, Switch)]
+
+    def value(self, switch: Switch[T]) -> T:
+        return switch.get()
+
+
+ENV = _Env()
+
+
+def get(switch: Switch[T]) -> T:
+    return switch.get()

@@ -1,0 +1,144 @@
+"""Model loading: read a checkpoint (HF directory or GGUF file), build the model on the meta device,
+check every tensor's name and shape against it, and assign the weights on the target device."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from strata.config import ConfigError, ModelConfig
+from strata.env import ENV
+from strata.loaders.base import Checkpoint, LoadError
+from strata.models.layers import rope_inv_freq
+from strata.models.registry import build_model
+from strata.models.transformer import CausalLM
+
+__all__ = ["LoadError", "Checkpoint", "LoadedModel", "read_checkpoint", "load_model", "default_model_path"]
+
+
+def default_model_path() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "default-model")
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: object
+    path: str
+    has_mtp: bool
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    if not os.path.exists(path):
+        raise LoadError(path, "no such file or directory")
+    if os.path.isdir(path):
+        from strata.loaders.hf import read_hf_dir
+
+        return read_hf_dir(path)
+    if path.endswith(".gguf"):
+        from strata.loaders.gguf import read_gguf
+
+        return read_gguf(path)
+    raise LoadError(path, "unknown model format (expected an HF directory or a .gguf file)")
+
+
+class _Progress:
+    """A one-line progress bar on stderr (stdout carries generated text only)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = not ENV.NO_PROGRESS.get() and total > 0
+        self.t0 = time.perf_counter()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.enabled and (self.done == self.total or self.done % 16 == 0):
+            width = 30
+            fill = width * self.done // self.total
+            sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total}")
+            if self.done == self.total:
+                sys.stderr.write(f" in {time.perf_counter() - self.t0:.2f}s\n")
+            sys.stderr.flush()
+
+
+def _mtp_prefix(cfg: ModelConfig) -> str:
+    return f"model.layers.{cfg.num_hidden_layers}."
+
+
+def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               progress: bool = True) -> LoadedModel:
+    path = os.fspath(path or default_model_path())
+    ckpt = read_checkpoint(path)
+    try:
+        cfg = ModelConfig.from_hf(ckpt.config)
+        names = set(ckpt.names)
+        # A checkpoint may carry no MTP tensors even when its config names MTP layers (HF transformers
+        # drops them on save): then the model is built without a draft head.
+        with_mtp = cfg.num_nextn_predict_layers > 0 and any(n.startswith(_mtp_prefix(cfg)) for n in names)
+        with torch.device("meta"):
+            model = build_model(cfg, with_mtp=with_mtp)
+    except ConfigError as e:
+        raise LoadError(path, str(e)) from None
+    _assign_weights(model, ckpt, torch.device(device), dtype, progress)
+    model.eval()
+    return LoadedModel(model=model, config=cfg, tokenizer=ckpt.tokenizer, path=path, has_mtp=with_mtp)
+
+
+def _optional_mtp_copies(model: CausalLM, names: set[str]) -> None:
+    """GLM-4.5 stores the MTP layer's own embedding and head; give the modules slots for them."""
+    for layer in model.mtp_layers:
+        prefix = f"model.layers.{layer.self_attn.layer_idx}."
+        cfg = model.config
+        with torch.device("meta"):
+            if prefix + "embed_tokens.weight" in names:
+                layer.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            if prefix + "shared_head.head.weight" in names:
+                layer.shared_head.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool) -> None:
+    names = set(ckpt.names)
+    cfg = model.config
+    _optional_mtp_copies(model, names)
+    params = dict(model.named_parameters())
+    buffers = {n: b for n, b in model.named_buffers() if n in model.state_dict()}
+    expected = set(params) | set(buffers)
+    tied = "lm_head.weight" not in names and cfg.tie_word_embeddings
+    if tied:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - names)
+    extra = sorted(n for n in names - expected if not n.endswith("rotary_emb.inv_freq"))
+    for kind, lst in (("missing", missing), ("unexpected", extra)):
+        if lst:
+            more = f" (+{len(lst) - 3} more)" if len(lst) > 3 else ""
+            raise LoadError(ckpt.path, f"{kind} tensors: {', '.join(lst[:3])}{more}")
+
+    bar = _Progress(len(expected), "loading weights") if progress else None
+    for name in sorted(expected):
+        t = ckpt.get(name)
+        target = params.get(name)
+        if target is None:
+            target = buffers[name]
+        if tuple(t.shape) != tuple(target.shape):
+            raise LoadError(ckpt.path, f"shape mismatch for {name}: file has {tuple(t.shape)}, model expects {tuple(target.shape)}")
+        # The routing bias stays fp32: bf16 would reorder near-tied expert scores.
+        want = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+        value = t.to(device=device, dtype=want)
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if name in params:
+            setattr(module, attr, nn.Parameter(value, requires_grad=False))
+        else:
+            module.register_buffer(attr, value)
+        if bar:
+            bar.advance()
+    if tied:
+        model.tie_weights()
+    # Non-persistent buffers (rotary frequencies) are computed, not loaded.
+    model.rotary.inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)[0].to(device)

@@ -1,0 +1,228 @@
+"""Building blocks shared by every architecture: norms, rotary, attention, MLP, MoE, decoder block.
+
+Modules take flat token batches: `x` is [N, hidden] for the N tokens of a step, whatever sequences
+they belong to. Where those tokens' keys and values live, and which of them each query may see, is
+the business of the `AttentionBackend` passed in (`strata.models.attention`), so one model serves
+training, the simple generator and the paged serving engine alike.
+
+Parameter names equal the HF checkpoint names, so HF weights load without a map.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.config import ModelConfig, RopeConfig
+from strata.models.attention import AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do; bf16 variance loses too much.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention (cos/sin) scale for the configured RoPE variant."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    pos_freqs = rope.theta**exponents
+    inv_freq = 1.0 / pos_freqs
+    if rope.kind == "linear":
+        return (inv_freq / rope.factor).float(), 1.0
+    if rope.kind != "yarn":
+        return inv_freq.float(), 1.0
+
+    factor = rope.factor
+    orig = rope.original_max_position or 4096
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.attention_factor is not None:
+        attn_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attn_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+    else:
+        attn_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
+    return inv.float(), attn_factor
+
+
+class Rotary(nn.Module):
+    """Neox-style (rotate-half) RoPE over the first `rotary_dim` dims of each head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.rotary_dim = cfg.rotary_dim
+        inv_freq, self.scale = rope_inv_freq(cfg.rope, self.rotary_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim]; cos/sin: [N, rotary_dim]."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        if cfg.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attn.attend(self.layer_idx, q, k, v)
+        return self.o_proj(o.reshape(n, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert choice. Softmax (Qwen3-MoE) or sigmoid with a correction bias and optional
+    group limit (DeepSeek-V3 / GLM-4.5). Scores are computed in fp32 in both cases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.scoring, self.top_k, self.norm = cfg.scoring, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.n_group, self.topk_group, self.scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        if self.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (weights [N, k] fp32, expert ids [N, k], router logits [N, E] fp32)."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.scoring == "softmax":
+            probs = logits.softmax(dim=-1)
+            w, ids = probs.topk(self.top_k, dim=-1)
+            if self.norm:
+                w = w / w.sum(-1, keepdim=True)
+            return w, ids, logits
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            n, e = choice.shape
+            grouped = choice.view(n, self.n_group, e // self.n_group)
+            group_score = grouped.topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(self.topk_group, dim=-1)[1], 1.0)
+            keep = keep.unsqueeze(-1).expand_as(grouped).reshape(n, e)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if self.norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids, logits
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts. Experts keep the HF per-expert layout; the
+    reference path groups tokens by expert so each expert runs one matmul per step."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+        # Set by a trainer that balances load (aux-loss-free bias update); the serving path ignores it.
+        self.last_expert_ids: torch.Tensor | None = None
+        self.keep_routing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids, _ = self.gate(x)
+        if self.keep_routing:
+            self.last_expert_ids = ids.detach()
+        out = torch.zeros_like(x)
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = w.reshape(-1)[order]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok = token_of[start : start + c]
+            y = self.experts[e](x[tok]) * weight_of[start : start + c, None]
+            out.index_add_(0, tok, y.to(x.dtype))
+            start += c
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MoE(cfg) if cfg.layer_is_moe(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))

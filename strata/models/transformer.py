@@ -1,0 +1,75 @@
+"""The decoder-only causal LM that qwen3, qwen3_moe and glm4_moe share.
+
+The architectures differ in configuration (qk-norm, partial rotary, MoE routing, shared experts,
+biases), which `layers.py` reads from `ModelConfig`, and in whether the checkpoint carries MTP layers
+(`mtp.py`). `forward` returns the final, normed hidden states; `compute_logits` applies the head, so
+a caller that needs logits only at some rows (the last token of each sequence) pays only for those.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.config import ModelConfig
+from strata.models.attention import AttentionBackend
+from strata.models.layers import DecoderLayer, RMSNorm, Rotary
+from strata.models.mtp import MTPLayer
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers: list[nn.Module] = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        if with_mtp:
+            # MTP layers sit after the decoder layers, as GLM-4.5 / DeepSeek-V3 checkpoints store them.
+            n = cfg.num_hidden_layers
+            layers += [MTPLayer(cfg, n + j) for j in range(cfg.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
+        super().__init__()
+        self.config = cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.model = DecoderModel(cfg, with_mtp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.model.layers[self.num_layers :])
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that need a K/V cache, MTP layers included."""
+        return len(self.model.layers)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary.cos_sin(positions, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [N] → final hidden states [N, hidden] (after the final norm)."""
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rope(positions, x.dtype)
+        for layer in self.model.layers[: self.num_layers]:
+            x = layer(x, rope, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(
+        self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, depth: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step. Row i combines the main model's hidden state at position i with the token at
+        position i+1 and predicts the token at i+2. Returns (mtp hidden [N, H], logits [N, V] fp32)."""
+        layer = self.model.layers[self.num_layers + depth]
+        h = layer(hidden, next_ids, self.rope(positions, hidden.dtype), attn, self.model.embed_tokens)
+        return h, layer.logits(h, self.lm_head)

@@ -1,0 +1,94 @@
+"""Sampling parameters and the per-request sampler.
+
+The order of logit transforms follows llama.cpp / vLLM: repetition penalty → temperature → top-k →
+top-p → min-p → draw. Temperature 0 means greedy (argmax), which never consumes randomness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style: positive logits of seen tokens divided by `penalty`, negative ones multiplied."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    picked = logits.gather(-1, seen)
+    logits = logits.clone()
+    logits.scatter_(-1, seen, torch.where(picked > 0, picked / penalty, picked * penalty))
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (fp32, [V])."""
+    logits = logits.float() / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+class Sampler:
+    """Draws the next token for one request; owns that request's random generator."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params
+        self.gen = torch.Generator(device="cpu")
+        if params.seed is not None:
+            self.gen.manual_seed(params.seed)
+        else:
+            self.gen.seed()
+
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
+        p = self.params
+        if seen is not None and p.repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, seen.to(logits.device), p.repetition_penalty)
+        if p.greedy:
+            return int(logits.argmax())
+        # Draw on the CPU so a seed gives the same tokens on every device.
+        probs = filtered_probs(logits, p).cpu()
+        return int(torch.multinomial(probs, 1, generator=self.gen))
