@@ -36,7 +36,6 @@ import argparse
 import bz2
 import gzip
 import hashlib
-import io
 import json
 import lzma
 import math
@@ -324,9 +323,12 @@ def read_r_lazyload(data_dir: str) -> dict[str, object]:
         blob = rdb[offset:offset + length]
         raw_len = struct.unpack(">I", blob[:4])[0]
         body = blob[4:]
-        if index.get("compressed", [1])[0] in (2, 3):  # bzip2 / xz, after a one-byte type marker
+        if index.get("compressed", [1])[0] in (2, 3):  # after a type byte: "2" bzip2, "Z" xz, "0" stored
             kind, body = body[:1], body[1:]
-            body = bz2.decompress(body) if kind == b"2" else lzma.decompress(body) if kind == b"Z" else body  # "0": stored
+            if kind == b"2":
+                body = bz2.decompress(body)
+            elif kind == b"Z":
+                body = lzma.decompress(body)
         else:
             body = zlib.decompress(body)
         if len(body) != raw_len:

@@ -1,0 +1,297 @@
+"""GGUF ↔ HF names, in one place: tensor names per architecture and metadata keys → HF config keys.
+
+GGUF names follow llama.cpp (`gguf.constants.TENSOR_NAMES`); HF names are the `transformers` state-dict
+names, which are also Strata's parameter names. llama.cpp stores the routed experts of a layer stacked
+in one tensor (`blk.N.ffn_gate_exps.weight`, numpy shape [E, I, H]); HF names each expert's matrix
+(`model.layers.N.mlp.experts.{e}.gate_proj.weight`, [I, H]), which is index e of the stack.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# GGUF `general.architecture` → HF `model_type`.
+ARCH_TO_MODEL_TYPE = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe"}
+MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}
+
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_ATTENTION = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_DENSE_MLP = {
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_ROUTER = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+_SHARED_EXPERTS = {
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+# llama.cpp's converter renames `e_score_correction_bias` to `e_score_correction.bias`, hence `.bias`.
+_SCORE_BIAS = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+# DeepSeek-V3 / GLM-4.5 multi-token-prediction layer, stored as block index num_hidden_layers.
+_NEXTN = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+}
+STACKED_EXPERTS = {
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+}
+
+# Per architecture: block tensor suffix → HF suffix (without the `model.layers.N.` prefix).
+BLOCK_TENSORS: dict[str, dict[str, str]] = {
+    "qwen3": {**_ATTENTION, "ffn_norm.weight": "post_attention_layernorm.weight", **_DENSE_MLP},
+    # Dense blocks in a Qwen3-MoE file stand for HF's `mlp_only_layers` (llama.cpp itself never writes them).
+    "qwen3moe": {**_ATTENTION, "ffn_norm.weight": "post_attention_layernorm.weight", **_ROUTER, **_DENSE_MLP},
+    # GLM-4.5 names its post-attention norm `post_attention_norm` in GGUF, not `ffn_norm`.
+    "glm4moe": {
+        **_ATTENTION,
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        **_DENSE_MLP,
+        **_ROUTER,
+        **_SHARED_EXPERTS,
+        **_SCORE_BIAS,
+        **_NEXTN,
+    },
+}
+ARCH_HAS_EXPERTS = {"qwen3": False, "qwen3moe": True, "glm4moe": True}
+# Computed from the config, never loaded.
+IGNORED_TENSORS = {"rope_freqs.weight"}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_HF_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where an HF tensor lives in a GGUF file: a tensor, or index `expert` of a stacked tensor."""
+
+    gguf_name: str
+    expert: int | None = None
+
+
+def gguf_to_hf(arch: str, name: str, n_experts: int) -> list[tuple[str, TensorRef]] | None:
+    """HF names held by GGUF tensor `name` (several for a stack of experts); None if unknown."""
+    if name in GLOBAL_TENSORS:
+        return [(GLOBAL_TENSORS[name], TensorRef(name))]
+    m = _BLOCK_RE.match(name)
+    if m is None:
+        return None
+    layer, suffix = m.group(1), m.group(2)
+    prefix = f"model.layers.{layer}."
+    hf = BLOCK_TENSORS[arch].get(suffix)
+    if hf is not None:
+        return [(prefix + hf, TensorRef(name))]
+    if ARCH_HAS_EXPERTS[arch] and suffix in STACKED_EXPERTS:
+        template = STACKED_EXPERTS[suffix]
+        return [(prefix + template.format(e=e), TensorRef(name, e)) for e in range(n_experts)]
+    return None
+
+
+def hf_to_gguf(arch: str, name: str) -> TensorRef | None:
+    """The GGUF tensor (and expert index) that holds HF tensor `name`; None if it has no GGUF name."""
+    for g, h in GLOBAL_TENSORS.items():
+        if h == name:
+            return TensorRef(g)
+    m = _HF_BLOCK_RE.match(name)
+    if m is None:
+        return None
+    layer, suffix = m.group(1), m.group(2)
+    for g, h in BLOCK_TENSORS[arch].items():
+        if h == suffix:
+            return TensorRef(f"blk.{layer}.{g}")
+    e = _HF_EXPERT_RE.match(suffix)
+    if e is not None and ARCH_HAS_EXPERTS[arch]:
+        kind = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[e.group(2)]
+        return TensorRef(f"blk.{layer}.{kind}.weight", int(e.group(1)))
+    return None
+
+
+# `{arch}.<key>` → HF config key, for values copied as they are.
+CONFIG_KEYS: dict[str, str] = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_count": "n_shared_experts",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "nextn_predict_layers": "num_nextn_predict_layers",
+}
+# HF spells the routed expert count differently per family.
+EXPERT_COUNT_KEY = {"qwen3moe": "num_experts", "glm4moe": "n_routed_experts"}
+# llama.cpp always renormalises Qwen3-MoE's top-k weights; GLM reads `expert_weights_norm` (default off).
+DEFAULT_NORM_TOPK = {"qwen3moe": True, "glm4moe": False}
+
+
+class MetadataError(ValueError):
+    pass
+
+
+def _uniform(key: str, v: Any) -> Any:
+    # Some converters write per-layer arrays (e.g. head_count_kv); Strata runs uniform layers only.
+    if isinstance(v, list):
+        if not v or any(x != v[0] for x in v):
+            raise MetadataError(f"{key} varies per layer ({v[:8]}...), which is not supported")
+        return v[0]
+    return v
+
+
+def config_from_metadata(arch: str, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """An HF-style config dict from GGUF metadata (`meta`: key → Python value; the vocabulary arrays
+    need not be there) and the file's tensors (GGUF name → numpy shape)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        full = f"{arch}.{key}"
+        return _uniform(full, meta[full]) if full in meta else default
+
+    for required in ("block_count", "embedding_length", "attention.head_count"):
+        if get(required) is None:
+            raise MetadataError(f"metadata key {arch}.{required} is missing")
+    cfg: dict[str, Any] = {"model_type": ARCH_TO_MODEL_TYPE[arch]}
+    for key, hf in CONFIG_KEYS.items():
+        v = get(key)
+        if v is not None:
+            cfg[hf] = v
+    nextn = int(get("nextn_predict_layers", 0))
+    # llama.cpp counts the MTP layers as blocks.
+    cfg["num_hidden_layers"] = int(get("block_count")) - nextn
+    cfg["num_nextn_predict_layers"] = nextn
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg["head_dim"] = head_dim
+    value_length = get("attention.value_length")
+    if value_length is not None and int(value_length) != head_dim:
+        raise MetadataError(f"value head size {value_length} differs from key head size {head_dim}")
+    rot = get("rope.dimension_count")
+    cfg["partial_rotary_factor"] = 1.0 if rot is None else int(rot) / head_dim
+    cfg["rope_theta"] = float(get("rope.freq_base", 10000.0))
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        rs: dict[str, Any] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+        orig = get("rope.scaling.original_context_length")
+        if orig is not None:
+            rs["original_max_position_embeddings"] = int(orig)
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                        ("attn_factor", "attention_factor")):
+            v = get(f"rope.scaling.{key}")
+            if v is not None:
+                rs[hf] = float(v)
+        log_mul = get("rope.scaling.yarn_log_multiplier")
+        if log_mul:  # llama.cpp stores 0.1 * mscale_all_dim
+            rs["mscale_all_dim"] = float(log_mul) / 0.1
+        cfg["rope_scaling"] = rs
+    if arch in EXPERT_COUNT_KEY:
+        cfg[EXPERT_COUNT_KEY[arch]] = int(get("expert_count", 0))
+        cfg.setdefault("norm_topk_prob", DEFAULT_NORM_TOPK[arch])
+        if arch == "qwen3moe":
+            dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate.weight" in tensor_shapes]
+            cfg.update(decoder_sparse_step=1, mlp_only_layers=dense)
+    if "vocab_size" not in cfg:
+        if "token_embd.weight" not in tensor_shapes:
+            raise MetadataError("missing tensor token_embd.weight (and no vocab_size in the metadata)")
+        cfg["vocab_size"] = int(tensor_shapes["token_embd.weight"][0])
+    cfg["tie_word_embeddings"] = "output.weight" not in tensor_shapes
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if arch == "glm4moe":
+        cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensor_shapes
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if key in meta:
+            cfg[hf] = int(meta[key])
+    return cfg
+
+
+def expected_tensors(arch: str, cfg: Any, with_mtp: bool) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(GGUF name → numpy shape for every tensor the model needs, names that may be absent).
+
+    `cfg` is a `strata.config.ModelConfig`. Numpy shapes are GGUF dims reversed (torch order).
+    """
+    h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (v, h),
+        "output_norm.weight": (h,),
+        "output.weight": (v, h),
+    }
+    optional = {"output.weight"}
+    n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        post_norm = "post_attention_norm.weight" if arch == "glm4moe" else "ffn_norm.weight"
+        out.update({
+            b + "attn_norm.weight": (h,),
+            b + post_norm: (h,),
+            b + "attn_q.weight": (q, h),
+            b + "attn_k.weight": (kv, h),
+            b + "attn_v.weight": (kv, h),
+            b + "attn_output.weight": (h, q),
+        })
+        if cfg.attention_bias:
+            out.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+        if cfg.use_qk_norm:
+            out.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+        if cfg.layer_is_moe(i):
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            out.update({
+                b + "ffn_gate_inp.weight": (e, h),
+                b + "ffn_gate_exps.weight": (e, mi, h),
+                b + "ffn_up_exps.weight": (e, mi, h),
+                b + "ffn_down_exps.weight": (e, h, mi),
+            })
+            if cfg.n_shared_experts:
+                si = mi * cfg.n_shared_experts
+                out.update({
+                    b + "ffn_gate_shexp.weight": (si, h),
+                    b + "ffn_up_shexp.weight": (si, h),
+                    b + "ffn_down_shexp.weight": (h, si),
+                })
+            if cfg.scoring == "sigmoid":
+                out[b + "exp_probs_b.bias"] = (e,)
+        else:
+            it = cfg.intermediate_size
+            out.update({b + "ffn_gate.weight": (it, h), b + "ffn_up.weight": (it, h), b + "ffn_down.weight": (h, it)})
+        if i >= cfg.num_hidden_layers:
+            out.update({
+                b + "nextn.eh_proj.weight": (h, 2 * h),
+                b + "nextn.enorm.weight": (h,),
+                b + "nextn.hnorm.weight": (h,),
+                b + "nextn.shared_head_norm.weight": (h,),
+                b + "nextn.shared_head_head.weight": (v, h),
+                b + "nextn.embed_tokens.weight": (v, h),
+            })
+            optional |= {b + "nextn.shared_head_head.weight", b + "nextn.embed_tokens.weight"}
+    return out, optional
