@@ -87,21 +87,23 @@ class RetrievalMaker:
     key-value lookup of log-uniform length up to the context, needle at a uniform depth, a quarter of
     them as a ChatML turn. Returns (tokens ending in EOS, index of the first answer token)."""
 
-    def __init__(self, tokenizer_path: str, data: str, max_len: int, seed: int):
+    def __init__(self, tokenizer_path: str, data: str, seed: int):
         from tokenizers import Tokenizer
 
         self.tk = Tokenizer.from_file(tokenizer_path)
         self.eos = self.tk.token_to_id("<|endoftext|>")
         self.filler = "\n".join(open(os.path.join(data, f"{s}.train.txt")).read() for s in PROSE_SOURCES)
-        self.max_len, self.seed = max_len, seed
+        self.seed = seed
 
-    def __call__(self, i: int) -> tuple[np.ndarray, int]:
+    def __call__(self, request: tuple[int, int]) -> tuple[np.ndarray, int]:
+        i, max_len = request
         import random
 
         from strata.data.retrieval import make_retrieval_example
 
         rng = random.Random(f"train/{self.seed}/{i}")
-        length = self.max_len - 16 if rng.random() < 0.1 else int(math.exp(rng.uniform(math.log(200), math.log(self.max_len - 16))))
+        top = max_len - 16
+        length = top if rng.random() < 0.1 else int(math.exp(rng.uniform(math.log(200), math.log(top))))
         kind = rng.choice(("passkey", "kv"))
         ex = make_retrieval_example(self.tk, self.filler, length, rng.random(), kind=kind, seed=f"{self.seed}/{i}",
                                     n_pairs=rng.randint(2, 8), n_digits=rng.randint(4, 7))
@@ -113,24 +115,53 @@ class RetrievalMaker:
             prompt, answer = ex.prompt, ex.answer
         p = self.tk.encode(prompt, add_special_tokens=False).ids
         a = self.tk.encode(answer, add_special_tokens=False).ids
-        return np.array(p + a + [self.eos], dtype=np.int64)[: self.max_len], len(p)
+        return np.array(p + a + [self.eos], dtype=np.int64)[:max_len], len(p)
+
+
+class Schedule:
+    """Which rows each step trains on. Most steps read 1024-token rows (cheap attention, more
+    sequences); every `long_every`-th step reads `seq`-token rows so retrieval is learnt at full length.
+    Tokens per step are the same either way; retrieval rows per step are fixed, so the stream of
+    retrieval examples the workers must make is known in advance (and the run is deterministic)."""
+
+    def __init__(self, seq: int, rows_long: int, short: int, long_every: int, frac: float):
+        self.seq, self.rows_long, self.short, self.long_every, self.frac = seq, rows_long, short, long_every, frac
+
+    def shape(self, step: int) -> tuple[int, int]:
+        if step % self.long_every == self.long_every - 1 or self.short >= self.seq:
+            return self.rows_long, self.seq
+        return self.rows_long * self.seq // self.short, self.short
+
+    def retrieval_rows(self, step: int) -> int:
+        return round(self.shape(step)[0] * self.frac)
+
+    def requests(self):
+        i = 0
+        step = 0
+        while True:
+            _, t = self.shape(step)
+            for _ in range(self.retrieval_rows(step)):
+                yield i, t + 2
+                i += 1
+            step += 1
 
 
 class Batches:
-    """Rows of `seq` tokens: corpus windows, and rows that start with a fresh retrieval example (which
-    ends with an end-of-text token; the rest of the row continues with corpus text). Retrieval examples
-    are made by a pool of worker processes, in order, so the run stays deterministic."""
+    """Rows of corpus windows, and rows that start with a fresh retrieval example (which ends with an
+    end-of-text token; the rest of the row continues with corpus text). Retrieval examples are made by
+    a pool of worker processes, in order."""
 
-    def __init__(self, data: str, tokenizer_path: str, seq: int, retrieval_frac: float, seed: int, workers: int):
+    def __init__(self, data: str, tokenizer_path: str, sched: Schedule, seed: int, workers: int):
         import multiprocessing as mp
 
         self.train = np.memmap(os.path.join(data, "train.bin"), dtype=np.uint16, mode="r")
         self.val = np.memmap(os.path.join(data, "val.bin"), dtype=np.uint16, mode="r")
-        self.seq, self.frac = seq, retrieval_frac
+        self.sched = sched
         self.rng = np.random.default_rng(seed)
-        maker = RetrievalMaker(tokenizer_path, data, seq + 2, seed)
+        self.retrieval_tokens = self.total_tokens = 0
+        maker = RetrievalMaker(tokenizer_path, data, seed)
         self.pool = mp.get_context("fork").Pool(workers)
-        self.examples = self.pool.imap(maker, range(10**9), chunksize=4)
+        self.examples = self.pool.imap(maker, sched.requests(), chunksize=2)
 
     def _window(self, src: np.ndarray, n: int) -> np.ndarray:
         if n <= 0:
@@ -138,24 +169,25 @@ class Batches:
         i = int(self.rng.integers(0, len(src) - n - 1))
         return np.asarray(src[i : i + n], dtype=np.int64)
 
-    def train_batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(tokens [rows, seq+2], loss weights [rows, seq+2], retrieval rows); +2 so the MTP target exists."""
-        n = self.seq + 2
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [rows, T+2], loss weights [rows, T+2]); +2 so the MTP target exists."""
+        rows, t = self.sched.shape(step)
+        n = t + 2
         toks = np.empty((rows, n), dtype=np.int64)
         w = np.ones((rows, n), dtype=np.float32)
-        n_ret = 0
         for r in range(rows):
-            if self.rng.random() < self.frac:
+            if r < self.sched.retrieval_rows(step):
                 ex, ans = next(self.examples)
                 toks[r] = np.concatenate([ex, self._window(self.train, n - len(ex))])
                 w[r, ans : len(ex)] = ANSWER_WEIGHT
-                n_ret += 1
+                self.retrieval_tokens += len(ex)
             else:
                 toks[r] = self._window(self.train, n)
-        return torch.from_numpy(toks), torch.from_numpy(w), n_ret
+        self.total_tokens += rows * n
+        return torch.from_numpy(toks), torch.from_numpy(w)
 
-    def val_batches(self, rows: int, count: int) -> list[torch.Tensor]:
-        n = self.seq + 2
+    def val_batches(self, rows: int, seq: int, count: int) -> list[torch.Tensor]:
+        n = seq + 2
         step = max((len(self.val) - n) // (rows * count), 1)
         starts = [i * step for i in range(rows * count)]
         arr = np.stack([np.asarray(self.val[s : s + n], dtype=np.int64) for s in starts])
@@ -201,11 +233,13 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: --out)")
     ap.add_argument("--steps", type=int, default=1800, help="0: pick from --budget-minutes after 20 timed steps")
     ap.add_argument("--budget-minutes", type=float, default=6.0)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="rows per long step (short steps: same tokens)")
+    ap.add_argument("--short-seq", type=int, default=1024)
+    ap.add_argument("--long-every", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--retrieval-frac", type=float, default=0.15)
+    ap.add_argument("--retrieval-frac", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=4, help="processes making retrieval examples")
     ap.add_argument("--eval-every", type=int, default=200)
@@ -252,8 +286,9 @@ def main() -> None:
         frac = (step - args.warmup) / max(args.steps - args.warmup, 1)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    data = Batches(args.data, tok_path, args.seq, args.retrieval_frac, args.seed, args.workers)
-    val = data.val_batches(rows=8, count=4)
+    sched = Schedule(args.seq, args.batch, args.short_seq, args.long_every, args.retrieval_frac)
+    data = Batches(args.data, tok_path, sched, args.seed, args.workers)
+    val = data.val_batches(rows=8, seq=1024, count=8)
     log: dict = {"args": vars(args), "parameters": n_params, "train": [], "val": []}
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
@@ -276,7 +311,7 @@ def main() -> None:
         step += 1
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        toks, w, _ = data.train_batch(args.batch)
+        toks, w = data.train_batch(step)
         with amp:
             l1, l2 = losses(model, toks.to(dev, non_blocking=True), w.to(dev, non_blocking=True))
             loss = l1 + MTP_WEIGHT * l2
@@ -302,6 +337,8 @@ def main() -> None:
         if args.steps and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             evaluate(step + 1)
     log["train_seconds"] = time.perf_counter() - t0
+    log["retrieval_token_share"] = data.retrieval_tokens / max(data.total_tokens, 1)
+    print(f"retrieval examples: {data.retrieval_tokens / max(data.total_tokens, 1):.1%} of training tokens", flush=True)
     save(model, hf_cfg, args.out, log)
     if args.tokenizer and os.path.abspath(args.tokenizer) != os.path.abspath(args.out):
         import shutil

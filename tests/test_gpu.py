@@ -14,8 +14,10 @@ from tiny_models import ARCH_CONFIGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-# Measured on the H200 (max over the three architectures, seeds 0-3): bf16 logits vs HF fp32.
-BF16_REL_TOL = 3e-2
+# bf16 logits vs HF fp32, max relative error over seeds 0-3, measured on the H200: qwen3 8.5e-3,
+# qwen3_moe 2.6e-2, glm4_moe 7.3e-2 (bf16 rounding flips near-tied expert choices, most often under
+# GLM's sigmoid routing with a 2.5x routed scale). Limits are about twice the measurement.
+BF16_REL_TOL = {"qwen3": 2e-2, "qwen3_moe": 5e-2, "glm4_moe": 1.5e-1}
 # bf16 greedy decoding may flip near-tied argmaxes; fraction of the 32 tokens before the first flip.
 BF16_MIN_PREFIX_AGREEMENT = 0.25
 
@@ -58,7 +60,7 @@ def test_cuda_bf16_within_measured_tolerance(arch, tiny_model_dirs):
             ref = hf(ids[None]).logits[0]
         worst = max(worst, ((_logits(lm, ids, "cuda") - ref).abs().max() / ref.abs().max()).item())
     print(f"{arch} cuda bf16 max rel err {worst:.2e}")
-    assert worst < BF16_REL_TOL
+    assert worst < BF16_REL_TOL[arch]
     prompt = [5, 17, 42, 99, 7, 3, 250, 11]
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,

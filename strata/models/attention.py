@@ -23,6 +23,11 @@ class AttentionBackend(ABC):
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask: torch.Tensor | None = None):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] → [B, Hq, Tq, D], grouped-query aware."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and q.is_cuda:
+        # Expanding K/V keeps CUDA on the flash/efficient kernels, which not all torch versions pair
+        # with enable_gqa; the paged engine's kernels handle groups natively.
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )

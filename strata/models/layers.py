@@ -121,7 +121,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # fp32 norm weights promote q/k under autocast; attention kernels want one 16-bit dtype.
+        q, k = apply_rotary(q, cos, sin).to(v.dtype), apply_rotary(k, cos, sin).to(v.dtype)
         o = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(n, self.n_heads * self.head_dim))
 
