@@ -10,7 +10,7 @@ Measures, on held-out text (corpus/val.bin and the *.val.txt files, never traine
   - pass-key retrieval accuracy (greedy) at 1K and 4K tokens, needle depth 10/50/90%, with filler
     from the held-out text;
   - greedy samples for a few prompts.
-Writes <model>/eval.json.
+Writes <model>/eval.json (or --out).
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--n", type=int, default=20, help="pass-key trials per (length, depth)")
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--out", default=None, help="where to write the JSON (default: <model>/eval.json)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.float32  # evaluate the weights, not a kernel's rounding
@@ -108,7 +109,7 @@ def main() -> None:
     res["samples"] = {p: gen.generate(lm.tokenizer.encode(p), SamplingParams(max_tokens=48)).text for p in SAMPLE_PROMPTS}
     for p, s in res["samples"].items():
         print(f"  {p!r} -> {s!r}", flush=True)
-    with open(os.path.join(args.model, "eval.json"), "w") as f:
+    with open(args.out or os.path.join(args.model, "eval.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 
