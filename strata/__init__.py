@@ -1,6 +1,6 @@
 """Strata: an LLM inference server."""
 
-from strata.runner.sampling import SamplingParams
+from strata.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`strata generate|chat` — command-line entry points.
+"""`strata generate|chat|serve|bench` — command-line entry points.
 
 Generated text goes to stdout and nothing else does; loading progress, speed figures and errors go
 to stderr, so `strata generate ... > out.txt` captures exactly the completion.
@@ -118,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    try:
+        from strata.server.cli import add_serve_parser
+    except ImportError:  # the server's dependencies (fastapi, uvicorn) are not installed
+        pass
+    else:
+        add_serve_parser(sub)
+    b = sub.add_parser("bench", help="benchmarks; each writes JSON under bench/results/")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from strata.bench import kv_quality
+
+    kv_quality.add_parser(bsub)
     return parser
 
 

@@ -171,6 +171,23 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     ctx: int = 4096  # maximum tokens per sequence (prompt + output)
     seed: int | None = None
+    parallel: int = 1  # slots: requests decoding at once; more wait in a queue
+    kv: str = "auto"  # KV cache storage: auto (the model dtype) | bf16 | int8
+    kv_size: int | None = None  # KV capacity in tokens; None: from free memory (CUDA), ctx x parallel (CPU)
+    gpu_memory_utilization: float = 0.9  # share of the GPU's free memory the KV pool may take
+    block_size: int = 16  # tokens per KV block
+    chunk_size: int = 512  # most prompt tokens one request reads per step
+    max_num_batched_tokens: int = 2048  # per-step token budget (reads + decodes)
+    give_way: bool = True  # a long prompt read yields to newer requests at chunk boundaries
+
+    def __post_init__(self) -> None:
+        if self.kv not in ("auto", "bf16", "int8"):
+            raise ValueError(f"kv must be auto, bf16 or int8, not {self.kv!r}")
+        for name in ("ctx", "parallel", "block_size", "chunk_size", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_num_batched_tokens < self.parallel:
+            raise ValueError("max_num_batched_tokens must be >= parallel (one decode token per slot)")
 
     @property
     def resolved_device(self) -> str:
@@ -185,3 +202,6 @@ class EngineConfig:
         if self.dtype:
             return self.dtype
         return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"
+
+    def replace(self, **kw: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,183 @@
+"""The serving engine: scheduler + model runner + per-request text state, stepped synchronously.
+
+Start-up reads like a table of contents: load the model (built on meta, weights assigned) → measure
+memory → size the KV pool → build allocator, scheduler and runner (static buffers). `step()` runs
+one scheduled step and returns the events it produced; `AsyncEngine` runs steps in a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.types import EngineEvent, EngineRequest, EngineStats
+from strata.kvcache.allocator import BlockAllocator
+from strata.kvcache.pool import kv_bytes_per_token, make_pool
+from strata.llm import torch_dtype
+from strata.loaders import load_model
+from strata.runner.generator import Detokenizer, StopChecker
+from strata.runner.model_runner import ModelRunner
+from strata.sched.request import Request
+from strata.sched.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("strata")
+
+
+def _is_eos(r: Request, token: int) -> bool:
+    return token in r.params.stop_token_ids or (not r.params.ignore_eos and token in r.eos_ids)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (prompt too long, empty, ...). The server maps it to a 400."""
+
+
+@dataclass
+class _TextState:
+    detok: Detokenizer
+    stops: StopChecker
+    sent_tokens: int = 0
+    logprobs: bool = False
+
+
+def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device) -> int:
+    if cfg.kv_size:
+        return cfg.kv_size
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # Weights are already resident; activations for one step of max_num_batched_tokens stay free.
+        return int(free * cfg.gpu_memory_utilization) // per_token
+    return cfg.ctx * cfg.parallel
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.resolved_device)
+        dtype = torch_dtype(cfg.resolved_dtype)
+        loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=True)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_name = cfg.model or "strata-default"
+        self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)
+
+        mc = self.model_config
+        layers = self.model.num_attention_layers
+        per_token = kv_bytes_per_token(layers, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
+        tokens = _kv_capacity_tokens(cfg, per_token, self.device)
+        num_blocks = max(tokens // cfg.block_size, 2) + 1  # +1: block 0 is the padding block
+        self.pool = make_pool(cfg.kv, layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
+                              self.device, dtype)
+        log.info("KV pool: %d blocks of %d tokens (%s, %.1f MiB)", num_blocks, cfg.block_size, cfg.kv,
+                 num_blocks * cfg.block_size * per_token / 2**20)
+        self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(parallel=cfg.parallel, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            chunk_size=cfg.chunk_size, block_size=cfg.block_size, num_blocks=num_blocks,
+                            max_model_len=self.max_model_len, give_way=cfg.give_way),
+            self.allocator,
+        )
+        self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device)
+        self.text: dict[str, _TextState] = {}
+        self.requests: dict[str, Request] = {}
+        self.started = time.monotonic()
+        self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0
+        self.ttft: list[float] = []
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest, logprobs: bool = False) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; the context is {self.max_model_len}")
+        if req.request_id in self.requests:
+            raise RequestError(f"duplicate request id {req.request_id!r}")
+        r = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
+                    arrival_time=req.arrival_time, eos_ids=frozenset(self.tokenizer.stop_ids))
+        self.requests[req.request_id] = r
+        self.text[req.request_id] = _TextState(Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])),
+                                               StopChecker(req.params.stop), logprobs=logprobs)
+        self.scheduler.add(r)
+
+    def abort(self, request_id: str) -> EngineEvent | None:
+        r = self.requests.get(request_id)
+        if r is None or not self.scheduler.abort(request_id):
+            return None
+        return self._finish_event(r, "abort", (), "")
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[EngineEvent]:
+        out = self.scheduler.schedule()
+        if not out.chunks and not out.finished:
+            return []
+        sampled = self.runner.execute(out.chunks)
+        self.prompt_tokens_total += sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
+                                        for c in out.chunks)
+        finished = self.scheduler.update(out, {rid: s.token for rid, s in sampled.items()})
+        events: list[EngineEvent] = []
+        done = {r.request_id for r in finished}
+        for rid, s in sampled.items():
+            r = self.requests[rid]
+            st = self.text[rid]
+            self.generation_tokens_total += 1
+            if len(r.output_ids) == 1 and r.first_token_time is not None:
+                self.ttft.append(r.first_token_time - r.arrival_time)
+            new_ids = tuple(r.output_ids[st.sent_tokens :])
+            text = ""
+            stopped = False
+            for t in new_ids:
+                if rid in done and _is_eos(r, t):
+                    continue  # the EOS token itself produces no text
+                piece, stopped = st.stops.push(st.detok.push(t))
+                text += piece
+                if stopped:
+                    break
+            st.sent_tokens = len(r.output_ids)
+            lp = (s.logprob,) if st.logprobs else None
+            if stopped and rid not in done:
+                self.scheduler.finish(rid, "stop")
+                events.append(self._finish_event(r, "stop", new_ids, text, lp))
+            elif rid in done:
+                events.append(self._finish_event(r, r.finish_reason, new_ids, text + st.stops.flush(), lp))
+            else:
+                events.append(EngineEvent(rid, new_ids, text, None, len(r.prompt_ids), len(r.output_ids), lp))
+        for r in finished:  # finished without a sampled token this step (e.g. could never fit)
+            if r.request_id in self.requests:
+                events.append(self._finish_event(r, r.finish_reason, (), self.text[r.request_id].stops.flush()))
+        return events
+
+    def _finish_event(self, r: Request, reason: str, ids, text: str, lp=None) -> EngineEvent:
+        self.requests.pop(r.request_id, None)
+        self.text.pop(r.request_id, None)
+        self.runner.release(r.request_id)
+        self.finished_total += 1
+        completion = len(r.output_ids)
+        if r.output_ids and reason == "stop" and _is_eos(r, r.output_ids[-1]):
+            completion -= 1  # the EOS token is not part of the completion
+        return EngineEvent(r.request_id, tuple(ids), text, reason, len(r.prompt_ids), completion, lp)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            parallel=self.cfg.parallel, queue_len=s.queue_len, slots_busy=s.slots_busy,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            requests_finished_total=self.finished_total, give_ways_total=s.give_ways_total,
+            preemptions_total=s.preemptions_total, ttft_seconds=tuple(self.ttft),
+            uptime_seconds=time.monotonic() - self.started,
+        )
+
+    # ---- offline convenience ---------------------------------------------------------------------
+    def run_to_completion(self) -> dict[str, list[EngineEvent]]:
+        events: dict[str, list[EngineEvent]] = {}
+        while self.has_work():
+            for ev in self.step():
+                events.setdefault(ev.request_id, []).append(ev)
+        return events

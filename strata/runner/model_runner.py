@@ -1,0 +1,102 @@
+"""Runs one scheduled step: builds the batch inputs, runs the model over the paged KV pool, samples.
+
+Batch inputs go into buffers allocated once for the largest step (`max_num_batched_tokens` tokens,
+`max_seqs` sequences): a step fills a prefix of each on the host and copies it to the device in one
+transfer per buffer, so nothing on the hot path allocates device memory for inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.kvcache.pool import KVPool
+from strata.models.transformer import CausalLM
+from strata.runner.paged_attention import PagedAttention
+from strata.runner.sampling import Sampler
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
+                 max_model_len: int, device: torch.device):
+        self.model, self.pool, self.device = model, pool, torch.device(device)
+        self.attn = PagedAttention(pool)
+        bs = pool.block_size
+        self.max_blocks = (max_model_len + bs - 1) // bs
+        pin = self.device.type == "cuda"
+        t, s = max_num_batched_tokens, max_seqs
+        # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
+        self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=pin)
+        self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=pin)
+        self.h_slots = torch.zeros(t, dtype=torch.long, pin_memory=pin)
+        self.h_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.d_ids = torch.zeros(t, dtype=torch.long, device=self.device)
+        self.d_pos = torch.zeros(t, dtype=torch.long, device=self.device)
+        self.d_slots = torch.zeros(t, dtype=torch.long, device=self.device)
+        self.d_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=self.device)
+        self.samplers: dict[str, Sampler] = {}
+
+    def release(self, request_id: str) -> None:
+        self.samplers.pop(request_id, None)
+
+    def _fill(self, chunks) -> tuple[int, list[int], list[int]]:
+        bs = self.pool.block_size
+        n = 0
+        starts, lens = [], []
+        for r, ch in enumerate(chunks):
+            req, s, k = ch.request, ch.start, ch.num_tokens
+            ids = req.all_ids[s : s + k]
+            pos = torch.arange(s, s + k)
+            table = torch.tensor(req.block_ids, dtype=torch.long)
+            self.h_ids[n : n + k] = torch.tensor(ids, dtype=torch.long)
+            self.h_pos[n : n + k] = pos
+            self.h_slots[n : n + k] = table[pos // bs] * bs + pos % bs
+            self.h_tables[r].zero_()
+            self.h_tables[r, : len(req.block_ids)] = table.to(torch.int32)
+            starts.append(s)
+            lens.append(k)
+            n += k
+        return n, starts, lens
+
+    @torch.inference_mode()
+    def execute(self, chunks) -> dict[str, Sampled]:
+        """chunks: the scheduler's `ScheduledChunk`s. Returns the sampled token of each chunk that
+        reaches the end of its request's tokens (`chunk.sample`)."""
+        if not chunks:
+            return {}
+        n, starts, lens = self._fill(chunks)
+        r = len(chunks)
+        for h, d, m in ((self.h_ids, self.d_ids, n), (self.h_pos, self.d_pos, n), (self.h_slots, self.d_slots, n)):
+            d[:m].copy_(h[:m], non_blocking=True)
+        self.d_tables[:r].copy_(self.h_tables[:r], non_blocking=True)
+        self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
+        hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
+
+        ends = torch.tensor(lens).cumsum(0) - 1
+        rows = [i for i, ch in enumerate(chunks) if ch.sample]
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[ends[rows].to(self.device)])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        greedy = logits.argmax(-1).tolist()
+        out: dict[str, Sampled] = {}
+        for j, i in enumerate(rows):
+            req = chunks[i].request
+            p = req.params
+            if p.greedy and p.repetition_penalty == 1.0:
+                tok = greedy[j]
+            else:
+                sampler = self.samplers.get(req.request_id)
+                if sampler is None:
+                    sampler = self.samplers[req.request_id] = Sampler(p)
+                seen = torch.tensor(req.all_ids) if p.repetition_penalty != 1.0 else None
+                tok = sampler(logits[j], seen)
+            out[req.request_id] = Sampled(tok, float(logprobs[j, tok]))
+        return out

@@ -1,0 +1,370 @@
+"""The step scheduler: which requests hold a slot, and which of their tokens the next step computes.
+
+Each step mixes decodes (1 token for every running request whose only uncomputed token is its last)
+with prompt reads (chunks of at most `chunk_size` positions), under a per-step token budget. Nothing
+here knows about phases: a request's `num_computed_tokens` catches up with its `num_tokens`, and a
+chunk that reaches `num_tokens` samples the next token.
+
+Order of a step (`schedule()`):
+1. Admission: waiting requests take free slots (ids 0..parallel-1, lowest first), FIFO.
+2. Decodes, oldest admission first, 1 token each.
+3. Reads, in arrival order, each `min(chunk_size, remaining, budget left)` tokens. With give-way on,
+   a long read (remaining > chunk_size) yields the step to any newer read that gets tokens.
+Blocks are allocated just before a chunk is scheduled; when the pool is empty the most recently
+admitted running request is preempted (see `_make_room`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from strata.kvcache.allocator import BlockAllocator
+from strata.sched.request import FINISH_STATUS, Request, RequestStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    num_blocks: int  # including the reserved padding block 0
+    max_model_len: int
+    parallel: int = 1  # requests that hold a slot at once
+    max_num_batched_tokens: int = 2048  # per-step token budget, decodes and reads together
+    chunk_size: int = 512  # most prompt positions one request reads in one step
+    block_size: int = 16
+    give_way: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError("SchedulerConfig.num_blocks must be >= 2 (block 0 is reserved)")
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduledChunk:
+    """Positions [start, start + num_tokens) of `request`; `sample`: the runner samples from the last."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids(self.start, self.end)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then reads
+    preempted: list[Request] = field(default_factory=list)  # lost their slot and blocks this step
+    finished: list[Request] = field(default_factory=list)  # finished while scheduling (update() returns them too)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class _Step:
+    """A step being built: chunks keyed by request id so a preempted victim's chunk can be withdrawn."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, ScheduledChunk] = {}
+        self.tokens = 0
+        self.preempted: list[Request] = []
+        self.finished: list[Request] = []
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks[chunk.request.request_id] = chunk
+        self.tokens += chunk.num_tokens
+
+    def withdraw(self, req: Request) -> None:
+        chunk = self.chunks.pop(req.request_id, None)
+        if chunk is not None:
+            self.tokens -= chunk.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator | None = None,
+        *,
+        now: Callable[[], float] = time.monotonic,
+    ):
+        if allocator is None:
+            allocator = BlockAllocator(config.num_blocks, config.block_size)
+        if allocator.block_size != config.block_size or allocator.num_blocks != config.num_blocks:
+            raise ValueError(
+                f"allocator ({allocator.num_blocks} blocks of {allocator.block_size}) does not match the config "
+                f"({config.num_blocks} blocks of {config.block_size})"
+            )
+        self.config = config
+        self.allocator = allocator
+        self._now = now
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._arrival: dict[str, int] = {}  # add() order; "arrived later" means a larger number
+        self._next_arrival = 0
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order: the last one is the preemption victim
+        self._free_slots = list(range(config.parallel))
+        self._finished_on_add: list[Request] = []
+        self._last_step: set[str] = set()  # requests that got tokens in the previous step
+        self.give_ways_total = 0
+        self.preemptions_total = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add(self, request: Request) -> None:
+        """Queue a fresh request. The engine checks prompt length first; a prompt longer than
+        max_model_len is refused here as a ValueError. max_tokens == 0 finishes it at once ("length"),
+        reported by the next schedule()/update()."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+            raise ValueError(f"request {request.request_id!r} is not fresh: {request!r}")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_tokens} tokens exceed max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        if request.params.max_tokens == 0:
+            request.status = RequestStatus.FINISHED_LENGTH
+            request.finish_time = self._now()
+            self._finished_on_add.append(request)
+            return
+        self._requests[request.request_id] = request
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish as aborted and free its blocks and slot now. False if unknown or already finished."""
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str | RequestStatus) -> bool:
+        """Finish a request for the engine (e.g. its detokenizer matched a stop string).
+
+        `reason` is "stop", "length" or "abort" (or the matching RequestStatus). Blocks and slot are freed
+        at once; a chunk of it still in flight is ignored by update(). False if unknown or finished.
+        """
+        status = FINISH_STATUS.get(reason) if isinstance(reason, str) else reason
+        if status is None or not status.is_finished:
+            raise ValueError(f"not a finish reason: {reason!r}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, status)
+        return True
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._finished_on_add)
+
+    # ---------------------------------------------------------------- stats
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def queue_len(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def slots_busy(self) -> int:
+        return len(self._running)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.allocator.num_used
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.allocator.capacity
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        step = _Step()
+        step.finished.extend(self._finished_on_add)
+        self._finished_on_add.clear()
+        self._admit()
+
+        for req in list(self._running):
+            if step.tokens >= cfg.max_num_batched_tokens:
+                break
+            if req.status is RequestStatus.RUNNING and not req.is_reading:
+                self._schedule_chunk(req, 1, step)
+
+        readers = sorted((r for r in self._running if r.is_reading), key=self._arrival_of)
+        newest = self._arrival_of(readers[-1]) if readers else -1
+        deferred: list[Request] = []
+        for req in readers:
+            if cfg.give_way and req.remaining_read > cfg.chunk_size and self._arrival_of(req) < newest:
+                deferred.append(req)
+            else:
+                self._schedule_read(req, step)
+        for req in deferred:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            # It yields only to a newer read that really got tokens; if every newer one was squeezed out
+            # (budget, blocks), yielding would stall both for nothing.
+            if any(
+                self._arrival_of(o) > self._arrival_of(req) and o.request_id in step.chunks for o in readers
+            ):
+                if req.request_id in self._last_step:
+                    req.give_ways += 1
+                    self.give_ways_total += 1
+                continue
+            self._schedule_read(req, step)
+
+        self._last_step = set(step.chunks)
+        return SchedulerOutput(list(step.chunks.values()), step.preempted, step.finished)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results; returns the requests that finished (including `output.finished`).
+
+        The sampled token is appended but not computed: afterwards num_computed_tokens == num_tokens - 1,
+        so the next step decodes it. A stop token stays in output_ids; the engine decides what to show.
+        """
+        finished = list(output.finished)
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted by the engine since schedule()
+            if chunk.start != req.num_computed_tokens:
+                raise RuntimeError(
+                    f"request {req.request_id!r}: chunk starts at {chunk.start} but {req.num_computed_tokens} "
+                    "tokens are computed (was update() called twice for one step?)"
+                )
+            req.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            try:
+                token = int(sampled[req.request_id])
+            except KeyError:
+                raise KeyError(f"no sampled token for request {req.request_id!r}, whose chunk asked for one") from None
+            req.output_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = self._now()
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    # ---------------------------------------------------------------- internals
+
+    def _arrival_of(self, req: Request) -> int:
+        return self._arrival[req.request_id]
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        if token in req.stop_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            req = self._waiting.popleft()
+            req.slot = heapq.heappop(self._free_slots)
+            req.status = RequestStatus.RUNNING
+            self._running.append(req)
+
+    def _schedule_read(self, req: Request, step: _Step) -> None:
+        left = self.config.max_num_batched_tokens - step.tokens
+        if req.status is RequestStatus.RUNNING and left > 0:
+            self._schedule_chunk(req, min(self.config.chunk_size, req.remaining_read, left), step)
+
+    def _schedule_chunk(self, req: Request, n: int, step: _Step) -> bool:
+        if not self._make_room(req, req.num_computed_tokens + n, step):
+            return False
+        start = req.num_computed_tokens
+        step.add(ScheduledChunk(req, start, n, start + n == req.num_tokens))
+        return True
+
+    def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
+        """Give `req` blocks for `num_tokens` positions, preempting the newest admissions as needed.
+
+        If `req` is itself the newest it is the one preempted (False). If it is the only running request
+        and still does not fit, it never will: it is finished as "length", as if it had hit
+        max_model_len (False).
+        """
+        alloc = self.allocator
+        while True:
+            need = alloc.blocks_for(num_tokens) - len(req.block_ids)
+            if need <= 0:
+                return True
+            ids = alloc.allocate(need)
+            if ids is not None:
+                req.block_ids.extend(ids)
+                return True
+            victim = self._running[-1]
+            if victim is req and len(self._running) == 1:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                step.finished.append(req)
+                return False
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        """Back to the front of the queue with nothing computed; output_ids are kept for recompute.
+
+        A request that holds no blocks yet (admitted but never scheduled) lost nothing: it is returned
+        to the queue without counting a preemption.
+        """
+        lost_work = bool(req.block_ids)
+        step.withdraw(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        self._waiting.appendleft(req)
+        if lost_work:
+            req.status = RequestStatus.PREEMPTED
+            req.preemptions += 1
+            self.preemptions_total += 1
+            step.preempted.append(req)
+        else:
+            req.status = RequestStatus.PREEMPTED if req.preemptions else RequestStatus.WAITING
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        if req.slot is not None:
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = None
+        if req in self._running:
+            self._running.remove(req)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._release(req)
+        else:
+            self._waiting.remove(req)
+        req.status = status
+        req.finish_time = self._now()
+        del self._requests[req.request_id]
+        del self._arrival[req.request_id]
+        self._last_step.discard(req.request_id)

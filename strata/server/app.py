@@ -1,0 +1,453 @@
+"""The OpenAI-compatible HTTP API over an `AsyncEngine`: `build_app(engine, server_cfg)`.
+
+Every failure a client can cause is answered with OpenAI's error body
+`{"error": {"message", "type", "param", "code"}}` and a 4xx status; nothing a request carries can stop
+the server. A request whose client goes away (mid-stream or while waiting for a whole completion) is
+aborted in the engine so its slot frees at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from dataclasses import fields
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from strata import __version__
+from strata.engine.types import EngineEvent, EngineRequest
+from strata.params import SamplingParams
+from strata.server import protocol as P
+from strata.server.config import ServerConfig
+from strata.server.metrics import CONTENT_TYPE, Metrics, RequestCounter
+
+# The engine reports sampled-token logprobs only if SamplingParams lets a request ask for them.
+ENGINE_LOGPROBS = "logprobs" in {f.name for f in fields(SamplingParams)}
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> Response:
+        body = P.ErrorResponse(error=P.ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                                   code=self.code))
+        return Response(body.model_dump_json(), status_code=self.status, media_type="application/json",
+                        headers=self.headers)
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    errors = e.errors()
+    parts, param = [], None
+    for err in errors[:3]:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        if param is None and loc:
+            param = loc[0]
+    return APIError(400, "; ".join(parts) or "invalid request", param=param)
+
+
+async def _parse(request: Request, model: type[P._Request]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        body = model.model_validate(data)
+        body.check_supported()
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    except P.Unsupported as e:
+        raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from None
+    return body
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next message the server sends is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Result:
+    """A whole completion gathered from engine events."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.finish_reason: str | None = None
+        self.prompt_tokens = self.completion_tokens = 0
+        self.error: str | None = None
+
+    def add(self, ev: EngineEvent) -> None:
+        self.text.append(ev.text)
+        self.token_ids.extend(ev.token_ids)
+        if ev.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(ev.logprobs)
+        self.finish_reason = ev.finish_reason or self.finish_reason
+        self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+        self.error = ev.error or self.error
+
+    def usage(self) -> P.Usage:
+        return _usage(self.prompt_tokens, self.completion_tokens)
+
+
+def _usage(prompt: int, completion: int) -> P.Usage:
+    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _ChatChunks:
+    """Engine events to `chat.completion.chunk` SSE lines."""
+
+    def __init__(self, server: "_Server", rid: str, model: str, include_usage: bool, logprobs: bool):
+        self.s, self.rid, self.model = server, rid, model
+        self.include_usage, self.logprobs = include_usage, logprobs
+        self.created = int(time.time())
+
+    def _chunk(self, delta: P.ChatDelta, finish: str | None = None, logprobs: P.ChoiceLogprobs | None = None,
+               ) -> str:
+        choice = P.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
+        return _sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[choice]))
+
+    def start(self) -> Iterator[str]:
+        yield self._chunk(P.ChatDelta(role="assistant", content=""))
+
+    def event(self, ev: EngineEvent) -> Iterator[str]:
+        if ev.error:
+            yield self.s.stream_error(ev.error)
+            return
+        lp = self.s.chat_logprobs(ev.token_ids, ev.logprobs) if self.logprobs else None
+        if ev.text or lp is not None and lp.content:
+            yield self._chunk(P.ChatDelta(content=ev.text), logprobs=lp)
+        if ev.finish_reason is not None:
+            yield self._chunk(P.ChatDelta(), finish=ev.finish_reason)
+            if self.include_usage:
+                yield _sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
+                                                 usage=_usage(ev.prompt_tokens, ev.completion_tokens)))
+
+
+class _CompletionChunks:
+    """Engine events to `text_completion` SSE lines."""
+
+    def __init__(self, server: "_Server", rid: str, model: str, include_usage: bool, logprobs: bool, echo: str):
+        self.s, self.rid, self.model = server, rid, model
+        self.include_usage, self.logprobs, self.echo = include_usage, logprobs, echo
+        self.created = int(time.time())
+        self.offset = 0
+
+    def _chunk(self, text: str, finish: str | None = None, logprobs: P.CompletionLogprobs | None = None,
+               usage: P.Usage | None = None) -> str:
+        choices = [] if usage else [P.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)]
+        return _sse(P.Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
+
+    def start(self) -> Iterator[str]:
+        if self.echo:
+            yield self._chunk(self.echo)
+
+    def event(self, ev: EngineEvent) -> Iterator[str]:
+        if ev.error:
+            yield self.s.stream_error(ev.error)
+            return
+        lp = None
+        if self.logprobs:
+            lp = self.s.completion_logprobs(ev.token_ids, ev.logprobs, self.offset)
+        self.offset += len(ev.text)
+        if ev.text or ev.finish_reason is not None or lp is not None and lp.tokens:
+            yield self._chunk(ev.text, ev.finish_reason, lp)
+        if ev.finish_reason is not None and self.include_usage:
+            yield self._chunk("", usage=_usage(ev.prompt_tokens, ev.completion_tokens))
+
+
+class _Server:
+    def __init__(self, engine: Any, cfg: ServerConfig):
+        self.engine, self.cfg = engine, cfg
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.max_model_len)
+        self.model_name = cfg.model_name or engine.model_name
+        self.known_names = {self.model_name, engine.model_name}
+        self.created = int(time.time())
+        self.metrics = Metrics(self.model_name)
+
+    # -- request checks ---------------------------------------------------------------------------
+
+    async def authorize(self, request: Request) -> None:
+        if self.cfg.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, name: str) -> None:
+        if name not in self.known_names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+    def sampling(self, body: P._SamplingRequest, n_prompt: int, param: str) -> SamplingParams:
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty", param=param)
+        room = self.max_model_len - n_prompt
+        requested = body.output_limit
+        if room < 1 or requested is not None and requested > room:
+            asked = f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the completion)" \
+                if requested is not None else f"{n_prompt} tokens in the prompt and at least 1 for the completion"
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; "
+                                f"this request needs {asked}.", param=param, code="context_length_exceeded")
+        max_tokens = requested if requested is not None else min(body.default_max_tokens or room, room)
+        if body.stop_token_ids:
+            self.check_ids(body.stop_token_ids, "stop_token_ids")
+        kw: dict[str, Any] = dict(
+            max_tokens=max_tokens, stop=list(body.stop or []), stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos, seed=body.seed,
+            temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        )
+        for name in ("top_p", "min_p", "repetition_penalty"):
+            if getattr(body, name) is not None:
+                kw[name] = getattr(body, name)
+        if body.top_k is not None:
+            kw["top_k"] = max(body.top_k, 0)
+        if body.wants_logprobs:
+            if not ENGINE_LOGPROBS:
+                raise APIError(400, "logprobs are not supported by this engine", param="logprobs",
+                               code="unsupported_parameter")
+            kw["logprobs"] = True
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    # -- prompts ----------------------------------------------------------------------------------
+
+    def chat_prompt(self, body: P.ChatCompletionRequest) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True)
+        except P.Unsupported as e:
+            raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from None
+        except Exception as e:  # the template is the model's code: any failure is about these messages
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special=False)
+
+    def completion_prompt(self, body: P.CompletionRequest) -> tuple[list[int], str]:
+        """(prompt ids, prompt text for echo)."""
+        if isinstance(body.prompt, str):
+            return self.tokenizer.encode(body.prompt), body.prompt
+        ids = list(body.prompt)
+        self.check_ids(ids, "prompt")
+        return ids, (self.tokenizer.decode(ids) if body.echo else "")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special=False)
+
+    def chat_logprobs(self, ids: tuple[int, ...] | list[int], lps: Any) -> P.ChoiceLogprobs | None:
+        if lps is None:
+            return None
+        content = []
+        for t, lp in zip(ids, lps):
+            tok = self._token_text(t)
+            content.append(P.TokenLogprob(token=tok, logprob=float(lp), bytes=list(tok.encode("utf-8"))))
+        return P.ChoiceLogprobs(content=content)
+
+    def completion_logprobs(self, ids: tuple[int, ...] | list[int], lps: Any, offset: int) -> P.CompletionLogprobs | None:
+        if lps is None:
+            return None
+        tokens, offsets = [], []
+        for t in ids:
+            tokens.append(self._token_text(t))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return P.CompletionLogprobs(tokens=tokens, token_logprobs=[float(x) for x in lps], text_offset=offsets)
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def submit(self, rid: str, ids: list[int], params: SamplingParams) -> Any:
+        req = EngineRequest(request_id=rid, prompt_ids=tuple(ids), params=params, arrival_time=time.monotonic())
+        try:
+            return self.engine.submit(req)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(503, f"the engine is not accepting requests: {e}", type_="server_error") from None
+
+    def stream_error(self, message: str) -> str:
+        return _sse(P.ErrorResponse(error=P.ErrorDetail(message=message, type="server_error")))
+
+    async def collect(self, request: Request, rid: str, stream: Any) -> _Result:
+        result = _Result()
+
+        async def pump() -> None:
+            async for ev in stream:
+                result.add(ev)
+                if ev.finish_reason is not None:
+                    return
+
+        pumping = asyncio.ensure_future(pump())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({pumping, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not pumping.done():
+                pumping.cancel()
+                self.engine.abort(rid)
+        if pumping.cancelled():
+            raise APIError(499, "the client closed the request", code="client_closed_request")
+        pumping.result()
+        if result.error:
+            raise APIError(500, f"the engine failed the request: {result.error}", type_="server_error")
+        return result
+
+    async def sse(self, request: Request, rid: str, stream: Any, chunks: _ChatChunks | _CompletionChunks,
+                  ) -> AsyncIterator[str]:
+        async def abort_when_gone() -> None:
+            await _wait_disconnect(request)
+            self.engine.abort(rid)
+
+        watcher = asyncio.ensure_future(abort_when_gone())
+        finished = False
+        try:
+            for piece in chunks.start():
+                yield piece
+            async for ev in stream:
+                finished = ev.finish_reason is not None
+                for piece in chunks.event(ev):
+                    yield piece
+                if finished:
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            if not finished:
+                self.engine.abort(rid)
+
+    def streaming(self, body: Iterator[str] | AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
+        self.check_model(body.model)
+        ids = await run_in_threadpool(self.chat_prompt, body)
+        params = self.sampling(body, len(ids), "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.submit(rid, ids, params)
+        if body.stream:
+            chunks = _ChatChunks(self, rid, body.model, body.include_usage, body.logprobs)
+            return self.streaming(self.sse(request, rid, stream, chunks))
+        r = await self.collect(request, rid, stream)
+        choice = P.ChatChoice(message=P.AssistantMessage(content="".join(r.text)), finish_reason=r.finish_reason,
+                              logprobs=self.chat_logprobs(r.token_ids, r.logprobs) if body.logprobs else None)
+        return _json(P.ChatCompletion(id=rid, created=int(time.time()), model=body.model, choices=[choice],
+                                      usage=r.usage()))
+
+    async def completions(self, request: Request) -> Response:
+        body: P.CompletionRequest = await _parse(request, P.CompletionRequest)
+        self.check_model(body.model)
+        ids, prompt_text = await run_in_threadpool(self.completion_prompt, body)
+        params = self.sampling(body, len(ids), "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = self.submit(rid, ids, params)
+        echo = prompt_text if body.echo else ""
+        if body.stream:
+            chunks = _CompletionChunks(self, rid, body.model, body.include_usage, body.wants_logprobs, echo)
+            return self.streaming(self.sse(request, rid, stream, chunks))
+        r = await self.collect(request, rid, stream)
+        lp = self.completion_logprobs(r.token_ids, r.logprobs, 0) if body.wants_logprobs else None
+        choice = P.CompletionChoice(text=echo + "".join(r.text), finish_reason=r.finish_reason, logprobs=lp)
+        return _json(P.Completion(id=rid, created=int(time.time()), model=body.model, choices=[choice],
+                                  usage=r.usage()))
+
+    def model_card(self) -> P.ModelCard:
+        return P.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+
+    async def list_models(self) -> Response:
+        return _json(P.ModelList(data=[self.model_card()]))
+
+    async def get_model(self, model: str) -> Response:
+        self.check_model(model)
+        return _json(self.model_card())
+
+    async def health(self) -> Response:
+        try:
+            self.engine.stats()
+        except Exception as e:
+            return APIError(503, f"the engine is not healthy: {e}", type_="server_error").response()
+        return Response('{"status":"ok"}', media_type="application/json")
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(self.engine.stats()), media_type=CONTENT_TYPE)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, e: Exception) -> Response:
+        assert isinstance(e, APIError)
+        return e.response()
+
+    async def http_error(_: Request, e: Exception) -> Response:
+        assert isinstance(e, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return APIError(e.status_code, str(e.detail), code=code, headers=getattr(e, "headers", None)).response()
+
+    async def validation_error(_: Request, e: Exception) -> Response:
+        assert isinstance(e, RequestValidationError)
+        return _validation_error(e).response()
+
+    async def server_error(_: Request, e: Exception) -> Response:
+        return APIError(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error").response()
+
+    handlers: dict[Any, Callable[..., Any]] = {
+        APIError: api_error, StarletteHTTPException: http_error, RequestValidationError: validation_error,
+        Exception: server_error,
+    }
+    for exc, fn in handlers.items():
+        app.add_exception_handler(exc, fn)
+
+
+def build_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app for `engine` (an `AsyncEngine`, or anything with its attributes and methods)."""
+    s = _Server(engine, server_cfg or ServerConfig())
+    app = FastAPI(title="Strata", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.strata = s
+    _add_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(s.authorize)])
+    v1.add_api_route("/chat/completions", s.chat_completions, methods=["POST"])
+    v1.add_api_route("/completions", s.completions, methods=["POST"])
+    v1.add_api_route("/models", s.list_models, methods=["GET"])
+    v1.add_api_route("/models/{model:path}", s.get_model, methods=["GET"])
+    app.include_router(v1)
+    app.add_api_route("/health", s.health, methods=["GET"])
+    app.add_api_route("/metrics", s.metrics_text, methods=["GET"])
+    app.add_middleware(RequestCounter, metrics=s.metrics)
+    return app

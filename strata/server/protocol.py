@@ -1,0 +1,281 @@
+"""The OpenAI wire format: request bodies as pydantic models, responses as the shapes clients parse.
+
+Requests ignore fields they do not know (clients and SDKs send many optional ones), but a known field
+asking for something Strata cannot do (n > 1, tools, penalties, top alternatives) is a 400 rather
+than being silently dropped. Extensions beyond OpenAI's schema, in vLLM's spelling: `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Unsupported(ValueError):
+    """A well-formed request for a feature Strata does not implement; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0 both mean off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    default_max_tokens: ClassVar[int | None] = None  # None: whatever room the context leaves
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise Unsupported("n", "only n=1 is supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise Unsupported(name, f"{name} is not supported; use repetition_penalty")
+        if self.stream_options is not None and not self.stream:
+            raise Unsupported("stream_options", "stream_options is only allowed when stream is true")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise Unsupported("messages", f"content parts of type {part.type!r} are not supported (text only)")
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise Unsupported("tools", "tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise Unsupported("response_format", "only response_format type 'text' is supported")
+        if self.top_logprobs:
+            raise Unsupported("top_logprobs", "top_logprobs > 0 is not supported (logprobs of sampled tokens only)")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise Unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in self.messages]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "CompletionRequest":
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("only one prompt per request is supported")
+            self.prompt = p[0]
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise Unsupported("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise Unsupported("best_of", "only best_of=1 is supported")
+        if self.logprobs:
+            raise Unsupported("logprobs", "logprobs > 0 is not supported (logprobs of sampled tokens only: pass 0)")
+        if self.echo and self.logprobs is not None:
+            raise Unsupported("echo", "echo together with logprobs is not supported")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default here; chat's is the rest of the context
+
+
+# Responses. Plain models: the server fills them, clients validate them.
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: Any) -> dict[str, Any]:
+        # OpenAI sends `"delta": {}` on the finishing chunk, not a delta full of nulls.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "strata"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
