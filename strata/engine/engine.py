@@ -37,7 +37,7 @@ class RequestError(ValueError):
 
 @dataclass
 class _TextState:
-    detok: Detokenizer
+    detok: Detokenizer | None
     stops: StopChecker
     sent_tokens: int = 0
     logprobs: bool = False
@@ -62,6 +62,7 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = cfg.model or "strata-default"
         self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)
+        self.eos_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
 
         mc = self.model_config
         layers = self.model.num_attention_layers
@@ -97,10 +98,11 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise RequestError(f"duplicate request id {req.request_id!r}")
         r = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
-                    arrival_time=req.arrival_time, eos_ids=frozenset(self.tokenizer.stop_ids))
+                    arrival_time=req.arrival_time, eos_ids=frozenset(self.eos_ids))
         self.requests[req.request_id] = r
-        self.text[req.request_id] = _TextState(Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])),
-                                               StopChecker(req.params.stop), logprobs=logprobs)
+        # Without a tokenizer (token-id-only checkpoints, benchmarks) events carry ids and no text.
+        detok = Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])) if self.tokenizer else None
+        self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
         self.scheduler.add(r)
 
     def abort(self, request_id: str) -> EngineEvent | None:
@@ -135,7 +137,7 @@ class LLMEngine:
             for t in new_ids:
                 if rid in done and _is_eos(r, t):
                     continue  # the EOS token itself produces no text
-                piece, stopped = st.stops.push(st.detok.push(t))
+                piece, stopped = st.stops.push(st.detok.push(t) if st.detok else "")
                 text += piece
                 if stopped:
                     break

@@ -9,11 +9,12 @@ aborted in the engine so its slot frees at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import json
 import secrets
 import time
 import uuid
-from dataclasses import fields
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -30,9 +31,10 @@ from strata.server import protocol as P
 from strata.server.config import ServerConfig
 from strata.server.metrics import CONTENT_TYPE, Metrics, RequestCounter
 
-# The engine reports sampled-token logprobs only if SamplingParams lets a request ask for them.
-ENGINE_LOGPROBS = "logprobs" in {f.name for f in fields(SamplingParams)}
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+# Below this, dividing fp32 logits by the temperature can overflow to inf/NaN; the distribution is
+# already a point mass there, so such requests run greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
@@ -93,6 +95,12 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _visible(ev: EngineEvent, sent: int) -> tuple[tuple[int, ...], tuple[float, ...] | None]:
+    """The event's tokens that belong to the completion: the engine does not count a final EOS."""
+    keep = max(0, min(len(ev.token_ids), ev.completion_tokens - sent))
+    return ev.token_ids[:keep], (tuple(ev.logprobs[:keep]) if ev.logprobs is not None else None)
+
+
 class _Result:
     """A whole completion gathered from engine events."""
 
@@ -106,9 +114,10 @@ class _Result:
 
     def add(self, ev: EngineEvent) -> None:
         self.text.append(ev.text)
-        self.token_ids.extend(ev.token_ids)
-        if ev.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(ev.logprobs)
+        ids, lps = _visible(ev, len(self.token_ids))
+        self.token_ids.extend(ids)
+        if lps is not None:
+            self.logprobs = (self.logprobs or []) + list(lps)
         self.finish_reason = ev.finish_reason or self.finish_reason
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
         self.error = ev.error or self.error
@@ -128,6 +137,7 @@ class _ChatChunks:
         self.s, self.rid, self.model = server, rid, model
         self.include_usage, self.logprobs = include_usage, logprobs
         self.created = int(time.time())
+        self.sent = 0
 
     def _chunk(self, delta: P.ChatDelta, finish: str | None = None, logprobs: P.ChoiceLogprobs | None = None,
                ) -> str:
@@ -141,7 +151,9 @@ class _ChatChunks:
         if ev.error:
             yield self.s.stream_error(ev.error)
             return
-        lp = self.s.chat_logprobs(ev.token_ids, ev.logprobs) if self.logprobs else None
+        ids, lps = _visible(ev, self.sent)
+        self.sent += len(ids)
+        lp = self.s.chat_logprobs(ids, lps) if self.logprobs else None
         if ev.text or lp is not None and lp.content:
             yield self._chunk(P.ChatDelta(content=ev.text), logprobs=lp)
         if ev.finish_reason is not None:
@@ -158,7 +170,7 @@ class _CompletionChunks:
         self.s, self.rid, self.model = server, rid, model
         self.include_usage, self.logprobs, self.echo = include_usage, logprobs, echo
         self.created = int(time.time())
-        self.offset = 0
+        self.offset = self.sent = 0
 
     def _chunk(self, text: str, finish: str | None = None, logprobs: P.CompletionLogprobs | None = None,
                usage: P.Usage | None = None) -> str:
@@ -173,9 +185,9 @@ class _CompletionChunks:
         if ev.error:
             yield self.s.stream_error(ev.error)
             return
-        lp = None
-        if self.logprobs:
-            lp = self.s.completion_logprobs(ev.token_ids, ev.logprobs, self.offset)
+        ids, lps = _visible(ev, self.sent)
+        self.sent += len(ids)
+        lp = self.s.completion_logprobs(ids, lps, self.offset) if self.logprobs else None
         self.offset += len(ev.text)
         if ev.text or ev.finish_reason is not None or lp is not None and lp.tokens:
             yield self._chunk(ev.text, ev.finish_reason, lp)
@@ -192,6 +204,8 @@ class _Server:
         self.known_names = {self.model_name, engine.model_name}
         self.created = int(time.time())
         self.metrics = Metrics(self.model_name)
+        # Engines that can report sampled-token logprobs take `submit(req, logprobs=True)`.
+        self.engine_logprobs = "logprobs" in inspect.signature(engine.submit).parameters
 
     # -- request checks ---------------------------------------------------------------------------
 
@@ -232,16 +246,16 @@ class _Server:
             ignore_eos=body.ignore_eos, seed=body.seed,
             temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         )
+        if kw["temperature"] < GREEDY_BELOW_TEMPERATURE:
+            kw["temperature"] = 0.0
         for name in ("top_p", "min_p", "repetition_penalty"):
             if getattr(body, name) is not None:
                 kw[name] = getattr(body, name)
         if body.top_k is not None:
             kw["top_k"] = max(body.top_k, 0)
-        if body.wants_logprobs:
-            if not ENGINE_LOGPROBS:
-                raise APIError(400, "logprobs are not supported by this engine", param="logprobs",
-                               code="unsupported_parameter")
-            kw["logprobs"] = True
+        if body.wants_logprobs and not self.engine_logprobs:
+            raise APIError(400, "logprobs are not supported by this engine", param="logprobs",
+                           code="unsupported_parameter")
         try:
             return SamplingParams(**kw)
         except ValueError as e:
@@ -290,10 +304,10 @@ class _Server:
 
     # -- running ----------------------------------------------------------------------------------
 
-    def submit(self, rid: str, ids: list[int], params: SamplingParams) -> Any:
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool) -> Any:
         req = EngineRequest(request_id=rid, prompt_ids=tuple(ids), params=params, arrival_time=time.monotonic())
         try:
-            return self.engine.submit(req)
+            return self.engine.submit(req, logprobs=True) if logprobs else self.engine.submit(req)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except RuntimeError as e:
@@ -317,10 +331,11 @@ class _Server:
             await asyncio.wait({pumping, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not pumping.done():
+            complete = pumping.done()
+            if not complete:
                 pumping.cancel()
                 self.engine.abort(rid)
-        if pumping.cancelled():
+        if not complete:
             raise APIError(499, "the client closed the request", code="client_closed_request")
         pumping.result()
         if result.error:
@@ -362,7 +377,7 @@ class _Server:
         ids = await run_in_threadpool(self.chat_prompt, body)
         params = self.sampling(body, len(ids), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.submit(rid, ids, params)
+        stream = self.submit(rid, ids, params, body.logprobs)
         if body.stream:
             chunks = _ChatChunks(self, rid, body.model, body.include_usage, body.logprobs)
             return self.streaming(self.sse(request, rid, stream, chunks))
@@ -378,7 +393,7 @@ class _Server:
         ids, prompt_text = await run_in_threadpool(self.completion_prompt, body)
         params = self.sampling(body, len(ids), "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.submit(rid, ids, params)
+        stream = self.submit(rid, ids, params, body.wants_logprobs)
         echo = prompt_text if body.echo else ""
         if body.stream:
             chunks = _CompletionChunks(self, rid, body.model, body.include_usage, body.wants_logprobs, echo)
@@ -435,10 +450,22 @@ def _add_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(exc, fn)
 
 
-def build_app(engine: Any, server_cfg: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app for `engine` (an `AsyncEngine`, or anything with its attributes and methods)."""
+def build_app(engine: Any, server_cfg: ServerConfig | None = None, *, own_engine: bool = False) -> FastAPI:
+    """The FastAPI app for `engine` (an `AsyncEngine`, or anything with its attributes and methods).
+
+    With `own_engine`, the app shuts the engine down when the server stops: uvicorn re-raises the
+    stopping signal on its way out, so code after `uvicorn.Server.run()` may never get to.
+    """
     s = _Server(engine, server_cfg or ServerConfig())
-    app = FastAPI(title="Strata", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if own_engine:
+            await run_in_threadpool(engine.shutdown)
+
+    app = FastAPI(title="Strata", version=__version__, openapi_url=None, docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
     app.state.strata = s
     _add_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(s.authorize)])

@@ -39,7 +39,7 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -119,7 +119,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in self.messages]
+        # Model chat templates predate OpenAI's "developer" role; it means what "system" means to them.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                | ({"name": m.name} if m.name else {}) for m in self.messages]
 
 
 class CompletionRequest(_SamplingRequest):

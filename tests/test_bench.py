@@ -1,0 +1,29 @@
+"""The benchmark commands run end to end at tiny shapes on the CPU and write their JSON."""
+
+from __future__ import annotations
+
+import json
+
+from strata.cli import main
+
+
+def test_bench_read_and_decode_write_json(tmp_path):
+    out = tmp_path / "read.json"
+    assert main(["bench", "read", "--shape", "tiny", "--lengths", "32,64", "--device", "cpu", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [32, 64] and all(r["strata_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in rows)
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--shape", "tiny", "--batch", "1,2", "--prompt", "8", "--tokens", "4",
+                 "--device", "cpu", "--repeats", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and rows[1]["new_tokens"] == 6
+
+
+def test_bench_kv_reports_agreement(tmp_path):
+    out = tmp_path / "kv.json"
+    assert main(["bench", "kv", "--device", "cpu", "--max-tokens", "256", "--window", "128", "--chunk", "64",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name, r in res["models"].items():
+        assert 0.9 <= r["top1_agreement"] <= 1.0 and r["kl_mean"] >= 0, name
