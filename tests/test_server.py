@@ -69,6 +69,12 @@ def test_cli_flags_override_the_config_file(tmp_path):
     assert srv.host == "127.0.0.1"
 
 
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("STRATA_API_KEY", "from-env")
+    assert resolve(parse_args([]))[1].api_key == "from-env"
+    assert resolve(parse_args(["--api-key", "typed"]))[1].api_key == "typed"
+
+
 @pytest.mark.parametrize("content, match", [
     ({"parallel": 2, "paralel": 4}, "unknown key 'paralel'"),
     ({"ctx": "long"}, "'ctx' must be int"),
@@ -112,7 +118,7 @@ def server(tmp_path_factory):
     cfg = tmp / "strata.json"
     # parallel comes from the file as 1 and is overridden to 2 on the command line (checked in /metrics).
     cfg.write_text(json.dumps({"ctx": CTX, "parallel": 1, "device": "cpu", "api_key": KEY, "model_name": NAME,
-                               "log_level": "warning"}))
+                               "log_level": "warning", "max_body_bytes": 2**16}))
     port = _free_port()
     log = open(tmp / "server.log", "w+")
     env = {**os.environ, "STRATA_NO_PROGRESS": "1"}
@@ -238,7 +244,12 @@ def test_completions_text_tokens_and_streaming(client, tok):
 def test_sampling_is_seeded_and_logprobs_are_returned(client):
     kw = dict(model=NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.95,
               extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
-    assert client.completions.create(seed=3, **kw).choices[0].text == client.completions.create(seed=3, **kw).choices[0].text
+    first, again = (client.completions.create(seed=3, **kw).choices[0].text for _ in range(2))
+    assert first == again
+    # A temperature too small to divide logits by safely runs greedy instead of failing the step.
+    kw.update(temperature=1e-30, top_p=1.0, extra_body={"ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(
+        **{**kw, "temperature": 0}).choices[0].text
     lp = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
                                    extra_body={"ignore_eos": True}).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 6 and all(x <= 0 for x in lp.token_logprobs)
@@ -314,6 +325,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, 400, None, None),
     ("/v1/completions", {"model": NAME, "prompt": PROMPT, "presence_penalty": 0.5}, 400, "presence_penalty",
      "unsupported_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": PROMPT, "seed": 2**64}, 400, "seed", None),
+    ("/v1/completions", {"model": NAME, "prompt": "x" * 2**16}, 413, None, "request_too_large"),
 ]
 
 

@@ -122,14 +122,14 @@ class LLMEngine:
         sampled = self.runner.execute(out.chunks)
         self.prompt_tokens_total += sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
                                         for c in out.chunks)
-        finished = self.scheduler.update(out, {rid: s.token for rid, s in sampled.items()})
+        finished = self.scheduler.update(out, {rid: s.tokens for rid, s in sampled.items()})
         events: list[EngineEvent] = []
         done = {r.request_id for r in finished}
         for rid, s in sampled.items():
             r = self.requests[rid]
             st = self.text[rid]
-            self.generation_tokens_total += 1
-            if len(r.output_ids) == 1 and r.first_token_time is not None:
+            self.generation_tokens_total += len(r.output_ids) - st.sent_tokens
+            if st.sent_tokens == 0 and r.first_token_time is not None:
                 self.ttft.append(r.first_token_time - r.arrival_time)
             new_ids = tuple(r.output_ids[st.sent_tokens :])
             text = ""
@@ -142,7 +142,7 @@ class LLMEngine:
                 if stopped:
                     break
             st.sent_tokens = len(r.output_ids)
-            lp = (s.logprob,) if st.logprobs else None
+            lp = tuple(s.logprobs[: len(new_ids)]) if st.logprobs else None
             if stopped and rid not in done:
                 self.scheduler.finish(rid, "stop")
                 events.append(self._finish_event(r, "stop", new_ids, text, lp))

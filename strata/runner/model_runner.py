@@ -14,13 +14,14 @@ import torch
 from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
 from strata.runner.paged_attention import PagedAttention
-from strata.runner.sampling import Sampler
+from strata.runner.sampling import Sampler, filtered_probs
+from strata.spec.verify import verify_greedy, verify_sampled
 
 
 @dataclass
 class Sampled:
-    token: int
-    logprob: float
+    tokens: list[int]  # one token, or with drafts: the accepted drafts then the target's own token
+    logprobs: list[float]
 
 
 class ModelRunner:
@@ -42,6 +43,8 @@ class ModelRunner:
         self.d_slots = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=self.device)
         self.samplers: dict[str, Sampler] = {}
+        self.hidden: torch.Tensor | None = None
+        self.row_starts: list[int] = []
 
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
@@ -52,7 +55,7 @@ class ModelRunner:
         starts, lens = [], []
         for r, ch in enumerate(chunks):
             req, s, k = ch.request, ch.start, ch.num_tokens
-            ids = req.all_ids[s : s + k]
+            ids = ch.token_ids
             pos = torch.arange(s, s + k)
             table = torch.tensor(req.block_ids, dtype=torch.long)
             self.h_ids[n : n + k] = torch.tensor(ids, dtype=torch.long)
@@ -66,9 +69,10 @@ class ModelRunner:
         return n, starts, lens
 
     @torch.inference_mode()
-    def execute(self, chunks) -> dict[str, Sampled]:
-        """chunks: the scheduler's `ScheduledChunk`s. Returns the sampled token of each chunk that
-        reaches the end of its request's tokens (`chunk.sample`)."""
+    def execute(self, chunks, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
+        """chunks: the scheduler's `ScheduledChunk`s. Returns the tokens of each chunk that reaches
+        the end of its request's tokens (`chunk.sample`): one sampled token, or with drafts the
+        verified ones. `draft_probs`: the draft distributions of sampled (non-greedy) requests."""
         if not chunks:
             return {}
         n, starts, lens = self._fill(chunks)
@@ -79,24 +83,37 @@ class ModelRunner:
         self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
 
-        ends = torch.tensor(lens).cumsum(0) - 1
-        rows = [i for i, ch in enumerate(chunks) if ch.sample]
-        if not rows:
+        self.hidden = hidden  # the drafter reads the step's hidden states
+        self.row_starts = (torch.tensor(lens).cumsum(0) - torch.tensor(lens)).tolist()
+        picks = [i for i, ch in enumerate(chunks) if ch.sample]
+        if not picks:
             return {}
-        logits = self.model.compute_logits(hidden[ends[rows].to(self.device)])
+        # Logit rows: the last row of each sampling chunk, or its last k+1 rows with k drafts.
+        rows, spans = [], []
+        for i in picks:
+            ch = chunks[i]
+            first = self.row_starts[i] + ch.num_tokens - len(ch.drafts) - 1
+            spans.append((len(rows), len(ch.drafts) + 1))
+            rows.extend(range(first, first + len(ch.drafts) + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         logprobs = torch.log_softmax(logits, dim=-1)
         greedy = logits.argmax(-1).tolist()
         out: dict[str, Sampled] = {}
-        for j, i in enumerate(rows):
-            req = chunks[i].request
-            p = req.params
+        for i, (r0, k1) in zip(picks, spans):
+            ch = chunks[i]
+            req, p = ch.request, ch.request.params
             if p.greedy and p.repetition_penalty == 1.0:
-                tok = greedy[j]
+                toks = verify_greedy(list(ch.drafts), greedy[r0 : r0 + k1]) if ch.drafts else [greedy[r0]]
             else:
                 sampler = self.samplers.get(req.request_id)
                 if sampler is None:
                     sampler = self.samplers[req.request_id] = Sampler(p)
-                seen = torch.tensor(req.all_ids) if p.repetition_penalty != 1.0 else None
-                tok = sampler(logits[j], seen)
-            out[req.request_id] = Sampled(tok, float(logprobs[j, tok]))
+                if ch.drafts:
+                    q = (draft_probs or {}).get(req.request_id)
+                    target = torch.stack([filtered_probs(logits[r0 + j], p) for j in range(k1)]).cpu()
+                    toks = verify_sampled(list(ch.drafts), q, target, sampler.gen)
+                else:
+                    seen = torch.tensor(req.all_ids) if p.repetition_penalty != 1.0 else None
+                    toks = [sampler(logits[r0], seen)]
+            out[req.request_id] = Sampled(toks, [float(logprobs[r0 + j, t]) for j, t in enumerate(toks)])
         return out

@@ -52,6 +52,8 @@ class Request:
     finish_time: float | None = None
     give_ways: int = 0
     preemptions: int = 0
+    # Speculation: tokens drafted for the next step, verified by it (set by the engine's drafter).
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

@@ -35,6 +35,7 @@ class SchedulerConfig:
     chunk_size: int = 512  # most prompt positions one request reads in one step
     block_size: int = 16
     give_way: bool = True
+    lookahead: int = 0  # extra positions to reserve blocks for (the drafter's K/V)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
@@ -52,6 +53,7 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample: bool
+    drafts: tuple[int, ...] = ()  # speculative tokens after the request's last one, to verify
 
     @property
     def end(self) -> int:
@@ -59,7 +61,7 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids(self.start, self.end)
+        return self.request.token_ids(self.start, self.end - len(self.drafts)) + list(self.drafts)
 
 
 @dataclass
@@ -214,7 +216,7 @@ class Scheduler:
             if step.tokens >= cfg.max_num_batched_tokens:
                 break
             if req.status is RequestStatus.RUNNING and not req.is_reading:
-                self._schedule_chunk(req, 1, step)
+                self._schedule_decode(req, step)
 
         readers = sorted((r for r in self._running if r.is_reading), key=self._arrival_of)
         newest = self._arrival_of(readers[-1]) if readers else -1
@@ -257,20 +259,28 @@ class Scheduler:
                     f"request {req.request_id!r}: chunk starts at {chunk.start} but {req.num_computed_tokens} "
                     "tokens are computed (was update() called twice for one step?)"
                 )
-            req.num_computed_tokens += chunk.num_tokens
             if not chunk.sample:
+                req.num_computed_tokens += chunk.num_tokens
                 continue
             try:
-                token = int(sampled[req.request_id])
+                got = sampled[req.request_id]
             except KeyError:
                 raise KeyError(f"no sampled token for request {req.request_id!r}, whose chunk asked for one") from None
-            req.output_ids.append(token)
+            # With drafts, `got` lists the accepted drafts and then the target's own token; the K/V of
+            # rejected drafts stay in the blocks and are overwritten later (rollback by counter).
+            emitted = [int(got)] if isinstance(got, int) else [int(t) for t in got]
+            if not 1 <= len(emitted) <= len(chunk.drafts) + 1:
+                raise ValueError(f"request {req.request_id!r}: {len(emitted)} tokens for {len(chunk.drafts)} drafts")
+            req.num_computed_tokens += chunk.num_tokens - len(chunk.drafts) + len(emitted) - 1
             if req.first_token_time is None:
                 req.first_token_time = self._now()
-            status = self._stop_status(req, token)
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
+            for token in emitted:
+                req.output_ids.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
         return finished
 
     # ---------------------------------------------------------------- internals
@@ -297,11 +307,24 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING and left > 0:
             self._schedule_chunk(req, min(self.config.chunk_size, req.remaining_read, left), step)
 
-    def _schedule_chunk(self, req: Request, n: int, step: _Step) -> bool:
-        if not self._make_room(req, req.num_computed_tokens + n, step):
+    def _schedule_decode(self, req: Request, step: _Step) -> None:
+        """One token, plus the request's drafts when budget, context and max_tokens leave room."""
+        room = min(
+            self.config.max_num_batched_tokens - step.tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+            req.params.max_tokens - len(req.output_ids) - 1,
+        )
+        drafts = tuple(req.draft_ids[: max(room, 0)])
+        req.draft_ids = []
+        self._schedule_chunk(req, 1 + len(drafts), step, drafts)
+
+    def _schedule_chunk(self, req: Request, n: int, step: _Step, drafts: tuple[int, ...] = ()) -> bool:
+        # Lookahead blocks hold the K/V the drafter writes past the verified tokens.
+        reserve = min(req.num_computed_tokens + n + self.config.lookahead, self.config.max_model_len)
+        if not self._make_room(req, max(reserve, req.num_computed_tokens + n), step):
             return False
         start = req.num_computed_tokens
-        step.add(ScheduledChunk(req, start, n, start + n == req.num_tokens))
+        step.add(ScheduledChunk(req, start, n, start + n - len(drafts) == req.num_tokens, drafts))
         return True
 
     def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
@@ -339,6 +362,7 @@ class Scheduler:
         step.withdraw(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.draft_ids = []
         self._waiting.appendleft(req)
         if lost_work:
             req.status = RequestStatus.PREEMPTED

@@ -71,8 +71,21 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
     return APIError(400, "; ".join(parts) or "invalid request", param=param)
 
 
-async def _parse(request: Request, model: type[P._Request]) -> Any:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _parse(request: Request, model: type[P._Request], limit: int) -> Any:
+    raw = await _read_body(request, limit)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -117,7 +130,8 @@ class _Result:
         ids, lps = _visible(ev, len(self.token_ids))
         self.token_ids.extend(ids)
         if lps is not None:
-            self.logprobs = (self.logprobs or []) + list(lps)
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(lps)
         self.finish_reason = ev.finish_reason or self.finish_reason
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
         self.error = ev.error or self.error
@@ -193,6 +207,34 @@ class _CompletionChunks:
             yield self._chunk(ev.text, ev.finish_reason, lp)
         if ev.finish_reason is not None and self.include_usage:
             yield self._chunk("", usage=_usage(ev.prompt_tokens, ev.completion_tokens))
+
+
+class _Job:
+    """One streamed engine request; `close()` aborts it unless it has finished."""
+
+    def __init__(self, engine: Any, rid: str):
+        self.engine, self.rid, self.finished = engine, rid, False
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.rid)
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """SSE over an engine request that is aborted however the response ends: a client gone before the
+    body iterator ever started leaves no generator frame whose `finally` could do it."""
+
+    def __init__(self, job: _Job, body: AsyncIterator[str]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close()
 
 
 class _Server:
@@ -292,15 +334,17 @@ class _Server:
             content.append(P.TokenLogprob(token=tok, logprob=float(lp), bytes=list(tok.encode("utf-8"))))
         return P.ChoiceLogprobs(content=content)
 
-    def completion_logprobs(self, ids: tuple[int, ...] | list[int], lps: Any, offset: int) -> P.CompletionLogprobs | None:
+    def completion_logprobs(self, ids: tuple[int, ...] | list[int], lps: Any,
+                            offset: int) -> P.CompletionLogprobs | None:
         if lps is None:
             return None
-        tokens, offsets = [], []
-        for t in ids:
+        tokens, values, offsets = [], [], []
+        for t, lp in zip(ids, lps):
             tokens.append(self._token_text(t))
+            values.append(float(lp))
             offsets.append(offset)
             offset += len(tokens[-1])
-        return P.CompletionLogprobs(tokens=tokens, token_logprobs=[float(x) for x in lps], text_offset=offsets)
+        return P.CompletionLogprobs(tokens=tokens, token_logprobs=values, text_offset=offsets)
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -342,37 +386,36 @@ class _Server:
             raise APIError(500, f"the engine failed the request: {result.error}", type_="server_error")
         return result
 
-    async def sse(self, request: Request, rid: str, stream: Any, chunks: _ChatChunks | _CompletionChunks,
-                  ) -> AsyncIterator[str]:
+    async def _sse(self, request: Request, job: _Job, stream: Any, chunks: _ChatChunks | _CompletionChunks,
+                   ) -> AsyncIterator[str]:
         async def abort_when_gone() -> None:
             await _wait_disconnect(request)
-            self.engine.abort(rid)
+            job.close()
 
         watcher = asyncio.ensure_future(abort_when_gone())
-        finished = False
         try:
             for piece in chunks.start():
                 yield piece
             async for ev in stream:
-                finished = ev.finish_reason is not None
+                job.finished = ev.finish_reason is not None
                 for piece in chunks.event(ev):
                     yield piece
-                if finished:
+                if job.finished:
                     break
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            if not finished:
-                self.engine.abort(rid)
+            job.close()
 
-    def streaming(self, body: Iterator[str] | AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(body, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def streaming(self, request: Request, rid: str, stream: Any, chunks: _ChatChunks | _CompletionChunks,
+                  ) -> StreamingResponse:
+        job = _Job(self.engine, rid)
+        return _EngineStreamResponse(job, self._sse(request, job, stream, chunks))
 
     # -- endpoints --------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        body: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest)
+        body: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest, self.cfg.max_body_bytes)
         self.check_model(body.model)
         ids = await run_in_threadpool(self.chat_prompt, body)
         params = self.sampling(body, len(ids), "messages")
@@ -380,7 +423,7 @@ class _Server:
         stream = self.submit(rid, ids, params, body.logprobs)
         if body.stream:
             chunks = _ChatChunks(self, rid, body.model, body.include_usage, body.logprobs)
-            return self.streaming(self.sse(request, rid, stream, chunks))
+            return self.streaming(request, rid, stream, chunks)
         r = await self.collect(request, rid, stream)
         choice = P.ChatChoice(message=P.AssistantMessage(content="".join(r.text)), finish_reason=r.finish_reason,
                               logprobs=self.chat_logprobs(r.token_ids, r.logprobs) if body.logprobs else None)
@@ -388,7 +431,7 @@ class _Server:
                                       usage=r.usage()))
 
     async def completions(self, request: Request) -> Response:
-        body: P.CompletionRequest = await _parse(request, P.CompletionRequest)
+        body: P.CompletionRequest = await _parse(request, P.CompletionRequest, self.cfg.max_body_bytes)
         self.check_model(body.model)
         ids, prompt_text = await run_in_threadpool(self.completion_prompt, body)
         params = self.sampling(body, len(ids), "prompt")
@@ -397,7 +440,7 @@ class _Server:
         echo = prompt_text if body.echo else ""
         if body.stream:
             chunks = _CompletionChunks(self, rid, body.model, body.include_usage, body.wants_logprobs, echo)
-            return self.streaming(self.sse(request, rid, stream, chunks))
+            return self.streaming(request, rid, stream, chunks)
         r = await self.collect(request, rid, stream)
         lp = self.completion_logprobs(r.token_ids, r.logprobs, 0) if body.wants_logprobs else None
         choice = P.CompletionChoice(text=echo + "".join(r.text), finish_reason=r.finish_reason, logprobs=lp)

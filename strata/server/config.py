@@ -18,6 +18,8 @@ class ServerConfig:
     log_level: str = "info"
     # Seconds uvicorn waits for open streams on shutdown before dropping them.
     graceful_shutdown_s: float = 5.0
+    # Largest request body read; a context's worth of token ids as JSON is a few MiB.
+    max_body_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -28,3 +30,5 @@ class ServerConfig:
             raise ValueError(f"unknown log_level {self.log_level!r}")
         if self.graceful_shutdown_s < 0:
             raise ValueError("graceful_shutdown_s must be >= 0")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")

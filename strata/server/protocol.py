@@ -1,9 +1,14 @@
 """The OpenAI wire format: request bodies as pydantic models, responses as the shapes clients parse.
 
 Requests ignore fields they do not know (clients and SDKs send many optional ones), but a known field
-asking for something Strata cannot do (n > 1, tools, penalties, top alternatives) is a 400 rather
-than being silently dropped. Extensions beyond OpenAI's schema, in vLLM's spelling: `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`.
+asking for something Strata cannot do (n > 1, tools, presence/frequency penalties, top alternatives
+in logprobs, suffix, best_of > 1) is a 400 rather than being silently dropped. Extensions beyond
+OpenAI's schema, in vLLM's spelling: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`.
+
+Defaults follow OpenAI: temperature 1.0; `max_tokens` 16 for completions and the rest of the context
+for chat. Logprobs are those of the sampled tokens (chat `logprobs: true`, completions `logprobs: 0`);
+asking for alternatives (`top_logprobs` > 0, completions `logprobs` > 0) is a 400.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class Unsupported(ValueError):

@@ -28,6 +28,7 @@ SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name not in SERVER_FIELDS}
 _HINTS = {**typing.get_type_hints(EngineConfig), **typing.get_type_hints(ServerConfig)}
 _NONE_WORDS = ("none", "null")
+API_KEY_ENV = "STRATA_API_KEY"
 
 
 class ConfigFileError(ValueError):
@@ -117,10 +118,11 @@ def _add_field_flag(group: argparse._ArgumentGroup, f: dataclasses.Field, help_:
 _SERVER_HELP = {
     "host": "address to bind; 0.0.0.0 exposes the server to the network",
     "port": "TCP port",
-    "api_key": "require `Authorization: Bearer KEY` on /v1/*",
+    "api_key": f"require `Authorization: Bearer KEY` on /v1/*; unset: ${API_KEY_ENV} if set",
     "model_name": "the model name clients send; unset: the engine's",
     "log_level": "uvicorn log level",
     "graceful_shutdown_s": "seconds to let open streams finish on shutdown",
+    "max_body_bytes": "largest request body accepted (413 beyond)",
 }
 
 
@@ -162,9 +164,13 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 
 def resolve(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    """Defaults < config file < explicit flags (the parser leaves flags not typed out of `args`)."""
+    """Defaults < config file < explicit flags (the parser leaves flags not typed out of `args`);
+    the API key falls back to $STRATA_API_KEY."""
     merged = read_config_file(args.config) if getattr(args, "config", None) else {}
     merged.update({k: v for k, v in vars(args).items() if k in SERVER_FIELDS or k in ENGINE_FIELDS})
+    # A key typed on the command line shows in `ps`; the environment keeps it out of sight.
+    if "api_key" not in merged and os.environ.get(API_KEY_ENV):
+        merged["api_key"] = os.environ[API_KEY_ENV]
     if isinstance(merged.get("model"), str):
         merged["model"] = os.path.expanduser(merged["model"])
     engine_kw = {k: v for k, v in merged.items() if k in ENGINE_FIELDS}

@@ -1,0 +1,1 @@
+"""MTP speculative decoding: drafting with the model's own MTP head, verification, statistics."""

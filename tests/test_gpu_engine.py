@@ -1,0 +1,60 @@
+"""The serving engine on CUDA: fp32 greedy output identical alone, batched and with yields; in bf16
+(kernels not batch-invariant) the agreement is measured and printed, not asserted exact."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = ["It is a truth universally acknowledged, that", "In the beginning God created",
+           "To be, or not to be:", "The list type in Python supports"]
+
+
+def _run(dtype: str, parallel: int, chunk: int, kv: str = "auto") -> dict[str, list[int]]:
+    e = LLMEngine(EngineConfig(device="cuda", dtype=dtype, parallel=parallel, chunk_size=chunk,
+                               max_num_batched_tokens=max(chunk, parallel), kv=kv))
+    for i, p in enumerate(PROMPTS):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=32, ignore_eos=True), time.monotonic()))
+    out = {}
+    for rid, evs in e.run_to_completion().items():
+        out[rid] = [t for ev in evs for t in ev.token_ids]
+    return out
+
+
+def _collect_alone(dtype: str) -> dict[str, list[int]]:
+    e = LLMEngine(EngineConfig(device="cuda", dtype=dtype, parallel=1))
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=32, ignore_eos=True), time.monotonic()))
+        evs = e.run_to_completion()[f"r{i}"]
+        out[f"r{i}"] = [t for ev in evs for t in ev.token_ids]
+    return out
+
+
+def test_cuda_fp32_batch_and_chunking_identical():
+    alone = _collect_alone("float32")
+    assert _run("float32", parallel=4, chunk=512) == alone
+    assert _run("float32", parallel=4, chunk=4) == alone
+
+
+def test_cuda_bf16_agreement_reported():
+    alone = _collect_alone("bfloat16")
+    batched = _run("bfloat16", parallel=4, chunk=4)
+    same = sum(a == b for k in alone for a, b in zip(alone[k], batched[k]))
+    total = sum(len(v) for v in alone.values())
+    print(f"bf16 greedy agreement alone vs batched+chunked: {same}/{total} tokens")
+    int8 = _run("bfloat16", parallel=4, chunk=512, kv="int8")
+    same8 = sum(a == b for k in alone for a, b in zip(alone[k], int8[k]))
+    print(f"bf16 greedy agreement bf16 KV vs int8 KV: {same8}/{total} tokens")
+    assert total == 4 * 32
