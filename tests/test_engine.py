@@ -59,6 +59,9 @@ def test_batch_equals_alone(eng, solo):
         assert tokens(got[f"b{i}"]) == solo[i]
         assert got[f"b{i}"][-1].finish_reason == "length" and got[f"b{i}"][-1].completion_tokens == 16
     assert eng.allocator.num_used == 0
+    st = eng.stats()
+    assert st.ttft_counts[-1] >= len(PROMPTS) and list(st.ttft_counts) == sorted(st.ttft_counts)
+    assert st.ttft_sum > 0
 
 
 def test_events_text_matches_tokens(eng, solo):

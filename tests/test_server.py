@@ -21,7 +21,7 @@ import pytest
 from strata.config import EngineConfig
 from strata.loaders import default_model_path
 from strata.server.config import ServerConfig
-from strata.server.metrics import RateWindow, histogram
+from strata.server.metrics import RateWindow
 from strata.server.serve import ConfigFileError, configure_parser, read_config_file, resolve
 from strata.tokenizer import Tokenizer
 
@@ -92,8 +92,7 @@ def test_config_file_errors_name_the_problem(tmp_path, content, match):
         read_config_file(str(tmp_path / "missing.json"))
 
 
-def test_histogram_and_rate():
-    assert histogram([0.001, 0.2, 0.2, 99.0], (0.01, 0.5, 1.0)) == ([1, 3, 3, 4], pytest.approx(99.401), 4)
+def test_rate_window():
     now = [0.0]
     rate = RateWindow(window_s=10.0, clock=lambda: now[0])
     assert rate.update(100, uptime_s=4.0) == 25.0  # one sample: the lifetime average

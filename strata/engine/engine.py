@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig
-from strata.engine.types import EngineEvent, EngineRequest, EngineStats
+from strata.engine.types import TTFT_BUCKETS, EngineEvent, EngineRequest, EngineStats
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.llm import torch_dtype
@@ -86,7 +86,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.started = time.monotonic()
         self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0
-        self.ttft: list[float] = []
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest, logprobs: bool = False) -> None:
@@ -130,7 +131,7 @@ class LLMEngine:
             st = self.text[rid]
             self.generation_tokens_total += len(r.output_ids) - st.sent_tokens
             if st.sent_tokens == 0 and r.first_token_time is not None:
-                self.ttft.append(r.first_token_time - r.arrival_time)
+                self._record_ttft(r.first_token_time - r.arrival_time)
             new_ids = tuple(r.output_ids[st.sent_tokens :])
             text = ""
             stopped = False
@@ -155,6 +156,13 @@ class LLMEngine:
                 events.append(self._finish_event(r, r.finish_reason, (), self.text[r.request_id].stops.flush()))
         return events
 
+    def _record_ttft(self, seconds: float) -> None:
+        self.ttft_sum += seconds
+        for i, bound in enumerate(TTFT_BUCKETS):
+            if seconds <= bound:
+                self.ttft_counts[i] += 1
+        self.ttft_counts[-1] += 1
+
     def _finish_event(self, r: Request, reason: str, ids, text: str, lp=None) -> EngineEvent:
         self.requests.pop(r.request_id, None)
         self.text.pop(r.request_id, None)
@@ -172,7 +180,7 @@ class LLMEngine:
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             requests_finished_total=self.finished_total, give_ways_total=s.give_ways_total,
-            preemptions_total=s.preemptions_total, ttft_seconds=tuple(self.ttft),
+            preemptions_total=s.preemptions_total, ttft_counts=tuple(self.ttft_counts), ttft_sum=self.ttft_sum,
             uptime_seconds=time.monotonic() - self.started,
         )
 

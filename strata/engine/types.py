@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from strata.params import SamplingParams
 
 
+# Time to first token spans a short prompt on a GPU (milliseconds) to a long prompt queued behind
+# others on a CPU (a minute).
+TTFT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
@@ -44,5 +49,8 @@ class EngineStats:
     requests_finished_total: int
     give_ways_total: int
     preemptions_total: int
-    ttft_seconds: tuple[float, ...] = field(default=())  # every finished first token, for histograms
+    # Time-to-first-token histogram, kept as cumulative counts so it never grows: ttft_counts[i]
+    # counts first tokens within TTFT_BUCKETS[i] seconds, the last entry counts them all (+Inf).
+    ttft_counts: tuple[int, ...] = field(default=())
+    ttft_sum: float = 0.0
     uptime_seconds: float = 0.0

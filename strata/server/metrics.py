@@ -13,13 +13,10 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from strata.engine.types import EngineStats
+from strata.engine.types import TTFT_BUCKETS, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Time to first token spans a cached short prompt on a GPU (milliseconds) to a long prompt queued
-# behind others on a CPU (a minute).
-TTFT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 # Label values for request counting: known routes only, so a scanner probing paths cannot grow the set.
 TRACKED_PATHS = frozenset({
@@ -61,26 +58,6 @@ class _Writer:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
-
-
-def histogram(values: Iterable[float], buckets: tuple[float, ...]) -> tuple[list[int], float, int]:
-    """Cumulative counts per upper bound (the last for +Inf), sum and count."""
-    counts = [0] * (len(buckets) + 1)
-    total, n = 0.0, 0
-    for v in values:
-        total += v
-        n += 1
-        for i, b in enumerate(buckets):
-            if v <= b:
-                counts[i] += 1
-                break
-        else:
-            counts[-1] += 1
-    cumulative, acc = [], 0
-    for c in counts:
-        acc += c
-        cumulative.append(acc)
-    return cumulative, total, n
 
 
 class RateWindow:
@@ -137,7 +114,8 @@ class Metrics:
         w.one("strata_preemptions_total", "counter", "Requests preempted for KV cache space.", s.preemptions_total)
         w.one("strata_prompt_tokens_per_second", "gauge", "Prompt tokens read per second, recent.", prompt_tps)
         w.one("strata_generation_tokens_per_second", "gauge", "Tokens generated per second, recent.", gen_tps)
-        cumulative, total, n = histogram(s.ttft_seconds, TTFT_BUCKETS)
+        cumulative = list(s.ttft_counts) or [0] * (len(TTFT_BUCKETS) + 1)
+        total, n = s.ttft_sum, cumulative[-1]
         bounds = [_num(b) for b in TTFT_BUCKETS] + ["+Inf"]
         samples: list[tuple[str, dict[str, str], float]] = [
             ("_bucket", {"le": b}, c) for b, c in zip(bounds, cumulative)
