@@ -179,6 +179,10 @@ class EngineConfig:
     chunk_size: int = 512  # most prompt tokens one request reads per step
     max_num_batched_tokens: int = 2048  # per-step token budget (reads + decodes)
     give_way: bool = True  # a long prompt read yields to newer requests at chunk boundaries
+    spec: int = 0  # MTP speculation: up to N drafts per step (0 = off)
+    spec_min_p: float = 0.0  # stop drafting at the first draft whose MTP probability is below this
+    spec_adaptive: bool = False  # each slot's draft count follows its running acceptance (1..N)
+    batch_mtp: bool = False  # run all slots' MTP drafts as one batch (else one slot at a time)
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
@@ -186,6 +190,8 @@ class EngineConfig:
         for name in ("ctx", "parallel", "block_size", "chunk_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.spec < 0 or not 0.0 <= self.spec_min_p <= 1.0:
+            raise ValueError("spec must be >= 0 and spec_min_p within [0, 1]")
         if self.max_num_batched_tokens < self.parallel:
             raise ValueError("max_num_batched_tokens must be >= parallel (one decode token per slot)")
 

@@ -117,7 +117,7 @@ def server(tmp_path_factory):
     cfg = tmp / "strata.json"
     # parallel comes from the file as 1 and is overridden to 2 on the command line (checked in /metrics).
     cfg.write_text(json.dumps({"ctx": CTX, "parallel": 1, "device": "cpu", "api_key": KEY, "model_name": NAME,
-                               "log_level": "warning", "max_body_bytes": 2**16}))
+                               "log_level": "warning", "max_body_bytes": 2**16, "spec": 2, "batch_mtp": True}))
     port = _free_port()
     log = open(tmp / "server.log", "w+")
     env = {**os.environ, "STRATA_NO_PROGRESS": "1"}
@@ -398,3 +398,14 @@ def test_metrics_cover_the_engine(server, client):
     buckets = [v for k, v in m.items() if k.startswith("strata_time_to_first_token_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == m["strata_time_to_first_token_seconds_count"] > 0
     assert m[f'strata_model_info{{model="{NAME}"}}'] == 1
+
+
+def test_speculation_stats_in_usage_and_metrics(server, http):
+    r = http.post("/v1/completions", json={"model": NAME, "prompt": "It is a truth universally acknowledged, that",
+                                           "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    spec = r.json()["usage"]["speculation"]
+    assert spec["drafts_proposed"] > 0 and 0 <= spec["acceptance"] <= 1 and len(spec["accepted_per_position"]) == 2
+    m = metrics(server)
+    assert m["strata_spec_drafts_proposed_total"] >= spec["drafts_proposed"]
+    assert 'strata_spec_accepted_per_position{position="1"}' in m

@@ -23,6 +23,7 @@ from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
 from strata.sched.request import Request
 from strata.sched.scheduler import Scheduler, SchedulerConfig
+from strata.spec.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
 
@@ -77,11 +78,19 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(parallel=cfg.parallel, max_num_batched_tokens=cfg.max_num_batched_tokens,
                             chunk_size=cfg.chunk_size, block_size=cfg.block_size, num_blocks=num_blocks,
-                            max_model_len=self.max_model_len, give_way=cfg.give_way),
+                            max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec),
             self.allocator,
         )
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device)
+        self.drafter = None
+        if cfg.spec:
+            if not loaded.has_mtp:
+                raise ValueError(f"{loaded.path}: --spec needs a model with an MTP head; this one has none")
+            self.drafter = MTPDrafter(self.model, self.pool, max_drafts=cfg.spec, min_p=cfg.spec_min_p,
+                                      batch_mtp=cfg.batch_mtp, adaptive=cfg.spec_adaptive,
+                                      max_model_len=self.max_model_len, max_seqs=cfg.parallel,
+                                      device=self.device, dtype=dtype)
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.started = time.monotonic()
@@ -120,10 +129,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks and not out.finished:
             return []
-        sampled = self.runner.execute(out.chunks)
+        sampled = self.runner.execute(out.chunks, self.drafter.draft_probs if self.drafter else None)
         self.prompt_tokens_total += sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
                                         for c in out.chunks)
         finished = self.scheduler.update(out, {rid: s.tokens for rid, s in sampled.items()})
+        if self.drafter:
+            for r in out.preempted:
+                self.drafter.reset(r.request_id)
+            self.drafter.after_step(out.chunks, self.runner.hidden, self.runner.row_starts, sampled)
         events: list[EngineEvent] = []
         done = {r.request_id for r in finished}
         for rid, s in sampled.items():
@@ -167,11 +180,13 @@ class LLMEngine:
         self.requests.pop(r.request_id, None)
         self.text.pop(r.request_id, None)
         self.runner.release(r.request_id)
+        spec = self.drafter.forget(r.request_id) if self.drafter else None
         self.finished_total += 1
         completion = len(r.output_ids)
         if r.output_ids and reason == "stop" and _is_eos(r, r.output_ids[-1]):
             completion -= 1  # the EOS token is not part of the completion
-        return EngineEvent(r.request_id, tuple(ids), text, reason, len(r.prompt_ids), completion, lp)
+        return EngineEvent(r.request_id, tuple(ids), text, reason, len(r.prompt_ids), completion, lp,
+                           spec=spec.as_dict() if spec else None)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -182,6 +197,7 @@ class LLMEngine:
             requests_finished_total=self.finished_total, give_ways_total=s.give_ways_total,
             preemptions_total=s.preemptions_total, ttft_counts=tuple(self.ttft_counts), ttft_sum=self.ttft_sum,
             uptime_seconds=time.monotonic() - self.started,
+            spec=self.drafter.total.as_dict() if self.drafter else None,
         )
 
     # ---- offline convenience ---------------------------------------------------------------------

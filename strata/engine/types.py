@@ -35,6 +35,7 @@ class EngineEvent:
     completion_tokens: int = 0  # total so far
     logprobs: tuple[float, ...] | None = None  # of token_ids, when the request asked for them
     error: str | None = None  # set with finish_reason "abort" when the engine failed the request
+    spec: dict | None = None  # on the last event with speculation on: the request's draft statistics
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,4 @@ class EngineStats:
     ttft_counts: tuple[int, ...] = field(default=())
     ttft_sum: float = 0.0
     uptime_seconds: float = 0.0
+    spec: dict | None = None  # global draft statistics when speculation is on

@@ -124,6 +124,7 @@ class _Result:
         self.finish_reason: str | None = None
         self.prompt_tokens = self.completion_tokens = 0
         self.error: str | None = None
+        self.spec: dict | None = None
 
     def add(self, ev: EngineEvent) -> None:
         self.text.append(ev.text)
@@ -135,13 +136,15 @@ class _Result:
         self.finish_reason = ev.finish_reason or self.finish_reason
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
         self.error = ev.error or self.error
+        self.spec = ev.spec or self.spec
 
     def usage(self) -> P.Usage:
-        return _usage(self.prompt_tokens, self.completion_tokens)
+        return _usage(self.prompt_tokens, self.completion_tokens, self.spec)
 
 
-def _usage(prompt: int, completion: int) -> P.Usage:
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _usage(prompt: int, completion: int, spec: dict | None = None) -> P.Usage:
+    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   speculation=spec)
 
 
 class _ChatChunks:
@@ -174,7 +177,7 @@ class _ChatChunks:
             yield self._chunk(P.ChatDelta(), finish=ev.finish_reason)
             if self.include_usage:
                 yield _sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
-                                                 usage=_usage(ev.prompt_tokens, ev.completion_tokens)))
+                                                 usage=_usage(ev.prompt_tokens, ev.completion_tokens, ev.spec)))
 
 
 class _CompletionChunks:
@@ -206,7 +209,7 @@ class _CompletionChunks:
         if ev.text or ev.finish_reason is not None or lp is not None and lp.tokens:
             yield self._chunk(ev.text, ev.finish_reason, lp)
         if ev.finish_reason is not None and self.include_usage:
-            yield self._chunk("", usage=_usage(ev.prompt_tokens, ev.completion_tokens))
+            yield self._chunk("", usage=_usage(ev.prompt_tokens, ev.completion_tokens, ev.spec))
 
 
 class _Job:

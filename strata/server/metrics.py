@@ -122,6 +122,14 @@ class Metrics:
         ]
         samples += [("_sum", {}, total), ("_count", {}, n)]
         w.family("strata_time_to_first_token_seconds", "histogram", "Seconds from arrival to first token.", samples)
+        if s.spec is not None:
+            w.one("strata_spec_drafts_proposed_total", "counter", "MTP drafts proposed.", s.spec["drafts_proposed"])
+            w.one("strata_spec_drafts_accepted_total", "counter", "MTP drafts accepted.", s.spec["drafts_accepted"])
+            w.one("strata_spec_acceptance_ratio", "gauge", "Accepted / proposed drafts.", s.spec["acceptance"])
+            w.one("strata_spec_mean_accepted_length", "gauge", "Tokens emitted per verification step.",
+                  s.spec["mean_accepted_length"])
+            w.family("strata_spec_accepted_per_position", "gauge", "Acceptance of the draft at each position.",
+                     [("", {"position": str(i + 1)}, a) for i, a in enumerate(s.spec["accepted_per_position"])])
         w.family("strata_http_requests_total", "counter", "HTTP requests answered, by route and status.",
                  [("", {"method": m, "path": p, "status": c}, v) for (m, p, c), v in http])
         return w.text()

@@ -176,6 +176,9 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Strata extension, present with --spec: drafts proposed/accepted, acceptance, mean accepted
+    # length and acceptance per draft position for this request.
+    speculation: dict | None = None
 
 
 class TokenLogprob(BaseModel):

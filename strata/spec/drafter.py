@@ -1,0 +1,188 @@
+"""The MTP drafter: keeps the MTP layer's K/V in step with the verified tokens and proposes drafts.
+
+The MTP layer's row i combines the target's hidden state at position i with the token at position
+i+1 and predicts the token at i+2; it has its own K/V layer in the pool (index `num_hidden_layers`),
+at the same slots as the target's. After each step, for every request whose chunk sampled:
+
+1. **K/V of the verified positions.** Rows from the first position without MTP K/V up to the
+   position before the newest token are run through the MTP layer, fed the tokens that follow them
+   (prompt tokens, accepted drafts, the newly sampled token). For a prompt, where those rows come
+   from depends on the mode: by default the read stores its hidden states and the drafter runs the
+   whole prompt when the read hands the slot over to decoding; with `STRATA_SPLIT_MTP_BATCH=1` every
+   read chunk's rows run batched, chunk by chunk, right after the read's forward.
+2. **Drafts.** The last row's logits give draft 1; the MTP layer then runs on its own output hidden
+   state and draft j-1 to give draft j (DeepSeek-V3's recursion with one MTP layer), up to N drafts,
+   stopping at the first whose probability under the MTP head is below `min_p`. Those rows' K/V sit
+   past the verified tokens and are overwritten by the next step's rows (rollback by counter).
+
+With `batch_mtp`, all requests' rows run as one batch per depth; without it, one request at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from strata.env import ENV
+from strata.kvcache.pool import KVPool
+from strata.models.transformer import CausalLM
+from strata.runner.paged_attention import PagedAttention
+from strata.runner.sampling import filtered_probs
+from strata.spec.stats import SpecStats
+
+log = logging.getLogger("strata")
+
+
+class MTPDrafter:
+    def __init__(self, model: CausalLM, pool: KVPool, *, max_drafts: int, min_p: float, batch_mtp: bool,
+                 adaptive: bool, max_model_len: int, max_seqs: int, device: torch.device, dtype: torch.dtype):
+        if not model.mtp_layers:
+            raise ValueError("speculation needs a model with an MTP head (num_nextn_predict_layers > 0)")
+        self.model, self.pool, self.device = model, pool, torch.device(device)
+        self.max_drafts, self.min_p, self.batch_mtp, self.adaptive = max_drafts, min_p, batch_mtp, adaptive
+        self.max_model_len = max_model_len
+        self.attn = PagedAttention(pool)
+        self.split = ENV.SPLIT_MTP_BATCH.get()
+        log.info("MTP draft K/V for prompts: %s", "batched with the read (STRATA_SPLIT_MTP_BATCH=1)" if self.split
+                 else "by the drafter at hand-over (default)")
+        # Default mode keeps each slot's prompt hidden states until the read hands over.
+        self.prompt_hidden = None if self.split else torch.zeros(
+            max_seqs, max_model_len, model.config.hidden_size, device=self.device, dtype=dtype)
+        self.mtp_upto: dict[str, int] = {}  # positions whose MTP K/V are written
+        self.draft_probs: dict[str, torch.Tensor] = {}  # sampled requests: q of each pending draft
+        self.gens: dict[str, torch.Generator] = {}
+        self.acceptance: dict[str, float] = {}  # running acceptance (adaptive draft length)
+        self.stats: dict[str, SpecStats] = {}
+        self.total = SpecStats(max_drafts)
+
+    def forget(self, request_id: str) -> SpecStats | None:
+        for d in (self.mtp_upto, self.draft_probs, self.gens, self.acceptance):
+            d.pop(request_id, None)
+        return self.stats.pop(request_id, None)
+
+    def reset(self, request_id: str) -> None:
+        """After a preemption: everything is recomputed from position 0."""
+        self.mtp_upto[request_id] = 0
+        self.draft_probs.pop(request_id, None)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def after_step(self, chunks, hidden: torch.Tensor, row_starts: list[int], sampled: dict) -> None:
+        rows_h: list[torch.Tensor] = []
+        seqs = []  # (request, first position, next-token ids, wants drafts)
+        for i, ch in enumerate(chunks):
+            req, s, r0 = ch.request, ch.start, row_starts[i]
+            rid = req.request_id
+            done = self.mtp_upto.setdefault(rid, 0)
+            if not ch.sample:  # a read chunk that does not reach the end of the prompt
+                if self.split:
+                    rows_h.append(hidden[r0 : r0 + ch.num_tokens])
+                    seqs.append((req, s, req.token_ids(s + 1, s + ch.num_tokens + 1), False))
+                else:
+                    self.prompt_hidden[req.slot, s : s + ch.num_tokens] = hidden[r0 : r0 + ch.num_tokens]
+                continue
+            emitted = sampled[rid].tokens
+            if ch.drafts:
+                self._record(rid, len(ch.drafts), len(emitted) - 1)
+            running = req.status.name == "RUNNING"
+            n = ch.num_tokens - len(ch.drafts) + len(emitted) - 1  # verified rows of this chunk
+            nxt = req.token_ids(s + 1, s + ch.num_tokens - len(ch.drafts)) + list(emitted)
+            nxt = nxt[:n]
+            if not running:
+                continue
+            rows = hidden[r0 : r0 + n]
+            if done < s:  # default mode: the prompt's earlier rows were kept by the read
+                rows = torch.cat([self.prompt_hidden[req.slot, done:s], rows])
+                nxt = req.token_ids(done + 1, s + 1) + nxt
+                s = done
+            rows_h.append(rows)
+            seqs.append((req, s, nxt, True))
+        if not seqs:
+            return
+        self.draft_probs = {k: v for k, v in self.draft_probs.items() if k not in {q[0].request_id for q in seqs}}
+        groups = [list(range(len(seqs)))] if self.batch_mtp else [[i] for i in range(len(seqs))]
+        for g in groups:
+            self._run_group([seqs[i] for i in g], [rows_h[i] for i in g])
+
+    def _record(self, rid: str, proposed: int, accepted: int) -> None:
+        st = self.stats.setdefault(rid, SpecStats(self.max_drafts))
+        st.record(proposed, accepted)
+        self.total.record(proposed, accepted)
+        prev = self.acceptance.get(rid, 1.0)
+        self.acceptance[rid] = 0.7 * prev + 0.3 * (accepted / proposed)
+
+    def _mtp(self, h: torch.Tensor, nxt: list[int], starts: list[int], lens: list[int], reqs) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.pool.block_size
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        tables = torch.zeros(len(reqs), max(len(r.block_ids) for r in reqs), dtype=torch.int32)
+        slots = []
+        for j, (r, s, n) in enumerate(zip(reqs, starts, lens)):
+            t = torch.tensor(r.block_ids, dtype=torch.long)
+            tables[j, : len(t)] = t.to(torch.int32)
+            p = torch.arange(s, s + n)
+            slots.append(t[p // bs] * bs + p % bs)
+        dev = self.device
+        self.attn.prepare(torch.cat(slots).to(dev), starts, lens, tables.to(dev))
+        return self.model.mtp_forward(h, torch.tensor(nxt, device=dev), pos.to(dev), self.attn)
+
+    def _budget(self, req, last_pos: int) -> int:
+        """How many drafts this request may get: N (or its adaptive share), bounded by the context
+        and by the tokens it may still generate."""
+        n = self.max_drafts
+        if self.adaptive:
+            n = max(1, min(n, 1 + round(self.acceptance.get(req.request_id, 1.0) * (n - 1))))
+        left = req.params.max_tokens - len(req.output_ids) - 1
+        return max(0, min(n, left, self.max_model_len - 2 - last_pos))
+
+    def _pick(self, req, logits: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
+        p = req.params
+        if p.greedy:
+            probs = logits.float().softmax(-1)
+            tok = int(probs.argmax())
+            return tok, float(probs[tok]), None
+        q = filtered_probs(logits, p).cpu()
+        gen = self.gens.get(req.request_id)
+        if gen is None:
+            gen = self.gens[req.request_id] = torch.Generator()
+            gen.manual_seed((p.seed if p.seed is not None else torch.seed()) + 1)
+        tok = int(torch.multinomial(q, 1, generator=gen))
+        return tok, float(q[tok]), q
+
+    def _run_group(self, seqs, rows_h) -> None:
+        reqs = [q[0] for q in seqs]
+        starts = [q[1] for q in seqs]
+        lens = [len(q[2]) for q in seqs]
+        h, logits = self._mtp(torch.cat(rows_h), [t for q in seqs for t in q[2]], starts, lens, reqs)
+        for r, s, n in zip(reqs, starts, lens):
+            self.mtp_upto[r.request_id] = s + n
+        ends = torch.tensor(lens).cumsum(0) - 1
+        # Depth 1 from each sequence's last row, then one row per still-drafting request per depth.
+        budget = {j: self._budget(reqs[j], starts[j] + lens[j] - 1) for j in range(len(reqs)) if seqs[j][3]}
+        drafts: dict[int, list[int]] = {j: [] for j in budget}
+        qs: dict[int, list[torch.Tensor]] = {j: [] for j in budget}
+        active = [(j, starts[j] + lens[j] - 1) for j in budget if budget[j] > 0]
+        sel = torch.tensor([j for j, _ in active], dtype=torch.long)
+        last_h = h[ends[sel].to(h.device)]
+        last_logits = logits[ends[sel].to(logits.device)]
+        while active:
+            keep = []
+            for k, (j, pos) in enumerate(active):
+                tok, prob, q = self._pick(reqs[j], last_logits[k])
+                if prob < self.min_p:
+                    continue  # stop at the first draft the head is unsure of (it is not proposed)
+                drafts[j].append(tok)
+                if q is not None:
+                    qs[j].append(q)
+                if len(drafts[j]) < budget[j]:
+                    keep.append((k, j, pos))
+            if not keep:
+                break
+            idx = torch.tensor([k for k, _, _ in keep], device=last_h.device)
+            active = [(j, pos + 1) for _, j, pos in keep]
+            last_h, last_logits = self._mtp(last_h[idx], [drafts[j][-1] for j, _ in active],
+                                            [pos for _, pos in active], [1] * len(active), [reqs[j] for j, _ in active])
+        for j, d in drafts.items():
+            reqs[j].draft_ids = d
+            if qs[j]:
+                self.draft_probs[reqs[j].request_id] = torch.stack(qs[j])
