@@ -7,8 +7,9 @@ call time so tests can set the variable per case.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -43,6 +44,7 @@ class _Env:
                                   "allow STRATA_SPLIT_MTP_BATCH beside STRATA_PIPED_CONCURRENT")
     NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
     CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "", "where test fixtures and downloads are cached")
+    API_KEY = Switch("STRATA_API_KEY", str, "", "the server's API key when --api-key is not given")
     LOG_LEVEL = Switch("STRATA_LOG_LEVEL", str, "INFO", "log level for strata's logger (stderr)")
 
     def __getattr__(self, item: str):  # pragma: no cover - typo guard
@@ -60,3 +62,20 @@ ENV = _Env()
 
 def get(switch: Switch[T]) -> T:
     return switch.get()
+
+
+@contextmanager
+def overridden(switch: Switch, value: str | None) -> Iterator[None]:
+    """Sets (or, with None, unsets) a switch for the duration of a block; benchmarks compare arms."""
+    old = os.environ.get(switch.name)
+    if value is None:
+        os.environ.pop(switch.name, None)
+    else:
+        os.environ[switch.name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(switch.name, None)
+        else:
+            os.environ[switch.name] = old

@@ -27,3 +27,15 @@ def test_bench_kv_reports_agreement(tmp_path):
     res = json.loads(out.read_text())
     for name, r in res["models"].items():
         assert 0.9 <= r["top1_agreement"] <= 1.0 and r["kl_mean"] >= 0, name
+
+
+def test_bench_spec_arms_agree(tmp_path):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--device", "cpu", "--specs", "0,2", "--min-ps", "0,0.7", "--tokens", "8",
+                 "--parallel", "2", "--read-tokens", "300", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["spec"], r["spec_min_p"]) for r in res["decode"]] == [(0, 0.0), (2, 0.0), (2, 0.7)]
+    assert all(r["identical_to_spec0"] for r in res["decode"])
+    assert res["decode"][1]["drafts_proposed"] > 0
+    assert [r["split_mtp_batch"] for r in res["read"]] == [False, True]
+    assert all(r["read_tok_s"] > 0 and r["acceptance"] > 0 for r in res["read"])

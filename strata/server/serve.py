@@ -21,6 +21,7 @@ import typing
 from typing import Any, Callable, Literal
 
 from strata.config import EngineConfig
+from strata.env import ENV
 from strata.server.config import ServerConfig
 
 # ServerConfig wins a name clash: its options are the ones this command is about.
@@ -28,7 +29,7 @@ SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name not in SERVER_FIELDS}
 _HINTS = {**typing.get_type_hints(EngineConfig), **typing.get_type_hints(ServerConfig)}
 _NONE_WORDS = ("none", "null")
-API_KEY_ENV = "STRATA_API_KEY"
+API_KEY_ENV = ENV.API_KEY.name
 
 
 class ConfigFileError(ValueError):
@@ -169,8 +170,8 @@ def resolve(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     merged = read_config_file(args.config) if getattr(args, "config", None) else {}
     merged.update({k: v for k, v in vars(args).items() if k in SERVER_FIELDS or k in ENGINE_FIELDS})
     # A key typed on the command line shows in `ps`; the environment keeps it out of sight.
-    if "api_key" not in merged and os.environ.get(API_KEY_ENV):
-        merged["api_key"] = os.environ[API_KEY_ENV]
+    if "api_key" not in merged and ENV.API_KEY.get():
+        merged["api_key"] = ENV.API_KEY.get()
     if isinstance(merged.get("model"), str):
         merged["model"] = os.path.expanduser(merged["model"])
     engine_kw = {k: v for k, v in merged.items() if k in ENGINE_FIELDS}

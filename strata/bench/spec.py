@@ -1,0 +1,154 @@
+"""`strata bench spec`: MTP speculation on the embedded model.
+
+Decode: `parallel` requests of a fixed prompt set, greedy, `tokens` new tokens each (`ignore_eos`),
+for every `--spec N` × `--spec-min-p P` arm; reported: decode tok/s (timed after the reads), draft
+acceptance and mean accepted length, and whether the output equals the `--spec 0` arm's.
+Prompt read: one long prompt with `--spec N`, read with `STRATA_SPLIT_MTP_BATCH` off and on; reported:
+read tok/s (submission to first token) and the acceptance of the decode that follows.
+Arms run one after another in one process; JSON under bench/results/, a PNG when matplotlib exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.env import ENV, overridden
+from strata.loaders import default_model_path
+from strata.params import SamplingParams
+
+PROMPTS = [
+    "It is a truth universally acknowledged, that",
+    "In the beginning God created the heaven and the earth. And the earth was",
+    "To be, or not to be:",
+    "The list type in Python supports",
+]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_arm(args, spec: int, min_p: float) -> dict:
+    eng = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, parallel=args.parallel, spec=spec,
+                                 spec_min_p=min_p, batch_mtp=True))
+    best, out = float("inf"), {}
+    for rep in range(args.repeats + 1):
+        for i in range(args.parallel):
+            ids = eng.tokenizer.encode(PROMPTS[i % len(PROMPTS)])
+            eng.add_request(EngineRequest(f"{rep}-{i}", tuple(ids), SamplingParams(max_tokens=args.tokens, ignore_eos=True),
+                                          time.monotonic()))
+        while any(r.num_computed_tokens < len(r.prompt_ids) for r in eng.requests.values()):
+            eng.step()
+        _sync(args.device)
+        t0 = time.perf_counter()
+        events = eng.run_to_completion()
+        _sync(args.device)
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+            out = {k.split("-")[1]: [t for ev in v for t in ev.token_ids] for k, v in events.items()}
+    st = eng.stats().spec or {"acceptance": 0.0, "mean_accepted_length": 1.0, "drafts_proposed": 0}
+    new = args.parallel * (args.tokens - 1)
+    return {"spec": spec, "spec_min_p": min_p, "decode_tok_s": new / best, "acceptance": st["acceptance"],
+            "mean_accepted_length": st["mean_accepted_length"], "drafts_proposed": st["drafts_proposed"],
+            "tokens": out}
+
+
+def read_arm(args, split: bool) -> dict:
+    with overridden(ENV.SPLIT_MTP_BATCH, "1" if split else "0"):
+            eng = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, parallel=1, spec=args.read_spec,
+                                     batch_mtp=True, chunk_size=args.chunk, max_num_batched_tokens=args.chunk))
+    text = open(os.path.join(default_model_path(), "README.md")).read() * 4
+    ids = eng.tokenizer.encode(text)[: args.read_tokens]
+    best = float("inf")
+    for rep in range(args.repeats + 1):
+        eng.add_request(EngineRequest(f"read{rep}", tuple(ids), SamplingParams(max_tokens=args.tokens, ignore_eos=True),
+                                      time.monotonic()))
+        _sync(args.device)
+        t0 = time.perf_counter()
+        while eng.requests[f"read{rep}"].num_computed_tokens < len(ids):
+            eng.step()
+        _sync(args.device)
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+        eng.run_to_completion()
+    st = eng.stats().spec
+    return {"split_mtp_batch": split, "prompt_tokens": len(ids), "read_tok_s": len(ids) / best,
+            "acceptance": st["acceptance"], "mean_accepted_length": st["mean_accepted_length"]}
+
+
+def run(args) -> int:
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    decode = []
+    for spec in args.specs:
+        for min_p in (args.min_ps if spec else [0.0]):
+            r = decode_arm(args, spec, min_p)
+            decode.append(r)
+    base = decode[0]["tokens"]
+    for r in decode:
+        r["identical_to_spec0"] = r.pop("tokens") == base
+        print(f"decode spec {r['spec']} min-p {r['spec_min_p']:.1f}: {r['decode_tok_s']:8.1f} tok/s  "
+              f"acceptance {r['acceptance']:.3f}  accepted length {r['mean_accepted_length']:.2f}  "
+              f"same output {r['identical_to_spec0']}", flush=True)
+    read = [read_arm(args, split) for split in (False, True)]
+    for r in read:
+        print(f"read {r['prompt_tokens']} tokens, STRATA_SPLIT_MTP_BATCH={int(r['split_mtp_batch'])}: "
+              f"{r['read_tok_s']:9.1f} tok/s  acceptance {r['acceptance']:.3f}", flush=True)
+    info = {"bench": "spec", "model": "default", "device": args.device, "dtype": args.dtype,
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+            "parallel": args.parallel, "tokens": args.tokens, "decode": decode, "read": read}
+    out = args.out or f"bench/results/spec_{args.device.split(':')[0]}.json"
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(info, f, indent=1)
+    print(f"wrote {out}")
+    _plot(info, out.replace(".json", ".png"))
+    return 0
+
+
+def _plot(info: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    rows = info["decode"]
+    labels = [f"spec {r['spec']}" + (f"\nmin-p {r['spec_min_p']}" if r["spec"] else "") for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(range(len(rows)), [r["decode_tok_s"] for r in rows])
+    for i, r in enumerate(rows):
+        if r["spec"]:
+            ax.text(i, r["decode_tok_s"], f"{r['acceptance']:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(f"MTP speculation, default model, {info['parallel']} slots, {info['gpu'] or info['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spec", help="MTP speculation: decode tok/s and acceptance per --spec / --spec-min-p")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--specs", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3])
+    p.add_argument("--min-ps", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7])
+    p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--read-tokens", type=int, default=3000)
+    p.add_argument("--read-spec", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run)
