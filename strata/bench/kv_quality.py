@@ -8,12 +8,12 @@ divergence KL(reference || int8) of the next-token distributions, over every pos
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import torch
 
+from strata.bench.results import save
 from strata.config import ModelConfig
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import make_pool
@@ -92,11 +92,18 @@ def run(args) -> int:
         r["seconds"] = time.perf_counter() - t0
         results["models"][name] = r
         print(f"{name:18s} top-1 agreement {r['top1_agreement']:.4f}  KL mean {r['kl_mean']:.2e}  max {r['kl_max']:.2e}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    save(results, args.out, _draw)
     return 0
+
+
+def _draw(plt, info: dict) -> None:
+    names = list(info["models"])
+    _, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(range(len(names)), [100 * info["models"][n]["top1_agreement"] for n in names])
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylim(95, 100)
+    ax.set_ylabel("top-1 agreement, int8 vs reference (%)")
+    ax.set_title(f"int8 KV cache on {info['device']} ({info['dtype']})")
 
 
 def add_parser(sub) -> None:

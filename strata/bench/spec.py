@@ -10,7 +10,6 @@ Arms run one after another in one process; JSON under bench/results/, a PNG when
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -21,6 +20,7 @@ from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
 from strata.env import ENV, overridden
 from strata.loaders import default_model_path
+from strata.bench.results import save
 from strata.params import SamplingParams
 
 PROMPTS = [
@@ -106,26 +106,14 @@ def run(args) -> int:
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
             "parallel": args.parallel, "tokens": args.tokens, "decode": decode, "read": read}
     out = args.out or f"bench/results/spec_{args.device.split(':')[0]}.json"
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(info, f, indent=1)
-    print(f"wrote {out}")
-    _plot(info, out.replace(".json", ".png"))
+    save(info, out, _draw)
     return 0
 
 
-def _plot(info: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+def _draw(plt, info: dict) -> None:
     rows = info["decode"]
     labels = [f"spec {r['spec']}" + (f"\nmin-p {r['spec_min_p']}" if r["spec"] else "") for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    _, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(range(len(rows)), [r["decode_tok_s"] for r in rows])
     for i, r in enumerate(rows):
         if r["spec"]:
@@ -133,9 +121,6 @@ def _plot(info: dict, path: str) -> None:
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("decode tokens / s")
     ax.set_title(f"MTP speculation, default model, {info['parallel']} slots, {info['gpu'] or info['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def add_parser(sub) -> None:

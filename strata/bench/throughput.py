@@ -10,7 +10,6 @@ reads are done. HF: one forward over the prompt (read), `generate` with a fixed 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -19,6 +18,7 @@ import torch
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
+from strata.bench.results import save
 from strata.params import SamplingParams
 
 SHAPES = {
@@ -145,26 +145,14 @@ def run(args) -> int:
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}
     out = args.out or f"bench/results/{args.which}_{args.shape}_{device.type}.json"
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(info, f, indent=1)
-    print(f"wrote {out}")
-    _plot(info, out.replace(".json", ".png"))
+    save(info, out, _draw)
     return 0
 
 
-def _plot(info: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+def _draw(plt, info: dict) -> None:
     x_key = "prompt_tokens" if info["bench"] == "read" else "batch"
     xs = [str(r[x_key]) for r in info["rows"]]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    _, ax = plt.subplots(figsize=(6, 3.5))
     w = 0.38
     pos = range(len(xs))
     ax.bar([p - w / 2 for p in pos], [r["strata_tok_s"] for r in info["rows"]], w, label="Strata")
@@ -174,9 +162,6 @@ def _plot(info: dict, path: str) -> None:
     ax.set_ylabel("tokens / s")
     ax.set_title(f"{info['bench']} — {info['shape']} on {info['gpu'] or info['device']} ({info['dtype']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def add_parsers(sub) -> None:

@@ -18,7 +18,7 @@ import uuid
 from typing import AsyncIterator, Iterator
 
 from strata.config import EngineConfig
-from strata.engine.engine import LLMEngine, RequestError
+from strata.engine.engine import LLMEngine, RequestError, check_prompt
 from strata.engine.types import EngineEvent, EngineRequest, EngineStats
 
 log = logging.getLogger("strata")
@@ -88,11 +88,7 @@ class AsyncEngine:
     # ---- called from any thread -------------------------------------------------------------------
     def submit(self, req: EngineRequest, logprobs: bool = False) -> RequestStream:
         """Validates synchronously (raises RequestError), then queues the request for the loop."""
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens; the context is {self.max_model_len}")
+        check_prompt(len(req.prompt_ids), self.max_model_len)
         stream = RequestStream(req.request_id, self)
         self._inbox.put(("add", req, stream, logprobs))
         self._wake.set()

@@ -36,6 +36,13 @@ class RequestError(ValueError):
     """A request the engine refuses (prompt too long, empty, ...). The server maps it to a 400."""
 
 
+def check_prompt(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens == 0:
+        raise RequestError("the prompt is empty")
+    if num_tokens >= max_model_len:
+        raise RequestError(f"the prompt has {num_tokens} tokens; the context is {max_model_len}")
+
+
 @dataclass
 class _TextState:
     detok: Detokenizer | None
@@ -100,11 +107,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest, logprobs: bool = False) -> None:
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens; the context is {self.max_model_len}")
+        check_prompt(len(req.prompt_ids), self.max_model_len)
         if req.request_id in self.requests:
             raise RequestError(f"duplicate request id {req.request_id!r}")
         r = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
