@@ -5,12 +5,7 @@ client and by raw HTTP for what the client will not send. One process serves the
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +19,7 @@ from strata.server.config import ServerConfig
 from strata.server.metrics import RateWindow
 from strata.server.serve import ConfigFileError, configure_parser, read_config_file, resolve
 from strata.tokenizer import Tokenizer
+from serving import running_server
 
 KEY = "sk-strata-test"
 NAME = "strata-test"
@@ -105,47 +101,13 @@ def test_rate_window():
 # ---- the live server ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    cfg = tmp / "strata.json"
     # parallel comes from the file as 1 and is overridden to 2 on the command line (checked in /metrics).
-    cfg.write_text(json.dumps({"ctx": CTX, "parallel": 1, "device": "cpu", "api_key": KEY, "model_name": NAME,
-                               "log_level": "warning", "max_body_bytes": 2**16, "spec": 2, "batch_mtp": True}))
-    port = _free_port()
-    log = open(tmp / "server.log", "w+")
-    env = {**os.environ, "STRATA_NO_PROGRESS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--config", str(cfg), "--port", str(port),
-                             "--parallel", "2"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server did not come up in 120 s")
-        time.sleep(0.1)
-    yield base
-    proc.send_signal(signal.SIGINT)
-    try:
-        assert proc.wait(timeout=20) == 130  # a clean stop, by the convention for SIGINT
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    config = {"ctx": CTX, "parallel": 1, "device": "cpu", "api_key": KEY, "model_name": NAME,
+              "log_level": "warning", "max_body_bytes": 2**16, "spec": 2, "batch_mtp": True}
+    with running_server(tmp_path_factory.mktemp("serve"), config, ["--parallel", "2"]) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
