@@ -183,6 +183,7 @@ class EngineConfig:
     spec_min_p: float = 0.0  # stop drafting at the first draft whose MTP probability is below this
     spec_adaptive: bool = False  # each slot's draft count follows its running acceptance (1..N)
     batch_mtp: bool = False  # run all slots' MTP drafts as one batch (else one slot at a time)
+    batch_groups: int = 1  # slots split into G decode groups stepped in turn (slot % G)
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
@@ -190,6 +191,8 @@ class EngineConfig:
         for name in ("ctx", "parallel", "block_size", "chunk_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 1 <= self.batch_groups <= self.parallel:
+            raise ValueError("batch_groups must be within 1..parallel")
         if self.spec < 0 or not 0.0 <= self.spec_min_p <= 1.0:
             raise ValueError("spec must be >= 0 and spec_min_p within [0, 1]")
         if self.max_num_batched_tokens < self.parallel:

@@ -58,3 +58,29 @@ def test_cuda_bf16_agreement_reported():
     same8 = sum(a == b for k in alone for a, b in zip(alone[k], int8[k]))
     print(f"bf16 greedy agreement bf16 KV vs int8 KV: {same8}/{total} tokens")
     assert total == 4 * 32
+
+
+def test_cuda_fp32_speculation_identical():
+    alone = _collect_alone("float32")
+    e = LLMEngine(EngineConfig(device="cuda", dtype="float32", parallel=4, spec=3, batch_mtp=True))
+    for i, p in enumerate(PROMPTS):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=32, ignore_eos=True), time.monotonic()))
+    got = {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in e.run_to_completion().items()}
+    assert got == alone
+    st = e.stats().spec
+    print(f"cuda fp32 --spec 3: acceptance {st['acceptance']:.3f}, mean accepted length {st['mean_accepted_length']:.2f}")
+
+
+def test_cuda_bf16_speculation_agreement_reported():
+    alone = _collect_alone("bfloat16")
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=4, spec=3, spec_min_p=0.7, batch_mtp=True))
+    for i, p in enumerate(PROMPTS):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=32, ignore_eos=True), time.monotonic()))
+    got = {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in e.run_to_completion().items()}
+    same = sum(a == b for k in alone for a, b in zip(alone[k], got[k]))
+    st = e.stats().spec
+    print(f"bf16 --spec 3 --spec-min-p 0.7: {same}/128 tokens equal to no speculation; "
+          f"acceptance {st['acceptance']:.3f}")
+    assert st["drafts_proposed"] > 0

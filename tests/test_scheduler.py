@@ -437,3 +437,28 @@ def test_scheduler_and_allocator_never_import_torch():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_batch_groups_decode_in_turn():
+    from strata.kvcache.allocator import BlockAllocator
+    from strata.params import SamplingParams
+    from strata.sched.request import Request
+    from strata.sched.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(parallel=4, num_blocks=64, max_model_len=256, batch_groups=2)
+    s = Scheduler(cfg, BlockAllocator(64, 16))
+    for i in range(4):
+        s.add(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
+    out = s.schedule()  # the four reads (reads are not grouped)
+    s.update(out, {c.request.request_id: 7 for c in out.chunks if c.sample})
+    seen = []
+    for _ in range(4):
+        out = s.schedule()
+        seen.append(sorted(c.request.slot for c in out.chunks))
+        s.update(out, {c.request.request_id: 7 for c in out.chunks if c.sample})
+    assert seen == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # A group with nothing to decode is skipped.
+    for r in list(s.running):
+        if r.slot % 2 == 1:
+            s.abort(r.request_id)
+    assert [sorted(c.request.slot for c in s.schedule().chunks)] == [[0, 2]]

@@ -136,3 +136,10 @@ def test_sampled_speculation_is_seeded_and_valid():
     c, _ = sample(8)
     assert a == b and a != c
     assert all(len(v) == 20 for v in a.values()) and st["drafts_proposed"] > 0
+
+
+def test_batch_groups_keep_greedy_output(plain):
+    out, e = run(spec=3, batch_mtp=True, batch_groups=2)
+    assert out == plain and e.stats().spec["drafts_proposed"] > 0
+    out, _ = run(batch_groups=4)
+    assert out == plain

@@ -85,7 +85,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(parallel=cfg.parallel, max_num_batched_tokens=cfg.max_num_batched_tokens,
                             chunk_size=cfg.chunk_size, block_size=cfg.block_size, num_blocks=num_blocks,
-                            max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec),
+                            max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec,
+                            batch_groups=cfg.batch_groups),
             self.allocator,
         )
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -97,7 +98,7 @@ class LLMEngine:
             self.drafter = MTPDrafter(self.model, self.pool, max_drafts=cfg.spec, min_p=cfg.spec_min_p,
                                       batch_mtp=cfg.batch_mtp, adaptive=cfg.spec_adaptive,
                                       max_model_len=self.max_model_len, max_seqs=cfg.parallel,
-                                      device=self.device, dtype=dtype)
+                                      chunk_size=cfg.chunk_size, device=self.device, dtype=dtype)
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.started = time.monotonic()

@@ -36,11 +36,14 @@ class SchedulerConfig:
     block_size: int = 16
     give_way: bool = True
     lookahead: int = 0  # extra positions to reserve blocks for (the drafter's K/V)
+    batch_groups: int = 1  # slots split into groups (slot % G) whose decodes are stepped in turn
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_groups < 1 or self.batch_groups > self.parallel:
+            raise ValueError("SchedulerConfig.batch_groups must be within 1..parallel")
         if self.num_blocks < 2:
             raise ValueError("SchedulerConfig.num_blocks must be >= 2 (block 0 is reserved)")
 
@@ -124,6 +127,7 @@ class Scheduler:
         self._free_slots = list(range(config.parallel))
         self._finished_on_add: list[Request] = []
         self._last_step: set[str] = set()  # requests that got tokens in the previous step
+        self._next_group = 0  # batch groups: whose turn to decode is next
         self.give_ways_total = 0
         self.preemptions_total = 0
 
@@ -212,7 +216,7 @@ class Scheduler:
         self._finished_on_add.clear()
         self._admit()
 
-        for req in list(self._running):
+        for req in self._decode_group():
             if step.tokens >= cfg.max_num_batched_tokens:
                 break
             if req.status is RequestStatus.RUNNING and not req.is_reading:
@@ -306,6 +310,18 @@ class Scheduler:
         left = self.config.max_num_batched_tokens - step.tokens
         if req.status is RequestStatus.RUNNING and left > 0:
             self._schedule_chunk(req, min(self.config.chunk_size, req.remaining_read, left), step)
+
+    def _decode_group(self) -> list[Request]:
+        """The requests to decode this step: all of them, or with batch groups the next group in turn
+        that has one ready (reads are not grouped: they run beside whichever group decodes)."""
+        ready = [r for r in self._running if not r.is_reading]
+        g_count = self.config.batch_groups
+        if g_count == 1 or not ready:
+            return ready
+        groups = {r.slot % g_count for r in ready}
+        g = next(x % g_count for x in range(self._next_group, self._next_group + g_count) if x % g_count in groups)
+        self._next_group = (g + 1) % g_count
+        return [r for r in ready if r.slot % g_count == g]
 
     def _schedule_decode(self, req: Request, step: _Step) -> None:
         """One token, plus the request's drafts when budget, context and max_tokens leave room."""

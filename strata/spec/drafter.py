@@ -36,12 +36,13 @@ log = logging.getLogger("strata")
 
 class MTPDrafter:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_drafts: int, min_p: float, batch_mtp: bool,
-                 adaptive: bool, max_model_len: int, max_seqs: int, device: torch.device, dtype: torch.dtype):
+                 adaptive: bool, max_model_len: int, max_seqs: int, chunk_size: int, device: torch.device,
+                 dtype: torch.dtype):
         if not model.mtp_layers:
             raise ValueError("speculation needs a model with an MTP head (num_nextn_predict_layers > 0)")
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_drafts, self.min_p, self.batch_mtp, self.adaptive = max_drafts, min_p, batch_mtp, adaptive
-        self.max_model_len = max_model_len
+        self.max_model_len, self.chunk_size = max_model_len, chunk_size
         self.attn = PagedAttention(pool)
         self.split = ENV.SPLIT_MTP_BATCH.get()
         log.info("MTP draft K/V for prompts: %s", "batched with the read (STRATA_SPLIT_MTP_BATCH=1)" if self.split
@@ -91,12 +92,9 @@ class MTPDrafter:
             nxt = nxt[:n]
             if not running:
                 continue
-            rows = hidden[r0 : r0 + n]
-            if done < s:  # default mode: the prompt's earlier rows were kept by the read
-                rows = torch.cat([self.prompt_hidden[req.slot, done:s], rows])
-                nxt = req.token_ids(done + 1, s + 1) + nxt
-                s = done
-            rows_h.append(rows)
+            if done < s:  # default mode: the read kept the prompt's earlier rows; run them now
+                self._catch_up(req, done, s)
+            rows_h.append(hidden[r0 : r0 + n])
             seqs.append((req, s, nxt, True))
         if not seqs:
             return
@@ -104,6 +102,14 @@ class MTPDrafter:
         groups = [list(range(len(seqs)))] if self.batch_mtp else [[i] for i in range(len(seqs))]
         for g in groups:
             self._run_group([seqs[i] for i in g], [rows_h[i] for i in g])
+
+    def _catch_up(self, req, start: int, end: int) -> None:
+        """MTP K/V for prompt positions [start, end) from the stored hidden states, a read-chunk at a
+        time so activations stay as small as the read's."""
+        for c0 in range(start, end, self.chunk_size):
+            c1 = min(c0 + self.chunk_size, end)
+            self._mtp(self.prompt_hidden[req.slot, c0:c1], req.token_ids(c0 + 1, c1 + 1), [c0], [c1 - c0], [req])
+        self.mtp_upto[req.request_id] = end
 
     def _record(self, rid: str, proposed: int, accepted: int) -> None:
         st = self.stats.setdefault(rid, SpecStats(self.max_drafts))
