@@ -49,8 +49,9 @@ def random_checkpoint(shape: str, path: str, device: torch.device, dtype: torch.
 
 
 def _engine(path: str, device: torch.device, dtype: str, ctx: int, parallel: int, chunk: int) -> LLMEngine:
+    # An explicit KV size: the HF model shares the GPU, so the pool must not take the free memory.
     cfg = EngineConfig(model=path, device=str(device), dtype=dtype, ctx=ctx, parallel=parallel,
-                       chunk_size=chunk, max_num_batched_tokens=max(chunk, parallel))
+                       chunk_size=chunk, max_num_batched_tokens=max(chunk, parallel), kv_size=ctx * parallel)
     return LLMEngine(cfg)
 
 

@@ -51,13 +51,14 @@ class _TextState:
     logprobs: bool = False
 
 
-def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device) -> int:
+def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device, reserved: int) -> int:
     if cfg.kv_size:
         return cfg.kv_size
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        # Weights are already resident; activations for one step of max_num_batched_tokens stay free.
-        return int(free * cfg.gpu_memory_utilization) // per_token
+        # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
+        # the rest of the margin is for one step's activations.
+        return int(free * cfg.gpu_memory_utilization - reserved) // per_token
     return cfg.ctx * cfg.parallel
 
 
@@ -75,7 +76,9 @@ class LLMEngine:
         mc = self.model_config
         layers = self.model.num_attention_layers
         per_token = kv_bytes_per_token(layers, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
-        tokens = _kv_capacity_tokens(cfg, per_token, self.device)
+        drafter_bytes = (cfg.parallel * self.max_model_len * mc.hidden_size * dtype.itemsize
+                         if cfg.spec and not MTPDrafter.split_mode() else 0)
+        tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes)
         num_blocks = max(tokens // cfg.block_size, 2) + 1  # +1: block 0 is the padding block
         self.pool = make_pool(cfg.kv, layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
                               self.device, dtype)

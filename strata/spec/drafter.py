@@ -44,7 +44,7 @@ class MTPDrafter:
         self.max_drafts, self.min_p, self.batch_mtp, self.adaptive = max_drafts, min_p, batch_mtp, adaptive
         self.max_model_len, self.chunk_size = max_model_len, chunk_size
         self.attn = PagedAttention(pool)
-        self.split = ENV.SPLIT_MTP_BATCH.get()
+        self.split = self.split_mode()
         log.info("MTP draft K/V for prompts: %s", "batched with the read (STRATA_SPLIT_MTP_BATCH=1)" if self.split
                  else "by the drafter at hand-over (default)")
         # Default mode keeps each slot's prompt hidden states until the read hands over.
@@ -56,6 +56,11 @@ class MTPDrafter:
         self.acceptance: dict[str, float] = {}  # running acceptance (adaptive draft length)
         self.stats: dict[str, SpecStats] = {}
         self.total = SpecStats(max_drafts)
+
+    @staticmethod
+    def split_mode() -> bool:
+        """STRATA_SPLIT_MTP_BATCH: prompt K/V batched with the read (else kept hidden states, at hand-over)."""
+        return ENV.SPLIT_MTP_BATCH.get()
 
     def forget(self, request_id: str) -> SpecStats | None:
         for d in (self.mtp_upto, self.draft_probs, self.gens, self.acceptance):
