@@ -49,7 +49,7 @@ def _load(a: argparse.Namespace):
     from strata.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, ctx=a.ctx, progress=True)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, ctx=a.ctx, parallel=1, progress=True)
     cfg = llm.engine_config
     print(f"loaded {llm.config.model_type} on {cfg.resolved_device} ({cfg.resolved_dtype}) "
           f"in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
@@ -57,19 +57,23 @@ def _load(a: argparse.Namespace):
 
 
 def _stream(llm, ids: list[int], params: SamplingParams) -> str:
-    from strata.runner.generator import Completion
-
-    out = Completion(prompt_token_ids=ids)
-    for chunk in llm.generator.stream(ids, params, out):
-        sys.stdout.write(chunk.text)
+    t0 = time.perf_counter()
+    t_first = None
+    text, n, reason = "", 0, None
+    for ev in llm.stream(ids, params):
+        if t_first is None:
+            t_first = time.perf_counter()
+        sys.stdout.write(ev.text)
         sys.stdout.flush()
-    n = len(out.token_ids)
+        text += ev.text
+        n, reason = ev.completion_tokens, ev.finish_reason or reason
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
     print(file=sys.stderr)
-    print(f"prompt: {len(ids)} tokens in {out.prompt_seconds:.3f}s "
-          f"({len(ids) / max(out.prompt_seconds, 1e-9):.1f} tok/s) | "
-          f"generated: {n} tokens in {out.decode_seconds:.3f}s ({n / max(out.decode_seconds, 1e-9):.1f} tok/s) | "
-          f"finish: {out.finish_reason}", file=sys.stderr)
-    return out.text
+    print(f"prompt: {len(ids)} tokens in {t_first - t0:.3f}s ({len(ids) / max(t_first - t0, 1e-9):.1f} tok/s) | "
+          f"generated: {n} tokens in {t_end - t_first:.3f}s ({max(n - 1, 0) / max(t_end - t_first, 1e-9):.1f} tok/s) | "
+          f"finish: {reason}", file=sys.stderr)
+    return text
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -212,5 +212,14 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"
 
+    @property
+    def torch_dtype(self):
+        import torch
+
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.resolved_dtype not in names:
+            raise ValueError(f"unknown dtype {self.resolved_dtype!r} (choose from {', '.join(names)})")
+        return names[self.resolved_dtype]
+
     def replace(self, **kw: Any) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

@@ -17,7 +17,6 @@ from strata.config import EngineConfig
 from strata.engine.types import TTFT_BUCKETS, EngineEvent, EngineRequest, EngineStats
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
-from strata.llm import torch_dtype
 from strata.loaders import load_model
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
@@ -63,11 +62,11 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, progress: bool = True):
         self.cfg = cfg
         self.device = torch.device(cfg.resolved_device)
-        dtype = torch_dtype(cfg.resolved_dtype)
-        loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=True)
+        dtype = cfg.torch_dtype
+        loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=progress)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = cfg.model or "strata-default"
         self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)
