@@ -179,6 +179,7 @@ class EngineConfig:
     chunk_size: int = 512  # most prompt tokens one request reads per step
     max_num_batched_tokens: int = 2048  # per-step token budget (reads + decodes)
     give_way: bool = True  # a long prompt read yields to newer requests at chunk boundaries
+    max_hold_steps: int = 16  # but a long read held this many steps in a row reads a chunk anyway
     spec: int = 0  # MTP speculation: up to N drafts per step (0 = off)
     spec_min_p: float = 0.0  # stop drafting at the first draft whose MTP probability is below this
     spec_adaptive: bool = False  # each slot's draft count follows its running acceptance (1..N)

@@ -462,3 +462,25 @@ def test_batch_groups_decode_in_turn():
         if r.slot % 2 == 1:
             s.abort(r.request_id)
     assert [sorted(c.request.slot for c in s.schedule().chunks)] == [[0, 2]]
+
+
+def test_long_read_is_not_starved_by_a_stream_of_short_reads():
+    from strata.kvcache.allocator import BlockAllocator
+    from strata.params import SamplingParams
+    from strata.sched.request import Request
+    from strata.sched.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(parallel=2, num_blocks=512, max_model_len=4096, chunk_size=64,
+                          max_num_batched_tokens=128, max_hold_steps=3)
+    s = Scheduler(cfg, BlockAllocator(512, 16))
+    s.add(Request("long", list(range(2000)), SamplingParams(max_tokens=1)))
+    progress = []
+    for i in range(40):
+        # A new 30-token request every step (it reads, samples and finishes: max_tokens=1).
+        s.add(Request(f"s{i}", [1] * 30, SamplingParams(max_tokens=1)))
+        out = s.schedule()
+        s.update(out, {c.request.request_id: 5 for c in out.chunks if c.sample})
+        progress.append(s.get("long").num_computed_tokens if s.get("long") else 2000)
+    # Held at most 3 steps in a row, then one chunk: the long read advances every 4 steps at least.
+    assert all(progress[i + 4] > progress[i] for i in range(len(progress) - 4) if progress[i] < 2000)
+    assert s.give_ways_total >= 5

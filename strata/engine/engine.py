@@ -88,7 +88,7 @@ class LLMEngine:
             SchedulerConfig(parallel=cfg.parallel, max_num_batched_tokens=cfg.max_num_batched_tokens,
                             chunk_size=cfg.chunk_size, block_size=cfg.block_size, num_blocks=num_blocks,
                             max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec,
-                            batch_groups=cfg.batch_groups),
+                            batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps),
             self.allocator,
         )
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,

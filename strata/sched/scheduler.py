@@ -37,11 +37,14 @@ class SchedulerConfig:
     give_way: bool = True
     lookahead: int = 0  # extra positions to reserve blocks for (the drafter's K/V)
     batch_groups: int = 1  # slots split into groups (slot % G) whose decodes are stepped in turn
+    max_hold_steps: int = 16  # a long read held back this many steps in a row reads the next one anyway
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_hold_steps < 1:
+            raise ValueError("SchedulerConfig.max_hold_steps must be >= 1")
         if self.batch_groups < 1 or self.batch_groups > self.parallel:
             raise ValueError("SchedulerConfig.batch_groups must be within 1..parallel")
         if self.num_blocks < 2:
@@ -128,6 +131,7 @@ class Scheduler:
         self._finished_on_add: list[Request] = []
         self._last_step: set[str] = set()  # requests that got tokens in the previous step
         self._next_group = 0  # batch groups: whose turn to decode is next
+        self._held: dict[str, int] = {}  # long reads: steps held back in a row (starvation guard)
         self.give_ways_total = 0
         self.preemptions_total = 0
 
@@ -226,9 +230,13 @@ class Scheduler:
         newest = self._arrival_of(readers[-1]) if readers else -1
         deferred: list[Request] = []
         for req in readers:
-            if cfg.give_way and req.remaining_read > cfg.chunk_size and self._arrival_of(req) < newest:
+            # Newer reads arriving every step would starve a long read: after max_hold_steps held
+            # steps in a row it reads a chunk beside them.
+            starving = self._held.get(req.request_id, 0) >= cfg.max_hold_steps
+            if cfg.give_way and req.remaining_read > cfg.chunk_size and self._arrival_of(req) < newest and not starving:
                 deferred.append(req)
             else:
+                self._held.pop(req.request_id, None)
                 self._schedule_read(req, step)
         for req in deferred:
             if req.status is not RequestStatus.RUNNING:
@@ -241,7 +249,9 @@ class Scheduler:
                 if req.request_id in self._last_step:
                     req.give_ways += 1
                     self.give_ways_total += 1
+                self._held[req.request_id] = self._held.get(req.request_id, 0) + 1
                 continue
+            self._held.pop(req.request_id, None)
             self._schedule_read(req, step)
 
         self._last_step = set(step.chunks)
@@ -408,3 +418,4 @@ class Scheduler:
         del self._requests[req.request_id]
         del self._arrival[req.request_id]
         self._last_step.discard(req.request_id)
+        self._held.pop(req.request_id, None)
