@@ -42,6 +42,9 @@ class ModelRunner:
         self.d_pos = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_slots = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=self.device)
+        # The host buffers are reused every step: before refilling them, wait until the previous step's
+        # copies out of them have finished (a step that samples nothing never syncs otherwise).
+        self.copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.samplers: dict[str, Sampler] = {}
         self.hidden: torch.Tensor | None = None
         self.row_starts: list[int] = []
@@ -50,6 +53,8 @@ class ModelRunner:
         self.samplers.pop(request_id, None)
 
     def _fill(self, chunks) -> tuple[int, list[int], list[int]]:
+        if self.copied is not None:
+            self.copied.synchronize()
         bs = self.pool.block_size
         n = 0
         starts, lens = [], []
@@ -80,6 +85,8 @@ class ModelRunner:
         for h, d, m in ((self.h_ids, self.d_ids, n), (self.h_pos, self.d_pos, n), (self.h_slots, self.d_slots, n)):
             d[:m].copy_(h[:m], non_blocking=True)
         self.d_tables[:r].copy_(self.h_tables[:r], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
 
