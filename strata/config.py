@@ -170,7 +170,7 @@ class EngineConfig:
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     ctx: int = 4096  # maximum tokens per sequence (prompt + output)
-    seed: int | None = None
+    seed: int | None = None  # seeds requests that bring none (in arrival order): reproducible runs
     parallel: int = 1  # slots: requests decoding at once; more wait in a queue
     kv: str = "auto"  # KV cache storage: auto (the model dtype) | bf16 | int8
     kv_size: int | None = None  # KV capacity in tokens; None: from free memory (CUDA), ctx x parallel (CPU)

@@ -178,3 +178,14 @@ def test_int8_kv_mostly_agrees(solo):
     got = e.run_to_completion()
     same = sum(a == b for i in range(len(PROMPTS)) for a, b in zip(tokens(got[f"q{i}"]), solo[i]))
     assert same >= 0.5 * 16 * len(PROMPTS)
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible():
+    def sample(seed):
+        e = engine(parallel=2, seed=seed)
+        for i, p in enumerate(PROMPTS[:2]):
+            e.add_request(req(f"u{i}", e.tokenizer.encode(p), max_tokens=12, temperature=1.0, ignore_eos=True))
+        return {k: tokens(v) for k, v in e.run_to_completion().items()}
+
+    assert sample(5) == sample(5)
+    assert sample(5) != sample(6)

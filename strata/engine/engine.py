@@ -92,7 +92,8 @@ class LLMEngine:
             self.allocator,
         )
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device)
+                                  max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
+                                  seed=cfg.seed)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:
@@ -100,7 +101,8 @@ class LLMEngine:
             self.drafter = MTPDrafter(self.model, self.pool, max_drafts=cfg.spec, min_p=cfg.spec_min_p,
                                       batch_mtp=cfg.batch_mtp, adaptive=cfg.spec_adaptive,
                                       max_model_len=self.max_model_len, max_seqs=cfg.parallel,
-                                      chunk_size=cfg.chunk_size, device=self.device, dtype=dtype)
+                                      chunk_size=cfg.chunk_size, device=self.device, dtype=dtype,
+                                      seed_of=lambda req: self.runner.sampler(req).seed)
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.started = time.monotonic()

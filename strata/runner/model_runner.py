@@ -26,7 +26,7 @@ class Sampled:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, seed: int | None = None):
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.attn = PagedAttention(pool)
         bs = pool.block_size
@@ -46,11 +46,22 @@ class ModelRunner:
         # copies out of them have finished (a step that samples nothing never syncs otherwise).
         self.copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.samplers: dict[str, Sampler] = {}
+        self.seed, self.sampled_requests = seed, 0
         self.hidden: torch.Tensor | None = None
         self.row_starts: list[int] = []
 
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
+
+    def sampler(self, req) -> Sampler:
+        """The request's sampler. With an engine seed, requests that bring none get seeds derived from
+        it in arrival order, so a whole run is reproducible."""
+        s = self.samplers.get(req.request_id)
+        if s is None:
+            default = None if self.seed is None else self.seed * 1_000_003 + self.sampled_requests
+            self.sampled_requests += 1
+            s = self.samplers[req.request_id] = Sampler(req.params, default)
+        return s
 
     def _fill(self, chunks) -> tuple[int, list[int], list[int]]:
         if self.copied is not None:
@@ -112,9 +123,7 @@ class ModelRunner:
             if p.greedy and p.repetition_penalty == 1.0:
                 toks = verify_greedy(list(ch.drafts), greedy[r0 : r0 + k1]) if ch.drafts else [greedy[r0]]
             else:
-                sampler = self.samplers.get(req.request_id)
-                if sampler is None:
-                    sampler = self.samplers[req.request_id] = Sampler(p)
+                sampler = self.sampler(req)
                 if ch.drafts:
                     q = (draft_probs or {}).get(req.request_id)
                     target = torch.stack([filtered_probs(logits[r0 + j], p) for j in range(k1)]).cpu()

@@ -43,13 +43,16 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 class Sampler:
     """Draws the next token for one request; owns that request's random generator."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+    def __init__(self, params: SamplingParams, default_seed: int | None = None):
+        """The request's own seed wins; else `default_seed` (the engine's --seed); else the OS's."""
         self.params = params
         self.gen = torch.Generator(device="cpu")
-        if params.seed is not None:
-            self.gen.manual_seed(params.seed)
+        seed = params.seed if params.seed is not None else default_seed
+        if seed is not None:
+            self.gen.manual_seed(seed)
         else:
             self.gen.seed()
+        self.seed = self.gen.initial_seed()
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
         p = self.params

@@ -21,6 +21,7 @@ With `batch_mtp`, all requests' rows run as one batch per depth; without it, one
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -37,12 +38,13 @@ log = logging.getLogger("strata")
 class MTPDrafter:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_drafts: int, min_p: float, batch_mtp: bool,
                  adaptive: bool, max_model_len: int, max_seqs: int, chunk_size: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, seed_of: Callable[[Any], int]):
+        """`seed_of(request)`: the request's sampling seed; its drafts draw from the next one."""
         if not model.mtp_layers:
             raise ValueError("speculation needs a model with an MTP head (num_nextn_predict_layers > 0)")
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_drafts, self.min_p, self.batch_mtp, self.adaptive = max_drafts, min_p, batch_mtp, adaptive
-        self.max_model_len, self.chunk_size = max_model_len, chunk_size
+        self.max_model_len, self.chunk_size, self.seed_of = max_model_len, chunk_size, seed_of
         self.attn = PagedAttention(pool)
         self.split = self.split_mode()
         log.info("MTP draft K/V for prompts: %s", "batched with the read (STRATA_SPLIT_MTP_BATCH=1)" if self.split
@@ -156,7 +158,7 @@ class MTPDrafter:
         gen = self.gens.get(req.request_id)
         if gen is None:
             gen = self.gens[req.request_id] = torch.Generator()
-            gen.manual_seed((p.seed if p.seed is not None else torch.seed()) + 1)
+            gen.manual_seed(self.seed_of(req) + 1)
         tok = int(torch.multinomial(q, 1, generator=gen))
         return tok, float(q[tok]), q
 
