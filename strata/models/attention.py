@@ -21,7 +21,7 @@ class AttentionBackend(ABC):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask: torch.Tensor | None = None):
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask: torch.Tensor | None = None):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] → [B, Hq, Tq, D], grouped-query aware."""
     group = q.shape[1] // k.shape[1]
     if group > 1 and q.is_cuda:
@@ -46,7 +46,7 @@ class CausalBatch(AttentionBackend):
         def split(x: torch.Tensor) -> torch.Tensor:
             return x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2)
 
-        o = _sdpa(split(q), split(k), split(v), causal=True)
+        o = sdpa(split(q), split(k), split(v), causal=True)
         return o.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])
 
 
@@ -78,12 +78,12 @@ class ContiguousKV(AttentionBackend):
         kk, vv = self.k[layer, :, :end][None], self.v[layer, :, :end][None]
         qq = q.transpose(0, 1)[None]
         if n == 1:
-            o = _sdpa(qq, kk, vv, causal=False)
+            o = sdpa(qq, kk, vv, causal=False)
         elif s == 0:
-            o = _sdpa(qq, kk, vv, causal=True)
+            o = sdpa(qq, kk, vv, causal=True)
         else:
             # Query i (at position s+i) sees keys 0..s+i.
             qpos = torch.arange(s, end, device=q.device)[:, None]
             kpos = torch.arange(end, device=q.device)[None, :]
-            o = _sdpa(qq, kk, vv, causal=False, mask=kpos <= qpos)
+            o = sdpa(qq, kk, vv, causal=False, mask=kpos <= qpos)
         return o[0].transpose(0, 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.kvcache.pool import KVPool
-from strata.models.attention import AttentionBackend, _sdpa
+from strata.models.attention import AttentionBackend, sdpa
 
 
 class PagedAttention(AttentionBackend):
@@ -44,6 +44,6 @@ class PagedAttention(AttentionBackend):
         self.pool.write(layer, self.slots, k, v)
         kk, vv = self.pool.gather(layer, self.kv_index, q.dtype)  # [R, L, Hkv, D]
         qq = q[self.q_rows]  # [R, Q, Hq, D]
-        o = _sdpa(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=False, mask=self.mask[:, None])
+        o = sdpa(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=False, mask=self.mask[:, None])
         o = o.transpose(1, 2)  # [R, Q, Hq, D]
         return o[self.q_valid]

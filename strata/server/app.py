@@ -147,7 +147,21 @@ def _usage(prompt: int, completion: int, spec: dict | None = None) -> P.Usage:
                    speculation=spec)
 
 
-class _ChatChunks:
+class _Chunks:
+    """What both SSE formats share: an error ends the stream; token ids are paired with logprobs."""
+
+    s: "_Server"
+    sent: int
+
+    def _error_or_tokens(self, ev: EngineEvent) -> tuple[str | None, list[int], Any]:
+        if ev.error:
+            return self.s.stream_error(ev.error), [], None
+        ids, lps = _visible(ev, self.sent)
+        self.sent += len(ids)
+        return None, ids, lps
+
+
+class _ChatChunks(_Chunks):
     """Engine events to `chat.completion.chunk` SSE lines."""
 
     def __init__(self, server: "_Server", rid: str, model: str, include_usage: bool, logprobs: bool):
@@ -165,11 +179,10 @@ class _ChatChunks:
         yield self._chunk(P.ChatDelta(role="assistant", content=""))
 
     def event(self, ev: EngineEvent) -> Iterator[str]:
-        if ev.error:
-            yield self.s.stream_error(ev.error)
+        error, ids, lps = self._error_or_tokens(ev)
+        if error:
+            yield error
             return
-        ids, lps = _visible(ev, self.sent)
-        self.sent += len(ids)
         lp = self.s.chat_logprobs(ids, lps) if self.logprobs else None
         if ev.text or lp is not None and lp.content:
             yield self._chunk(P.ChatDelta(content=ev.text), logprobs=lp)
@@ -180,7 +193,7 @@ class _ChatChunks:
                                                  usage=_usage(ev.prompt_tokens, ev.completion_tokens, ev.spec)))
 
 
-class _CompletionChunks:
+class _CompletionChunks(_Chunks):
     """Engine events to `text_completion` SSE lines."""
 
     def __init__(self, server: "_Server", rid: str, model: str, include_usage: bool, logprobs: bool, echo: str):
@@ -199,11 +212,10 @@ class _CompletionChunks:
             yield self._chunk(self.echo)
 
     def event(self, ev: EngineEvent) -> Iterator[str]:
-        if ev.error:
-            yield self.s.stream_error(ev.error)
+        error, ids, lps = self._error_or_tokens(ev)
+        if error:
+            yield error
             return
-        ids, lps = _visible(ev, self.sent)
-        self.sent += len(ids)
         lp = self.s.completion_logprobs(ids, lps, self.offset) if self.logprobs else None
         self.offset += len(ev.text)
         if ev.text or ev.finish_reason is not None or lp is not None and lp.tokens:

@@ -211,18 +211,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = configure_parser(argparse.ArgumentParser(prog="strata serve",
-                                                      description="OpenAI-compatible HTTP server"))
-    args = parser.parse_args(argv)
-    from strata.loaders import LoadError
+    """`python -m strata.server.serve ...` is `strata serve ...` (one parser, one error policy)."""
+    from strata.cli import main as strata_main
 
-    try:
-        return cmd_serve(args)
-    except (LoadError, ValueError) as e:
-        print(f"strata serve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return strata_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
