@@ -297,7 +297,7 @@ def main() -> None:
     if args.init:
         from strata.loaders import load_model
 
-        src = load_model(args.init, device=dev, dtype=torch.float32, progress=False).model
+        src = load_model(args.init, device=dev, dtype=torch.float32, progress=False, pack_experts=False).model
         with torch.no_grad():
             sd = src.state_dict()
             for name, t in model.state_dict().items():

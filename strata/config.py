@@ -185,6 +185,7 @@ class EngineConfig:
     spec_adaptive: bool = False  # each slot's draft count follows its running acceptance (1..N)
     batch_mtp: bool = False  # run all slots' MTP drafts as one batch (else one slot at a time)
     batch_groups: int = 1  # slots split into G decode groups stepped in turn (slot % G)
+    overlap: bool = True  # with G > 1: launch a group's step before finishing the previous group's
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):

@@ -39,3 +39,6 @@ def test_bench_spec_arms_agree(tmp_path):
     assert res["decode"][1]["drafts_proposed"] > 0
     assert [r["split_mtp_batch"] for r in res["read"]] == [False, True]
     assert all(r["read_tok_s"] > 0 and r["acceptance"] > 0 for r in res["read"])
+    groups = [(r["spec"], r["batch_groups"], r["overlap"]) for r in res["groups"]]
+    assert groups == [(s, g, o) for s in (0, 3) for g, o in ((1, False), (2, True), (2, False))]
+    assert all(r["identical_to_spec0"] for r in res["groups"])

@@ -84,3 +84,32 @@ def test_cuda_bf16_speculation_agreement_reported():
     print(f"bf16 --spec 3 --spec-min-p 0.7: {same}/128 tokens equal to no speculation; "
           f"acceptance {st['acceptance']:.3f}")
     assert st["drafts_proposed"] > 0
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_cuda_step_launch_never_waits_for_the_device(spec):
+    """Overlapped batch groups need `runner.launch` to queue a whole step without one host-device sync
+    (an `.item()`, a pageable copy, the MoE layer's expert counts ...): CUDA's sync debug mode turns
+    any such wait into an error. The default model is MoE, so the expert path is covered too."""
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=4, spec=spec, batch_mtp=True))
+    long_prompt = " ".join(PROMPTS * 40)
+    for i, p in enumerate(PROMPTS[:3] + [long_prompt]):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=64, ignore_eos=True), time.monotonic()))
+    launched = 0
+    while e.has_work() and launched < 6:
+        out = e.scheduler.schedule()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = e.runner.launch(out.chunks)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched += 1
+        sampled = e.runner.collect(step, e.drafter.draft_probs if e.drafter else None) if step else {}
+        e.scheduler.update(out, {rid: s.tokens for rid, s in sampled.items()})
+        if e.drafter:
+            e.drafter.after_step(out.chunks, e.runner.hidden, e.runner.row_starts, sampled)
+    assert launched == 6
+    if spec:
+        assert e.drafter.total.as_dict()["drafts_proposed"] > 0

@@ -484,3 +484,74 @@ def test_long_read_is_not_starved_by_a_stream_of_short_reads():
     # Held at most 3 steps in a row, then one chunk: the long read advances every 4 steps at least.
     assert all(progress[i + 4] > progress[i] for i in range(len(progress) - 4) if progress[i] < 2000)
     assert s.give_ways_total >= 5
+
+
+# ---------------------------------------------------------------- overlapped steps (batch groups)
+
+
+def drive_overlapped(sched: Scheduler, arrivals=None, max_steps=4000):
+    """Like drive(), but each step is scheduled (and "computed") before the previous one's update, as
+    the engine does with batch groups. Returns {rid: output_ids} of the finished requests."""
+    arrivals = dict(arrivals or {})
+    runner = FakeRunner(sched)
+    pending = None
+    outputs = {}
+    for step in range(max_steps):
+        for r in arrivals.pop(step, []):
+            sched.add(r)
+        if not sched.has_unfinished() and not arrivals and pending is None:
+            return outputs
+        out = sched.schedule()
+        check_step(sched, out)
+        if pending is not None:
+            assert not {c.request.request_id for c in out.chunks} & {c.request.request_id for c in pending[0].chunks}
+            assert not {r.request_id for r in out.preempted} & {c.request.request_id for c in pending[0].chunks}
+        sampled = runner(out)
+        if pending is not None:
+            for r in sched.update(*pending):
+                outputs[r.request_id] = list(r.output_ids)
+        pending = (out, sampled) if out.chunks or out.finished else None
+    raise AssertionError("scheduler did not drain")
+
+
+@pytest.mark.parametrize("num_blocks", [1024, 24])
+def test_overlapped_steps_give_the_same_tokens(num_blocks):
+    def reqs():
+        return [req(f"r{i}", 40 + 37 * i, max_tokens=30) for i in range(6)]
+
+    arrivals = {0: reqs()[:4], 9: reqs()[4:]}
+    plain = make_sched(parallel=4, batch_groups=2, chunk_size=32, num_blocks=num_blocks, max_model_len=512)
+    _, done = drive(plain, arrivals)
+    expected = {r.request_id: r.output_ids for rs in arrivals.values() for r in rs}
+    arrivals = {0: reqs()[:4], 9: reqs()[4:]}
+    s = make_sched(parallel=4, batch_groups=2, chunk_size=32, num_blocks=num_blocks, max_model_len=512)
+    got = drive_overlapped(s, arrivals)
+    assert got == expected and len(got) == 6
+    if num_blocks == 24:
+        assert s.preemptions_total > 0  # the small pool forced preemptions, deferred past their flight
+    assert s.kv_blocks_used == 0 and s.slots_busy == 0
+
+
+def test_in_flight_request_is_neither_rescheduled_nor_preempted():
+    s = make_sched(parallel=2, batch_groups=2, num_blocks=3, block_size=16, max_model_len=64)
+    a, b = req("a", 15, max_tokens=40), req("b", 15, max_tokens=40)
+    s.add(a)
+    out_a = s.schedule()  # a reads, and is in flight
+    s.add(b)
+    out_b = s.schedule()  # b reads; a must not appear
+    assert [c.request.request_id for c in out_a.chunks] == ["a"]
+    assert [c.request.request_id for c in out_b.chunks] == ["b"]
+    assert s.schedule().chunks == []  # both in flight: nothing to do
+    s.update(out_a, {"a": 5})
+    out = s.schedule()  # a decodes position 15, still in its first block
+    assert [(c.request.request_id, c.start) for c in out.chunks] == [("a", 15)]
+    s.update(out, {"a": 6})
+    # Position 16 needs a second block; the pool (2 usable blocks) is full and the newest request, b,
+    # is in flight: it is marked, not preempted, and a waits a step.
+    out = s.schedule()
+    assert out.chunks == [] and out.preempted == [] and b.status is RequestStatus.RUNNING and b.block_ids
+    s.update(out_b, {"b": 7})
+    out = s.schedule()  # b's step is back: now it is preempted and a gets its block
+    assert [r.request_id for r in out.preempted] == ["b"] and b.status is RequestStatus.PREEMPTED
+    assert [(c.request.request_id, c.start) for c in out.chunks] == [("a", 16)]
+    assert b.output_ids == [7] and not b.block_ids

@@ -88,13 +88,12 @@ def test_rejected_drafts_roll_back(plain, monkeypatch):
     """Drafts that are always wrong: every one is rejected, and the output is still plain greedy."""
     from strata.spec import drafter as drafter_mod
 
-    original = drafter_mod.MTPDrafter._pick
+    original = drafter_mod.MTPDrafter._picks
 
-    def wrong(self, req, logits):
-        tok, prob, q = original(self, req, logits)
-        return (tok + 1) % logits.shape[-1], prob, q
+    def wrong(self, reqs, logits):
+        return [((tok + 1) % logits.shape[-1], prob, q) for tok, prob, q in original(self, reqs, logits)]
 
-    monkeypatch.setattr(drafter_mod.MTPDrafter, "_pick", wrong)
+    monkeypatch.setattr(drafter_mod.MTPDrafter, "_picks", wrong)
     out, e = run(spec=3, batch_mtp=True)
     st = e.stats().spec
     assert out == plain
@@ -143,3 +142,78 @@ def test_batch_groups_keep_greedy_output(plain):
     assert out == plain and e.stats().spec["drafts_proposed"] > 0
     out, _ = run(batch_groups=4)
     assert out == plain
+    out, _ = run(spec=2, batch_groups=2, overlap=False)
+    assert out == plain
+
+
+def _trace(e: LLMEngine) -> list[str]:
+    """Records the order of the runner's launches and collects."""
+    calls: list[str] = []
+    launch, collect = e.runner.launch, e.runner.collect
+
+    def traced_launch(chunks):
+        calls.append("L")
+        return launch(chunks)
+
+    def traced_collect(step, probs=None):
+        calls.append("C")
+        return collect(step, probs)
+
+    e.runner.launch, e.runner.collect = traced_launch, traced_collect
+    return calls
+
+
+def test_batch_groups_overlap_launches_before_collecting(plain):
+    """With G > 1 the next group's step is launched before the previous one is collected (the host
+    work of one overlaps the device work of the other); without overlap they strictly alternate."""
+    for overlap in (True, False):
+        e = LLMEngine(EngineConfig(device="cpu", parallel=4, batch_groups=2, overlap=overlap, spec=2, batch_mtp=True))
+        calls = _trace(e)
+        for i, p in enumerate(PROMPTS):
+            e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                        SamplingParams(max_tokens=24, ignore_eos=True), time.monotonic()))
+        got = {k: [t for ev in v for t in ev.token_ids] for k, v in e.run_to_completion().items()}
+        assert got == plain
+        seq = "".join(calls)
+        assert seq.count("L") == seq.count("C")
+        assert ("LL" in seq) == overlap and e.pipelined == overlap
+
+
+def test_batch_groups_overlap_through_give_way_preemption_and_abort():
+    prompts = [LONG[:6000], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    base, _ = run(prompts=prompts, max_tokens=12, arrive={1: 2, 2: 3, 3: 3})
+    out, e = run(prompts=prompts, max_tokens=12, arrive={1: 2, 2: 3, 3: 3}, spec=3, batch_mtp=True, batch_groups=2)
+    assert out == base and e.scheduler.give_ways_total >= 1 and e.pipelined
+    base, _ = run(max_tokens=24, kv_size=96)
+    out, e = run(max_tokens=24, kv_size=96, spec=3, batch_mtp=True, batch_groups=2)
+    assert e.scheduler.preemptions_total >= 1 and out == base
+    # Aborting a request whose step is in flight: its tokens are dropped, the others are unchanged.
+    e = LLMEngine(EngineConfig(device="cpu", parallel=4, batch_groups=2, spec=2, batch_mtp=True))
+    for i, p in enumerate(PROMPTS):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=24, ignore_eos=True), time.monotonic()))
+    got: dict[str, list[int]] = {}
+    for _ in range(4):
+        for ev in e.step():
+            got.setdefault(ev.request_id, []).extend(ev.token_ids)
+    victim = e.in_flight.out.chunks[0].request.request_id
+    assert e.abort(victim).finish_reason == "abort"
+    while e.has_work():
+        for ev in e.step():
+            assert ev.request_id != victim
+            got.setdefault(ev.request_id, []).extend(ev.token_ids)
+    plain = run(max_tokens=24)[0]
+    assert all(got[k] == plain[k] for k in got if k != victim) and len(got) == 4
+
+
+def test_batch_groups_overlap_keeps_seeded_sampling():
+    def sample(overlap: bool):
+        e = LLMEngine(EngineConfig(device="cpu", parallel=4, batch_groups=2, overlap=overlap, spec=2,
+                                   batch_mtp=True, seed=11))
+        for i, p in enumerate(PROMPTS):
+            e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                        SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True),
+                                        time.monotonic()))
+        return {k: [t for ev in v for t in ev.token_ids] for k, v in e.run_to_completion().items()}
+
+    assert sample(True) == sample(False)

@@ -5,6 +5,8 @@ for every `--spec N` × `--spec-min-p P` arm; reported: decode tok/s (timed afte
 acceptance and mean accepted length, and whether the output equals the `--spec 0` arm's.
 Prompt read: one long prompt with `--spec N`, read with `STRATA_SPLIT_MTP_BATCH` off and on; reported:
 read tok/s (submission to first token) and the acceptance of the decode that follows.
+Batch groups: the same decode with `--batch-groups 1`, `2` (steps overlapped) and `2 --no-overlap`, at
+`--spec 0` and `--spec 3`, so the overlap's gain is the ratio of the last two, measured side by side.
 Arms run one after another in one process; JSON under bench/results/, a PNG when matplotlib exists.
 """
 
@@ -36,9 +38,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_arm(args, spec: int, min_p: float) -> dict:
+def decode_arm(args, spec: int, min_p: float, groups: int = 1, overlap: bool = True) -> dict:
     eng = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, parallel=args.parallel, spec=spec,
-                                 spec_min_p=min_p, batch_mtp=True))
+                                 spec_min_p=min_p, batch_mtp=True, batch_groups=groups, overlap=overlap))
     best, out = float("inf"), {}
     for rep in range(args.repeats + 1):
         for i in range(args.parallel):
@@ -56,7 +58,8 @@ def decode_arm(args, spec: int, min_p: float) -> dict:
             out = {k.split("-")[1]: [t for ev in v for t in ev.token_ids] for k, v in events.items()}
     st = eng.stats().spec or {"acceptance": 0.0, "mean_accepted_length": 1.0, "drafts_proposed": 0}
     new = args.parallel * (args.tokens - 1)
-    return {"spec": spec, "spec_min_p": min_p, "decode_tok_s": new / best, "acceptance": st["acceptance"],
+    return {"spec": spec, "spec_min_p": min_p, "batch_groups": groups, "overlap": overlap and groups > 1,
+            "decode_tok_s": new / best, "acceptance": st["acceptance"],
             "mean_accepted_length": st["mean_accepted_length"], "drafts_proposed": st["drafts_proposed"],
             "tokens": out}
 
@@ -102,9 +105,17 @@ def run(args) -> int:
     for r in read:
         print(f"read {r['prompt_tokens']} tokens, STRATA_SPLIT_MTP_BATCH={int(r['split_mtp_batch'])}: "
               f"{r['read_tok_s']:9.1f} tok/s  acceptance {r['acceptance']:.3f}", flush=True)
+    groups = []
+    for spec in args.group_specs:
+        arms = [decode_arm(args, spec, 0.0, g, o) for g, o in ((1, True), (2, True), (2, False))]
+        for r in arms:
+            r["identical_to_spec0"] = r.pop("tokens") == base
+            print(f"decode spec {spec} batch-groups {r['batch_groups']} overlap {int(r['overlap'])}: "
+                  f"{r['decode_tok_s']:8.1f} tok/s  same output {r['identical_to_spec0']}", flush=True)
+        groups.extend(arms)
     info = {"bench": "spec", "model": "default", "device": args.device, "dtype": args.dtype,
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-            "parallel": args.parallel, "tokens": args.tokens, "decode": decode, "read": read}
+            "parallel": args.parallel, "tokens": args.tokens, "decode": decode, "read": read, "groups": groups}
     out = args.out or f"bench/results/spec_{args.device.split(':')[0]}.json"
     save(info, out, _draw)
     return 0
@@ -113,7 +124,10 @@ def run(args) -> int:
 def _draw(plt, info: dict) -> None:
     rows = info["decode"]
     labels = [f"spec {r['spec']}" + (f"\nmin-p {r['spec_min_p']}" if r["spec"] else "") for r in rows]
-    _, ax = plt.subplots(figsize=(7, 3.5))
+    groups = info.get("groups", [])
+    _, axes = plt.subplots(1, 2 if groups else 1, figsize=(11 if groups else 7, 3.5), squeeze=False,
+                           gridspec_kw={"width_ratios": [7, 4]} if groups else None)
+    ax = axes[0][0]
     ax.bar(range(len(rows)), [r["decode_tok_s"] for r in rows])
     for i, r in enumerate(rows):
         if r["spec"]:
@@ -121,6 +135,12 @@ def _draw(plt, info: dict) -> None:
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("decode tokens / s")
     ax.set_title(f"MTP speculation, default model, {info['parallel']} slots, {info['gpu'] or info['device']}")
+    if groups:
+        ax = axes[0][1]
+        glabels = [f"spec {r['spec']}\nG={r['batch_groups']}" + (" overlap" if r["overlap"] else "") for r in groups]
+        ax.bar(range(len(groups)), [r["decode_tok_s"] for r in groups], color="tab:green")
+        ax.set_xticks(range(len(groups)), glabels, fontsize=7)
+        ax.set_title("batch groups", fontsize=9)
 
 
 def add_parser(sub) -> None:
@@ -134,6 +154,8 @@ def add_parser(sub) -> None:
     p.add_argument("--read-tokens", type=int, default=3000)
     p.add_argument("--read-spec", type=int, default=3)
     p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--group-specs", type=lambda s: [int(x) for x in s.split(",")], default=[0, 3],
+                   help="--spec values of the batch-groups arms")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)

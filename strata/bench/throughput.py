@@ -10,12 +10,11 @@ reads are done. HF: one forward over the prompt (read), `generate` with a fixed 
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from strata.config import EngineConfig, ModelConfig
+from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
 from strata.bench.results import save

@@ -3,10 +3,16 @@
 Start-up reads like a table of contents: load the model (built on meta, weights assigned) → measure
 memory → size the KV pool → build allocator, scheduler and runner (static buffers). `step()` runs
 one scheduled step and returns the events it produced; `AsyncEngine` runs steps in a thread.
+
+With batch groups (`--batch-groups G`, G > 1, and `overlap` on) steps are pipelined: `step()` schedules
+and launches the next group's step, then finishes the previous one (waits for its tokens, updates the
+scheduler, drafts, detokenizes) while the device computes the new one. The scheduler keeps the two
+steps apart (a request in flight is not scheduled again), so the result is the same as stepping in turn.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -19,9 +25,9 @@ from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.loaders import load_model
 from strata.runner.generator import Detokenizer, StopChecker
-from strata.runner.model_runner import ModelRunner
+from strata.runner.model_runner import LaunchedStep, ModelRunner
 from strata.sched.request import Request
-from strata.sched.scheduler import Scheduler, SchedulerConfig
+from strata.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from strata.spec.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
@@ -43,6 +49,12 @@ def check_prompt(num_tokens: int, max_model_len: int) -> None:
 
 
 @dataclass
+class _Launched:
+    out: SchedulerOutput
+    step: LaunchedStep | None  # None: nothing to compute (only requests that finished while scheduling)
+
+
+@dataclass
 class _TextState:
     detok: Detokenizer | None
     stops: StopChecker
@@ -54,6 +66,10 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
     if cfg.kv_size:
         return cfg.kv_size
     if device.type == "cuda":
+        # An engine built before this one (a benchmark's previous arm) may linger in a reference cycle
+        # with its pool, or as blocks in PyTorch's cache: neither counts as free unless released.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
         # the rest of the margin is for one step's activations.
@@ -105,6 +121,8 @@ class LLMEngine:
                                       seed_of=lambda req: self.runner.sampler(req).seed)
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
+        self.pipelined = cfg.batch_groups > 1 and cfg.overlap
+        self.in_flight: _Launched | None = None
         self.started = time.monotonic()
         self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
@@ -134,17 +152,33 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineEvent]:
+        launched = self._launch()
+        if not self.pipelined:
+            return self._complete(launched) if launched else []
+        previous, self.in_flight = self.in_flight, launched
+        return self._complete(previous) if previous else []
+
+    def _launch(self) -> _Launched | None:
         out = self.scheduler.schedule()
         if not out.chunks and not out.finished:
-            return []
-        sampled = self.runner.execute(out.chunks, self.drafter.draft_probs if self.drafter else None)
+            return None
+        return _Launched(out, self.runner.launch(out.chunks))
+
+    def _complete(self, launched: _Launched) -> list[EngineEvent]:
+        out = launched.out
+        sampled = (self.runner.collect(launched.step, self.drafter.draft_probs if self.drafter else None)
+                   if launched.step else {})
+        # An overlapped step may come back for requests aborted since it was launched: drop them.
+        sampled = {rid: s for rid, s in sampled.items() if rid in self.requests}
         self.prompt_tokens_total += sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
                                         for c in out.chunks)
         finished = self.scheduler.update(out, {rid: s.tokens for rid, s in sampled.items()})
         if self.drafter:
             for r in out.preempted:
                 self.drafter.reset(r.request_id)
-            self.drafter.after_step(out.chunks, self.runner.hidden, self.runner.row_starts, sampled)
+            live = [i for i, c in enumerate(out.chunks) if c.request.request_id in self.requests]
+            self.drafter.after_step([out.chunks[i] for i in live], self.runner.hidden,
+                                    [self.runner.row_starts[i] for i in live], sampled)
         events: list[EngineEvent] = []
         done = {r.request_id for r in finished}
         for rid, s in sampled.items():

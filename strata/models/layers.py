@@ -177,9 +177,56 @@ class Router(nn.Module):
         return w * self.scale, ids, logits
 
 
+def _grouped_mm_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """One tiny call of `torch._grouped_mm` on the real weights, checked against F.linear.
+
+    The op is private and its kernels accept only some dtypes, shapes and alignments (CUDA may reject
+    fp32 or dims that are not multiples of 8/16, or run a fallback that reads the group offsets on the
+    host), so it is tried once here, at pack time, rather than failing or syncing in the middle of a step."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    e, two_i, h = w13.shape
+    dev = w13.device
+    # Uneven groups with some empty, as real routing gives.
+    counts = torch.arange(e, device=dev) % 3
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = int(counts.sum())
+    x = torch.randn(rows, h, device=dev, dtype=w13.dtype)
+    a = torch.randn(rows, two_i // 2, device=dev, dtype=w2.dtype)
+    on_cuda = dev.type == "cuda"
+    try:
+        if on_cuda:
+            # A fallback that copies `offs` to the host would defeat the point of this path.
+            old_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            y13 = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+            y2 = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+        finally:
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode(old_mode)
+    except (RuntimeError, NotImplementedError):
+        # Unsupported dtype/shape/alignment/device on this build: the loop path serves instead.
+        return False
+    bounds = [0] + offs.tolist()
+    ref13 = torch.cat([F.linear(x[bounds[i] : bounds[i + 1]], w13[i]) for i in range(e)])
+    ref2 = torch.cat([F.linear(a[bounds[i] : bounds[i + 1]], w2[i]) for i in range(e)])
+    # Loose enough for 16-bit rounding and TF32; a wrong layout is off by O(1).
+    tol = 1e-2 if w13.dtype == torch.float32 else 3e-2
+    return all(
+        got.shape == ref.shape and bool((got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max())
+        for got, ref in ((y13, ref13), (y2, ref2))
+    )
+
+
 class MoE(nn.Module):
-    """Routed experts plus optional shared experts. Experts keep the HF per-expert layout; the
-    reference path groups tokens by expert so each expert runs one matmul per step."""
+    """Routed experts plus optional shared experts. Experts keep the HF per-expert layout as loaded.
+
+    Two forward paths, named by `self.path`:
+    - "loop" (reference; any unpacked module): groups tokens by expert so each expert runs one matmul;
+      it reads the group sizes on the host, one device sync per call.
+    - "grouped" (after `pack_experts()`): all experts in two `torch._grouped_mm` calls over stacked
+      weights, with no host sync, so a step can be queued on the GPU without the host waiting."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -192,11 +239,51 @@ class MoE(nn.Module):
         # Set by a trainer that balances load (aux-loss-free bias update); the serving path ignores it.
         self.last_expert_ids: torch.Tensor | None = None
         self.keep_routing = False
+        self.path = "loop"
+        # Stacked expert weights, set by pack_experts(). Non-persistent: the checkpoint names stay HF's.
+        self.register_buffer("w13", None, persistent=False)  # [E, 2*I, H]: gate rows, then up rows
+        self.register_buffer("w2", None, persistent=False)  # [E, H, I]
+
+    @torch.no_grad()
+    def pack_experts(self) -> str:
+        """Stack the experts' weights into `w13`/`w2` and make each expert's weights views of them
+        (no second copy), then pick the path. Call after the weights are on their final device and
+        dtype: moving the module afterwards copies the views apart. Returns `self.path`."""
+        params = [p for m in self.experts for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
+        if any(p.requires_grad for p in params) or any(p.is_meta for p in params):
+            # The grouped path reads the stacked buffers, which autograd would not train.
+            self.path = "loop"
+            return self.path
+        first = self.experts[0]
+        inter, hidden = first.gate_proj.weight.shape
+        ref = first.gate_proj.weight
+        w13 = torch.empty(self.num_experts, 2 * inter, hidden, device=ref.device, dtype=ref.dtype)
+        w2 = torch.empty(self.num_experts, hidden, inter, device=ref.device, dtype=ref.dtype)
+        for e, m in enumerate(self.experts):
+            w13[e, :inter].copy_(m.gate_proj.weight)
+            w13[e, inter:].copy_(m.up_proj.weight)
+            w2[e].copy_(m.down_proj.weight)
+            m.gate_proj.weight = nn.Parameter(w13[e, :inter], requires_grad=False)
+            m.up_proj.weight = nn.Parameter(w13[e, inter:], requires_grad=False)
+            m.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
+        self.w13, self.w2 = w13, w2
+        self.path = "grouped" if _grouped_mm_works(w13, w2) else "loop"
+        return self.path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids, _ = self.gate(x)
         if self.keep_routing:
             self.last_expert_ids = ids.detach()
+        # The dtype test is on host metadata (no sync): under autocast x may differ from the weights.
+        if self.path == "grouped" and x.dtype == self.w13.dtype:
+            out = self._grouped(x, w, ids)
+        else:
+            out = self._loop(x, w, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _loop(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
@@ -211,9 +298,25 @@ class MoE(nn.Module):
             y = self.experts[e](x[tok]) * weight_of[start : start + c, None]
             out.index_add_(0, tok, y.to(x.dtype))
             start += c
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
+
+    def _grouped(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        # Group ends from the sorted ids. Not bincount: on CUDA it reads the ids' max on the host.
+        experts = torch.arange(self.num_experts, device=ids.device, dtype=flat_ids.dtype)
+        offs = torch.searchsorted(flat_ids[order], experts, right=True, out_int32=True)
+        xs = x[order // k]
+        h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
+        gate, up = h13.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        # As the loop: fp32 routing weights, each expert's contribution rounded to x.dtype.
+        y = (y * w.reshape(-1)[order, None]).to(x.dtype)
+        # Back to (token, k) order and a plain sum over k: no atomics, so the result is deterministic.
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(n, k, y.shape[-1]).sum(1)
 
 
 class DecoderLayer(nn.Module):

@@ -15,6 +15,7 @@ from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
 from strata.runner.paged_attention import PagedAttention
 from strata.runner.sampling import Sampler, filtered_probs
+from strata.runner.transfer import to_device
 from strata.spec.verify import verify_greedy, verify_sampled
 
 
@@ -22,6 +23,24 @@ from strata.spec.verify import verify_greedy, verify_sampled
 class Sampled:
     tokens: list[int]  # one token, or with drafts: the accepted drafts then the target's own token
     logprobs: list[float]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward is queued on the device; `ModelRunner.collect` turns it into tokens.
+
+    Greedy picks and their logprobs are already on their way into pinned host memory (`ready` fires
+    when they land), so collecting a greedy step costs one event wait and no device round trip."""
+
+    chunks: list
+    hidden: torch.Tensor
+    row_starts: list[int]
+    picks: list[int]  # chunk indices that sample
+    spans: list[tuple[int, int]]  # per pick: first logit row, rows (drafts + 1)
+    logits: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    out: int = 0  # which pinned output buffer
+    ready: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -45,6 +64,10 @@ class ModelRunner:
         # The host buffers are reused every step: before refilling them, wait until the previous step's
         # copies out of them have finished (a step that samples nothing never syncs otherwise).
         self.copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        # Pinned outputs, two sets: with overlapped steps one is being filled while the other is read.
+        self.h_greedy = [torch.zeros(t, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.h_logprob = [torch.zeros(t, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.next_out = 0
         self.samplers: dict[str, Sampler] = {}
         self.seed, self.sampled_requests = seed, 0
         self.hidden: torch.Tensor | None = None
@@ -84,13 +107,18 @@ class ModelRunner:
             n += k
         return n, starts, lens
 
-    @torch.inference_mode()
     def execute(self, chunks, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
-        """chunks: the scheduler's `ScheduledChunk`s. Returns the tokens of each chunk that reaches
-        the end of its request's tokens (`chunk.sample`): one sampled token, or with drafts the
-        verified ones. `draft_probs`: the draft distributions of sampled (non-greedy) requests."""
+        """Launch and collect in one go (see `launch` and `collect`)."""
+        step = self.launch(chunks)
+        return self.collect(step, draft_probs) if step is not None else {}
+
+    @torch.inference_mode()
+    def launch(self, chunks) -> LaunchedStep | None:
+        """Queue one step on the device without waiting for it: inputs, forward, the logit rows of
+        chunks that sample (`chunk.sample`: the last row, or the last k+1 with k drafts), greedy
+        picks and their logprobs copied towards pinned host memory."""
         if not chunks:
-            return {}
+            return None
         n, starts, lens = self._fill(chunks)
         r = len(chunks)
         for h, d, m in ((self.h_ids, self.d_ids, n), (self.h_pos, self.d_pos, n), (self.h_slots, self.d_slots, n)):
@@ -100,36 +128,62 @@ class ModelRunner:
             self.copied.record()
         self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
-
-        self.hidden = hidden  # the drafter reads the step's hidden states
-        self.row_starts = (torch.tensor(lens).cumsum(0) - torch.tensor(lens)).tolist()
-        picks = [i for i, ch in enumerate(chunks) if ch.sample]
-        if not picks:
-            return {}
-        # Logit rows: the last row of each sampling chunk, or its last k+1 rows with k drafts.
-        rows, spans = [], []
-        for i in picks:
+        row_starts = [0] * r
+        for i in range(1, r):
+            row_starts[i] = row_starts[i - 1] + lens[i - 1]
+        step = LaunchedStep(chunks, hidden, row_starts, [i for i, ch in enumerate(chunks) if ch.sample], [])
+        if not step.picks:
+            return step
+        rows = []
+        for i in step.picks:
             ch = chunks[i]
-            first = self.row_starts[i] + ch.num_tokens - len(ch.drafts) - 1
-            spans.append((len(rows), len(ch.drafts) + 1))
+            first = row_starts[i] + ch.num_tokens - len(ch.drafts) - 1
+            step.spans.append((len(rows), len(ch.drafts) + 1))
             rows.extend(range(first, first + len(ch.drafts) + 1))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = logits.argmax(-1).tolist()
+        step.logits = self.model.compute_logits(hidden.index_select(0, to_device(rows, self.device)))
+        step.logprobs = torch.log_softmax(step.logits.float(), dim=-1)
+        best = step.logits.argmax(-1)
+        best_lp = step.logprobs.gather(1, best[:, None])[:, 0]
+        step.out, self.next_out = self.next_out, 1 - self.next_out
+        m = len(rows)
+        self.h_greedy[step.out][:m].copy_(best, non_blocking=True)
+        self.h_logprob[step.out][:m].copy_(best_lp, non_blocking=True)
+        if self.device.type == "cuda":
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
+        """Wait for a launched step and return the tokens of its sampling chunks: one token, or with
+        drafts the verified ones. `draft_probs`: the draft distributions of sampled requests.
+        Afterwards `hidden` / `row_starts` describe this step (the drafter reads them)."""
+        self.hidden, self.row_starts = step.hidden, step.row_starts
+        if not step.picks:
+            return {}
+        if step.ready is not None:
+            step.ready.synchronize()
+        m = sum(k for _, k in step.spans)
+        greedy = self.h_greedy[step.out][:m].tolist()
+        greedy_lp = self.h_logprob[step.out][:m].tolist()
         out: dict[str, Sampled] = {}
-        for i, (r0, k1) in zip(picks, spans):
-            ch = chunks[i]
+        for i, (r0, k1) in zip(step.picks, step.spans):
+            ch = step.chunks[i]
             req, p = ch.request, ch.request.params
             if p.greedy and p.repetition_penalty == 1.0:
                 toks = verify_greedy(list(ch.drafts), greedy[r0 : r0 + k1]) if ch.drafts else [greedy[r0]]
+                # Every accepted token is the argmax of its row, so its logprob is that row's maximum.
+                out[req.request_id] = Sampled(toks, greedy_lp[r0 : r0 + len(toks)])
+                continue
+            logits = step.logits
+            sampler = self.sampler(req)
+            if ch.drafts:
+                q = (draft_probs or {}).get(req.request_id)
+                target = torch.stack([filtered_probs(logits[r0 + j], p) for j in range(k1)]).cpu()
+                toks = verify_sampled(list(ch.drafts), q, target, sampler.gen)
             else:
-                sampler = self.sampler(req)
-                if ch.drafts:
-                    q = (draft_probs or {}).get(req.request_id)
-                    target = torch.stack([filtered_probs(logits[r0 + j], p) for j in range(k1)]).cpu()
-                    toks = verify_sampled(list(ch.drafts), q, target, sampler.gen)
-                else:
-                    seen = torch.tensor(req.all_ids) if p.repetition_penalty != 1.0 else None
-                    toks = [sampler(logits[r0], seen)]
-            out[req.request_id] = Sampled(toks, [float(logprobs[r0 + j, t]) for j, t in enumerate(toks)])
+                seen = torch.tensor(req.all_ids) if p.repetition_penalty != 1.0 else None
+                toks = [sampler(logits[r0], seen)]
+            lp = step.logprobs[r0 : r0 + len(toks)].gather(1, torch.tensor(toks, device=logits.device)[:, None])
+            out[req.request_id] = Sampled(toks, lp[:, 0].tolist())
         return out

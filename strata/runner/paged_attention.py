@@ -12,6 +12,7 @@ import torch
 
 from strata.kvcache.pool import KVPool
 from strata.models.attention import AttentionBackend, sdpa
+from strata.runner.transfer import to_device
 
 
 class PagedAttention(AttentionBackend):
@@ -24,18 +25,24 @@ class PagedAttention(AttentionBackend):
         the number of new tokens (rows are laid out sequence after sequence); block_tables [R, B]."""
         device, bs = slots.device, self.pool.block_size
         r = len(starts)
-        ctx = torch.tensor([s + n for s, n in zip(starts, lens)], device=device)
-        start_t = torch.tensor(starts, device=device)
-        n_t = torch.tensor(lens, device=device)
-        lmax, qmax = int(ctx.max()), max(lens)
+        # Sizes come from the host lists and the per-sequence vectors travel in one pinned copy:
+        # nothing here waits for the device, so a step can be launched while the previous one runs.
+        lmax, qmax = max(s + n for s, n in zip(starts, lens)), max(lens)
+        start_t, n_t = to_device([list(starts), list(lens)], device)
+        ctx = start_t + n_t
         kpos = torch.arange(lmax, device=device)
         blocks = block_tables[:, : (lmax + bs - 1) // bs].long()
         idx = blocks.gather(1, (kpos // bs).expand(r, -1)) * bs + kpos % bs
         self.kv_index = torch.where(kpos[None] < ctx[:, None], idx, torch.zeros_like(idx))  # [R, L]
         qi = torch.arange(qmax, device=device)
         row_start = torch.cumsum(n_t, 0) - n_t
-        self.q_valid = qi[None] < n_t[:, None]  # [R, Q]
-        self.q_rows = torch.where(self.q_valid, row_start[:, None] + qi[None], torch.zeros_like(qi)[None])
+        q_valid = qi[None] < n_t[:, None]  # [R, Q]
+        self.q_rows = torch.where(q_valid, row_start[:, None] + qi[None], torch.zeros_like(qi)[None])
+        # Where each new token's row sits in the padded [R * Q] output. Boolean indexing would need the
+        # count of valid rows from the device (a sync per layer); the host knows it.
+        n_tokens = sum(lens)
+        seq = torch.repeat_interleave(torch.arange(r, device=device), n_t, output_size=n_tokens)
+        self.out_rows = seq * qmax + torch.arange(n_tokens, device=device) - row_start[seq]
         qpos = start_t[:, None] + qi[None]
         self.mask = (kpos[None, None] <= qpos[:, :, None]) & (kpos[None, None] < ctx[:, None, None])  # [R, Q, L]
         self.slots = slots
@@ -46,4 +53,4 @@ class PagedAttention(AttentionBackend):
         qq = q[self.q_rows]  # [R, Q, Hq, D]
         o = sdpa(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=False, mask=self.mask[:, None])
         o = o.transpose(1, 2)  # [R, Q, Hq, D]
-        return o[self.q_valid]
+        return o.reshape(-1, *o.shape[2:]).index_select(0, self.out_rows)

@@ -12,6 +12,12 @@ Order of a step (`schedule()`):
    a long read (remaining > chunk_size) yields the step to any newer read that gets tokens.
 Blocks are allocated just before a chunk is scheduled; when the pool is empty the most recently
 admitted running request is preempted (see `_make_room`).
+
+Steps may overlap: with batch groups the engine schedules and launches one group's step before it
+applies the previous step's results. A request stays *in flight* from the schedule() that gave it a
+chunk until the update() of that step; in-flight requests are neither scheduled again nor preempted
+(the device may still be writing their blocks), so a preemption they block happens at their next
+step boundary instead.
 """
 
 from __future__ import annotations
@@ -132,6 +138,8 @@ class Scheduler:
         self._last_step: set[str] = set()  # requests that got tokens in the previous step
         self._next_group = 0  # batch groups: whose turn to decode is next
         self._held: dict[str, int] = {}  # long reads: steps held back in a row (starvation guard)
+        self._in_flight: set[str] = set()  # scheduled, not yet updated (overlapped steps)
+        self._preempt_next: set[str] = set()  # victims that were in flight when their blocks were needed
         self.give_ways_total = 0
         self.preemptions_total = 0
 
@@ -219,6 +227,12 @@ class Scheduler:
         step.finished.extend(self._finished_on_add)
         self._finished_on_add.clear()
         self._admit()
+        # After admission, so a victim waits at least one step before it is admitted again.
+        for rid in sorted(self._preempt_next, key=lambda r: -self._arrival.get(r, -1)):
+            victim = self._requests.get(rid)
+            if victim is not None and victim.status is RequestStatus.RUNNING and rid not in self._in_flight:
+                self._preempt(victim, step)
+        self._preempt_next &= self._in_flight
 
         for req in self._decode_group():
             if step.tokens >= cfg.max_num_batched_tokens:
@@ -226,7 +240,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and not req.is_reading:
                 self._schedule_decode(req, step)
 
-        readers = sorted((r for r in self._running if r.is_reading), key=self._arrival_of)
+        readers = sorted((r for r in self._running if r.is_reading and r.request_id not in self._in_flight),
+                         key=self._arrival_of)
         newest = self._arrival_of(readers[-1]) if readers else -1
         deferred: list[Request] = []
         for req in readers:
@@ -254,7 +269,9 @@ class Scheduler:
             self._held.pop(req.request_id, None)
             self._schedule_read(req, step)
 
-        self._last_step = set(step.chunks)
+        # A read in flight from the previous step still counts as having read last.
+        self._last_step = set(step.chunks) | self._in_flight
+        self._in_flight |= set(step.chunks)
         return SchedulerOutput(list(step.chunks.values()), step.preempted, step.finished)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -266,6 +283,7 @@ class Scheduler:
         finished = list(output.finished)
         for chunk in output.chunks:
             req = chunk.request
+            self._in_flight.discard(req.request_id)
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted by the engine since schedule()
             if chunk.start != req.num_computed_tokens:
@@ -324,7 +342,7 @@ class Scheduler:
     def _decode_group(self) -> list[Request]:
         """The requests to decode this step: all of them, or with batch groups the next group in turn
         that has one ready (reads are not grouped: they run beside whichever group decodes)."""
-        ready = [r for r in self._running if not r.is_reading]
+        ready = [r for r in self._running if not r.is_reading and r.request_id not in self._in_flight]
         g_count = self.config.batch_groups
         if g_count == 1 or not ready:
             return ready
@@ -370,6 +388,11 @@ class Scheduler:
                 req.block_ids.extend(ids)
                 return True
             victim = self._running[-1]
+            if victim.request_id in self._in_flight:
+                # Its step may still be writing those blocks: preempt it at its next step boundary and
+                # let `req` wait until then.
+                self._preempt_next.add(victim.request_id)
+                return False
             if victim is req and len(self._running) == 1:
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
                 step.finished.append(req)
@@ -419,3 +442,5 @@ class Scheduler:
         del self._arrival[req.request_id]
         self._last_step.discard(req.request_id)
         self._held.pop(req.request_id, None)
+        self._in_flight.discard(req.request_id)
+        self._preempt_next.discard(req.request_id)

@@ -148,12 +148,14 @@ class MTPDrafter:
         left = req.params.max_tokens - len(req.output_ids) - 1
         return max(0, min(n, left, self.max_model_len - 2 - last_pos))
 
-    def _pick(self, req, logits: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
+    def _picks(self, reqs, logits: torch.Tensor) -> list[tuple[int, float, torch.Tensor | None]]:
+        """One draft per row: greedy rows all in one device round trip, sampled rows one by one."""
+        probs = logits.float().softmax(-1)
+        top_p, top = (v.tolist() for v in probs.max(-1))
+        return [(top[k], top_p[k], None) if r.params.greedy else self._sample(r, logits[k]) for k, r in enumerate(reqs)]
+
+    def _sample(self, req, logits: torch.Tensor) -> tuple[int, float, torch.Tensor]:
         p = req.params
-        if p.greedy:
-            probs = logits.float().softmax(-1)
-            tok = int(probs.argmax())
-            return tok, float(probs[tok]), None
         q = filtered_probs(logits, p).cpu()
         gen = self.gens.get(req.request_id)
         if gen is None:
@@ -180,8 +182,8 @@ class MTPDrafter:
         last_logits = logits[ends[sel].to(logits.device)]
         while active:
             keep = []
-            for k, (j, pos) in enumerate(active):
-                tok, prob, q = self._pick(reqs[j], last_logits[k])
+            picks = self._picks([reqs[j] for j, _ in active], last_logits)
+            for k, ((j, pos), (tok, prob, q)) in enumerate(zip(active, picks)):
                 if prob < self.min_p:
                     continue  # stop at the first draft the head is unsure of (it is not proposed)
                 drafts[j].append(tok)
