@@ -5,9 +5,10 @@ for every `--spec N` × `--spec-min-p P` arm; reported: decode tok/s (timed afte
 acceptance and mean accepted length, and whether the output equals the `--spec 0` arm's.
 Prompt read: one long prompt with `--spec N`, read with `STRATA_SPLIT_MTP_BATCH` off and on; reported:
 read tok/s (submission to first token) and the acceptance of the decode that follows.
-Batch groups: the same decode with `--batch-groups 1`, `2` (steps overlapped) and `2 --no-overlap`, at
-`--spec 0` and `--spec 3`, so the overlap's gain is the ratio of the last two, measured side by side.
-Arms run one after another in one process; JSON under bench/results/, a PNG when matplotlib exists.
+Batch groups: the same decode with `--batch-groups 2`, steps overlapped and not (`--no-overlap`), at
+`--spec 0` and `--spec 3`, beside the `--batch-groups 1` arm of the same --spec.
+All decode arms' engines are built up front and their timed repeats interleave (best of `--repeats`).
+Arms run in one process; JSON under bench/results/, a PNG when matplotlib exists.
 """
 
 from __future__ import annotations
@@ -38,30 +39,43 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_arm(args, spec: int, min_p: float, groups: int = 1, overlap: bool = True) -> dict:
-    eng = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, parallel=args.parallel, spec=spec,
-                                 spec_min_p=min_p, batch_mtp=True, batch_groups=groups, overlap=overlap))
-    best, out = float("inf"), {}
-    for rep in range(args.repeats + 1):
-        for i in range(args.parallel):
-            ids = eng.tokenizer.encode(PROMPTS[i % len(PROMPTS)])
-            eng.add_request(EngineRequest(f"{rep}-{i}", tuple(ids), SamplingParams(max_tokens=args.tokens, ignore_eos=True),
-                                          time.monotonic()))
-        while any(r.num_computed_tokens < len(r.prompt_ids) for r in eng.requests.values()):
-            eng.step()
-        _sync(args.device)
-        t0 = time.perf_counter()
-        events = eng.run_to_completion()
-        _sync(args.device)
-        if rep:
-            best = min(best, time.perf_counter() - t0)
-            out = {k.split("-")[1]: [t for ev in v for t in ev.token_ids] for k, v in events.items()}
-    st = eng.stats().spec or {"acceptance": 0.0, "mean_accepted_length": 1.0, "drafts_proposed": 0}
-    new = args.parallel * (args.tokens - 1)
-    return {"spec": spec, "spec_min_p": min_p, "batch_groups": groups, "overlap": overlap and groups > 1,
-            "decode_tok_s": new / best, "acceptance": st["acceptance"],
-            "mean_accepted_length": st["mean_accepted_length"], "drafts_proposed": st["drafts_proposed"],
-            "tokens": out}
+def _decode_once(args, eng: LLMEngine, rep: int) -> tuple[float, dict[str, list[int]]]:
+    for i in range(args.parallel):
+        ids = eng.tokenizer.encode(PROMPTS[i % len(PROMPTS)])
+        eng.add_request(EngineRequest(f"{rep}-{i}", tuple(ids), SamplingParams(max_tokens=args.tokens, ignore_eos=True),
+                                      time.monotonic()))
+    while any(r.num_computed_tokens < len(r.prompt_ids) for r in eng.requests.values()):
+        eng.step()
+    _sync(args.device)
+    t0 = time.perf_counter()
+    events = eng.run_to_completion()
+    _sync(args.device)
+    return time.perf_counter() - t0, {k.split("-")[1]: [t for ev in v for t in ev.token_ids] for k, v in events.items()}
+
+
+def decode_arms(args, arms: list[tuple[int, float, int, bool]]) -> list[dict]:
+    """arms: (spec, min_p, batch_groups, overlap). Every arm's engine is built first and the timed
+    repeats go round the arms in turn, so a drift in the machine's speed touches all arms alike."""
+    engines = [LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, parallel=args.parallel, spec=spec,
+                                      spec_min_p=min_p, batch_mtp=True, batch_groups=groups, overlap=overlap,
+                                      kv_size=EngineConfig.ctx * args.parallel))
+               for spec, min_p, groups, overlap in arms]
+    best = [float("inf")] * len(arms)
+    outs: list[dict] = [{} for _ in arms]
+    for rep in range(args.repeats + 1):  # the first round warms up
+        for i, eng in enumerate(engines):
+            seconds, outs[i] = _decode_once(args, eng, rep)
+            if rep:
+                best[i] = min(best[i], seconds)
+    rows = []
+    new = args.parallel * (args.tokens - 1)  # the first token of each came with its read
+    for (spec, min_p, groups, overlap), eng, t, out in zip(arms, engines, best, outs):
+        st = eng.stats().spec or {"acceptance": 0.0, "mean_accepted_length": 1.0, "drafts_proposed": 0}
+        rows.append({"spec": spec, "spec_min_p": min_p, "batch_groups": groups, "overlap": overlap and groups > 1,
+                     "decode_tok_s": new / t, "acceptance": st["acceptance"],
+                     "mean_accepted_length": st["mean_accepted_length"], "drafts_proposed": st["drafts_proposed"],
+                     "identical_to_spec0": out == outs[0]})
+    return rows
 
 
 def read_arm(args, split: bool) -> dict:
@@ -90,29 +104,27 @@ def read_arm(args, split: bool) -> dict:
 def run(args) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    decode = []
-    for spec in args.specs:
-        for min_p in (args.min_ps if spec else [0.0]):
-            r = decode_arm(args, spec, min_p)
-            decode.append(r)
-    base = decode[0]["tokens"]
+    spec_arms = [(spec, min_p, 1, False) for spec in args.specs for min_p in (args.min_ps if spec else [0.0])]
+    if spec_arms[0][0] != 0:
+        spec_arms.insert(0, (0, 0.0, 1, False))  # the reference output
+    group_arms = [(spec, 0.0, g, o) for spec in args.group_specs for g, o in ((1, False), (2, True), (2, False))
+                  if (spec, 0.0, g, o) not in spec_arms]
+    rows = dict(zip(spec_arms + group_arms, decode_arms(args, spec_arms + group_arms)))
+    decode = [rows[a] for a in spec_arms]
     for r in decode:
-        r["identical_to_spec0"] = r.pop("tokens") == base
         print(f"decode spec {r['spec']} min-p {r['spec_min_p']:.1f}: {r['decode_tok_s']:8.1f} tok/s  "
               f"acceptance {r['acceptance']:.3f}  accepted length {r['mean_accepted_length']:.2f}  "
               f"same output {r['identical_to_spec0']}", flush=True)
+    groups = []
+    for spec in args.group_specs:
+        groups += [rows[(spec, 0.0, 1, False)], rows[(spec, 0.0, 2, True)], rows[(spec, 0.0, 2, False)]]
+    for r in groups:
+        print(f"decode spec {r['spec']} batch-groups {r['batch_groups']} overlap {int(r['overlap'])}: "
+              f"{r['decode_tok_s']:8.1f} tok/s  same output {r['identical_to_spec0']}", flush=True)
     read = [read_arm(args, split) for split in (False, True)]
     for r in read:
         print(f"read {r['prompt_tokens']} tokens, STRATA_SPLIT_MTP_BATCH={int(r['split_mtp_batch'])}: "
               f"{r['read_tok_s']:9.1f} tok/s  acceptance {r['acceptance']:.3f}", flush=True)
-    groups = []
-    for spec in args.group_specs:
-        arms = [decode_arm(args, spec, 0.0, g, o) for g, o in ((1, True), (2, True), (2, False))]
-        for r in arms:
-            r["identical_to_spec0"] = r.pop("tokens") == base
-            print(f"decode spec {spec} batch-groups {r['batch_groups']} overlap {int(r['overlap'])}: "
-                  f"{r['decode_tok_s']:8.1f} tok/s  same output {r['identical_to_spec0']}", flush=True)
-        groups.extend(arms)
     info = {"bench": "spec", "model": "default", "device": args.device, "dtype": args.dtype,
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
             "parallel": args.parallel, "tokens": args.tokens, "decode": decode, "read": read, "groups": groups}
