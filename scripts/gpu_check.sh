@@ -23,7 +23,7 @@ parts=${*:-tests spec kv read decode}
     case $part in
       # Only the GPU test files: the others import packages the GPU image may lack (openai).
       tests) timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_gpu_engine.py tests/test_moe_packed.py ;;
-      spec) timeout 400 python3 -m strata.cli bench spec --out "$OUT/spec_cuda.json" ;;
+      spec) timeout 400 python3 -m strata.cli bench spec --repeats 4 --out "$OUT/spec_cuda.json" ;;
       kv) timeout 200 python3 -m strata.cli bench kv --out "$OUT/kv_int8_cuda.json" ;;
       read) timeout 500 python3 -m strata.cli bench read --lengths 4096,32768 --out "$OUT/read_qwen3-8b_cuda.json" ;;
       decode) timeout 500 python3 -m strata.cli bench decode --batch 1,2 --out "$OUT/decode_qwen3-8b_cuda.json" ;;
