@@ -176,8 +176,8 @@ class EngineConfig:
     kv_size: int | None = None  # KV capacity in tokens; None: from free memory (CUDA), ctx x parallel (CPU)
     gpu_memory_utilization: float = 0.9  # share of the GPU's free memory the KV pool may take
     block_size: int = 16  # tokens per KV block
-    chunk_size: int = 512  # most prompt tokens one request reads per step
-    max_num_batched_tokens: int = 2048  # per-step token budget (reads + decodes)
+    chunk_size: int | None = None  # most prompt tokens one request reads per step; None: 2048 on CUDA, 512 on CPU
+    max_num_batched_tokens: int | None = None  # per-step token budget (reads + decodes); None: chunk + every slot's decode rows, at least 2048
     give_way: bool = True  # a long prompt read yields to newer requests at chunk boundaries
     max_hold_steps: int = 16  # but a long read held this many steps in a row reads a chunk anyway
     spec: int = 0  # MTP speculation: up to N drafts per step (0 = off)
@@ -186,19 +186,29 @@ class EngineConfig:
     batch_mtp: bool = False  # run all slots' MTP drafts as one batch (else one slot at a time)
     batch_groups: int = 1  # slots split into G decode groups stepped in turn (slot % G)
     overlap: bool = True  # with G > 1: launch a group's step before finishing the previous group's
+    cuda_graph: bool = True  # replay CUDA graphs for decode and verification steps (CUDA only)
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
             raise ValueError(f"kv must be auto, bf16 or int8, not {self.kv!r}")
         for name in ("ctx", "parallel", "block_size", "chunk_size", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 1 <= self.batch_groups <= self.parallel:
             raise ValueError("batch_groups must be within 1..parallel")
         if self.spec < 0 or not 0.0 <= self.spec_min_p <= 1.0:
             raise ValueError("spec must be >= 0 and spec_min_p within [0, 1]")
-        if self.max_num_batched_tokens < self.parallel:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.parallel:
             raise ValueError("max_num_batched_tokens must be >= parallel (one decode token per slot)")
+
+    def resolved(self) -> "EngineConfig":
+        """This config with the device-dependent defaults filled in. The GPU read chunk was chosen by
+        measurement (docs/PERFORMANCE.md): on the H200 a 32K read in chunks of 2048 runs at 0.94x of
+        one 8192-token chunk, in chunks of 512 at 0.75x; the CPU keeps small chunks, which give way sooner."""
+        chunk = self.chunk_size or (2048 if self.resolved_device.startswith("cuda") else 512)
+        budget = self.max_num_batched_tokens or max(2048, chunk + self.parallel * (1 + self.spec))
+        return dataclasses.replace(self, chunk_size=chunk, max_num_batched_tokens=budget)
 
     @property
     def resolved_device(self) -> str:

@@ -193,3 +193,17 @@ def test_cuda_bf16_packed_forward_does_not_sync():
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert rel_err(got.float(), loop(x).float()) < 3e-2
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_masked_path_equals_loop(router):
+    """The sync-free fallback CUDA uses where grouped_mm cannot serve (fp32): every expert over every
+    token with zero weights where not routed gives the loop's result."""
+    loop = random_moe(router, seed=3)
+    masked = copy.deepcopy(loop)
+    masked.pack_experts()
+    masked.path = "masked"
+    for t in (1, 5, 29):
+        x = torch.randn(t, BASE["hidden_size"])
+        with torch.no_grad():
+            assert rel_err(masked(x), loop(x)) < 1e-6

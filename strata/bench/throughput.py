@@ -1,32 +1,42 @@
 """`strata bench read|decode`: prompt-read and decode throughput of the serving engine, measured
 beside HF transformers running the same shapes in the same process.
 
-Random weights at a named shape (`qwen3-8b` by default; `tiny` for CPU smoke runs), bf16 on CUDA and
-fp32 on the CPU. Read: one prompt of each length, timed from submission to its first token. Decode:
-`batch` requests of `prompt` tokens each, `tokens` new tokens each with `ignore_eos`, timed after the
-reads are done. HF: one forward over the prompt (read), `generate` with a fixed number of new tokens
-(decode). Writes JSON under bench/results/ and, when matplotlib is installed, a PNG beside it.
+Random weights at a named shape (`strata.bench.random_model.SHAPES`: `qwen3-8b` by default,
+`qwen3-8b-128k`, `qwen3-30b-a3b`; `tiny` and `tiny-moe` for CPU smoke runs), built straight on the
+device (no checkpoint), bf16 on CUDA and fp32 on the CPU. Strata's arms run first and their model is
+freed before HF's is built, so the two never share the device's memory.
+
+Read: one prompt of each length at each chunk size, timed from submission to its first token; `mfu`
+is its flops over the measured GEMM ceiling. Decode: `batch` requests of `prompt` tokens each, `tokens`
+new tokens each with `ignore_eos`, timed after the reads are done; `bandwidth_fraction` is the bytes a
+step must read (weights, K/V) times steps per second over the measured copy bandwidth. `--http` adds
+batch-1 decode through the OpenAI server (`strata.bench.http_arm`). HF: one forward over the prompt
+(read); `generate` with a fixed number of new tokens, timed from its first new token to its last
+(decode, as Strata's: after the read).
+Writes JSON under bench/results/ and, when matplotlib is installed, a PNG beside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import inspect
 import time
 
 import torch
 
-from strata.config import EngineConfig
+from strata.bench import roofline
+from strata.bench.http_arm import measure_http, percentile
+from strata.bench.random_model import (SHAPES, random_hf_model, random_model, shape_config, synthetic_tokenizer,
+                                       timed, with_tokenizer)
+from strata.bench.results import save
+from strata.config import EngineConfig, ModelConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
-from strata.bench.results import save
+from strata.loaders import LoadedModel
 from strata.params import SamplingParams
 
-SHAPES = {
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
-    "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
-}
+__all__ = ["SHAPES", "run", "add_parsers", "build_engine", "engine_config"]
 
 
 def _sync(device: torch.device) -> None:
@@ -34,134 +44,308 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_checkpoint(shape: str, path: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Writes an HF directory with random weights (built by HF transformers) so both engines load it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    d = dict(SHAPES[shape])
-    mt = d.pop("model_type")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **d), dtype=dtype)
-    model.save_pretrained(path)
-    del model
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def _engine(path: str, device: torch.device, dtype: str, ctx: int, parallel: int, chunk: int) -> LLMEngine:
-    # An explicit KV size: the HF model shares the GPU, so the pool must not take the free memory.
-    cfg = EngineConfig(model=path, device=str(device), dtype=dtype, ctx=ctx, parallel=parallel,
-                       chunk_size=chunk, max_num_batched_tokens=max(chunk, parallel), kv_size=ctx * parallel)
-    return LLMEngine(cfg)
+def engine_config(args, device: torch.device, ctx: int, parallel: int, chunk: int) -> EngineConfig:
+    # An explicit KV size: the pool must not take the device's free memory (the next arm needs it).
+    kw = dict(device=str(device), dtype=args.dtype, ctx=ctx, parallel=parallel, chunk_size=chunk,
+              max_num_batched_tokens=max(chunk, parallel), kv_size=ctx * parallel, kv=args.kv)
+    if args.no_cuda_graph and "cuda_graph" in EngineConfig.__dataclass_fields__:
+        kw["cuda_graph"] = False
+    return EngineConfig(**kw)
 
 
-def bench_read(args, path: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def build_engine(cfg: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, float]:
+    """(engine on the already-built model, seconds from construction to ready)."""
+    if "loaded" not in inspect.signature(LLMEngine.__init__).parameters:
+        raise RuntimeError("this benchmark needs LLMEngine(cfg, loaded=LoadedModel) to run on random weights")
+    device = torch.device(cfg.resolved_device)
+    _sync(device)
+    return timed(lambda: LLMEngine(cfg, progress=False, loaded=loaded), device)
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _check_context(mc: ModelConfig, positions: int, shape: str) -> None:
+    if positions > mc.max_position_embeddings:
+        raise ValueError(f"{positions} positions do not fit shape {shape!r} (max_position_embeddings "
+                         f"{mc.max_position_embeddings}); qwen3-8b-128k reads up to 131072 tokens")
+
+
+def _room_for_reads(loaded: LoadedModel, ctx: int) -> LoadedModel:
+    """The model with the engine's context limit raised to `ctx` where it is short of it. A read of L
+    tokens computes positions 0..L-1 only, but the engine also counts room for the token it samples
+    (which this benchmark never feeds back), so a prompt of exactly max_position_embeddings tokens
+    (131072 at qwen3-8b-128k) needs it. The weights and the rope frequencies are untouched: RoPE is
+    computed from `RopeConfig`, which holds YaRN's original length itself."""
+    if ctx <= loaded.config.max_position_embeddings:
+        return loaded
+    return dataclasses.replace(loaded, config=loaded.config.replace(max_position_embeddings=ctx))
+
+
+def _ceilings(args, device: torch.device, dtype: torch.dtype) -> dict | None:
+    if args.no_ceilings:
+        return None
+    c = roofline.measure_ceilings(device, dtype)
+    print(f"ceilings: copy {c['copy_gbs']:.1f} GB/s, gemm {c['gemm_tflops']:.2f} TFLOP/s ({c['gemm_dtype']})",
+          flush=True)
+    return c
+
+
+def _ceiling(ceilings: dict | None, key: str, unit: float) -> float | None:
+    """The ceiling in base units (bytes/s, flop/s); None when not measured."""
+    return ceilings[key] * unit if ceilings and ceilings.get(key) else None
+
+
+# ---- read -------------------------------------------------------------------------------------------
+
+def _strata_read(args, device, dtype, ceilings, info) -> list[dict]:
+    chunks = args.chunks or [args.chunk]
+    lengths = args.lengths
+    mc = shape_config(args.shape)
+    _check_context(mc, max(lengths), args.shape)
+    prompts = _prompts(mc.vocab_size, lengths, args.seed)
+    loaded, info["model_init_s"] = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed), device)
+    ctx = max(lengths) + 8
+    loaded = _room_for_reads(loaded, ctx)
     rows = []
-    vocab = SHAPES[args.shape]["vocab_size"]
-    eng = _engine(path, device, args.dtype, max(args.lengths) + 8, 1, args.chunk)
-    hf = _hf(path, device, dtype)
-    for n in args.lengths:
-        ids = torch.randint(0, vocab, (n,)).tolist()
-        times = []
-        for rep in range(args.repeats + 1):  # the first run warms up
-            _sync(device)
-            t0 = time.perf_counter()
-            eng.add_request(EngineRequest(f"r{n}-{rep}", tuple(ids), SamplingParams(max_tokens=1), time.monotonic()))
-            eng.run_to_completion()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        strata_s = min(times[1:])
-        hf_times = []
-        with torch.inference_mode():
-            x = torch.tensor([ids], device=device)
-            for _ in range(args.repeats + 1):
-                _sync(device)
-                t0 = time.perf_counter()
-                hf(x, logits_to_keep=1)
-                _sync(device)
-                hf_times.append(time.perf_counter() - t0)
-        hf_s = min(hf_times[1:])
-        rows.append({"prompt_tokens": n, "strata_tok_s": n / strata_s, "hf_tok_s": n / hf_s,
-                     "strata_s": strata_s, "hf_s": hf_s})
-        print(f"read {n:6d} tokens: strata {n / strata_s:10.1f} tok/s   hf {n / hf_s:10.1f} tok/s", flush=True)
+    for chunk in chunks:
+        eng, startup = build_engine(engine_config(args, device, ctx, 1, chunk), loaded)
+        info.setdefault("startup_s", startup)
+        info.setdefault("cuda_graph", getattr(eng.cfg, "cuda_graph", None))
+        for n, ids in zip(lengths, prompts):
+            times = []
+            for rep in range(args.repeats + 1):  # the first run warms up
+                req = EngineRequest(f"r{chunk}-{n}-{rep}", tuple(ids), SamplingParams(max_tokens=1), time.monotonic())
+                _, s = timed(lambda: (eng.add_request(req), eng.run_to_completion()), device)
+                times.append(s)
+            best = min(times[1:])
+            mfu = roofline.fraction(roofline.read_flops(mc, n) / best, _ceiling(ceilings, "gemm_tflops", 1e12))
+            rows.append({"chunk": chunk, "prompt_tokens": n, "strata_tok_s": n / best, "strata_s": best,
+                         "startup_s": startup, "mfu": mfu})
+            print(f"read {n:6d} tokens, chunk {chunk:5d}: strata {n / best:10.1f} tok/s"
+                  + (f"  mfu {mfu:.3f}" if mfu is not None else ""), flush=True)
+        del eng
+        _free(device)
+    del loaded
+    _free(device)
     return rows
 
 
-def bench_decode(args, path: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def _hf_read(args, device, dtype, ceilings, info, rows: list[dict]) -> None:
+    mc = shape_config(args.shape)
+    prompts = _prompts(mc.vocab_size, args.lengths, args.seed)
+    hf, info["hf_init_s"] = timed(lambda: random_hf_model(args.shape, device, dtype, seed=args.seed), device)
+    for n, ids in zip(args.lengths, prompts):
+        fields: dict = {"hf_tok_s": None, "hf_s": None, "hf_mfu": None}
+        try:
+            with torch.inference_mode():
+                x = torch.tensor([ids], device=device)
+                times = [timed(lambda: hf(x, logits_to_keep=1), device)[1] for _ in range(args.repeats + 1)]
+            best = min(times[1:])
+            fields = {"hf_tok_s": n / best, "hf_s": best,
+                      "hf_mfu": roofline.fraction(roofline.read_flops(mc, n) / best,
+                                                  _ceiling(ceilings, "gemm_tflops", 1e12))}
+            print(f"read {n:6d} tokens: hf {n / best:10.1f} tok/s", flush=True)
+        except torch.OutOfMemoryError:
+            fields["hf_error"] = "out of memory"
+            print(f"read {n:6d} tokens: hf out of memory", flush=True)
+            _free(device)
+        for r in rows:
+            if r["prompt_tokens"] == n:
+                r.update(fields)
+    del hf
+    _free(device)
+
+
+# ---- decode -----------------------------------------------------------------------------------------
+
+def _decode_once(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str, device) -> dict:
+    for i, p in enumerate(prompts):
+        eng.add_request(EngineRequest(f"{tag}-{i}", tuple(p), params, time.monotonic()))
+    while any(r.num_computed_tokens < len(r.prompt_ids) for r in eng.requests.values()):
+        eng.step()  # finish the reads; decode timing starts after them
+    # A request whose read ended early may have decoded a few tokens already: count only the rest.
+    before = sum(len(r.output_ids) for r in eng.requests.values())
+    _sync(device)
+    step_s = []
+    t0 = time.perf_counter()
+    while eng.has_work():
+        ts = time.perf_counter()
+        eng.step()
+        step_s.append(time.perf_counter() - ts)
+    _sync(device)
+    return {"s": time.perf_counter() - t0, "new": len(prompts) * params.max_tokens - before, "steps": len(step_s),
+            "step_s": step_s}
+
+
+def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
+    mc = shape_config(args.shape)
+    ctx = args.prompt + args.tokens + 8
+    _check_context(mc, args.prompt + args.tokens, args.shape)
+    loaded, info["model_init_s"] = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed), device)
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    # Mean context a timed step reads: tokens 2..T see prompt + 1 .. prompt + T - 1.
+    context = args.prompt + args.tokens / 2
     rows = []
-    vocab = SHAPES[args.shape]["vocab_size"]
-    hf = _hf(path, device, dtype)
     for b in args.batch:
-        eng = _engine(path, device, args.dtype, args.prompt + args.tokens + 8, b, args.chunk)
-        prompts = [torch.randint(0, vocab, (args.prompt,)).tolist() for _ in range(b)]
-        params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-        best = float("inf")
-        for rep in range(args.repeats + 1):
-            for i, p in enumerate(prompts):
-                eng.add_request(EngineRequest(f"d{b}-{rep}-{i}", tuple(p), params, time.monotonic()))
-            while any(r.num_computed_tokens < len(r.prompt_ids) for r in eng.requests.values()):
-                eng.step()  # finish the reads; decode timing starts after them
-            _sync(device)
-            t0 = time.perf_counter()
-            eng.run_to_completion()
-            _sync(device)
-            if rep:
-                best = min(best, time.perf_counter() - t0)
-        new = b * (args.tokens - 1)  # the first token of each came with its read
-        hf_best = float("inf")
-        with torch.inference_mode():
-            x = torch.tensor(prompts, device=device)
-            for rep in range(args.repeats + 1):
-                _sync(device)
-                t0 = time.perf_counter()
-                hf.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-                _sync(device)
-                t_read = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                hf.generate(x, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
-                _sync(device)
-                if rep:
-                    hf_best = min(hf_best, time.perf_counter() - t0 - t_read)
-        rows.append({"batch": b, "new_tokens": new, "strata_tok_s": new / best, "hf_tok_s": new / hf_best})
-        print(f"decode batch {b}: strata {new / best:8.1f} tok/s   hf {new / hf_best:8.1f} tok/s", flush=True)
+        eng, startup = build_engine(engine_config(args, device, ctx, b, args.chunk), loaded)
+        info.setdefault("startup_s", startup)
+        info.setdefault("cuda_graph", getattr(eng.cfg, "cuda_graph", None))
+        prompts = _prompts(mc.vocab_size, [args.prompt] * b, args.seed + b)
+        runs = [_decode_once(eng, prompts, params, f"d{b}-{rep}", device) for rep in range(args.repeats + 1)]
+        best = min(runs[1:], key=lambda r: r["s"] / max(r["new"], 1))
+        w = roofline.weight_bytes_per_step(mc, b, itemsize)
+        kv = roofline.kv_bytes_per_step(mc, b, context, args.kv, dtype)
+        steps_per_s = best["steps"] / best["s"]
+        frac = roofline.fraction((w + kv) * steps_per_s, _ceiling(ceilings, "copy_gbs", 1e9))
+        step_ms = sorted(s * 1e3 for r in runs[1:] for s in r["step_s"])
+        rows.append({"batch": b, "new_tokens": best["new"], "strata_tok_s": best["new"] / best["s"],
+                     "strata_s": best["s"], "steps": best["steps"], "startup_s": startup,
+                     "strata_step_p50_ms": percentile(step_ms, 50), "strata_step_p99_ms": percentile(step_ms, 99),
+                     "weight_bytes_per_step": w, "kv_bytes_per_step": kv, "bandwidth_fraction": frac})
+        print(f"decode batch {b:3d}: strata {best['new'] / best['s']:9.1f} tok/s"
+              + (f"  bandwidth {frac:.3f}" if frac is not None else ""), flush=True)
+        del eng
+        _free(device)
+    if args.http:
+        info["http"] = _http(args, device, loaded, mc)
+        b1 = next((r for r in rows if r["batch"] == 1), None)
+        if b1 is not None:
+            b1.update({k: v for k, v in info["http"].items() if k in HTTP_ROW_FIELDS})
+    del loaded
+    _free(device)
     return rows
 
 
-def _hf(path: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+HTTP_ROW_FIELDS = ("http_b1_tok_s", "http_itl_p50_ms", "http_itl_p99_ms")
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+def _http(args, device, loaded: LoadedModel, mc: ModelConfig) -> dict:
+    # The server needs a tokenizer: it checks prompt ids against the vocabulary and streams text, one
+    # chunk per token only when every token decodes to text of its own.
+    served = with_tokenizer(loaded, synthetic_tokenizer(mc.vocab_size))
+    eng, startup = build_engine(engine_config(args, device, args.prompt + args.tokens + 8, 1, args.chunk), served)
+    out = measure_http(eng, f"random-{args.shape}", args.prompt, args.tokens, mc.vocab_size, args.repeats,
+                       seed=args.seed)
+    out["http_startup_s"] = startup
+    del eng
+    _free(device)
+    print(f"decode http b1: {out['http_b1_tok_s'] or 0:9.1f} tok/s  itl p50 {out['http_itl_p50_ms'] or 0:.2f} ms"
+          f"  p99 {out['http_itl_p99_ms'] or 0:.2f} ms", flush=True)
+    return out
+
+
+def _hf_decode_seconds(hf, x: torch.Tensor, tokens: int) -> float:
+    """Seconds from HF's first new token (the read's) to its last, clocked by a streamer: `generate`
+    hands it each step's tokens after copying them to the host, i.e. once the step is done."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:  # first the prompt, then each step's new tokens
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    clock = Clock()
+    with torch.inference_mode():
+        hf.generate(x, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=clock)
+    return clock.times[-1] - clock.times[1]
+
+
+def _hf_decode(args, device, dtype, ceilings, info, rows: list[dict]) -> None:
+    mc = shape_config(args.shape)
+    hf, info["hf_init_s"] = timed(lambda: random_hf_model(args.shape, device, dtype, seed=args.seed), device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    context = args.prompt + args.tokens / 2
+    for r in rows:
+        b = r["batch"]
+        prompts = _prompts(mc.vocab_size, [args.prompt] * b, args.seed + b)
+        x = torch.tensor(prompts, device=device)
+        best = min([_hf_decode_seconds(hf, x, args.tokens) for _ in range(args.repeats + 1)][1:])
+        steps = args.tokens - 1  # the first token of each came with its read
+        w = roofline.weight_bytes_per_step(mc, b, itemsize)
+        kv = roofline.kv_bytes_per_step(mc, b, context, "auto", dtype)
+        r.update({"hf_tok_s": b * steps / best, "hf_s": best,
+                  "hf_bandwidth_fraction": roofline.fraction((w + kv) * steps / best,
+                                                             _ceiling(ceilings, "copy_gbs", 1e9))})
+        print(f"decode batch {b:3d}: hf {b * steps / best:9.1f} tok/s", flush=True)
+    del hf
+    _free(device)
+
+
+# ---- entry ------------------------------------------------------------------------------------------
+
+def default_out(which: str, shape: str, kv: str, device: torch.device) -> str:
+    return f"bench/results/{which}_{shape}{'_int8' if kv == 'int8' else ''}_{device.type}.json"
 
 
 def run(args) -> int:
-    import tempfile
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, args.dtype)
-    with tempfile.TemporaryDirectory() as tmp:
-        random_checkpoint(args.shape, tmp, device, dtype)
-        rows = (bench_read if args.which == "read" else bench_decode)(args, tmp, device, dtype)
-    info = {"bench": args.which, "shape": args.shape, "device": str(device), "dtype": args.dtype,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}
-    out = args.out or f"bench/results/{args.which}_{args.shape}_{device.type}.json"
-    save(info, out, _draw)
+    if args.which == "decode" and args.http and 1 not in args.batch:
+        print("--http measures batch 1; its numbers go in the top-level `http` object only", flush=True)
+    info: dict = {"bench": args.which, "shape": args.shape, "device": str(device), "dtype": args.dtype,
+                  "kv": args.kv, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                  "torch": torch.__version__}
+    mc = shape_config(args.shape)
+    info["params"] = {"total": roofline.total_params(mc), "active_per_token": roofline.active_params_per_token(mc)}
+    info["ceilings"] = _ceilings(args, device, dtype)
+    strata_arm, hf_arm = (_strata_read, _hf_read) if args.which == "read" else (_strata_decode, _hf_decode)
+    rows = strata_arm(args, device, dtype, info["ceilings"], info)
+    if not args.no_hf:
+        hf_arm(args, device, dtype, info["ceilings"], info, rows)
+    info["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    info["rows"] = rows
+    save(info, args.out or default_out(args.which, args.shape, args.kv, device), _draw)
     return 0
 
 
 def _draw(plt, info: dict) -> None:
-    x_key = "prompt_tokens" if info["bench"] == "read" else "batch"
-    xs = [str(r[x_key]) for r in info["rows"]]
-    _, ax = plt.subplots(figsize=(6, 3.5))
-    w = 0.38
-    pos = range(len(xs))
-    ax.bar([p - w / 2 for p in pos], [r["strata_tok_s"] for r in info["rows"]], w, label="Strata")
-    ax.bar([p + w / 2 for p in pos], [r["hf_tok_s"] for r in info["rows"]], w, label="HF transformers")
-    ax.set_xticks(list(pos), xs)
+    read = info["bench"] == "read"
+    x_key = "prompt_tokens" if read else "batch"
+    rows = info["rows"]
+    xs = sorted({r[x_key] for r in rows})
+    series: list[tuple[str, dict]] = []
+    chunks = sorted({r["chunk"] for r in rows if r.get("chunk") is not None})
+    if read and len(chunks) > 1:
+        for c in chunks:
+            series.append((f"Strata, chunk {c}", {r[x_key]: r["strata_tok_s"] for r in rows if r.get("chunk") == c}))
+    else:
+        series.append(("Strata", {r[x_key]: r["strata_tok_s"] for r in rows}))
+    if any(r.get("http_b1_tok_s") for r in rows):
+        series.append(("Strata over HTTP", {r[x_key]: r["http_b1_tok_s"] for r in rows if r.get("http_b1_tok_s")}))
+    hf = {r[x_key]: r["hf_tok_s"] for r in rows if r.get("hf_tok_s")}
+    if hf:
+        series.append(("HF transformers", hf))
+    _, ax = plt.subplots(figsize=(7, 3.8))
+    w = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        pos = [j + (i - (len(series) - 1) / 2) * w for j, x in enumerate(xs) if x in values]
+        ax.bar(pos, [values[x] for x in xs if x in values], w, label=label)
+    ax.set_xticks(list(range(len(xs))), [str(x) for x in xs])
     ax.set_xlabel(x_key.replace("_", " "))
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"{info['bench']} — {info['shape']} on {info['gpu'] or info['device']} ({info['dtype']})")
+    kv = f", KV {info['kv']}" if info.get("kv") not in (None, "auto") else ""
+    ax.set_title(f"{info['bench']} — {info['shape']} on {info['gpu'] or info['device']} ({info['dtype']}{kv})")
     ax.legend()
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def add_parsers(sub) -> None:
@@ -170,13 +354,21 @@ def add_parsers(sub) -> None:
         p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
         p.add_argument("--device", default=None)
         p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+        p.add_argument("--kv", default="auto", choices=["auto", "bf16", "int8"], help="KV cache storage")
         p.add_argument("--chunk", type=int, default=8192, help="prompt tokens per step")
-        p.add_argument("--repeats", type=int, default=2)
-        p.add_argument("--out", default=None)
+        p.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up")
+        p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+        p.add_argument("--no-hf", action="store_true", help="Strata only")
+        p.add_argument("--no-cuda-graph", action="store_true", help="EngineConfig(cuda_graph=False)")
+        p.add_argument("--no-ceilings", action="store_true", help="skip the copy/GEMM ceilings (fractions null)")
+        p.add_argument("--out", default=None, help="default: bench/results/{which}_{shape}[_int8]_{device}.json")
         if which == "read":
-            p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 32768])
+            p.add_argument("--lengths", type=_int_list, default=[4096, 32768])
+            p.add_argument("--chunks", type=_int_list, default=None,
+                           help="time each length at these chunk sizes (e.g. 512,2048,8192); overrides --chunk")
         else:
-            p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+            p.add_argument("--batch", type=_int_list, default=[1, 8, 32])
             p.add_argument("--prompt", type=int, default=512)
             p.add_argument("--tokens", type=int, default=128)
+            p.add_argument("--http", action="store_true", help="also batch-1 decode through the OpenAI server")
         p.set_defaults(func=run, which=which)

@@ -23,7 +23,7 @@ from strata.config import EngineConfig
 from strata.engine.types import TTFT_BUCKETS, EngineEvent, EngineRequest, EngineStats
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
-from strata.loaders import load_model
+from strata.loaders import LoadedModel, load_model
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import LaunchedStep, ModelRunner
 from strata.sched.request import Request
@@ -78,11 +78,15 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, progress: bool = True):
+    def __init__(self, cfg: EngineConfig, progress: bool = True, loaded: LoadedModel | None = None):
+        """`loaded`: a model already on the device (benchmarks build random weights in place); else
+        `cfg.model` is loaded."""
+        cfg = cfg.resolved()
         self.cfg = cfg
         self.device = torch.device(cfg.resolved_device)
         dtype = cfg.torch_dtype
-        loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=progress)
+        if loaded is None:
+            loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=progress)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = cfg.model or "strata-default"
         self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)
@@ -109,7 +113,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
-                                  seed=cfg.seed)
+                                  seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:
@@ -119,6 +123,7 @@ class LLMEngine:
                                       max_model_len=self.max_model_len, max_seqs=cfg.parallel,
                                       chunk_size=cfg.chunk_size, device=self.device, dtype=dtype,
                                       seed_of=lambda req: self.runner.sampler(req).seed)
+        self.graph_seconds = self.runner.capture_graphs()  # last: every buffer a graph reads exists now
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.pipelined = cfg.batch_groups > 1 and cfg.overlap

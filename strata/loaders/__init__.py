@@ -14,7 +14,7 @@ from torch import nn
 from strata.config import ConfigError, ModelConfig
 from strata.env import ENV
 from strata.loaders.base import Checkpoint, LoadError
-from strata.models.layers import MoE, rope_inv_freq
+from strata.models.layers import rope_inv_freq
 from strata.models.registry import build_model
 from strata.models.transformer import CausalLM
 
@@ -73,8 +73,8 @@ def _mtp_prefix(cfg: ModelConfig) -> str:
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                progress: bool = True, pack_experts: bool = True) -> LoadedModel:
-    """`pack_experts=False` keeps MoE layers on the reference loop path (e.g. to copy weights out for
-    training)."""
+    """`pack_experts=False` keeps projections unstacked and MoE layers on the reference loop path (e.g.
+    to copy weights out for training)."""
     path = os.fspath(path or default_model_path())
     ckpt = read_checkpoint(path)
     try:
@@ -89,18 +89,17 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
         raise LoadError(path, str(e)) from None
     _assign_weights(model, ckpt, torch.device(device), dtype, progress)
     if pack_experts:
-        _pack_moe(model, torch.device(device))
+        _pack(model, torch.device(device))
     model.eval()
     return LoadedModel(model=model, config=cfg, tokenizer=ckpt.tokenizer, path=path, has_mtp=with_mtp)
 
 
-def _pack_moe(model: CausalLM, device: torch.device) -> None:
-    """Stack each MoE layer's experts (MTP layers' too) for the sync-free grouped path."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    for m in moes:
-        m.pack_experts()
-    if moes and device.type == "cuda":
-        # The per-expert tensors just freed sit in PyTorch's cache; the engine sizes the KV pool from
+def _pack(model: CausalLM, device: torch.device) -> None:
+    """Stack projections and MoE experts (MTP layers' too): fewer GEMMs, and the sync-free grouped
+    expert path."""
+    model.pack()
+    if device.type == "cuda":
+        # The unstacked tensors just freed sit in PyTorch's cache; the engine sizes the KV pool from
         # the device's free memory, so give them back.
         torch.cuda.empty_cache()
 

@@ -10,14 +10,35 @@ Parameter names equal the HF checkpoint names, so HF weights load without a map.
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from strata.config import ModelConfig, RopeConfig
+from strata.kernels import activation as k_act
+from strata.kernels import gemv as k_gemv
+from strata.kernels import moe_decode as k_moe
+from strata.kernels import norm as k_norm
+from strata.kernels import rope as k_rope
+from strata.kernels import triton_available, use_triton
 from strata.models.attention import AttentionBackend
+
+log = logging.getLogger("strata")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the decode GEMV kernel for the few-row products where it beats cuBLAS on the
+    GPU (a workspace, set by `CausalLM.pack`, says the model runs there). Its K order depends only on
+    the weight's shape, so a row's result is the same for any batch of up to 16 rows."""
+    if (workspace is not None and x.dim() == 2 and use_triton(x) and x.stride(-1) == 1 and weight.is_contiguous()
+            and weight.dtype == x.dtype and k_gemv.gemv_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)):
+        return k_gemv.gemv_triton(x, weight, bias, workspace=workspace)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +48,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            return k_norm.rms_norm_triton(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # Normalise in fp32 as the reference implementations do; bf16 variance loses too much.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm. With no residual
+        yet, x itself is the residual. The kernel updates `residual` in place."""
+        if residual is None:
+            return self(x), x
+        if use_triton(x):
+            return k_norm.fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> tuple[torch.Tensor, float]:
@@ -72,6 +105,22 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> tuple[torch.Tensor, floa
     return inv.float(), attn_factor
 
 
+@dataclass
+class RopeInputs:
+    """What a step's layers need to rotate q and k: the kernels take positions and frequencies, the
+    torch path cos/sin tables computed once per step on first use."""
+
+    positions: torch.Tensor
+    rotary: "Rotary"
+    dtype: torch.dtype
+    _tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            self._tables = self.rotary.cos_sin(self.positions, self.dtype)
+        return self._tables
+
+
 class Rotary(nn.Module):
     """Neox-style (rotate-half) RoPE over the first `rotary_dim` dims of each head."""
 
@@ -102,6 +151,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rotary_dim, self.eps = cfg.rotary_dim, cfg.rms_norm_eps
         h, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
@@ -112,19 +162,56 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # q|k|v stacked by pack(): one projection GEMM instead of three. Non-persistent, like MoE.w13.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+        self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        # fp32 norm weights promote q/k under autocast; attention kernels want one 16-bit dtype.
-        q, k = apply_rotary(q, cos, sin).to(v.dtype), apply_rotary(k, cos, sin).to(v.dtype)
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Stack the q, k, v projections and make each a view of the stack (no second copy)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if any(p.weight.requires_grad or p.weight.is_meta for p in projs):
+            return
+        self.qkv_weight = _stack_views([p for p in projs], "weight")
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _stack_views([p for p in projs], "bias")
+
+    def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        if self.qkv_weight is not None and use_triton(x):
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.gemv_ws)
+            q, k, v = k_rope.qk_norm_rope_triton(
+                qkv, rope.positions, rope.rotary.inv_freq, rope.rotary.scale,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.eps, self.n_heads, self.n_kv, d, self.rotary_dim)
+        else:
+            if self.qkv_weight is not None:
+                qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+                q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.reshape(n, self.n_heads, d), k.reshape(n, self.n_kv, d), v.reshape(n, self.n_kv, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = rope.cos_sin()
+            # fp32 norm weights promote q/k under autocast; attention kernels want one 16-bit dtype.
+            q, k = apply_rotary(q, cos, sin).to(v.dtype), apply_rotary(k, cos, sin).to(v.dtype)
         o = attn.attend(self.layer_idx, q, k, v)
-        return self.o_proj(o.reshape(n, self.n_heads * self.head_dim))
+        return linear(o.reshape(n, self.n_heads * d), self.o_proj.weight, None, self.gemv_ws)
+
+
+def _stack_views(modules: list[nn.Module], attr: str) -> torch.Tensor:
+    """Concatenate `attr` of each module along dim 0 and re-point each module's parameter at its
+    slice of the result, so checkpoint names keep working and the weights exist once."""
+    parts = [getattr(m, attr) for m in modules]
+    stacked = torch.cat([p.detach() for p in parts], dim=0)
+    start = 0
+    for m, p in zip(modules, parts):
+        setattr(m, attr, nn.Parameter(stacked[start : start + p.shape[0]], requires_grad=False))
+        start += p.shape[0]
+    return stacked
 
 
 class MLP(nn.Module):
@@ -133,9 +220,28 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # gate rows, then up rows
+        self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        if any(p.weight.requires_grad or p.weight.is_meta for p in (self.gate_proj, self.up_proj)):
+            return
+        self.gate_up_weight = _stack_views([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            h = silu_mul(linear(x, self.gate_up_weight, None, self.gemv_ws))
+            return linear(h, self.down_proj.weight, None, self.gemv_ws)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a [N, 2I] tensor holding gate then up."""
+    if use_triton(gate_up):
+        return k_act.silu_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Router(nn.Module):
@@ -151,10 +257,13 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        # The fp32 copy of a 16-bit router weight, made once by MoE.pack_experts() instead of every call.
+        self.register_buffer("weight_f32", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (weights [N, k] fp32, expert ids [N, k], router logits [N, E] fp32)."""
-        logits = F.linear(x.float(), self.weight.float())
+        weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+        logits = F.linear(x.float(), weight)
         if self.scoring == "softmax":
             probs = logits.softmax(dim=-1)
             w, ids = probs.topk(self.top_k, dim=-1)
@@ -219,14 +328,33 @@ def _grouped_mm_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
+def _moe_decode_works(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+    """One call of the fused decode kernels on the real weights, checked against their reference, at
+    pack time: a kernel this device cannot build or run leaves the grouped path serving every step."""
+    e, two_i, h = w13.shape
+    if not (w13.is_cuda and triton_available() and k_moe.moe_decode_supported(2, top_k, h, two_i // 2, w13.dtype)):
+        return False
+    x = torch.randn(2, h, device=w13.device, dtype=w13.dtype)
+    ids = torch.stack([torch.randperm(e, device=w13.device)[:top_k] for _ in range(2)])
+    w = torch.rand(2, top_k, device=w13.device)
+    try:
+        got = k_moe.moe_experts_decode_triton(x, ids, w, w13, w2)
+    except Exception as err:  # a compiler or launch failure: fall back rather than fail every step
+        log.warning("fused MoE decode kernels unavailable (%s); using grouped GEMMs", err)
+        return False
+    ref = k_moe.moe_experts_decode_ref(x, ids, w, w13, w2)
+    return bool(((got.float() - ref.float()).norm() <= 1e-2 * ref.float().norm()).item())
+
+
 class MoE(nn.Module):
     """Routed experts plus optional shared experts. Experts keep the HF per-expert layout as loaded.
 
-    Two forward paths, named by `self.path`:
+    Three forward paths, named by `self.path`:
     - "loop" (reference; any unpacked module): groups tokens by expert so each expert runs one matmul;
       it reads the group sizes on the host, one device sync per call.
     - "grouped" (after `pack_experts()`): all experts in two `torch._grouped_mm` calls over stacked
-      weights, with no host sync, so a step can be queued on the GPU without the host waiting."""
+      weights, with no host sync, so a step can be queued on the GPU without the host waiting.
+    - "masked" (after `pack_experts()` on CUDA where grouped_mm cannot serve, e.g. fp32): `_masked`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -240,6 +368,10 @@ class MoE(nn.Module):
         self.last_expert_ids: torch.Tensor | None = None
         self.keep_routing = False
         self.path = "loop"
+        self.num_experts_per_tok = cfg.num_experts_per_tok
+        # The fused decode kernels (strata.kernels.moe_decode) serve steps of few tokens; set by
+        # pack_experts() once a probe has checked them on this device.
+        self.decode_kernel = False
         # Stacked expert weights, set by pack_experts(). Non-persistent: the checkpoint names stay HF's.
         self.register_buffer("w13", None, persistent=False)  # [E, 2*I, H]: gate rows, then up rows
         self.register_buffer("w2", None, persistent=False)  # [E, H, I]
@@ -267,7 +399,14 @@ class MoE(nn.Module):
             m.up_proj.weight = nn.Parameter(w13[e, inter:], requires_grad=False)
             m.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
         self.w13, self.w2 = w13, w2
-        self.path = "grouped" if _grouped_mm_works(w13, w2) else "loop"
+        if self.gate.weight.dtype != torch.float32:
+            self.gate.weight_f32 = self.gate.weight.detach().float()
+        if _grouped_mm_works(w13, w2):
+            self.path = "grouped"
+            self.decode_kernel = _moe_decode_works(w13, w2, self.num_experts_per_tok)
+        else:
+            # On CUDA a step must not read expert counts on the host (CUDA graphs, overlapped steps).
+            self.path = "masked" if w13.is_cuda else "loop"
         return self.path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -275,8 +414,13 @@ class MoE(nn.Module):
         if self.keep_routing:
             self.last_expert_ids = ids.detach()
         # The dtype test is on host metadata (no sync): under autocast x may differ from the weights.
-        if self.path == "grouped" and x.dtype == self.w13.dtype:
+        if (self.decode_kernel and x.dtype == self.w13.dtype and use_triton(x)
+                and k_moe.moe_decode_supported(x.shape[0], ids.shape[1], x.shape[1], self.w2.shape[2], x.dtype)):
+            out = k_moe.moe_experts_decode_triton(x, ids, w, self.w13, self.w2)
+        elif self.path == "grouped" and x.dtype == self.w13.dtype:
             out = self._grouped(x, w, ids)
+        elif self.path == "masked":
+            out = self._masked(x, w, ids)
         else:
             out = self._loop(x, w, ids)
         if self.shared_experts is not None:
@@ -300,6 +444,16 @@ class MoE(nn.Module):
             start += c
         return out
 
+    def _masked(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, weighted by a routing weight that is 0 where the token did
+        not choose it: E/k times the loop's work, but no host sync. Per token it adds the same terms
+        as the loop in the same (expert) order, and adding an exact 0 changes nothing."""
+        dense_w = torch.zeros(x.shape[0], self.num_experts, dtype=w.dtype, device=w.device).scatter_(1, ids, w)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += (expert(x) * dense_w[:, e : e + 1]).to(x.dtype)
+        return out
+
     def _grouped(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         flat_ids = ids.reshape(-1)
@@ -309,8 +463,7 @@ class MoE(nn.Module):
         offs = torch.searchsorted(flat_ids[order], experts, right=True, out_int32=True)
         xs = x[order // k]
         h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
-        gate, up = h13.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)
         # As the loop: fp32 routing weights, each expert's contribution rounded to x.dtype.
         y = (y * w.reshape(-1)[order, None]).to(x.dtype)
         # Back to (token, k) order and a plain sum over k: no atomics, so the result is deterministic.
@@ -327,6 +480,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
+        out, residual = self.forward_fused(x, None, rope, attn)
+        return residual + out
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
+                      attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with its residual adds deferred into the next norm: takes the previous block's
+        output and the residual stream before it (None for the first block), returns this block's
+        output and the residual stream before it. The sum of the two is the block's plain output."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, attn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual

@@ -15,7 +15,7 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.models.attention import AttentionBackend
-from strata.models.layers import DecoderLayer, RMSNorm
+from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs
 
 
 class SharedHead(nn.Module):
@@ -39,7 +39,7 @@ class MTPLayer(DecoderLayer):
         self,
         hidden: torch.Tensor,
         next_ids: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         attn: AttentionBackend,
         main_embed: nn.Embedding,
     ) -> torch.Tensor:

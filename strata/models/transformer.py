@@ -13,7 +13,9 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.models.attention import AttentionBackend
-from strata.models.layers import DecoderLayer, RMSNorm, Rotary
+from strata.kernels import triton_available
+from strata.kernels.gemv import gemv_supported, gemv_workspace_numel
+from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs, Rotary, linear
 from strata.models.mtp import MTPLayer
 
 
@@ -38,6 +40,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, with_mtp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
+        self.gemv_ws: torch.Tensor | None = None  # set by pack() on CUDA: the GEMV kernels' workspace
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:
@@ -51,19 +54,46 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary.cos_sin(positions, dtype)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        return RopeInputs(positions, self.rotary, dtype)
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Stack q|k|v and gate|up projections (and MoE experts) for fewer, larger GEMMs. Call once the
+        weights are on their final device and dtype: moving the module afterwards copies views apart."""
+        from strata.models.layers import MLP, Attention, MoE
+
+        expert_mlps = {id(e) for m in self.modules() if isinstance(m, MoE) for e in m.experts}
+        packed = []
+        for m in self.modules():
+            if isinstance(m, Attention) or (isinstance(m, MLP) and id(m) not in expert_mlps):
+                m.pack()
+                packed.append(m)
+            elif isinstance(m, MoE):
+                m.pack_experts()
+        head = self.lm_head.weight
+        if head.is_cuda and triton_available():
+            # One split-K workspace serves every GEMV of the model: the launches run one after another
+            # and each leaves its counters at zero.
+            shapes = [tuple(head.shape)] + [tuple(t.shape) for m in packed for t in (
+                (m.qkv_weight, m.o_proj.weight) if isinstance(m, Attention) else (m.gate_up_weight, m.down_proj.weight))
+                if t is not None]
+            numel = max([gemv_workspace_numel(n, k) for n, k in shapes if gemv_supported(1, n, k, head.dtype)] or [0])
+            self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=head.device)
+            for m in packed:
+                m.gemv_ws = self.gemv_ws
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [N] → final hidden states [N, hidden] (after the final norm)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)
+        residual = None
         for layer in self.model.layers[: self.num_layers]:
-            x = layer(x, rope, attn)
-        return self.model.norm(x)
+            x, residual = layer.forward_fused(x, residual, rope, attn)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, None, self.gemv_ws).float()
 
     def mtp_forward(
         self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, depth: int = 0

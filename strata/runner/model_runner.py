@@ -3,20 +3,33 @@
 Batch inputs go into buffers allocated once for the largest step (`max_num_batched_tokens` tokens,
 `max_seqs` sequences): a step fills a prefix of each on the host and copies it to the device in one
 transfer per buffer, so nothing on the hot path allocates device memory for inputs.
+
+On CUDA, decode and verification steps (every chunk samples all its rows: one token, or its drafts
+plus one) replay CUDA graphs captured at start-up per batch-size bucket, largest first, on one memory
+pool. A graph covers the forward, the logits of every row, the greedy picks and their logprobs; its
+inputs are the same static buffers an eager step uses, padded to the bucket. Steps with prompt reads
+run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
-from strata.runner.paged_attention import PagedAttention
+from strata.runner.attention_backends import make_attention
+from strata.runner.device_sampling import DeviceSampler, RowParams
 from strata.runner.sampling import Sampler, filtered_probs
 from strata.runner.transfer import to_device
 from strata.spec.verify import verify_greedy, verify_sampled
+
+log = logging.getLogger("strata")
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass
@@ -29,49 +42,79 @@ class Sampled:
 class LaunchedStep:
     """A step whose forward is queued on the device; `ModelRunner.collect` turns it into tokens.
 
-    Greedy picks and their logprobs are already on their way into pinned host memory (`ready` fires
-    when they land), so collecting a greedy step costs one event wait and no device round trip."""
+    Each sampling row's pick (its argmax, or its draw from the device sampler) and logprob are already
+    on their way into pinned host memory (`ready` fires when they land), so collecting a step costs one
+    event wait and no device round trip; only sampled drafts are verified on the host."""
 
     chunks: list
     hidden: torch.Tensor
     row_starts: list[int]
     picks: list[int]  # chunk indices that sample
     spans: list[tuple[int, int]]  # per pick: first logit row, rows (drafts + 1)
-    logits: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # fp32 logits of the picked rows
+    lse: torch.Tensor | None = None  # their log-sum-exp: logprob(t) = logits[t] - lse
     out: int = 0  # which pinned output buffer
     ready: torch.cuda.Event | None = None
 
 
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    seqs: int
+    rows: int
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    best: torch.Tensor
+    best_lp: torch.Tensor
+    lse: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
-                 max_model_len: int, device: torch.device, seed: int | None = None):
+                 max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
+                 cuda_graph: bool = True):
         self.model, self.pool, self.device = model, pool, torch.device(device)
-        self.attn = PagedAttention(pool)
+        self.max_model_len, self.max_seqs = max_model_len, max_seqs
+        self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
         bs = pool.block_size
         self.max_blocks = (max_model_len + bs - 1) // bs
-        pin = self.device.type == "cuda"
-        t, s = max_num_batched_tokens, max_seqs
+        t, s = max(max_num_batched_tokens, max_seqs * self.rows_per_seq), max_seqs + 1  # +1: graph padding
+        self.attn = make_attention(pool, model.config, max_seqs=s, max_rows=t,
+                                   max_split_rows=max_seqs * self.rows_per_seq, device=self.device,
+                                   dtype=model.model.embed_tokens.weight.dtype, max_context=max_model_len)
+        cuda = self.device.type == "cuda"
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
-        self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=pin)
-        self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=pin)
-        self.h_slots = torch.zeros(t, dtype=torch.long, pin_memory=pin)
-        self.h_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
+        self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
+        self.h_slots = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
+        self.h_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, pin_memory=cuda)
+        self.h_meta = torch.zeros(3, s, dtype=torch.int32, pin_memory=cuda)
+        self.np_ids, self.np_pos, self.np_slots = self.h_ids.numpy(), self.h_pos.numpy(), self.h_slots.numpy()
+        self.np_tables, self.np_meta = self.h_tables.numpy(), self.h_meta.numpy()
         self.d_ids = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_pos = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_slots = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=self.device)
         # The host buffers are reused every step: before refilling them, wait until the previous step's
         # copies out of them have finished (a step that samples nothing never syncs otherwise).
-        self.copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.copied = torch.cuda.Event() if cuda else None
         # Pinned outputs, two sets: with overlapped steps one is being filled while the other is read.
-        self.h_greedy = [torch.zeros(t, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self.h_logprob = [torch.zeros(t, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.h_greedy = [torch.zeros(t, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.h_logprob = [torch.zeros(t, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
         self.next_out = 0
         self.samplers: dict[str, Sampler] = {}
         self.seed, self.sampled_requests = seed, 0
+        # Sampled rows are drawn on the device from counter-based noise (seed, draw index): no host
+        # round trip per request, and the same tokens whatever else is in the batch.
+        self.dsampler = DeviceSampler(max_seqs * self.rows_per_seq, model.config.vocab_size, self.device,
+                                      max_seen=max_model_len + max_drafts)
         self.hidden: torch.Tensor | None = None
         self.row_starts: list[int] = []
+        # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
+        # the pinned outputs) because the next replay overwrites the graph's own.
+        self.graphs: dict[int, _Graph] = {}
+        self.use_graphs = cuda and cuda_graph
+        self.hidden_out: list[torch.Tensor] = []
 
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
@@ -86,27 +129,115 @@ class ModelRunner:
             s = self.samplers[req.request_id] = Sampler(req.params, default)
         return s
 
+    # ---- inputs ---------------------------------------------------------------------------------
     def _fill(self, chunks) -> tuple[int, list[int], list[int]]:
+        """Token ids, positions, slots, block tables and per-sequence (first row, rows, context) into
+        the host buffers, through numpy views (element-wise torch indexing costs microseconds each).
+        Returns (rows, starts, lens)."""
         if self.copied is not None:
             self.copied.synchronize()
         bs = self.pool.block_size
-        n = 0
-        starts, lens = [], []
+        ids, pos, slots, starts, lens = [], [], [], [], []
+        q_start, ctx = [], []
+        tables = self.np_tables
         for r, ch in enumerate(chunks):
             req, s, k = ch.request, ch.start, ch.num_tokens
-            ids = ch.token_ids
-            pos = torch.arange(s, s + k)
-            table = torch.tensor(req.block_ids, dtype=torch.long)
-            self.h_ids[n : n + k] = torch.tensor(ids, dtype=torch.long)
-            self.h_pos[n : n + k] = pos
-            self.h_slots[n : n + k] = table[pos // bs] * bs + pos % bs
-            self.h_tables[r].zero_()
-            self.h_tables[r, : len(req.block_ids)] = table.to(torch.int32)
+            table = req.block_ids
+            q_start.append(len(ids))
+            ids.extend(ch.token_ids)
+            pos.extend(range(s, s + k))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s, s + k))
+            tables[r, : len(table)] = table
             starts.append(s)
             lens.append(k)
-            n += k
+            ctx.append(s + k)
+        n, r = len(ids), len(chunks)
+        self.np_ids[:n] = ids
+        self.np_pos[:n] = pos
+        self.np_slots[:n] = slots
+        meta = self.np_meta
+        meta[0, :r], meta[1, :r], meta[2, :r] = q_start, lens, ctx
         return n, starts, lens
 
+    def _upload(self, rows: int, seqs: int) -> None:
+        for h, d in ((self.h_ids, self.d_ids), (self.h_pos, self.d_pos), (self.h_slots, self.d_slots)):
+            d[:rows].copy_(h[:rows], non_blocking=True)
+        self.d_tables[:seqs].copy_(self.h_tables[:seqs], non_blocking=True)
+        if self.attn.meta is not None:
+            self.attn.meta[:, :seqs].copy_(self.h_meta[:, :seqs], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    # ---- CUDA graphs ------------------------------------------------------------------------------
+    def _graph_for(self, chunks) -> _Graph | None:
+        if not self.graphs or len(chunks) > self.max_seqs:
+            return None
+        for ch in chunks:
+            if not ch.sample or ch.num_tokens != len(ch.drafts) + 1 or ch.num_tokens > self.rows_per_seq:
+                return None
+        for b in sorted(self.graphs):
+            if b >= len(chunks):
+                return self.graphs[b]
+        return None
+
+    def _pad(self, rows: int, seqs: int, g: _Graph) -> None:
+        """Padding rows read token 0 at position 0 and write their K/V into slot 0 (the padding block);
+        padding sequences have no rows and no context, so attention skips them."""
+        self.np_ids[rows : g.rows] = 0
+        self.np_pos[rows : g.rows] = 0
+        self.np_slots[rows : g.rows] = 0
+        self.np_meta[:, seqs : g.seqs] = 0
+        self.np_meta[0, seqs : g.seqs] = rows
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> float:
+        """Capture the decode/verify graphs, largest bucket first, on one memory pool. Returns seconds."""
+        if not self.use_graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        buckets = sorted({b for b in GRAPH_BUCKETS if b < self.max_seqs} | {self.max_seqs}, reverse=True)
+        q = self.rows_per_seq
+        pool = torch.cuda.graph_pool_handle()
+        rows_max = buckets[0] * q
+        self.hidden_out = [torch.zeros(rows_max, self.model.config.hidden_size, device=self.device,
+                                       dtype=self.model.model.embed_tokens.weight.dtype) for _ in range(2)]
+        stream = torch.cuda.Stream(self.device)
+        for b in buckets:
+            rows = b * q
+            # A layout that exercises every row: each sequence reads q tokens at the start of the
+            # padding block (slot 0), so capture writes nothing that matters.
+            self.h_ids[:rows] = 0
+            self.h_pos[:rows] = torch.arange(q).repeat(b)
+            self.h_slots[:rows] = 0
+            self.h_tables[:b] = 0
+            self.h_meta[0, :b] = torch.arange(0, rows, q, dtype=torch.int32)
+            self.h_meta[1, :b] = q
+            self.h_meta[2, :b] = q
+            self._upload(rows, b)
+            self.attn.set_layout(self.d_slots[:rows], self.d_tables[:b], b, q, self.max_model_len)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile kernels and create library handles outside the capture
+                    self._graph_body(rows)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                hidden, logits, best, best_lp, lse = self._graph_body(rows)
+            self.graphs[b] = _Graph(graph, b, rows, hidden, logits, best, best_lp, lse)
+        torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - t0
+        log.info("captured %d CUDA graphs (up to %d sequences x %d rows) in %.1fs", len(buckets), buckets[0], q, took)
+        return took
+
+    def _graph_body(self, rows: int):
+        hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
+        logits = self.model.compute_logits(hidden)
+        best = logits.argmax(-1)
+        lse = torch.logsumexp(logits, -1)
+        best_lp = logits.gather(1, best[:, None])[:, 0] - lse
+        return hidden, logits, best, best_lp, lse
+
+    # ---- steps -------------------------------------------------------------------------------------
     def execute(self, chunks, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
         """Launch and collect in one go (see `launch` and `collect`)."""
         step = self.launch(chunks)
@@ -121,16 +252,20 @@ class ModelRunner:
             return None
         n, starts, lens = self._fill(chunks)
         r = len(chunks)
-        for h, d, m in ((self.h_ids, self.d_ids, n), (self.h_pos, self.d_pos, n), (self.h_slots, self.d_slots, n)):
-            d[:m].copy_(h[:m], non_blocking=True)
-        self.d_tables[:r].copy_(self.h_tables[:r], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-        self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
-        hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
         row_starts = [0] * r
         for i in range(1, r):
             row_starts[i] = row_starts[i - 1] + lens[i - 1]
+        g = self._graph_for(chunks)
+        if g is not None:
+            return self._launch_graph(g, chunks, n, r, row_starts)
+        self._upload(n, r)
+        if self.attn.meta is not None:
+            ctx = [s + k for s, k in zip(starts, lens)]
+            self.attn.set_layout(self.d_slots[:n], self.d_tables[:r], r, max(lens), max(ctx))
+            self.attn.plan_dequant(ctx)
+        else:
+            self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
+        hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
         step = LaunchedStep(chunks, hidden, row_starts, [i for i, ch in enumerate(chunks) if ch.sample], [])
         if not step.picks:
             return step
@@ -141,17 +276,56 @@ class ModelRunner:
             step.spans.append((len(rows), len(ch.drafts) + 1))
             rows.extend(range(first, first + len(ch.drafts) + 1))
         step.logits = self.model.compute_logits(hidden.index_select(0, to_device(rows, self.device)))
-        step.logprobs = torch.log_softmax(step.logits.float(), dim=-1)
-        best = step.logits.argmax(-1)
-        best_lp = step.logprobs.gather(1, best[:, None])[:, 0]
+        step.lse = torch.logsumexp(step.logits, -1)
+        picked = self._draw(step.logits, [chunks[i] for i in step.picks])
+        if picked is None:
+            best = step.logits.argmax(-1)
+            picked = best, step.logits.gather(1, best[:, None])[:, 0] - step.lse
+        self._send_picks(step, *picked, len(rows))
+        return step
+
+    def _draw(self, logits: torch.Tensor, chunks) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Tokens and logprobs of the rows of `chunks` (in logit-row order: each chunk's drafts + 1
+        rows) through the device sampler; None when every row is plain greedy (argmax serves). Rows
+        of sampled requests with drafts are verified on the host from the logits; they get argmax here."""
+        if all(ch.request.params.greedy and ch.request.params.repetition_penalty == 1.0 for ch in chunks):
+            return None
+        rows = []
+        for ch in chunks:
+            req, p = ch.request, ch.request.params
+            seed = self.sampler(req).seed
+            done = len(req.output_ids)
+            for j in range(len(ch.drafts) + 1):
+                if ch.drafts and not p.greedy:
+                    rows.append(RowParams())
+                    continue
+                seen = req.all_ids + list(ch.drafts[:j]) if p.repetition_penalty != 1.0 else None
+                rows.append(RowParams.of(p, seed, done + j, seen))
+        return self.dsampler.sample(logits[: len(rows)], rows)
+
+    def _launch_graph(self, g: _Graph, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
+        self._pad(n, r, g)
+        self._upload(g.rows, g.seqs)
+        g.graph.replay()
+        out = self.next_out
+        hidden = self.hidden_out[out][:n]
+        hidden.copy_(g.hidden[:n])
+        step = LaunchedStep(chunks, hidden, row_starts, list(range(r)),
+                            [(row_starts[i], ch.num_tokens) for i, ch in enumerate(chunks)])
+        if any(ch.drafts and not ch.request.params.greedy for ch in chunks):
+            # Sampled drafts are verified on the host from the logits, which the next replay overwrites.
+            step.logits, step.lse = g.logits[:n].clone(), g.lse[:n].clone()
+        picked = self._draw(g.logits[:n], chunks)
+        self._send_picks(step, *(picked or (g.best[:n], g.best_lp[:n])), n)
+        return step
+
+    def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int) -> None:
         step.out, self.next_out = self.next_out, 1 - self.next_out
-        m = len(rows)
         self.h_greedy[step.out][:m].copy_(best, non_blocking=True)
         self.h_logprob[step.out][:m].copy_(best_lp, non_blocking=True)
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()
-        return step
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
@@ -170,20 +344,18 @@ class ModelRunner:
         for i, (r0, k1) in zip(step.picks, step.spans):
             ch = step.chunks[i]
             req, p = ch.request, ch.request.params
-            if p.greedy and p.repetition_penalty == 1.0:
+            if p.greedy or not ch.drafts:
+                # Drawn on the device (greedy rows: the argmax after any repetition penalty); a greedy
+                # row's accepted tokens are each its row's pick.
                 toks = verify_greedy(list(ch.drafts), greedy[r0 : r0 + k1]) if ch.drafts else [greedy[r0]]
-                # Every accepted token is the argmax of its row, so its logprob is that row's maximum.
                 out[req.request_id] = Sampled(toks, greedy_lp[r0 : r0 + len(toks)])
                 continue
             logits = step.logits
-            sampler = self.sampler(req)
-            if ch.drafts:
-                q = (draft_probs or {}).get(req.request_id)
-                target = torch.stack([filtered_probs(logits[r0 + j], p) for j in range(k1)]).cpu()
-                toks = verify_sampled(list(ch.drafts), q, target, sampler.gen)
-            else:
-                seen = torch.tensor(req.all_ids) if p.repetition_penalty != 1.0 else None
-                toks = [sampler(logits[r0], seen)]
-            lp = step.logprobs[r0 : r0 + len(toks)].gather(1, torch.tensor(toks, device=logits.device)[:, None])
-            out[req.request_id] = Sampled(toks, lp[:, 0].tolist())
+            q = (draft_probs or {}).get(req.request_id)
+            target = torch.stack([filtered_probs(logits[r0 + j], p) for j in range(k1)]).cpu()
+            toks = verify_sampled(list(ch.drafts), q, target, self.sampler(req).gen)
+            idx = torch.tensor(toks, device=logits.device)
+            rows = torch.arange(r0, r0 + len(toks), device=logits.device)
+            lp = logits[rows, idx] - step.lse[rows]
+            out[req.request_id] = Sampled(toks, lp.tolist())
         return out

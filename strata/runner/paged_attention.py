@@ -16,6 +16,8 @@ from strata.runner.transfer import to_device
 
 
 class PagedAttention(AttentionBackend):
+    meta = None  # no layout tensors for a runner to fill: `prepare` builds the layout (see attention_backends)
+
     def __init__(self, pool: KVPool):
         self.pool = pool
         self.slots: torch.Tensor | None = None

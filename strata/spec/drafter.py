@@ -28,7 +28,7 @@ import torch
 from strata.env import ENV
 from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
-from strata.runner.paged_attention import PagedAttention
+from strata.runner.attention_backends import make_attention
 from strata.runner.sampling import filtered_probs
 from strata.spec.stats import SpecStats
 
@@ -45,7 +45,9 @@ class MTPDrafter:
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_drafts, self.min_p, self.batch_mtp, self.adaptive = max_drafts, min_p, batch_mtp, adaptive
         self.max_model_len, self.chunk_size, self.seed_of = max_model_len, chunk_size, seed_of
-        self.attn = PagedAttention(pool)
+        self.attn = make_attention(pool, model.config, max_seqs=max_seqs, max_rows=max(chunk_size, max_seqs * (1 + max_drafts)),
+                                   max_split_rows=max_seqs, device=self.device, dtype=dtype,
+                                   max_context=max_model_len)
         self.split = self.split_mode()
         log.info("MTP draft K/V for prompts: %s", "batched with the read (STRATA_SPLIT_MTP_BATCH=1)" if self.split
                  else "by the drafter at hand-over (default)")

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call that runs named steps (GPU tests, sweeps, benchmarks; see the case list) and packs
+# every JSON/PNG they write into $OUT/results.tgz (a device call brings back at most 8 files), the
+# combined log into $OUT/round.log (/work/.library/device/METHOD.md: check and time everything at once).
+# The GPU image lacks gguf, fastapi, uvicorn and pydantic: carry their wheels in .whl/ (the device
+# tool's README says how) and this script installs them first.
+#   bash scripts/gpu_round.sh tests kernels decode read ...
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+R=$OUT/r
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 STRATA_NO_PROGRESS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+B="python3 -m strata.cli bench"
+T="python3 -m pytest -q -s -m gpu -p no:cacheprovider"
+step() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  local t0=$SECONDS
+  timeout "$secs" "$@" 2>&1 | grep -v "^\s*$" | tail -40
+  echo "--- $name: rc ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+  tar czf "$OUT/results.tgz" -C "$R" .  # after every step: a call cut short still brings back what ran
+}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
+  for s in "$@"; do
+    case $s in
+      speed) step speed 120 $T -k "speed_report or cuda_graph_replay" tests/test_kernel_attention.py ;;
+      gemv) step gemv 240 $T tests/test_kernel_gemv.py ;;
+      gemv-sweep) step gemv-sweep 300 python3 -m strata.kernels.gemv --sweep 6144x4096 4096x4096 2048x4096 5120x2048 ;;
+      sweep-attn) step sweep-attn 300 python3 scripts/sweep_attention.py ;;
+      graphs) step graphs 300 $T tests/test_gpu_graphs.py tests/test_kernel_kv_dequant.py ;;
+      profile-moe) step profile-moe 150 python3 scripts/profile_step.py --shape qwen3-30b-a3b --batch 1 --top 30 ;;
+      kernels) step kernels 300 $T tests/test_kernel_attention.py tests/test_kernels_small.py tests/test_kernel_gemv.py tests/test_kernel_moe_decode.py tests/test_kernel_kv_dequant.py ;;
+      tests-final) step tests-final 150 $T tests/test_gpu.py tests/test_kernel_moe_decode.py ;;
+      tests) step tests 500 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_moe_packed.py tests/test_gpu_graphs.py tests/test_device_sampling.py tests/test_kernel_kv_dequant.py ;;
+      moe-kernel) step moe-kernel 200 $T tests/test_kernel_moe_decode.py ;;
+      profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
+      profile8) step profile8 120 python3 scripts/profile_step.py --batch 8 --top 12 ;;
+      read) step read 240 $B read --chunks 512,2048,8192 --lengths 4096,32768 --repeats 1 --out $R/read_qwen3-8b_cuda.json ;;
+      read-int8) step read-int8 200 $B read --kv int8 --chunks 512,8192 --lengths 32768 --no-hf --repeats 1 --out $R/read_qwen3-8b_int8_cuda.json ;;
+      decode) step decode 300 $B decode --batch 1,8,32 --tokens 64 --repeats 1 --http --out $R/decode_qwen3-8b_cuda.json ;;
+      decode-quick) step decode-quick 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick.json ;;
+      decode32k) step decode32k 200 $B decode --prompt 32000 --batch 1,8 --tokens 48 --no-hf --repeats 1 --out $R/decode32k_qwen3-8b_cuda.json ;;
+      decode32k-int8) step decode32k-int8 200 $B decode --kv int8 --prompt 32000 --batch 1,8 --tokens 48 --no-hf --repeats 1 --out $R/decode32k_qwen3-8b_int8_cuda.json ;;
+      read128k) step read128k 200 $B read --shape qwen3-8b-128k --lengths 131072 --no-hf --repeats 1 --out $R/read_qwen3-8b-128k_cuda.json ;;
+      moe-decode) step moe-decode 240 $B decode --shape qwen3-30b-a3b --batch 1,8,32 --no-hf --repeats 1 --out $R/decode_qwen3-30b-a3b_cuda.json ;;
+      moe-read) step moe-read 200 $B read --shape qwen3-30b-a3b --lengths 4096,32768 --no-hf --repeats 1 --out $R/read_qwen3-30b-a3b_cuda.json ;;
+      http) step http 200 $B decode --batch 1 --no-hf --http --repeats 1 --out $R/http_qwen3-8b_cuda.json ;;
+      spec) step spec 400 $B spec --repeats 4 --out $R/spec_cuda.json ;;
+      kv) step kv 200 $B kv --out $R/kv_int8_cuda.json ;;
+      *) echo "unknown step $s" ;;
+    esac
+  done
+} 2>&1 | tee "$OUT/round.log"
+rm -rf "$R"

@@ -1,0 +1,85 @@
+"""Where a decode step's time goes, on a GPU: engine step wall time, graph replay device time, and the
+kernels of one eager step (torch.profiler), grouped by name. A development tool, not a benchmark:
+`strata bench` owns the published numbers.
+
+    python scripts/profile_step.py --shape qwen3-8b --batch 1 --prompt 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from strata.bench.random_model import random_model
+from strata.config import EngineConfig
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--kv", default="auto")
+    ap.add_argument("--spec", type=int, default=0)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    loaded = random_model(a.shape, dev, torch.bfloat16)
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", parallel=a.batch, ctx=a.prompt + 256, kv=a.kv,
+                       kv_size=(a.prompt + 256) * a.batch, chunk_size=8192, max_num_batched_tokens=8192)
+    eng = LLMEngine(cfg, progress=False, loaded=loaded)
+    vocab = loaded.config.vocab_size
+    for i in range(a.batch):
+        ids = torch.randint(0, vocab, (a.prompt,)).tolist()
+        eng.add_request(EngineRequest(f"p{i}", tuple(ids), SamplingParams(max_tokens=200, ignore_eos=True), time.monotonic()))
+    while any(r.num_computed_tokens < len(r.prompt_ids) for r in eng.requests.values()):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t0)
+    print(f"engine step wall: p50 {statistics.median(walls) * 1e3:.3f} ms  min {min(walls) * 1e3:.3f} ms")
+    g = eng.runner.graphs.get(min(b for b in eng.runner.graphs if b >= a.batch)) if eng.runner.graphs else None
+    if g is not None:
+        times = []
+        for _ in range(30):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.graph.replay()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        print(f"graph replay (device): p50 {statistics.median(times):.3f} ms  min {min(times):.3f} ms")
+    # One eager step's kernels.
+    graphs, eng.runner.graphs = eng.runner.graphs, {}
+    eng.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            eng.step()
+        torch.cuda.synchronize()
+    eng.runner.graphs = graphs
+    per = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time_total / 3
+            per[ev.name][1] += 1 / 3
+    total = sum(v[0] for v in per.values())
+    print(f"eager step: {total / 1e3:.3f} ms of kernels, {sum(v[1] for v in per.values()):.0f} launches")
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[: a.top]:
+        print(f"{us:9.1f} us {n:6.0f}x  {us / max(n, 1):8.2f} us/launch  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Paged attention over the KV pool: decode, speculative verify and prefill rows in one kernel.
+
+Layout (shared with `strata/runner/paged_attention.py`): the step's query rows are flat, q [N, Hq, D],
+sequence after sequence. Sequence r owns rows q_start[r] .. q_start[r] + q_len[r] - 1; its context is
+ctx_len[r] tokens INCLUDING the new ones (their K/V are already in the pool). Query i of sequence r
+sits at position ctx_len - q_len + i and sees key positions 0..itself. Key position t lives at slot
+block_tables[r, t // block_size] * block_size + t % block_size of k_cache / v_cache [slots, Hkv, D];
+int8 caches carry one fp32 scale per (slot, head) in k_scale / v_scale [slots, Hkv]. Sequences with
+q_len 0 are padding and do nothing; output rows that belong to no sequence are never written.
+
+The kernel (FlashAttention-2 / flash-decoding style): one program per (sequence, query tile, kv head,
+split). A program holds the tile's queries for all G = Hq / Hkv heads of its kv head as one block of
+BLOCK_M = BLOCK_Q * G rows, so each K/V tile is read once per group. It walks the keys in tiles of
+KV_TILE positions gathered through the block table, with an online softmax in fp32 (exp2, log2 e
+folded into the scale); only the tiles that cross the causal diagonal or the context end are masked,
+and tiles wholly past the query tile's last position are skipped. With num_splits > 1 the keys of a
+sequence are cut into num_splits ranges (computed in the kernel from ctx_len), each program writes
+its unnormalised partial result to a `SplitWorkspace` and a second kernel merges a row's splits in
+the fixed order 0, 1, 2, ...
+
+Graph capture: the grid depends only on R, max_q_len, Hkv and num_splits (host ints); every length,
+start and table entry is read by the kernel, so a captured launch replays with new values in the same
+tensors. Nothing is read back to the host and no tuning runs at call time.
+
+Batch invariance (what holds, and what full invariance would still need): a row's math is per row;
+the key tile size and the order of key tiles are the same for every regime, and tile boundaries sit
+at absolute multiples of KV_TILE; the extra tiles a row may visit because of its neighbours in the
+query tile are fully masked for it and are exact no-ops (p = 0, rescale by exp2(0) = 1). So for a
+fixed num_splits a row does not depend on the batch, its place in the tile or max_q_len, provided the
+dot products of a row do not depend on the tile height BLOCK_M (true of fp32 "ieee" dots, which are
+FMA loops over D). Not yet invariant: (1) split boundaries depend on num_splits, which
+`choose_num_splits` derives from the batch shape — a batch-invariant mode must fix num_splits (or
+fix the split length in keys) independently of the batch; (2) bf16/fp16 dots run on tensor cores
+with an instruction chosen by BLOCK_M (decode and prefill configs differ), whose accumulation order
+is not specified — invariance there needs one BLOCK_M / num_warps for all regimes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kernels import use_triton
+
+LOG2E = 1.4426950408889634
+KV_TILE = 64  # keys per tile, the same for every regime (see batch invariance above)
+MIN_KEYS_PER_SPLIT = 64  # one key tile: short contexts still spread over SMs (latency-bound otherwise)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per program (queries x heads of the group), a power of two >= 16
+    num_warps: int
+    num_stages: int
+
+
+# Decode and verify: few query rows, memory bound; small row blocks, splits fill the GPU. Chosen with
+# scripts/sweep_attention.py on the H200: 2 warps beat 4 for one sequence at 32K (1555 vs 1254 GB/s of
+# K/V) and for int8 at batch 8 (1569 vs 1000), within 2% elsewhere.
+DECODE_CONFIG = TileConfig(block_m=16, num_warps=2, num_stages=3)
+DECODE_MAX_ROWS = 64  # max_q_len * G up to this uses DECODE_CONFIG, rounded up to a power of two
+# Prefill (and mixed steps holding a prompt chunk): compute bound. The same sweep: 4 warps and 4 stages
+# give 425 TFLOP/s on a 32K causal prefill against 347 for 8 warps and 3 stages; 128-key tiles lose.
+PREFILL_CONFIG = TileConfig(block_m=128, num_warps=4, num_stages=4)
+
+
+@lru_cache(maxsize=256)
+def select_config(max_q_len: int, group: int) -> TileConfig:
+    rows = max_q_len * group
+    if rows <= DECODE_MAX_ROWS:
+        cfg = DECODE_CONFIG
+        block_m = max(cfg.block_m, triton.next_power_of_2(rows))
+    else:
+        cfg = PREFILL_CONFIG
+        block_m = max(cfg.block_m, triton.next_power_of_2(group))
+    return TileConfig(block_m, cfg.num_warps, cfg.num_stages)
+
+
+class SplitWorkspace:
+    """Partial results of split-KV attention, allocated once and reused by every call.
+
+    acc (max_rows, Hq, max_splits, D) holds unnormalised outputs; m and l (max_rows, Hq, max_splits)
+    the running max (log2 domain) and softmax sum. Row index = the query row in q."""
+
+    def __init__(self, max_rows: int, num_q_heads: int, head_dim: int, max_splits: int, device):
+        self.max_rows, self.num_q_heads, self.head_dim, self.max_splits = max_rows, num_q_heads, head_dim, max_splits
+        self.acc = torch.empty((max_rows, num_q_heads, max_splits, head_dim), dtype=torch.float32, device=device)
+        self.m = torch.empty((max_rows, num_q_heads, max_splits), dtype=torch.float32, device=device)
+        self.l = torch.empty_like(self.m)
+
+
+def choose_num_splits(num_seqs: int, max_q_len: int, num_kv_heads: int, max_ctx: int, num_sms: int,
+                      max_splits: int) -> int:
+    """Splits per sequence so that small, long-context batches still fill about two waves of SMs.
+
+    Query tiles are estimated at 16 queries (the kernel's tile depends on the group size, which this
+    host-side heuristic does not need to know exactly)."""
+    programs = max(1, num_seqs * num_kv_heads * triton.cdiv(max(max_q_len, 1), 16))
+    target = 2 * num_sms
+    if programs >= target:
+        return 1
+    splits = triton.cdiv(target, programs)
+    splits = min(splits, max(1, max_ctx // MIN_KEYS_PER_SPLIT), max_splits)
+    return max(1, splits)
+
+
+def attention_flops(q_len: int, ctx_len: int, num_q_heads: int, head_dim: int) -> float:
+    """QK^T and PV matmul flops of one sequence's causal attention: 4 * D * Hq per (query, key) pair."""
+    pairs = q_len * (ctx_len - q_len) + q_len * (q_len + 1) // 2
+    return 4.0 * head_dim * num_q_heads * pairs
+
+
+@triton.jit
+def _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_base, ks_base, vs_base,
+                    stride_k_slot, stride_v_slot, stride_ks_slot, stride_vs_slot, qk_scale,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    MASKED: tl.constexpr, IS_INT8: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_range = offs_n < kv_hi
+    if MASKED:
+        block_ids = tl.load(table_row + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        block_ids = tl.load(table_row + offs_n // BLOCK_SIZE)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    k_ptrs = k_base + slots[:, None] * stride_k_slot + offs_d[None, :]
+    v_ptrs = v_base + slots[:, None] * stride_v_slot + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=in_range[:, None], other=0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
+    if IS_INT8:
+        if MASKED:
+            k_scale = tl.load(ks_base + slots * stride_ks_slot, mask=in_range, other=0.0)
+        else:
+            k_scale = tl.load(ks_base + slots * stride_ks_slot)
+        s = s * (k_scale * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = in_range[None, :] & (offs_n[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with no visible key yet keeps m = -inf; shifting by 0 then keeps p = 0 and avoids inf - inf.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=in_range[:, None], other=0)
+    else:
+        v = tl.load(v_ptrs)
+    if IS_INT8:
+        if MASKED:
+            v_scale = tl.load(vs_base + slots * stride_vs_slot, mask=in_range, other=0.0)
+        else:
+            v_scale = tl.load(vs_base + slots * stride_vs_slot)
+        v = v.to(tl.float32) * v_scale[:, None]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr,
+    stride_qn, stride_qh, stride_k_slot, stride_kh, stride_v_slot, stride_vh,
+    stride_ks_slot, stride_ksh, stride_vs_slot, stride_vsh, stride_on, stride_oh, stride_table,
+    stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
+    qk_scale, num_q_tiles, num_splits,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = pid // num_q_tiles
+    q_tile = num_q_tiles - 1 - pid % num_q_tiles  # later (costlier) causal tiles launch first
+    q_len = tl.load(q_len_ptr + seq)
+    tile_q0 = q_tile * BLOCK_Q
+    if tile_q0 >= q_len:
+        return
+    ctx = tl.load(ctx_len_ptr + seq)
+    row0 = tl.load(q_start_ptr + seq)
+    first_pos = ctx - q_len + tile_q0
+    last_pos = ctx - q_len + tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
+    if SPLIT:
+        split = tl.program_id(2)
+        split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_lo + split_len, ctx)
+    else:
+        split = 0  # unused without SPLIT
+        kv_lo = 0
+        kv_hi = ctx
+    kv_stop = tl.minimum(kv_hi, last_pos + 1)
+    if kv_lo >= kv_stop:
+        return
+    # Tiles below full_stop are visible to every row of the query tile: no mask needed.
+    full_stop = kv_lo + tl.maximum(tl.minimum(kv_stop, first_pos + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_idx = tile_q0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    pos = ctx - q_len + q_idx
+    rows = (row0 + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    ks_base = ks_ptr + kv_head * stride_ksh
+    vs_base = vs_ptr + kv_head * stride_vsh
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for start in range(kv_lo, full_stop, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_base,
+                                        ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot,
+                                        stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
+                                        False, IS_INT8, DOT_PREC)
+    for start in range(full_stop, kv_stop, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_base,
+                                        ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot,
+                                        stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
+                                        True, IS_INT8, DOT_PREC)
+
+    if SPLIT:
+        wa = ws_acc_ptr + rows[:, None] * stride_wa_n + head[:, None] * stride_wa_h + split * stride_wa_s
+        tl.store(wa + offs_d[None, :], acc, mask=row_ok[:, None])
+        wm = rows * stride_wm_n + head * stride_wm_h + split
+        tl.store(ws_m_ptr + wm, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + wm, l_i, mask=row_ok)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows, which are not stored
+        o = acc / l_safe[:, None]
+        o_ptrs = out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
+    stride_on, stride_oh, stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
+    max_q_len, num_splits, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = pid // max_q_len
+    i = pid % max_q_len
+    q_len = tl.load(q_len_ptr + seq)
+    if i >= q_len:
+        return
+    ctx = tl.load(ctx_len_ptr + seq)
+    row = (tl.load(q_start_ptr + seq) + i).to(tl.int64)
+    pos = ctx - q_len + i
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    used = pos // split_len + 1  # splits that start at or before this row's position
+    ml_base = row * stride_wm_n + head * stride_wm_h
+    m_max = tl.full([], float("-inf"), dtype=tl.float32)
+    for s in range(0, used):
+        m_max = tl.maximum(m_max, tl.load(ws_m_ptr + ml_base + s))
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    l_sum = tl.zeros([], dtype=tl.float32)
+    acc_base = ws_acc_ptr + row * stride_wa_n + head * stride_wa_h + offs_d
+    for s in range(0, used):
+        w = tl.math.exp2(tl.load(ws_m_ptr + ml_base + s) - m_max)
+        acc += w * tl.load(acc_base + s * stride_wa_s)
+        l_sum += w * tl.load(ws_l_ptr + ml_base + s)
+    o = acc / l_sum
+    tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, k_scale, v_scale):
+    """Shape, dtype and device checks that never touch device memory."""
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"expected q [N, Hq, D] and k/v caches [slots, Hkv, D], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if k_cache.shape[2] != d or hq % hkv != 0:
+        raise ValueError(f"q heads {hq} / dim {d} do not fit kv heads {hkv} / dim {k_cache.shape[2]}")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    for name, t in (("block_tables", block_tables), ("q_start", q_start), ("q_len", q_len), ("ctx_len", ctx_len)):
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(f"{name} must be int32 on {q.device}, got {t.dtype} on {t.device}")
+    r = q_len.shape[0]
+    if q_start.shape != (r,) or ctx_len.shape != (r,) or block_tables.dim() != 2 or block_tables.shape[0] != r:
+        raise ValueError("q_start, q_len, ctx_len must be [R] and block_tables [R, B]")
+    is_int8 = k_cache.dtype == torch.int8
+    if is_int8 != (v_cache.dtype == torch.int8) or is_int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("int8 caches need k_scale and v_scale; other caches take none")
+    if is_int8 and (k_scale.shape != k_cache.shape[:2] or v_scale.shape != v_cache.shape[:2]):
+        raise ValueError(f"k_scale / v_scale must be [slots, Hkv] = {tuple(k_cache.shape[:2])}")
+    return n, hq, d, hkv, r, is_int8
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
+                           max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
+                           workspace: SplitWorkspace | None = None) -> torch.Tensor:
+    n, hq, d, hkv, r, is_int8 = _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out,
+                                              k_scale, v_scale)
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim {d} must be a power of two >= 16")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    if is_int8 and (k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32):
+        raise ValueError("k_scale / v_scale must be float32")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    if split:
+        if workspace is None:
+            raise ValueError("num_splits > 1 needs a SplitWorkspace (preallocated, reused every call)")
+        if (workspace.max_rows < n or workspace.num_q_heads != hq or workspace.head_dim != d
+                or workspace.max_splits < num_splits or workspace.acc.device != q.device):
+            raise ValueError(f"workspace ({workspace.max_rows} rows, {workspace.num_q_heads} heads, dim "
+                             f"{workspace.head_dim}, {workspace.max_splits} splits) too small for {n} rows, "
+                             f"{hq} heads, dim {d}, {num_splits} splits")
+    if r == 0 or n == 0 or max_q_len <= 0:
+        return out
+    group = hq // hkv
+    cfg = select_config(max_q_len, group)
+    block_q = cfg.block_m // group
+    num_q_tiles = triton.cdiv(max_q_len, block_q)
+    ks, vs = (k_scale, v_scale) if is_int8 else (k_cache, v_cache)  # placeholders, never read
+    ws_acc, ws_m, ws_l = (workspace.acc, workspace.m, workspace.l) if split else (out, out, out)
+    wa_strides = ws_acc.stride()[:3] if split else (0, 0, 0)
+    wm_strides = ws_m.stride()[:2] if split else (0, 0)
+    ks_strides = ks.stride()[:2] if is_int8 else (0, 0)
+    vs_strides = vs.stride()[:2] if is_int8 else (0, 0)
+    grid = (r * num_q_tiles, hkv, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, ks, vs, out, block_tables, q_start, q_len, ctx_len, ws_acc, ws_m, ws_l,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        *ks_strides, *vs_strides, out.stride(0), out.stride(1), block_tables.stride(0),
+        *wa_strides, *wm_strides,
+        scale * LOG2E, num_q_tiles, num_splits,
+        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=KV_TILE, HEAD_DIM=d, BLOCK_SIZE=block_size,
+        IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(r * max_q_len, hq)](
+            out, ws_acc, ws_m, ws_l, q_start, q_len, ctx_len, out.stride(0), out.stride(1),
+            *wa_strides, *wm_strides, max_q_len, num_splits, BLOCK_N=KV_TILE, HEAD_DIM=d, num_warps=1,
+        )
+    return out
+
+
+def _dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Pool semantics: int8 * scale in fp32, then the compute dtype (as KVPool.gather returns it)."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale[..., None]).to(dtype)
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
+                        max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
+                        workspace: SplitWorkspace | None = None) -> torch.Tensor:
+    """The definition: a loop over sequences, fp32 math, cast to out's dtype. num_splits and workspace
+    are accepted for a common signature and ignored (splitting changes rounding only)."""
+    _, hq, _, hkv, _, _ = _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out,
+                                        k_scale, v_scale)
+    group = hq // hkv
+    for r, (row0, n, ctx) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
+        if n == 0:
+            continue
+        if n > max_q_len or n > ctx:
+            raise ValueError(f"sequence {r}: q_len {n} exceeds max_q_len {max_q_len} or ctx_len {ctx}")
+        t = torch.arange(ctx, device=q.device)
+        slots = block_tables[r].long()[t // block_size] * block_size + t % block_size
+        k = _dequantize(k_cache[slots], None if k_scale is None else k_scale[slots], q.dtype).float()
+        v = _dequantize(v_cache[slots], None if v_scale is None else v_scale[slots], q.dtype).float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        qq = q[row0:row0 + n].float()
+        scores = torch.einsum("qhd,khd->hqk", qq, k) * scale
+        q_pos = ctx - n + torch.arange(n, device=q.device)
+        scores.masked_fill_(t[None, None, :] > q_pos[None, :, None], float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        out[row0:row0 + n] = o.to(out.dtype)
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
+                    max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
+                    workspace: SplitWorkspace | None = None) -> torch.Tensor:
+    """Attention of the step's query rows over the paged pool, written into `out` (returned)."""
+    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, block_size=block_size,
+              max_q_len=max_q_len, scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+              workspace=workspace)

@@ -1,0 +1,445 @@
+"""Matrix × vector for decode-sized batches: out [M, N] = x [M, K] @ weight [N, K]ᵀ (+ bias), M ≤ 16.
+
+Semantics (`gemv_ref`): F.linear in fp32, rounded once to x's dtype. With act="silu_mul", x is
+[M, 2K], gate in its first K columns and up in the last K, and the product uses `F.silu(gate) * up`
+with torch's roundings (silu in fp32 rounded to the dtype, then the product rounded to the dtype),
+so the SwiGLU kernel before a down projection disappears.
+
+Kernel. At M ≤ 16 the weights are the whole cost: each program owns BLOCK_N output columns for all
+rows and streams its [BLOCK_N, BLOCK_K] weight tiles through the software pipeline (num_stages
+copies in flight), multiplying them on the tensor cores with the transposed x tile padded to
+BLOCK_M = 16 rows (weights as the MMA's M side, "swap AB": with BLOCK_N ≥ 64 and 4 warps Hopper
+gets wgmma, which reads each shared tile once per warp group). With split-K, program (tile, s)
+covers the s-th of SPLIT_K equal ranges of K blocks, writes its fp32 partial to a workspace and
+bumps the tile's counter; the program that arrives last sums the partials in split order 0, 1, ...
+(whichever program that is), adds the bias, writes the output and resets the counter to zero, so
+no second launch is needed and a workspace is reusable on the same stream.
+
+Determinism and batch invariance: the configuration (tile sizes, split count) is a function of
+(N, K) alone, BLOCK_M is 16 for every M and M is a runtime argument that Triton does not
+specialise on, so every M ≤ 16 runs the same binary; tensor-core rows are independent and the K
+order (blocks in order inside a split, splits summed in index order) is fixed, so a row's result is
+bit-identical whether it is computed alone or among 15 others, and from run to run.
+
+CUDA graphs: the grid comes from shapes only and nothing is read back to the host; under capture
+the allocations (out when none is passed, a zeroed workspace when none is passed) come from the
+graph pool. A workspace must not be shared by launches that may run concurrently (two streams).
+Batch invariance covers M ≤ 16, the kernel's range; `gemv` hands larger M to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the references work, the kernels are never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+BLOCK_M = 16  # rows of the MMA: M is padded to it, whatever M is, so every M runs one binary
+MAX_ROWS = BLOCK_M
+NUM_SMS = 132  # H200; a constant, not a device query, so configurations depend on (N, K) only
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # output columns (weight rows) per program, a power of two >= 16
+    block_k: int  # K per pipeline stage, a power of two dividing K
+    split_k: int = 1  # programs per column tile, each over an equal share of the K blocks
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def programs(self, n: int) -> int:
+        return _cdiv(n, self.block_n) * self.split_k
+
+    def smem_bytes(self) -> int:
+        return self.num_stages * (self.block_n + BLOCK_M) * self.block_k * 2
+
+
+# Per (N, K), chosen by reasoning and checked by compiling for sm_90 (wgmma, cp.async pipeline, no
+# spills), not yet timed: `sweep_gemv` times the alternatives on the device. The rules: wgmma-sized
+# tiles (BLOCK_N ≥ 64, 4 warps); pipeline buffers ≤ 113 KB so ≥ 2 programs share an SM; a grid no
+# larger than what is resident at once (2-3 per SM), so every program streams from the start and
+# they finish together with no second-wave tail; split-K only where N alone gives too few tiles.
+GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    # Qwen3-8B
+    (6144, 4096): GemvConfig(64, 128, split_k=2, num_stages=4),  # qkv: 192 programs, 16 blocks each, 80 KB
+    (4096, 4096): GemvConfig(64, 128, split_k=4, num_stages=4),  # o_proj: 256 programs, 8 blocks, 80 KB
+    (24576, 4096): GemvConfig(64, 128, split_k=1, num_stages=3),  # gate_up: 384 programs, 3 per SM, 60 KB
+    # down (usually with act="silu_mul"): BLOCK_N 128 halves the per-program SwiGLU recomputation.
+    (4096, 12288): GemvConfig(128, 64, split_k=8, num_stages=5),  # 256 programs, 24 blocks, 92 KB (100 with SwiGLU)
+    (151936, 4096): GemvConfig(128, 128, split_k=1, num_stages=3),  # lm_head: 1187 programs
+    # Qwen3-30B-A3B (attention and lm_head; experts are not GEMVs)
+    (5120, 2048): GemvConfig(64, 128, split_k=2, num_stages=4),  # qkv: 160 programs, 8 blocks
+    (2048, 4096): GemvConfig(64, 128, split_k=8, num_stages=4),  # o_proj: 256 programs, 4 blocks
+    (151936, 2048): GemvConfig(128, 128, split_k=1, num_stages=3),  # lm_head: 1187 programs
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _heuristic_config(n: int, k: int) -> GemvConfig:
+    block_k = next(b for b in (128, 64) if k % b == 0)
+    k_blocks = k // block_k
+    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
+    tiles = _cdiv(n, block_n)
+    split = 1
+    while tiles * split * 2 <= 2 * NUM_SMS and k_blocks // (split * 2) >= 4:
+        split *= 2
+    return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3 if block_n == 128 else 4)
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """The configuration for weight [N, K]: the table entry, else a heuristic; a function of
+    (N, K) only, which is what makes the results independent of M."""
+    return GEMV_CONFIGS.get((n, k)) or _heuristic_config(n, k)
+
+
+def check_config(cfg: GemvConfig, k: int) -> None:
+    pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
+    if not (pow2(cfg.block_n) and pow2(cfg.block_k) and k % cfg.block_k == 0
+            and 1 <= cfg.split_k <= k // cfg.block_k and cfg.num_warps in (1, 2, 4, 8) and cfg.num_stages >= 1):
+        raise ValueError(f"invalid {cfg} for K={k}")
+
+
+def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether the Triton path serves x [m, k] @ weight [n, k]ᵀ (k: the weight's K, also with silu_mul)."""
+    return 1 <= m <= MAX_ROWS and n >= 1 and k >= 64 and k % 64 == 0 and dtype in SUPPORTED_DTYPES
+
+
+def _counter_slots(tiles: int) -> int:
+    return _cdiv(tiles, 32) * 32  # partials start 128-byte aligned
+
+
+def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
+    """int32 elements of workspace for weight [N, K] (0 without split-K). One buffer serves any
+    M ≤ 16, and several shapes if sized for the largest of them."""
+    cfg = config or gemv_config(n, k)
+    if cfg.split_k == 1:
+        return 0
+    tiles = _cdiv(n, cfg.block_n)
+    return _counter_slots(tiles) + tiles * cfg.split_k * BLOCK_M * cfg.block_n
+
+
+def gemv_workspace(n: int, k: int, device, config: GemvConfig | None = None) -> torch.Tensor:
+    """A zeroed workspace for weight [N, K]; the kernel leaves its counters at zero after each call."""
+    return torch.zeros(gemv_workspace_numel(n, k, config), dtype=torch.int32, device=device)
+
+
+def _check_act(act: str | None) -> bool:
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
+    return act == "silu_mul"
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, *, act: str | None = None) -> torch.Tensor:
+    if _check_act(act):
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+@jit
+def _finish(acc, bias_ptr, out_ptr, out_stride, cols, rows, col_ok, row_ok, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[None, :] * out_stride + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=col_ok[:, None] & row_ok[None, :])
+
+
+@jit(do_not_specialize=["m"])
+def _gemv_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
+                 USE_LIBDEVICE: tl.constexpr):
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    k_blocks = k // BLOCK_K
+    kb_begin = split * k_blocks // SPLIT_K
+    kb_end = (split + 1) * k_blocks // SPLIT_K
+
+    offs_n = tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    offs_k = kb_begin * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tile * BLOCK_N + offs_n
+    col_ok = cols < n
+    row_ok = rows < m
+    # The tile's base in int64 (an lm_head has N*K near 2^31); offsets inside a tile stay int32.
+    w_ptrs = w_ptr + (tile * BLOCK_N).to(tl.int64) * k + offs_n[:, None] * k + offs_k[None, :]
+    xt_ptrs = x_ptr + rows[None, :] * x_stride + offs_k[:, None]  # xᵀ tile [BLOCK_K, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(kb_begin, kb_end):
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        if SILU_MUL:
+            gate = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0).to(tl.float32)
+            up = tl.load(xt_ptrs + k, mask=row_ok[None, :], other=0.0).to(tl.float32)
+            if USE_LIBDEVICE:
+                e = libdevice.exp(-gate)
+            else:
+                e = tl.exp(-gate)
+            silu = tl.div_rn(gate, 1.0 + e).to(x_ptr.dtype.element_ty).to(tl.float32)
+            xt = (silu * up).to(x_ptr.dtype.element_ty)
+        else:
+            xt = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0)
+        if IEEE_DOT:
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        xt_ptrs += BLOCK_K
+
+    if SPLIT_K == 1:
+        _finish(acc, bias_ptr, out_ptr, out_stride, cols, rows, col_ok, row_ok, HAS_BIAS)
+    else:
+        # Partials [tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32, rows < m only.
+        tile_partials = (partial_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N)
+                         + rows[None, :] * BLOCK_N + offs_n[:, None])
+        tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc, mask=row_ok[None, :])
+        # Every thread's partial stores are ordered before thread 0's release (the atomic runs on
+        # one thread), the pattern of a cooperative grid sync.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # Last to arrive: sum in split order, not arrival order. ".cg" reads L2, where the
+            # other SMs' stores are, never a stale L1 line.
+            total = tl.load(tile_partials, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), mask=row_ok[None, :], other=0.0,
+                                 cache_modifier=".cg")
+            _finish(total, bias_ptr, out_ptr, out_stride, cols, rows, col_ok, row_ok, HAS_BIAS)
+            tl.store(counter_ptr + tile, 0)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, *, act: str | None = None, workspace: torch.Tensor | None = None,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M ≤ 16, K] (or [M, 2K] with act="silu_mul"; contiguous rows, any row stride), weight [N, K]
+    contiguous, bias [N] or None → out [M, N] in x's dtype. `workspace`: see `gemv_workspace`; without
+    one a split-K shape allocates a zeroed one per call. `config` overrides `gemv_config(N, K)`."""
+    silu_mul = _check_act(act)
+    if x.dim() != 2 or weight.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"x [M, K] with contiguous rows and a contiguous weight [N, K] expected, got x "
+                         f"{tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)} strides {weight.stride()}")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.shape[1] != (2 * k if silu_mul else k) or weight.dtype != x.dtype or m > MAX_ROWS:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}"
+                         f"{' with silu_mul' if silu_mul else ''} (M ≤ {MAX_ROWS})")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias: expected contiguous [{n}], got {tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
+    cfg = config or gemv_config(n, k)
+    check_config(cfg, k)
+    if m == 0 or n == 0:
+        return out
+    tiles = _cdiv(n, cfg.block_n)
+    counters = partials = out  # placeholders: never touched without split-K
+    if cfg.split_k > 1:
+        need = gemv_workspace_numel(n, k, cfg)
+        if workspace is None:
+            workspace = torch.zeros(need, dtype=torch.int32, device=x.device)
+        elif workspace.dtype != torch.int32 or workspace.numel() < need or not workspace.is_contiguous():
+            raise ValueError(f"workspace: expected a contiguous int32 tensor of >= {need} elements")
+        counters = workspace[:tiles]
+        partials = workspace[_counter_slots(tiles):need].view(torch.float32)
+    _gemv_kernel[(tiles * cfg.split_k,)](
+        x, x.stride(0), weight, weight if bias is None else bias, out, out.stride(0), partials, counters, m, n, k,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_N=n % cfg.block_n == 0,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, IEEE_DOT=x.dtype == torch.float32, USE_LIBDEVICE=x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         *, act: str | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for CUDA shapes it serves; elsewhere on CUDA cuBLAS in x's dtype (F.linear, not
+    batch invariant), and the reference off CUDA."""
+    silu_mul = _check_act(act)
+    if (use_triton(x) and x.dim() == 2 and weight.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
+            and weight.dtype == x.dtype and gemv_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)):
+        return gemv_triton(x, weight, bias, out, act=act, workspace=workspace)
+    if not x.is_cuda:
+        return gemv_ref(x, weight, bias, out, act=act)
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = F.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device benchmark and configuration sweep (run by hand on the GPU: python -m strata.kernels.gemv)
+
+BENCH_SHAPES = [  # (name, N, K)
+    ("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up", 24576, 4096), ("8B down", 4096, 12288),
+    ("8B lm_head", 151936, 4096), ("30B qkv", 5120, 2048), ("30B o_proj", 2048, 4096),
+    ("30B lm_head", 151936, 2048),
+]
+SILU_BENCH_SHAPES = [("8B down+silu", 4096, 12288)]
+BENCH_MS = (1, 2, 4, 8, 16)
+
+
+def _time_us(calls, runs: int) -> float:
+    """Median of `runs` single-call CUDA-event timings, cycling over `calls`. The GPU first sleeps
+    while the host queues everything, so host launch overhead never shows in a timing."""
+    for call in calls * 2:
+        call()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    torch.cuda._sleep(40_000_000)  # ~20 ms at ~2 GHz, longer than queueing `runs` launches
+    for i, (start, end) in enumerate(events):
+        start.record()
+        calls[i % len(calls)]()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+
+
+def _weight_copies(n: int, k: int, device, dtype) -> list[torch.Tensor]:
+    """Enough copies that cycling through them reads HBM, not L2 (≥ 4, ≥ 3x the L2 size in all)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20)
+    count = max(4, math.ceil(3 * l2 / (n * k * 2)))
+    return [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(count)]
+
+
+def _bench_pair(n: int, k: int, m: int, weights, silu_mul: bool, runs: int, config=None, with_ref=True):
+    device, dtype = weights[0].device, weights[0].dtype
+    x = torch.randn(m, 2 * k if silu_mul else k, device=device, dtype=dtype)
+    act = "silu_mul" if silu_mul else None
+    ws = gemv_workspace(n, k, device, config)
+
+    def ref(w):
+        h = F.silu(x[:, :k]) * x[:, k:] if silu_mul else x
+        return F.linear(h, w)
+
+    ours = [lambda w=w: gemv_triton(x, w, act=act, workspace=ws, config=config) for w in weights]
+    theirs = [lambda w=w: ref(w) for w in weights]
+    expect = ref(weights[0]).float()
+    err = ((ours[0]().float() - expect).abs().max() / expect.abs().max()).item()
+    return _time_us(ours, runs), _time_us(theirs, runs) if with_ref else float("nan"), err
+
+
+def bench_gemv(device="cuda", ms=BENCH_MS, shapes=None, runs: int = 100, dtype=torch.bfloat16) -> list[dict]:
+    """Prints (and returns) gemv_triton against F.linear (cuBLAS) per shape and M: µs, TB/s of weight
+    bytes, speed-up, and the relative error against F.linear. `shapes`: (name, N, K, silu_mul)."""
+    if shapes is None:
+        shapes = [(name, n, k, False) for name, n, k in BENCH_SHAPES]
+        shapes += [(name, n, k, True) for name, n, k in SILU_BENCH_SHAPES]
+    rows = []
+    print(f"{'shape':>14} {'N x K':>14} {'M':>3} | {'triton us':>9} {'TB/s':>5} | {'cuBLAS us':>9} {'TB/s':>5} | "
+          f"{'speedup':>7} {'rel err':>8} | config", flush=True)
+    for name, n, k, silu_mul in shapes:
+        weights = _weight_copies(n, k, device, dtype)
+        for m in ms:
+            t_ours, t_ref, err = _bench_pair(n, k, m, weights, silu_mul, runs)
+            tb = n * k * 2 / 1e6
+            row = dict(shape=name, n=n, k=k, m=m, triton_us=t_ours, cublas_us=t_ref, triton_tbs=tb / t_ours,
+                       cublas_tbs=tb / t_ref, speedup=t_ref / t_ours, rel_err=err, config=gemv_config(n, k))
+            rows.append(row)
+            print(f"{name:>14} {f'{n}x{k}':>14} {m:>3} | {t_ours:9.2f} {row['triton_tbs']:5.2f} | {t_ref:9.2f} "
+                  f"{row['cublas_tbs']:5.2f} | {row['speedup']:7.3f} {err:8.1e} | {row['config']}, "
+                  f"{row['config'].programs(n)} programs", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_candidates(n: int, k: int) -> list[GemvConfig]:
+    """Configurations worth timing for (N, K): 100-2400 programs, ≥ 2 K blocks per program, and
+    16-113 KB of pipeline buffers (so ≥ 2 programs fit an SM, the rule the table follows)."""
+    out = []
+    for block_n in (32, 64, 128):
+        for block_k in (64, 128, 256):
+            if k % block_k:
+                continue
+            for split in (1, 2, 4, 8):
+                programs = _cdiv(n, block_n) * split
+                if split > (k // block_k) // 2 or not 100 <= programs <= 2400:
+                    continue
+                for stages in (3, 4, 5, 6):
+                    cfg = GemvConfig(block_n, block_k, split, 4, stages)
+                    if 16 << 10 <= cfg.smem_bytes() <= 113 << 10:
+                        out.append(cfg)
+    return out
+
+
+def sweep_gemv(device="cuda", shapes=None, ms=(1, 4, 8), runs: int = 50, act: str | None = None,
+               dtype=torch.bfloat16) -> dict[tuple[int, int], GemvConfig]:
+    """Times every candidate configuration per shape (mean µs over `ms`), prints the five best and a
+    GEMV_CONFIGS line per shape to paste. Each candidate compiles once (~1 s)."""
+    shapes = [(n, k) for _, n, k in BENCH_SHAPES] if shapes is None else shapes
+    best = {}
+    for n, k in shapes:
+        weights = _weight_copies(n, k, device, dtype)
+        results = []
+        for cfg in sweep_candidates(n, k):
+            try:
+                times = [_bench_pair(n, k, m, weights, act == "silu_mul", runs, cfg, with_ref=False)[0] for m in ms]
+            except Exception as exc:  # out of shared memory or registers: skip the candidate
+                print(f"  {n}x{k} {cfg}: {type(exc).__name__}", file=sys.stderr)
+                continue
+            results.append((statistics.mean(times), times, cfg))
+        results.sort(key=lambda r: r[0])
+        cur = gemv_config(n, k)
+        cur_t = [_bench_pair(n, k, m, weights, act == "silu_mul", runs, with_ref=False)[0] for m in ms]
+        print(f"{n}x{k}{' silu_mul' if act else ''}: current {cur} {statistics.mean(cur_t):.2f} us "
+              f"({n * k * 2 / 1e6 / statistics.mean(cur_t):.2f} TB/s)")
+        for mean_t, times, cfg in results[:5]:
+            print(f"   {mean_t:8.2f} us {n * k * 2 / 1e6 / mean_t:5.2f} TB/s  per M {[round(t, 2) for t in times]}  {cfg}")
+        if results:
+            c = results[0][2]
+            best[(n, k)] = c
+            print(f"    ({n}, {k}): GemvConfig({c.block_n}, {c.block_k}, split_k={c.split_k}, "
+                  f"num_warps={c.num_warps}, num_stages={c.num_stages}),", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return best
+
+
+def _main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="gemv_triton vs cuBLAS on the GPU")
+    parser.add_argument("--sweep", nargs="*", metavar="NxK", help="sweep configurations (all bench shapes if none given)")
+    parser.add_argument("--act", choices=["silu_mul"], help="sweep with the SwiGLU prologue")
+    parser.add_argument("--ms", default=None, help="comma-separated M values")
+    args = parser.parse_args(argv)
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else None
+    if args.sweep is None:
+        bench_gemv(ms=ms or BENCH_MS)
+    else:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sweep] or None
+        sweep_gemv(shapes=shapes, ms=ms or (1, 4, 8), act=args.act)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,153 @@
+"""RMSNorm and the residual add fused into it.
+
+Semantics (the references below, equal to `RMSNorm.forward`): in fp32, `n = x * rsqrt(mean(x²) + eps)`,
+rounded once to x's dtype; the result is `weight * n`, computed in fp32 and rounded once to x's dtype.
+The fused op first forms `residual = x + residual` in x's dtype (one rounding, as torch adds) and
+normalises that; it updates `residual` in place on every path, so callers see one behaviour.
+
+Kernels: one row per program, a block fixed by the row length alone, so a row's result never depends
+on how many rows the batch has. The reciprocal square root is IEEE (`sqrt_rn`, `div_rn`), not the
+approximate instruction, so fp32 differs from torch only by the order of the sum of squares.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the references work, the kernels are never launched
+
+    def jit(fn):
+        return fn
+
+
+# Widest row block kept in registers; longer rows loop over blocks in two passes.
+MAX_ROW_BLOCK = 8192
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = (weight * x32.to(dtype)).to(dtype)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    residual.add_(x)
+    return rms_norm_ref(residual, weight, eps, out), residual
+
+
+@jit
+def _load_row_chunk(x_row, res_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """The chunk in fp32; with a residual, first the sum rounded to the row's dtype, stored back."""
+    v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        v = v + tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+        v = v.to(res_row.dtype.element_ty)
+        tl.store(res_row + offs, v, mask=mask)
+        v = v.to(tl.float32)
+    return v
+
+
+@jit
+def _store_normed_chunk(v, inv_rms, w_ptr, out_row, offs, mask):
+    n = (v * inv_rms).to(out_row.dtype.element_ty).to(tl.float32)  # out has x's dtype
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_row + offs, w * n, mask=mask)
+
+
+@jit
+def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, w_ptr, out_ptr, out_stride, n_cols, n_cols_f, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    res_row = res_ptr + row * res_stride
+    out_row = out_ptr + row * out_stride
+    cols = tl.arange(0, BLOCK)
+    if NUM_CHUNKS == 1:
+        mask = cols < n_cols
+        v = _load_row_chunk(x_row, res_row, cols, mask, HAS_RESIDUAL)
+        inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(v * v, axis=0), n_cols_f) + eps))
+        _store_normed_chunk(v, inv_rms, w_ptr, out_row, cols, mask)
+    else:
+        squares = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < n_cols
+            v = _load_row_chunk(x_row, res_row, offs, mask, HAS_RESIDUAL)
+            squares += v * v
+        inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(squares, axis=0), n_cols_f) + eps))
+        # Second pass: re-read the summed residual this program wrote above, once all its threads have.
+        if HAS_RESIDUAL:
+            tl.debug_barrier()
+            src_row = res_row
+        else:
+            src_row = x_row
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < n_cols
+            v = tl.load(src_row + offs, mask=mask, other=0.0).to(tl.float32)
+            _store_normed_chunk(v, inv_rms, w_ptr, out_row, offs, mask)
+
+
+def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.dim() != 2 or t.shape != like.shape or t.dtype != like.dtype or t.stride(1) != 1 or t.device != like.device:
+        raise ValueError(f"{name}: expected a {tuple(like.shape)} {like.dtype} tensor with contiguous rows on "
+                         f"{like.device}, got {tuple(t.shape)} {t.dtype} strides {t.stride()} on {t.device}")
+
+
+def _launch(x, residual, weight, eps, out):
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x: expected 2-D with contiguous rows, got {tuple(x.shape)} strides {x.stride()}")
+    n_rows, n_cols = x.shape
+    if weight.shape != (n_cols,) or not weight.is_contiguous():
+        raise ValueError(f"weight: expected contiguous ({n_cols},), got {tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        _check_rows("out", out, x)
+    res = x if residual is None else residual
+    if residual is not None:
+        _check_rows("residual", residual, x)
+    if n_rows == 0:
+        return out
+    block = min(triton.next_power_of_2(n_cols), MAX_ROW_BLOCK)
+    _rms_norm_kernel[(n_rows,)](
+        x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), n_cols, float(n_cols), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=triton.cdiv(n_cols, block),
+        num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H] with contiguous rows (any row stride) → out [N, H] in x's dtype."""
+    return _launch(x, None, weight, eps, out)
+
+
+def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), residual), the sum written into `residual` in place."""
+    return _launch(x, residual, weight, eps, out), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, out)
+    return rms_norm_ref(x, weight, eps, out)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps, out)
+    return fused_add_rms_norm_ref(x, residual, weight, eps, out)
