@@ -7,23 +7,36 @@ to stderr, so `strata generate ... > out.txt` captures exactly the completion.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
+from strata.cli_args import add_engine_flags, add_model_arg, engine_config
 from strata.config import EngineConfig
 from strata.runner.sampling import SamplingParams
 
 _SP = SamplingParams()
 _EC = EngineConfig()
 
+# `--seed` on generate and chat is the request's sampling seed, as it always was there; the engine's
+# `seed` field (which seeds requests that bring none) keeps a flag of its own, `--engine-seed`, and is
+# `seed` in a --config file as in `strata serve`'s.
+ENGINE_DESTS = {"seed": "engine_seed"}
+
+
+def _server_option_names() -> frozenset[str]:
+    # A --config file written for `strata serve` also holds server options; generate and chat skip them.
+    from strata.server.config import ServerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(ServerConfig))
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=_EC.model,
-                   help="HF model directory or .gguf file (default: the embedded model)")
-    p.add_argument("--device", default=_EC.device, help="cuda, cuda:N or cpu (default: cuda if available)")
-    p.add_argument("--dtype", default=_EC.dtype, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--ctx", type=int, default=_EC.ctx, help="context length in tokens (prompt + output)")
+    add_model_arg(p)
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="JSON file of EngineConfig options (field names as keys; a `strata serve` file's server "
+                        "options are skipped); flags given here override it")
+    add_engine_flags(p, dests=ENGINE_DESTS)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +46,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=_SP.top_p)
     p.add_argument("--min-p", type=float, default=_SP.min_p)
     p.add_argument("--repetition-penalty", type=float, default=_SP.repetition_penalty)
-    p.add_argument("--seed", type=int, default=_SP.seed)
+    p.add_argument("--seed", type=int, default=_SP.seed,
+                   help="the request's sampling seed (chat: every turn's); --engine-seed seeds requests without one")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks)")
 
@@ -45,18 +59,36 @@ def _sampling(a: argparse.Namespace) -> SamplingParams:
     )
 
 
+def resolve_engine(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig `strata generate|chat` runs with: defaults < --config file < engine flags."""
+    return engine_config(a, dests=ENGINE_DESTS, ignore_file_keys=_server_option_names())
+
+
+def _changed(cfg: EngineConfig) -> str:
+    return " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                    if f.name not in ("model", "device", "dtype") and getattr(cfg, f.name) != getattr(_EC, f.name))
+
+
 def _load(a: argparse.Namespace):
     from strata.llm import LLM
 
+    cfg = resolve_engine(a)
     t0 = time.perf_counter()
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, ctx=a.ctx, parallel=1, progress=True)
+    llm = LLM(progress=True, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     cfg = llm.engine_config
+    changed = _changed(cfg)
     print(f"loaded {llm.config.model_type} on {cfg.resolved_device} ({cfg.resolved_dtype}) "
-          f"in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
+          f"in {time.perf_counter() - t0:.2f}s" + (f"; engine: {changed}" if changed else ""), file=sys.stderr)
     return llm
 
 
+def _drafts(llm) -> tuple[int, int]:
+    spec = llm.engine.stats().spec
+    return (spec["drafts_proposed"], spec["drafts_accepted"]) if spec else (0, 0)
+
+
 def _stream(llm, ids: list[int], params: SamplingParams) -> str:
+    proposed0, accepted0 = _drafts(llm)
     t0 = time.perf_counter()
     t_first = None
     text, n, reason = "", 0, None
@@ -72,8 +104,15 @@ def _stream(llm, ids: list[int], params: SamplingParams) -> str:
     print(file=sys.stderr)
     print(f"prompt: {len(ids)} tokens in {t_first - t0:.3f}s ({len(ids) / max(t_first - t0, 1e-9):.1f} tok/s) | "
           f"generated: {n} tokens in {t_end - t_first:.3f}s ({max(n - 1, 0) / max(t_end - t_first, 1e-9):.1f} tok/s) | "
-          f"finish: {reason}", file=sys.stderr)
+          f"finish: {reason}" + _draft_summary(llm, proposed0, accepted0), file=sys.stderr)
     return text
+
+
+def _draft_summary(llm, proposed0: int, accepted0: int) -> str:
+    if not llm.engine_config.spec:
+        return ""
+    proposed, accepted = _drafts(llm)
+    return f" | drafts: {accepted - accepted0}/{proposed - proposed0} accepted"
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -128,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+    from strata.tui import add_tui_parser  # loads neither textual nor httpx until `strata tui` runs
+
+    add_tui_parser(sub)
     b = sub.add_parser("bench", help="benchmarks; each writes JSON under bench/results/")
     bsub = b.add_subparsers(dest="bench", required=True)
     from strata.bench import kv_quality, spec, throughput

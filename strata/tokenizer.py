@@ -23,12 +23,40 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+# Template variables the renderer sets itself, which `chat_template_kwargs` may not replace.
+TEMPLATE_RESERVED_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class ChatTemplateError(ValueError):
     pass
 
 
 def _raise(msg: str) -> None:
     raise ChatTemplateError(msg)
+
+
+def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as HF chat templates expect them: an assistant message's `tool_calls` carry their
+    `function.arguments` as an object (OpenAI sends a JSON string; templates iterate or re-serialize
+    it). Arguments that are not a JSON object stay as sent. The caller's messages are not changed."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list) and calls:
+            m = {**m, "tool_calls": [_call_for_template(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _call_for_template(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 @dataclass
@@ -63,18 +91,26 @@ class Tokenizer:
         return self.tk.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True, **template_kwargs: Any,
     ) -> str:
+        """The prompt text for `messages` (OpenAI-shaped dicts). `tools` (OpenAI's list of
+        `{"type": "function", "function": {...}}`) reaches the template as `tools`; `template_kwargs`
+        (a request's `chat_template_kwargs`, e.g. `enable_thinking=False`) as variables of their own."""
+        clash = TEMPLATE_RESERVED_NAMES & template_kwargs.keys()
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
         template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return template.render(
-            messages=messages,
+            **template_kwargs,
+            messages=messages_for_template(messages),
+            tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
-            **kw,
         )
 
     @classmethod
@@ -102,8 +138,10 @@ class Tokenizer:
                 template = f.read()
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        # The chat end-of-turn token stops generation even when the config names another EOS.
-        extra = tuple(i for t in ("<|im_end|>", "<|endoftext|>", "<|user|>") if (i := tk.token_to_id(t)) is not None)
+        # The chat end-of-turn token stops generation even when the config names another EOS; GLM ends
+        # a turn that calls tools with <|observation|>.
+        turn_ends = ("<|im_end|>", "<|endoftext|>", "<|user|>", "<|observation|>")
+        extra = tuple(i for t in turn_ends if (i := tk.token_to_id(t)) is not None)
         return cls(
             tk=tk,
             bos_id=bos_id,

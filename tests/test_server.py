@@ -275,11 +275,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages", "unsupported_parameter"),
-    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "n": 17}, 400, "n", None),
     ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools",
      "unsupported_parameter"),
-    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "logprobs": True, "top_logprobs": 3}, 400,
-     "top_logprobs", "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", None),
+    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs", None),
     ("/v1/completions", {"model": NAME, "prompt": PROMPT, "stop": ""}, 400, "stop", None),
     ("/v1/completions", {"model": NAME, "prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"model": NAME, "prompt": [1, 99999]}, 400, "prompt", None),
@@ -305,7 +306,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, htt
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=NAME, messages=CHAT, n=3)
+        client.chat.completions.create(model=NAME, messages=CHAT, n=17)
     assert e.value.param == "n"
     assert http.get("/health").status_code == 200
     after = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0,

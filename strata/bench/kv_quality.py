@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from strata.bench.results import save
+from strata.bench.results import print_tables, save, summary_table
 from strata.config import ModelConfig
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import make_pool
@@ -93,7 +93,17 @@ def run(args) -> int:
         results["models"][name] = r
         print(f"{name:18s} top-1 agreement {r['top1_agreement']:.4f}  KL mean {r['kl_mean']:.2e}  max {r['kl_max']:.2e}")
     save(results, args.out, _draw)
+    print_tables(summary_tables(results))
     return 0
+
+
+def summary_tables(info: dict) -> list:
+    """One row per model, as a rich table (the JSON holds the same numbers)."""
+    columns = [("model", "model", ""), ("positions", "positions", "d"), ("top-1 agreement", "top1_agreement", ".4f"),
+               ("KL mean", "kl_mean", ".2e"), ("KL max", "kl_max", ".2e"), ("seconds", "seconds", ".1f")]
+    rows = [{"model": name, **r} for name, r in info["models"].items()]
+    title = f"int8 KV against the {info['reference_pool']} pool on {info['device']} ({info['dtype']})"
+    return [summary_table(title, columns, rows)]
 
 
 def _draw(plt, info: dict) -> None:

@@ -23,7 +23,7 @@ from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
 from strata.env import ENV, overridden
 from strata.loaders import default_model_path
-from strata.bench.results import save
+from strata.bench.results import print_tables, save, summary_table
 from strata.params import SamplingParams
 
 PROMPTS = [
@@ -130,7 +130,27 @@ def run(args) -> int:
             "parallel": args.parallel, "tokens": args.tokens, "decode": decode, "read": read, "groups": groups}
     out = args.out or f"bench/results/spec_{args.device.split(':')[0]}.json"
     save(info, out, _draw)
+    print_tables(summary_tables(info))
     return 0
+
+
+def summary_tables(info: dict) -> list:
+    """Decode arms, batch-groups arms and prompt reads as rich tables (the JSON holds the same numbers)."""
+    on = f"default model, {info['parallel']} slots, {info.get('gpu') or info['device']} ({info['dtype']})"
+    decode = [("spec", "spec", "d"), ("min-p", "spec_min_p", ".1f"), ("decode tok/s", "decode_tok_s", ".1f"),
+              ("acceptance", "acceptance", ".3f"), ("accepted length", "mean_accepted_length", ".2f"),
+              ("drafts", "drafts_proposed", "d"), ("same output", "identical_to_spec0", "")]
+    groups = [("spec", "spec", "d"), ("batch groups", "batch_groups", "d"), ("overlap", "overlap", ""),
+              ("decode tok/s", "decode_tok_s", ".1f"), ("same output", "identical_to_spec0", "")]
+    read = [("STRATA_SPLIT_MTP_BATCH", "split_mtp_batch", ""), ("prompt tokens", "prompt_tokens", "d"),
+            ("read tok/s", "read_tok_s", ".1f"), ("acceptance", "acceptance", ".3f"),
+            ("accepted length", "mean_accepted_length", ".2f")]
+    tables = [summary_table(f"spec decode: {on}", decode, info["decode"])]
+    if info.get("groups"):
+        tables.append(summary_table(f"batch groups: {on}", groups, info["groups"]))
+    if info.get("read"):
+        tables.append(summary_table("prompt read with speculation", read, info["read"]))
+    return tables
 
 
 def _draw(plt, info: dict) -> None:

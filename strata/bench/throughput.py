@@ -29,14 +29,14 @@ from strata.bench import roofline
 from strata.bench.http_arm import measure_http, percentile
 from strata.bench.random_model import (SHAPES, random_hf_model, random_model, shape_config, synthetic_tokenizer,
                                        timed, with_tokenizer)
-from strata.bench.results import save
+from strata.bench.results import print_tables, save, summary_table
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
 from strata.loaders import LoadedModel
 from strata.params import SamplingParams
 
-__all__ = ["SHAPES", "run", "add_parsers", "build_engine", "engine_config"]
+__all__ = ["SHAPES", "run", "add_parsers", "build_engine", "engine_config", "summary_tables"]
 
 
 def _sync(device: torch.device) -> None:
@@ -311,7 +311,28 @@ def run(args) -> int:
     info["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     info["rows"] = rows
     save(info, args.out or default_out(args.which, args.shape, args.kv, device), _draw)
+    print_tables(summary_tables(info))
     return 0
+
+
+_READ_COLUMNS = [("chunk", "chunk", "d"), ("prompt tokens", "prompt_tokens", "d"), ("strata tok/s", "strata_tok_s", ".1f"),
+                 ("mfu", "mfu", ".3f"), ("hf tok/s", "hf_tok_s", ".1f"), ("hf mfu", "hf_mfu", ".3f"),
+                 ("strata / hf", "vs_hf", ".2f"), ("hf error", "hf_error", "")]
+_DECODE_COLUMNS = [("batch", "batch", "d"), ("new tokens", "new_tokens", "d"), ("strata tok/s", "strata_tok_s", ".1f"),
+                   ("step p50 ms", "strata_step_p50_ms", ".2f"), ("step p99 ms", "strata_step_p99_ms", ".2f"),
+                   ("bandwidth", "bandwidth_fraction", ".3f"), ("hf tok/s", "hf_tok_s", ".1f"),
+                   ("hf bandwidth", "hf_bandwidth_fraction", ".3f"), ("strata / hf", "vs_hf", ".2f"),
+                   ("http b1 tok/s", "http_b1_tok_s", ".1f"), ("http itl p50 ms", "http_itl_p50_ms", ".2f"),
+                   ("http itl p99 ms", "http_itl_p99_ms", ".2f")]
+
+
+def summary_tables(info: dict) -> list:
+    """The run's rows as one rich table (the JSON holds the same numbers)."""
+    rows = [{**r, "vs_hf": r["strata_tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None} for r in info["rows"]]
+    read = info["bench"] == "read"
+    kv = f", KV {info['kv']}" if info.get("kv") not in (None, "auto") else ""
+    title = f"{info['bench']}: {info['shape']} on {info.get('gpu') or info['device']} ({info['dtype']}{kv})"
+    return [summary_table(title, _READ_COLUMNS if read else _DECODE_COLUMNS, rows)]
 
 
 def _draw(plt, info: dict) -> None:

@@ -99,6 +99,9 @@ class AsyncEngine:
         self._wake.set()
 
     def stats(self) -> EngineStats:
+        """The latest snapshot (slots included). The engine thread builds a new immutable one after
+        every step and swaps the reference, so readers never see a half-updated one and never call
+        into the engine."""
         return self._stats
 
     def shutdown(self) -> None:

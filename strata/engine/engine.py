@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig
-from strata.engine.types import TTFT_BUCKETS, EngineEvent, EngineRequest, EngineStats
+from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
+                                 EngineStats, RateWindow, SlotSnapshot)
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.loaders import LoadedModel, load_model
@@ -132,18 +133,25 @@ class LLMEngine:
         self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
+        self.ttft_last: float | None = None
+        self.prompt_rate, self.generation_rate = RateWindow(RATE_WINDOW_S), RateWindow(RATE_WINDOW_S)
+        self.idle_slots = tuple(SlotSnapshot(i) for i in range(cfg.parallel))
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest, logprobs: bool = False) -> None:
         check_prompt(len(req.prompt_ids), self.max_model_len)
         if req.request_id in self.requests:
             raise RequestError(f"duplicate request id {req.request_id!r}")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
         r = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
                     arrival_time=req.arrival_time, eos_ids=frozenset(self.eos_ids))
         self.requests[req.request_id] = r
         # Without a tokenizer (token-id-only checkpoints, benchmarks) events carry ids and no text.
         detok = Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])) if self.tokenizer else None
         self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
+        if req.top_logprobs:
+            self.runner.want_top_logprobs(req.request_id, req.top_logprobs)
         self.scheduler.add(r)
 
     def abort(self, request_id: str) -> EngineEvent | None:
@@ -204,13 +212,15 @@ class LLMEngine:
                     break
             st.sent_tokens = len(r.output_ids)
             lp = tuple(s.logprobs[: len(new_ids)]) if st.logprobs else None
+            top = tuple(tuple(t) for t in s.top[: len(new_ids)]) if s.top is not None else None
             if stopped and rid not in done:
                 self.scheduler.finish(rid, "stop")
-                events.append(self._finish_event(r, "stop", new_ids, text, lp))
+                events.append(self._finish_event(r, "stop", new_ids, text, lp, top))
             elif rid in done:
-                events.append(self._finish_event(r, r.finish_reason, new_ids, text + st.stops.flush(), lp))
+                events.append(self._finish_event(r, r.finish_reason, new_ids, text + st.stops.flush(), lp, top))
             else:
-                events.append(EngineEvent(rid, new_ids, text, None, len(r.prompt_ids), len(r.output_ids), lp))
+                events.append(EngineEvent(rid, new_ids, text, None, len(r.prompt_ids), len(r.output_ids), lp,
+                                          top_logprobs=top))
         for r in finished:  # finished without a sampled token this step (e.g. could never fit)
             if r.request_id in self.requests:
                 events.append(self._finish_event(r, r.finish_reason, (), self.text[r.request_id].stops.flush()))
@@ -218,12 +228,13 @@ class LLMEngine:
 
     def _record_ttft(self, seconds: float) -> None:
         self.ttft_sum += seconds
+        self.ttft_last = seconds
         for i, bound in enumerate(TTFT_BUCKETS):
             if seconds <= bound:
                 self.ttft_counts[i] += 1
         self.ttft_counts[-1] += 1
 
-    def _finish_event(self, r: Request, reason: str, ids, text: str, lp=None) -> EngineEvent:
+    def _finish_event(self, r: Request, reason: str, ids, text: str, lp=None, top=None) -> EngineEvent:
         self.requests.pop(r.request_id, None)
         self.text.pop(r.request_id, None)
         self.runner.release(r.request_id)
@@ -233,19 +244,49 @@ class LLMEngine:
         if r.output_ids and reason == "stop" and _is_eos(r, r.output_ids[-1]):
             completion -= 1  # the EOS token is not part of the completion
         return EngineEvent(r.request_id, tuple(ids), text, reason, len(r.prompt_ids), completion, lp,
-                           spec=spec.as_dict() if spec else None)
+                           spec=spec.as_dict() if spec else None, top_logprobs=top)
 
     def stats(self) -> EngineStats:
+        """A snapshot of host counters only (no device reads). Call it from the thread that steps:
+        it also advances the recent-rate windows."""
         s = self.scheduler
+        now = time.monotonic()
+        uptime = now - self.started
         return EngineStats(
             parallel=self.cfg.parallel, queue_len=s.queue_len, slots_busy=s.slots_busy,
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             requests_finished_total=self.finished_total, give_ways_total=s.give_ways_total,
             preemptions_total=s.preemptions_total, ttft_counts=tuple(self.ttft_counts), ttft_sum=self.ttft_sum,
-            uptime_seconds=time.monotonic() - self.started,
+            uptime_seconds=uptime,
             spec=self.drafter.total.as_dict() if self.drafter else None,
+            prompt_tokens_per_second=self.prompt_rate.update(self.prompt_tokens_total, uptime),
+            generation_tokens_per_second=self.generation_rate.update(self.generation_tokens_total, uptime),
+            ttft_last_seconds=self.ttft_last, slots=self.slot_snapshots(now),
         )
+
+    def slot_snapshots(self, now: float) -> tuple[SlotSnapshot, ...]:
+        """Every slot as of the last step, from the scheduler's counters; `now` is time.monotonic()."""
+        s = self.scheduler
+        slots = list(self.idle_slots)
+        spec = self.drafter.stats if self.drafter else {}
+        for r in s.running:
+            if r.is_reading or not r.output_ids:
+                state = "reading" if s.got_tokens_last_step(r.request_id) else "waiting"
+            else:
+                state = "decoding"
+            generated = len(r.output_ids)
+            since_first = now - r.first_token_time if r.first_token_time is not None else 0.0
+            drafts = spec.get(r.request_id)
+            slots[r.slot] = SlotSnapshot(
+                r.slot, state, r.request_id, prompt_tokens=len(r.prompt_ids),
+                prompt_read=min(r.num_computed_tokens, len(r.prompt_ids)), generated=generated,
+                max_tokens=r.params.max_tokens,
+                tokens_per_s=(generated - 1) / since_first if generated > 1 and since_first > 0 else 0.0,
+                give_ways=r.give_ways, drafts_proposed=drafts.proposed if drafts else 0,
+                drafts_accepted=drafts.accepted if drafts else 0,
+            )
+        return tuple(slots)
 
     # ---- offline convenience ---------------------------------------------------------------------
     def run_to_completion(self) -> dict[str, list[EngineEvent]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -49,22 +48,19 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 class _Progress:
-    """A one-line progress bar on stderr (stdout carries generated text only)."""
+    """The weight-loading bar, on stderr (stdout carries generated text only); STRATA_NO_PROGRESS hides it."""
 
     def __init__(self, total: int, label: str):
-        self.total, self.label, self.done = total, label, 0
-        self.enabled = not ENV.NO_PROGRESS.get() and total > 0
-        self.t0 = time.perf_counter()
+        from tqdm import tqdm
+
+        # disable=None would also hide it whenever stderr is not a terminal; logs keep the bar's last state.
+        self.bar = tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, leave=True,
+                        disable=ENV.NO_PROGRESS.get() or total <= 0)
 
     def advance(self, n: int = 1) -> None:
-        self.done += n
-        if self.enabled and (self.done == self.total or self.done % 16 == 0):
-            width = 30
-            fill = width * self.done // self.total
-            sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total}")
-            if self.done == self.total:
-                sys.stderr.write(f" in {time.perf_counter() - self.t0:.2f}s\n")
-            sys.stderr.flush()
+        self.bar.update(n)
+        if self.bar.n >= (self.bar.total or 0):
+            self.bar.close()
 
 
 def _mtp_prefix(cfg: ModelConfig) -> str:

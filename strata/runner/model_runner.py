@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.types import MAX_TOP_LOGPROBS
 from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
-from strata.runner.device_sampling import DeviceSampler, RowParams
+from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
 from strata.runner.sampling import Sampler, filtered_probs
 from strata.runner.transfer import to_device
 from strata.spec.verify import verify_greedy, verify_sampled
@@ -36,6 +37,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class Sampled:
     tokens: list[int]  # one token, or with drafts: the accepted drafts then the target's own token
     logprobs: list[float]
+    # Per token, when the request asked for alternatives: its row's most likely (token id, logprob),
+    # descending, under the distribution `logprobs` are taken from.
+    top: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -55,6 +59,7 @@ class LaunchedStep:
     lse: torch.Tensor | None = None  # their log-sum-exp: logprob(t) = logits[t] - lse
     out: int = 0  # which pinned output buffer
     ready: torch.cuda.Event | None = None
+    top_k: int = 0  # alternatives per picked row in the pinned top buffers (0: none asked for)
 
 
 @dataclass
@@ -101,6 +106,12 @@ class ModelRunner:
         # Pinned outputs, two sets: with overlapped steps one is being filled while the other is read.
         self.h_greedy = [torch.zeros(t, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.h_logprob = [torch.zeros(t, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
+        # Top alternatives of the picked rows (at most one per sequence and row), flat so a step's
+        # [rows, k] prefix is contiguous; filled only in steps where some request asks.
+        top_size = max_seqs * self.rows_per_seq * MAX_TOP_LOGPROBS
+        self.h_top_ids = [torch.zeros(top_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.h_top_lp = [torch.zeros(top_size, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
+        self.top_logprobs: dict[str, int] = {}  # request id -> alternatives per token, for those asking
         self.next_out = 0
         self.samplers: dict[str, Sampler] = {}
         self.seed, self.sampled_requests = seed, 0
@@ -118,6 +129,13 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
+        self.top_logprobs.pop(request_id, None)
+
+    def want_top_logprobs(self, request_id: str, k: int) -> None:
+        """Report the `k` (1..20) most likely tokens of each of the request's rows with its tokens."""
+        if not 1 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs must be in [1, {MAX_TOP_LOGPROBS}], got {k}")
+        self.top_logprobs[request_id] = k
 
     def sampler(self, req) -> Sampler:
         """The request's sampler. With an engine seed, requests that bring none get seeds derived from
@@ -277,17 +295,22 @@ class ModelRunner:
             rows.extend(range(first, first + len(ch.drafts) + 1))
         step.logits = self.model.compute_logits(hidden.index_select(0, to_device(rows, self.device)))
         step.lse = torch.logsumexp(step.logits, -1)
-        picked = self._draw(step.logits, [chunks[i] for i in step.picks])
-        if picked is None:
+        sampling = [chunks[i] for i in step.picks]
+        drawn = self._draw(step.logits, sampling)
+        if drawn is None:
             best = step.logits.argmax(-1)
             picked = best, step.logits.gather(1, best[:, None])[:, 0] - step.lse
-        self._send_picks(step, *picked, len(rows))
+        else:
+            picked = drawn[:2]
+        top = self._top(step.logits, step.lse, sampling, drawn[2] if drawn else None)
+        self._send_picks(step, *picked, len(rows), top)
         return step
 
-    def _draw(self, logits: torch.Tensor, chunks) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _draw(self, logits: torch.Tensor, chunks) -> tuple[torch.Tensor, torch.Tensor, SamplePlan] | None:
         """Tokens and logprobs of the rows of `chunks` (in logit-row order: each chunk's drafts + 1
-        rows) through the device sampler; None when every row is plain greedy (argmax serves). Rows
-        of sampled requests with drafts are verified on the host from the logits; they get argmax here."""
+        rows) through the device sampler, and its plan; None when every row is plain greedy (argmax
+        serves). Rows of sampled requests with drafts are verified on the host from the logits; they
+        get argmax here."""
         if all(ch.request.params.greedy and ch.request.params.repetition_penalty == 1.0 for ch in chunks):
             return None
         rows = []
@@ -301,7 +324,35 @@ class ModelRunner:
                     continue
                 seen = req.all_ids + list(ch.drafts[:j]) if p.repetition_penalty != 1.0 else None
                 rows.append(RowParams.of(p, seed, done + j, seen))
-        return self.dsampler.sample(logits[: len(rows)], rows)
+        plan = self.dsampler.fill(rows)
+        return *self.dsampler.run(logits[: len(rows)], plan), plan
+
+    def _top(self, logits: torch.Tensor, lse: torch.Tensor, chunks,
+             plan: SamplePlan | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(ids, logprobs, k): the k most likely tokens of every logit row of `chunks`, k the most any
+        of their requests asks for; None when none asks. Under the distribution the picks' logprobs
+        come from: the rows' log-softmax, of the repetition-penalised logits where the device sampler
+        penalised (its parameter buffers still hold this step's)."""
+        if not self.top_logprobs:
+            return None
+        k = max((self.top_logprobs.get(ch.request.request_id, 0) for ch in chunks), default=0)
+        if not k:
+            return None
+        m = sum(len(ch.drafts) + 1 for ch in chunks)
+        logits = logits[:m]
+        if plan is None or not plan.width:
+            values, ids = logits.topk(k, dim=-1)
+            return ids, values - lse[:m, None], k
+        ds = self.dsampler
+        seen = ds.d_seen[: plan.rows * plan.width].view(plan.rows, plan.width)
+        ids = torch.empty(m, k, dtype=torch.long, device=logits.device)
+        values = torch.empty(m, k, dtype=torch.float32, device=logits.device)
+        for r0 in range(0, m, ds.chunk_rows):  # row blocks, as the sampler: [rows, V] temporaries
+            r1 = min(m, r0 + ds.chunk_rows)
+            x = _penalise(logits[r0:r1].float(), seen[r0:r1], ds.d_f[r0:r1, _PENALTY : _PENALTY + 1])
+            v, i = x.topk(k, dim=-1)
+            values[r0:r1], ids[r0:r1] = v - torch.logsumexp(x, -1, keepdim=True), i
+        return ids, values, k
 
     def _launch_graph(self, g: _Graph, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
         self._pad(n, r, g)
@@ -315,14 +366,21 @@ class ModelRunner:
         if any(ch.drafts and not ch.request.params.greedy for ch in chunks):
             # Sampled drafts are verified on the host from the logits, which the next replay overwrites.
             step.logits, step.lse = g.logits[:n].clone(), g.lse[:n].clone()
-        picked = self._draw(g.logits[:n], chunks)
-        self._send_picks(step, *(picked or (g.best[:n], g.best_lp[:n])), n)
+        drawn = self._draw(g.logits[:n], chunks)
+        # After the replay and outside the graph: the graph's logits stay valid until the next replay.
+        top = self._top(g.logits[:n], g.lse[:n], chunks, drawn[2] if drawn else None)
+        self._send_picks(step, *(drawn[:2] if drawn else (g.best[:n], g.best_lp[:n])), n, top)
         return step
 
-    def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int) -> None:
+    def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int,
+                    top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
         step.out, self.next_out = self.next_out, 1 - self.next_out
         self.h_greedy[step.out][:m].copy_(best, non_blocking=True)
         self.h_logprob[step.out][:m].copy_(best_lp, non_blocking=True)
+        if top is not None:
+            ids, lps, step.top_k = top
+            self.h_top_ids[step.out][: m * step.top_k].view(m, step.top_k).copy_(ids, non_blocking=True)
+            self.h_top_lp[step.out][: m * step.top_k].view(m, step.top_k).copy_(lps, non_blocking=True)
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()
@@ -340,6 +398,11 @@ class ModelRunner:
         m = sum(k for _, k in step.spans)
         greedy = self.h_greedy[step.out][:m].tolist()
         greedy_lp = self.h_logprob[step.out][:m].tolist()
+        top = None
+        if step.top_k:
+            size = m * step.top_k
+            top = (self.h_top_ids[step.out][:size].view(m, step.top_k).numpy(),
+                   self.h_top_lp[step.out][:size].view(m, step.top_k).numpy())
         out: dict[str, Sampled] = {}
         for i, (r0, k1) in zip(step.picks, step.spans):
             ch = step.chunks[i]
@@ -348,7 +411,8 @@ class ModelRunner:
                 # Drawn on the device (greedy rows: the argmax after any repetition penalty); a greedy
                 # row's accepted tokens are each its row's pick.
                 toks = verify_greedy(list(ch.drafts), greedy[r0 : r0 + k1]) if ch.drafts else [greedy[r0]]
-                out[req.request_id] = Sampled(toks, greedy_lp[r0 : r0 + len(toks)])
+                out[req.request_id] = Sampled(toks, greedy_lp[r0 : r0 + len(toks)],
+                                              self._top_of(req.request_id, top, r0, len(toks)))
                 continue
             logits = step.logits
             q = (draft_probs or {}).get(req.request_id)
@@ -357,5 +421,14 @@ class ModelRunner:
             idx = torch.tensor(toks, device=logits.device)
             rows = torch.arange(r0, r0 + len(toks), device=logits.device)
             lp = logits[rows, idx] - step.lse[rows]
-            out[req.request_id] = Sampled(toks, lp.tolist())
+            out[req.request_id] = Sampled(toks, lp.tolist(), self._top_of(req.request_id, top, r0, len(toks)))
         return out
+
+    def _top_of(self, request_id: str, top, r0: int, n: int) -> list[list[tuple[int, float]]] | None:
+        """The request's alternatives for its rows r0 .. r0+n-1 (each token's own row: an accepted
+        draft's, or the target's), from the pinned top buffers as numpy views."""
+        k = self.top_logprobs.get(request_id, 0)
+        if top is None or not k:
+            return None
+        ids, lps = top[0][r0 : r0 + n, :k].tolist(), top[1][r0 : r0 + n, :k].tolist()
+        return [list(zip(i, v)) for i, v in zip(ids, lps)]

@@ -219,6 +219,10 @@ class Scheduler:
     def kv_blocks_total(self) -> int:
         return self.allocator.capacity
 
+    def got_tokens_last_step(self, request_id: str) -> bool:
+        """Whether the latest schedule() gave the request tokens (or its previous step is still in flight)."""
+        return request_id in self._last_step
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:

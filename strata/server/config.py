@@ -20,6 +20,7 @@ class ServerConfig:
     graceful_shutdown_s: float = 5.0
     # Largest request body read; a context's worth of token ids as JSON is a few MiB.
     max_body_bytes: int = 32 * 2**20
+    webui: bool = True  # serve the web page at / (--no-webui turns it off)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -1,138 +1,133 @@
-"""Prometheus text exposition (format 0.0.4) for /metrics, written by hand: the format is a few lines
-of text and a client library would be one more dependency for the GPU machine.
+"""What the monitoring routes say: /metrics (Prometheus, through prometheus-client) and /slots (JSON).
 
-Engine figures come from `EngineStats` snapshots; tokens/s is derived here from the token counters
-between scrapes, and HTTP request counts are kept by a small ASGI middleware.
+Both read the engine's latest `EngineStats` snapshot and nothing else, so a scrape never waits for
+the engine thread. Each app has its own `CollectorRegistry`, never the library's global one: several
+servers may run in one process (tests). HTTP request counts are kept by a small ASGI middleware.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterator
 
-from strata.engine.types import TTFT_BUCKETS, EngineStats
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from strata.engine.types import TTFT_BUCKETS, EngineStats, RateWindow
+
+__all__ = ["CONTENT_TYPE", "Metrics", "RateWindow", "RequestCounter", "slots_json"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 # Label values for request counting: known routes only, so a scanner probing paths cannot grow the set.
 TRACKED_PATHS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/slots",
 })
 
 
-def _num(v: float | int) -> str:
-    if isinstance(v, bool):
-        return str(int(v))
-    if isinstance(v, int):
-        return str(v)
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    return repr(float(v))
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
 
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    esc = {k: v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in labels.items()}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+class EngineCollector(Collector):
+    """Metric families built at each scrape from the latest engine snapshot and the HTTP counts."""
 
-    def family(self, name: str, kind: str, help_: str, samples: Iterable[tuple[str, dict[str, str], float]]) -> None:
-        self.lines.append(f"# HELP {name} {help_}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for suffix, labels, value in samples:
-            self.lines.append(f"{name}{suffix}{_labels(labels)} {_num(value)}")
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats],
+                 http_counts: Callable[[], list[tuple[tuple[str, str, str], int]]]):
+        self.model_name, self.stats, self.http_counts = model_name, stats, http_counts
 
-    def one(self, name: str, kind: str, help_: str, value: float) -> None:
-        self.family(name, kind, help_, [("", {}, value)])
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-class RateWindow:
-    """Per-second rate of a counter over roughly the last `window_s` seconds of scrapes."""
-
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self.window_s, self.clock = window_s, clock
-        self.samples: deque[tuple[float, float]] = deque()
-
-    def update(self, total: float, uptime_s: float) -> float:
-        now = self.clock()
-        self.samples.append((now, total))
-        # Keep the newest sample older than the window so the rate always spans at least the window.
-        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
-            self.samples.popleft()
-        t0, v0 = self.samples[0]
-        if now - t0 > 0:
-            return max(total - v0, 0.0) / (now - t0)
-        return total / uptime_s if uptime_s > 0 else 0.0
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        info = GaugeMetricFamily("strata_model_info", "The served model.", labels=["model"])
+        info.add_metric([self.model_name], 1)
+        yield info
+        yield _gauge("strata_uptime_seconds", "Seconds since the engine started.", s.uptime_seconds)
+        yield _gauge("strata_queue_length", "Requests waiting for a slot.", s.queue_len)
+        yield _gauge("strata_slots_busy", "Slots running a request.", s.slots_busy)
+        yield _gauge("strata_slots_total", "Slots (requests run at once).", s.parallel)
+        yield _gauge("strata_kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used)
+        yield _gauge("strata_kv_blocks_total", "KV cache blocks in all.", s.kv_blocks_total)
+        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        yield _gauge("strata_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", usage)
+        yield _counter("strata_prompt_tokens_total", "Prompt tokens read.", s.prompt_tokens_total)
+        yield _counter("strata_generation_tokens_total", "Tokens generated.", s.generation_tokens_total)
+        yield _counter("strata_requests_finished_total", "Requests finished (any reason).", s.requests_finished_total)
+        yield _counter("strata_give_ways_total", "Times a prompt read gave way to decoding.", s.give_ways_total)
+        yield _counter("strata_preemptions_total", "Requests preempted for KV cache space.", s.preemptions_total)
+        yield _gauge("strata_prompt_tokens_per_second", "Prompt tokens read per second, recent.",
+                     s.prompt_tokens_per_second)
+        yield _gauge("strata_generation_tokens_per_second", "Tokens generated per second, recent.",
+                     s.generation_tokens_per_second)
+        cumulative = list(s.ttft_counts) or [0] * (len(TTFT_BUCKETS) + 1)
+        bounds = [floatToGoString(b) for b in TTFT_BUCKETS] + ["+Inf"]
+        yield HistogramMetricFamily("strata_time_to_first_token_seconds", "Seconds from arrival to first token.",
+                                    buckets=list(zip(bounds, cumulative)), sum_value=s.ttft_sum)
+        if s.spec is not None:
+            yield _counter("strata_spec_drafts_proposed_total", "MTP drafts proposed.", s.spec["drafts_proposed"])
+            yield _counter("strata_spec_drafts_accepted_total", "MTP drafts accepted.", s.spec["drafts_accepted"])
+            yield _gauge("strata_spec_acceptance_ratio", "Accepted / proposed drafts.", s.spec["acceptance"])
+            yield _gauge("strata_spec_mean_accepted_length", "Tokens emitted per verification step.",
+                         s.spec["mean_accepted_length"])
+            per_position = GaugeMetricFamily("strata_spec_accepted_per_position",
+                                             "Acceptance of the draft at each position.", labels=["position"])
+            for i, a in enumerate(s.spec["accepted_per_position"]):
+                per_position.add_metric([str(i + 1)], a)
+            yield per_position
+        http = CounterMetricFamily("strata_http_requests_total", "HTTP requests answered, by route and status.",
+                                   labels=["method", "path", "status"])
+        for labels, count in self.http_counts():
+            http.add_metric(list(labels), count)
+        yield http
 
 
 class Metrics:
-    def __init__(self, model_name: str, clock: Callable[[], float] = time.monotonic):
+    """The app's metrics: HTTP counts (from the middleware) and a registry that renders /metrics."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]):
         self.model_name = model_name
         self._lock = threading.Lock()
         self._http: dict[tuple[str, str, str], int] = {}
-        self._prompt_rate = RateWindow(clock=clock)
-        self._gen_rate = RateWindow(clock=clock)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(model_name, stats, self._http_counts))
 
     def count_http(self, method: str, path: str, status: int) -> None:
         key = (method, path if path in TRACKED_PATHS else "other", str(status))
         with self._lock:
             self._http[key] = self._http.get(key, 0) + 1
 
-    def render(self, s: EngineStats) -> str:
-        w = _Writer()
+    def _http_counts(self) -> list[tuple[tuple[str, str, str], int]]:
         with self._lock:
-            prompt_tps = self._prompt_rate.update(s.prompt_tokens_total, s.uptime_seconds)
-            gen_tps = self._gen_rate.update(s.generation_tokens_total, s.uptime_seconds)
-            http = sorted(self._http.items())
-        w.family("strata_model_info", "gauge", "The served model.", [("", {"model": self.model_name}, 1)])
-        w.one("strata_uptime_seconds", "gauge", "Seconds since the engine started.", s.uptime_seconds)
-        w.one("strata_queue_length", "gauge", "Requests waiting for a slot.", s.queue_len)
-        w.one("strata_slots_busy", "gauge", "Slots running a request.", s.slots_busy)
-        w.one("strata_slots_total", "gauge", "Slots (requests run at once).", s.parallel)
-        w.one("strata_kv_blocks_used", "gauge", "KV cache blocks in use.", s.kv_blocks_used)
-        w.one("strata_kv_blocks_total", "gauge", "KV cache blocks in all.", s.kv_blocks_total)
-        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
-        w.one("strata_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use.", usage)
-        w.one("strata_prompt_tokens_total", "counter", "Prompt tokens read.", s.prompt_tokens_total)
-        w.one("strata_generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens_total)
-        w.one("strata_requests_finished_total", "counter", "Requests finished (any reason).", s.requests_finished_total)
-        w.one("strata_give_ways_total", "counter", "Times a prompt read gave way to decoding.", s.give_ways_total)
-        w.one("strata_preemptions_total", "counter", "Requests preempted for KV cache space.", s.preemptions_total)
-        w.one("strata_prompt_tokens_per_second", "gauge", "Prompt tokens read per second, recent.", prompt_tps)
-        w.one("strata_generation_tokens_per_second", "gauge", "Tokens generated per second, recent.", gen_tps)
-        cumulative = list(s.ttft_counts) or [0] * (len(TTFT_BUCKETS) + 1)
-        total, n = s.ttft_sum, cumulative[-1]
-        bounds = [_num(b) for b in TTFT_BUCKETS] + ["+Inf"]
-        samples: list[tuple[str, dict[str, str], float]] = [
-            ("_bucket", {"le": b}, c) for b, c in zip(bounds, cumulative)
-        ]
-        samples += [("_sum", {}, total), ("_count", {}, n)]
-        w.family("strata_time_to_first_token_seconds", "histogram", "Seconds from arrival to first token.", samples)
-        if s.spec is not None:
-            w.one("strata_spec_drafts_proposed_total", "counter", "MTP drafts proposed.", s.spec["drafts_proposed"])
-            w.one("strata_spec_drafts_accepted_total", "counter", "MTP drafts accepted.", s.spec["drafts_accepted"])
-            w.one("strata_spec_acceptance_ratio", "gauge", "Accepted / proposed drafts.", s.spec["acceptance"])
-            w.one("strata_spec_mean_accepted_length", "gauge", "Tokens emitted per verification step.",
-                  s.spec["mean_accepted_length"])
-            w.family("strata_spec_accepted_per_position", "gauge", "Acceptance of the draft at each position.",
-                     [("", {"position": str(i + 1)}, a) for i, a in enumerate(s.spec["accepted_per_position"])])
-        w.family("strata_http_requests_total", "counter", "HTTP requests answered, by route and status.",
-                 [("", {"method": m, "path": p, "status": c}, v) for (m, p, c), v in http])
-        return w.text()
+            return sorted(self._http.items())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def slots_json(s: EngineStats, model_name: str, now: float | None = None) -> dict[str, Any]:
+    """The body of GET /slots (docs: the slots schema); `now` is the wall clock, seconds."""
+    slots = [{
+        "id": x.id, "state": x.state, "request_id": x.request_id, "prompt_tokens": x.prompt_tokens,
+        "prompt_read": x.prompt_read, "generated": x.generated, "max_tokens": x.max_tokens,
+        "tokens_per_s": x.tokens_per_s, "give_ways": x.give_ways, "drafts_proposed": x.drafts_proposed,
+        "drafts_accepted": x.drafts_accepted, "acceptance": x.acceptance,
+    } for x in s.slots]
+    totals = {
+        "parallel": s.parallel, "queue": s.queue_len,
+        "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
+        "give_ways": s.give_ways_total, "preemptions": s.preemptions_total,
+        "prompt_tokens": s.prompt_tokens_total, "generation_tokens": s.generation_tokens_total,
+        "requests_finished": s.requests_finished_total, "uptime_s": s.uptime_seconds,
+        "ttft_last_s": s.ttft_last_seconds, "generation_tok_s": s.generation_tokens_per_second,
+    }
+    return {"model": model_name, "time": time.time() if now is None else now, "slots": slots, "totals": totals}
 
 
 class RequestCounter:

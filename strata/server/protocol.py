@@ -1,25 +1,34 @@
 """The OpenAI wire format: request bodies as pydantic models, responses as the shapes clients parse.
 
 Requests ignore fields they do not know (clients and SDKs send many optional ones), but a known field
-asking for something Strata cannot do (n > 1, tools, presence/frequency penalties, top alternatives
-in logprobs, suffix, best_of > 1) is a 400 rather than being silently dropped. Extensions beyond
-OpenAI's schema, in vLLM's spelling: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`.
+asking for something Strata cannot do (tools, presence/frequency penalties, suffix, best_of > 1) is a
+400 rather than being silently dropped. Extensions beyond OpenAI's schema, in vLLM's spelling:
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`; `/tokenize` and `/detokenize`
+take vLLM's bodies.
 
 Defaults follow OpenAI: temperature 1.0; `max_tokens` 16 for completions and the rest of the context
-for chat. Logprobs are those of the sampled tokens (chat `logprobs: true`, completions `logprobs: 0`);
-asking for alternatives (`top_logprobs` > 0, completions `logprobs` > 0) is a 400.
+for chat. Logprobs are those of the sampled tokens (chat `logprobs: true`, completions `logprobs: 0`),
+with up to 20 alternatives per token (chat `top_logprobs`, completions `logprobs` > 0). `n` up to
+MAX_N choices per request.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
+
+from strata.engine.types import MAX_TOP_LOGPROBS
+
+MAX_N = 16  # choices per request: each is an engine request of its own
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    def check_supported(self) -> None:
+        """Raises `Unsupported` for a well-formed request asking for what Strata does not do."""
 
 
 class Unsupported(ValueError):
@@ -48,7 +57,7 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -64,8 +73,6 @@ class _SamplingRequest(_Request):
         return stops
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise Unsupported("n", "only n=1 is supported")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise Unsupported(name, f"{name} is not supported; use repetition_penalty")
@@ -100,7 +107,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -110,14 +117,21 @@ class ChatCompletionRequest(_SamplingRequest):
             raise Unsupported("tools", "tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise Unsupported("response_format", "only response_format type 'text' is supported")
-        if self.top_logprobs:
-            raise Unsupported("top_logprobs", "top_logprobs > 0 is not supported (logprobs of sampled tokens only)")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise Unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     @property
     def output_limit(self) -> int | None:
@@ -133,7 +147,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (OpenAI: up to 5)
     best_of: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -153,8 +167,6 @@ class CompletionRequest(_SamplingRequest):
             raise Unsupported("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise Unsupported("best_of", "only best_of=1 is supported")
-        if self.logprobs:
-            raise Unsupported("logprobs", "logprobs > 0 is not supported (logprobs of sampled tokens only: pass 0)")
         if self.echo and self.logprobs is not None:
             raise Unsupported("echo", "echo together with logprobs is not supported")
 
@@ -163,10 +175,36 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs is not None
 
     @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    @property
     def output_limit(self) -> int | None:
         return self.max_tokens
 
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default here; chat's is the rest of the context
+
+
+class TokenizeRequest(_Request):
+    """vLLM's: a prompt, or chat messages (templated as chat completions template them, other chat
+    fields included); `add_special_tokens` defaults to true for a prompt and false for messages, whose
+    template writes its own."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # Responses. Plain models: the server fills them, clients validate them.
@@ -181,11 +219,17 @@ class Usage(BaseModel):
     speculation: dict | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
 class TokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChoiceLogprobs(BaseModel):
@@ -265,6 +309,16 @@ class Completion(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
