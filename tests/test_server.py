@@ -276,8 +276,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages", "unsupported_parameter"),
     ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "n": 17}, 400, "n", None),
-    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools",
-     "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "tools": [{"type": "function"}]}, 400,
+     "tools[0].function", None),
     ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
      "top_logprobs", None),
     ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs", None),

@@ -19,21 +19,26 @@ import json
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
-from strata.engine.types import EngineEvent, EngineRequest
+from strata.engine.types import EngineRequest
 from strata.params import SamplingParams
 from strata.server import protocol as P
 from strata.server.config import ServerConfig
 from strata.server.metrics import CONTENT_TYPE, Metrics, RequestCounter, slots_json
+from strata.server.reasoning import reasoning_parser_for, thinking_opened_in_prompt
+from strata.server.responses import (_ChatChunks, _chat_message, _CompletionChunks, _EngineStreamResponse, _Job,
+                                     _json, _Merged, _Result, _sse, _usage)
+from strata.server.tools import (ChatOutputParser, ToolChoice, ToolRequestError, resolve_tool_choice,
+                                 template_tools, tool_parser_for, tools_for_template)
 from strata.web import mount_webui
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -54,14 +59,6 @@ class APIError(Exception):
                                                    code=self.code))
         return Response(body.model_dump_json(), status_code=self.status, media_type="application/json",
                         headers=self.headers)
-
-
-def _json(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
-
-
-def _sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
 
 
 def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
@@ -121,225 +118,13 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-_Tops = tuple[tuple[tuple[int, float], ...], ...]
-
-
-def _visible(ev: EngineEvent, sent: int) -> tuple[tuple[int, ...], tuple[float, ...] | None, _Tops | None]:
-    """The event's tokens that belong to the completion (the engine does not count a final EOS), with
-    their logprobs and alternatives where the event has them."""
-    keep = max(0, min(len(ev.token_ids), ev.completion_tokens - sent))
-    return (ev.token_ids[:keep], tuple(ev.logprobs[:keep]) if ev.logprobs is not None else None,
-            tuple(ev.top_logprobs[:keep]) if ev.top_logprobs is not None else None)
-
-
-class _Result:
-    """A whole completion gathered from engine events."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] | None = None
-        self.tops: list[tuple[tuple[int, float], ...]] | None = None
-        self.finish_reason: str | None = None
-        self.prompt_tokens = self.completion_tokens = 0
-        self.error: str | None = None
-        self.spec: dict | None = None
-
-    def add(self, ev: EngineEvent) -> None:
-        self.text.append(ev.text)
-        ids, lps, tops = _visible(ev, len(self.token_ids))
-        self.token_ids.extend(ids)
-        if lps is not None:
-            self.logprobs = self.logprobs if self.logprobs is not None else []
-            self.logprobs.extend(lps)
-        if tops is not None:
-            self.tops = self.tops if self.tops is not None else []
-            self.tops.extend(tops)
-        self.finish_reason = ev.finish_reason or self.finish_reason
-        self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
-        self.error = ev.error or self.error
-        self.spec = ev.spec or self.spec
-
-
-def _usage(parts: list[_Result] | list[EngineEvent]) -> P.Usage:
-    """The usage of a response whose choices are `parts` (results, or their last events): the prompt
-    counted once, completions summed."""
-    prompt = parts[0].prompt_tokens
-    completion = sum(p.completion_tokens for p in parts)
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   speculation=_pooled_spec([p.spec for p in parts if p.spec]))
-
-
-def _pooled_spec(specs: list[dict]) -> dict | None:
-    """One speculation summary for several choices: counts summed, rates weighted by drafts proposed."""
-    if len(specs) <= 1:
-        return specs[0] if specs else None
-    weights = [s["drafts_proposed"] for s in specs]
-    proposed, accepted = sum(weights), sum(s["drafts_accepted"] for s in specs)
-
-    def mean(values: list[float]) -> float:
-        return sum(w * v for w, v in zip(weights, values)) / proposed if proposed else 0.0
-
-    positions = len(specs[0]["accepted_per_position"])
-    return {"drafts_proposed": proposed, "drafts_accepted": accepted,
-            "acceptance": accepted / proposed if proposed else 0.0,
-            "mean_accepted_length": mean([s["mean_accepted_length"] for s in specs]),
-            "accepted_per_position": [mean([s["accepted_per_position"][j] for s in specs]) for j in range(positions)]}
-
-
-class _Chunks:
-    """What both SSE formats share: `n` choices, each with its own count of tokens sent; an error
-    ends the stream; token ids are paired with logprobs; usage follows the last choice's finish."""
-
-    def __init__(self, server: "_Server", rid: str, model: str, include_usage: bool, logprobs: bool, n: int):
-        self.s, self.rid, self.model = server, rid, model
-        self.include_usage, self.logprobs = include_usage, logprobs
-        self.created = int(time.time())
-        self.sent = [0] * n
-        self.last: list[EngineEvent] = []  # the finished choices' final events
-
-    def _error_or_tokens(self, i: int, ev: EngineEvent) -> tuple[str | None, tuple[int, ...], Any, Any]:
-        if ev.error:
-            return self.s.stream_error(ev.error), (), None, None
-        ids, lps, tops = _visible(ev, self.sent[i])
-        self.sent[i] += len(ids)
-        return None, ids, lps, tops
-
-    def _usage_when_done(self, ev: EngineEvent) -> P.Usage | None:
-        if ev.finish_reason is None:
-            return None
-        self.last.append(ev)
-        return _usage(self.last) if self.include_usage and len(self.last) == len(self.sent) else None
-
-
-class _ChatChunks(_Chunks):
-    """Engine events to `chat.completion.chunk` SSE lines."""
-
-    def _chunk(self, i: int, delta: P.ChatDelta, finish: str | None = None,
-               logprobs: P.ChoiceLogprobs | None = None) -> str:
-        choice = P.ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return _sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[choice]))
-
-    def start(self) -> Iterator[str]:
-        for i in range(len(self.sent)):
-            yield self._chunk(i, P.ChatDelta(role="assistant", content=""))
-
-    def event(self, i: int, ev: EngineEvent) -> Iterator[str]:
-        error, ids, lps, tops = self._error_or_tokens(i, ev)
-        if error:
-            yield error
-            return
-        lp = self.s.chat_logprobs(ids, lps, tops) if self.logprobs else None
-        if ev.text or lp is not None and lp.content:
-            yield self._chunk(i, P.ChatDelta(content=ev.text), logprobs=lp)
-        if ev.finish_reason is not None:
-            yield self._chunk(i, P.ChatDelta(), finish=ev.finish_reason)
-        usage = self._usage_when_done(ev)
-        if usage is not None:
-            yield _sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
-                                             usage=usage))
-
-
-class _CompletionChunks(_Chunks):
-    """Engine events to `text_completion` SSE lines."""
-
-    def __init__(self, server: "_Server", rid: str, model: str, include_usage: bool, logprobs: bool, n: int,
-                 echo: str):
-        super().__init__(server, rid, model, include_usage, logprobs, n)
-        self.echo = echo
-        self.offset = [0] * n
-
-    def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: P.CompletionLogprobs | None = None,
-               usage: P.Usage | None = None) -> str:
-        choices = [] if usage else [P.CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)]
-        return _sse(P.Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
-
-    def start(self) -> Iterator[str]:
-        if self.echo:
-            for i in range(len(self.sent)):
-                yield self._chunk(i, self.echo)
-
-    def event(self, i: int, ev: EngineEvent) -> Iterator[str]:
-        error, ids, lps, tops = self._error_or_tokens(i, ev)
-        if error:
-            yield error
-            return
-        lp = self.s.completion_logprobs(ids, lps, self.offset[i], tops) if self.logprobs else None
-        self.offset[i] += len(ev.text)
-        if ev.text or ev.finish_reason is not None or lp is not None and lp.tokens:
-            yield self._chunk(i, ev.text, ev.finish_reason, lp)
-        usage = self._usage_when_done(ev)
-        if usage is not None:
-            yield self._chunk(i, "", usage=usage)
-
-
-class _Job:
-    """The engine requests behind one response, one per choice; `close()` aborts those not finished."""
-
-    def __init__(self, engine: Any, rids: list[str]):
-        self.engine, self.rids = engine, rids
-        self.running = set(range(len(rids)))
-
-    @property
-    def finished(self) -> bool:
-        return not self.running
-
-    def done(self, i: int) -> None:
-        self.running.discard(i)
-
-    def close(self) -> None:
-        for i in sorted(self.running):
-            self.engine.abort(self.rids[i])
-        self.running.clear()
-
-
-class _Merged:
-    """The events of a job's streams as (choice index, event), in the order they arrive, until every
-    stream has finished; `close()` stops listening."""
-
-    def __init__(self, streams: list[Any]):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.left = len(streams)
-        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
-
-    async def _pump(self, i: int, stream: Any) -> None:
-        try:
-            async for ev in stream:
-                self.queue.put_nowait((i, ev))
-        except Exception as e:  # handed to the consumer, which would otherwise wait forever
-            self.queue.put_nowait((i, e))
-
-    def __aiter__(self) -> "_Merged":
-        return self
-
-    async def __anext__(self) -> tuple[int, EngineEvent]:
-        if not self.left:
-            raise StopAsyncIteration
-        i, ev = await self.queue.get()
-        if isinstance(ev, Exception):
-            raise ev
-        self.left -= ev.finish_reason is not None
-        return i, ev
-
-    def close(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-
-
-class _EngineStreamResponse(StreamingResponse):
-    """SSE over an engine request that is aborted however the response ends: a client gone before the
-    body iterator ever started leaves no generator frame whose `finally` could do it."""
-
-    def __init__(self, job: _Job, body: AsyncIterator[str]):
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.close()
+def _model_type(engine: Any) -> str | None:
+    """The served model's `model_type`: the engine's own attribute, else its LLMEngine's config."""
+    found = getattr(engine, "model_type", None)
+    if found is None:
+        config = getattr(getattr(engine, "engine", None), "model_config", None)
+        found = getattr(config, "model_type", None)
+    return found if isinstance(found, str) else None
 
 
 class _Server:
@@ -354,6 +139,7 @@ class _Server:
         self.token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
         # Engines that can report sampled-token logprobs take `submit(req, logprobs=True)`.
         self.engine_logprobs = "logprobs" in inspect.signature(engine.submit).parameters
+        self.model_type = _model_type(engine)  # picks the tool-call and reasoning output formats
 
     # -- request checks ---------------------------------------------------------------------------
 
@@ -411,14 +197,35 @@ class _Server:
 
     # -- prompts ----------------------------------------------------------------------------------
 
-    def chat_prompt(self, body: P.ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: P.ChatCompletionRequest) -> tuple[list[int], str, ToolChoice]:
+        """(prompt ids, prompt text, what `tool_choice` asks for)."""
         try:
-            text = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True)
+            tools_for_template(body.tools)  # checked before tool_choice looks names up in them
+            choice = resolve_tool_choice(body.tool_choice, body.tools)
+            tpl_tools = template_tools(body.tools, choice)
+        except ToolRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        kw = body.chat_template_kwargs or {}
+        try:
+            text = self.tokenizer.apply_chat_template(body.chat(), tools=tpl_tools, add_generation_prompt=True,
+                                                      **kw)
         except P.Unsupported as e:
             raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from None
         except Exception as e:  # the template is the model's code: any failure is about these messages
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special=False)
+        return self.tokenizer.encode(text, add_special=False), text, choice
+
+    def chat_parsers(self, body: P.ChatCompletionRequest, prompt: str, choice: ToolChoice,
+                     ) -> list[ChatOutputParser] | None:
+        """One output parser per choice, or None when the model's output is neither reasoning nor calls."""
+        kw = body.chat_template_kwargs or {}
+        template = self.tokenizer.chat_template
+        rp = reasoning_parser_for(self.model_type, template, kw.get("enable_thinking", True))
+        tp = tool_parser_for(self.model_type, template) if choice.uses_tools else None
+        if rp is None and tp is None:
+            return None
+        opened = thinking_opened_in_prompt(prompt)
+        return [ChatOutputParser(rp, tp, opened_in_prompt=opened, request_tools=body.tools) for _ in range(body.n)]
 
     def completion_prompt(self, body: P.CompletionRequest) -> tuple[list[int], str]:
         """(prompt ids, prompt text for echo)."""
@@ -567,18 +374,21 @@ class _Server:
     async def chat_completions(self, request: Request) -> Response:
         body: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest, self.cfg.max_body_bytes)
         self.check_model(body.model)
-        ids = await run_in_threadpool(self.chat_prompt, body)
+        ids, prompt, tool_choice = await run_in_threadpool(self.chat_prompt, body)
+        parsers = self.chat_parsers(body, prompt, tool_choice)
         params = self.sampling(body, len(ids), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         job, streams = self.submit(rid, body.n, ids, params, body.logprobs, body.num_top_logprobs)
         if body.stream:
-            chunks = _ChatChunks(self, rid, body.model, body.include_usage, body.logprobs, body.n)
+            chunks = _ChatChunks(self, rid, body.model, body.include_usage, body.logprobs, body.n, parsers)
             return self.streaming(request, job, streams, chunks)
         results = await self.collect(request, job, streams)
-        choices = [P.ChatChoice(index=i, message=P.AssistantMessage(content="".join(r.text)),
-                                finish_reason=r.finish_reason,
-                                logprobs=self.chat_logprobs(r.token_ids, r.logprobs, r.tops) if body.logprobs else None)
-                   for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            message, finish = _chat_message(r, parsers[i] if parsers else None)
+            choices.append(P.ChatChoice(index=i, message=message, finish_reason=finish,
+                                        logprobs=self.chat_logprobs(r.token_ids, r.logprobs, r.tops)
+                                        if body.logprobs else None))
         return _json(P.ChatCompletion(id=rid, created=int(time.time()), model=body.model, choices=choices,
                                       usage=_usage(results)))
 
@@ -611,7 +421,7 @@ class _Server:
         else:
             # The chat fields (the template's inputs) as a chat completion reads them.
             chat: P.ChatCompletionRequest = _validate(P.ChatCompletionRequest, {**data, "model": self.model_name})
-            ids = await run_in_threadpool(self.chat_prompt, chat)
+            ids = (await run_in_threadpool(self.chat_prompt, chat))[0]
             if body.add_special_tokens:
                 ids = self.tokenizer.encode("", add_special=True) + ids
         return _json(P.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids))

@@ -1,8 +1,9 @@
 """The OpenAI wire format: request bodies as pydantic models, responses as the shapes clients parse.
 
 Requests ignore fields they do not know (clients and SDKs send many optional ones), but a known field
-asking for something Strata cannot do (tools, presence/frequency penalties, suffix, best_of > 1) is a
-400 rather than being silently dropped. Extensions beyond OpenAI's schema, in vLLM's spelling:
+asking for something Strata cannot do (response_format other than text, presence/frequency penalties,
+suffix, best_of > 1) is a 400 rather than being silently dropped. Chat takes `tools`, `tool_choice`
+and `chat_template_kwargs` (see `strata.server.tools`); messages carry `tool_calls` / `tool_call_id`. Extensions beyond OpenAI's schema, in vLLM's spelling:
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`; `/tokenize` and `/detokenize`
 take vLLM's bodies.
 
@@ -20,6 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
                       model_validator)
 
 from strata.engine.types import MAX_TOP_LOGPROBS
+from strata.tokenizer import TEMPLATE_RESERVED_NAMES
 
 MAX_N = 16  # choices per request: each is an engine request of its own
 
@@ -93,6 +95,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -109,12 +113,20 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_not_reserved(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        clash = TEMPLATE_RESERVED_NAMES & (v or {}).keys()
+        if clash:
+            raise ValueError(f"may not set {', '.join(sorted(clash))}: the server sets them")
+        return v
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise Unsupported("tools", "tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise Unsupported("response_format", "only response_format type 'text' is supported")
 
@@ -137,10 +149,12 @@ class ChatCompletionRequest(_SamplingRequest):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
+    def chat(self) -> list[dict[str, Any]]:
         # Model chat templates predate OpenAI's "developer" role; it means what "system" means to them.
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                | ({"name": m.name} if m.name else {}) for m in self.messages]
+                | ({"name": m.name} if m.name else {})
+                | ({"tool_calls": m.tool_calls} if m.tool_calls else {})
+                | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}) for m in self.messages]
 
 
 class CompletionRequest(_SamplingRequest):
@@ -246,8 +260,19 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _optional_fields(self, handler: Any) -> dict[str, Any]:
+        # `reasoning_content` and `tool_calls` appear only when there are some.
+        out = handler(self)
+        for k in ("reasoning_content", "tool_calls"):
+            if out.get(k) is None:
+                out.pop(k, None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -270,6 +295,8 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: Any) -> dict[str, Any]:
