@@ -341,7 +341,7 @@ class _Server:
             raise APIError(500, f"the engine failed the request: {error}", type_="server_error")
         return results
 
-    async def _sse(self, request: Request, job: _Job, streams: list[Any], chunks: _ChatChunks | _CompletionChunks,
+    async def _sse(self, request: Request, job: _Job, streams: list[Any], chunks: Any, end: str | None,
                    ) -> AsyncIterator[str]:
         async def abort_when_gone() -> None:
             await _wait_disconnect(request)
@@ -359,26 +359,35 @@ class _Server:
                     yield piece
                 if ev.error or job.finished:
                     break
-            yield "data: [DONE]\n\n"
+            for piece in chunks.end() if end is None else [end]:
+                yield piece
         finally:
             watcher.cancel()
             merged.close()
             job.close()
 
-    def streaming(self, request: Request, job: _Job, streams: list[Any], chunks: _ChatChunks | _CompletionChunks,
-                  ) -> StreamingResponse:
-        return _EngineStreamResponse(job, self._sse(request, job, streams, chunks))
+    def streaming(self, request: Request, job: _Job, streams: list[Any], chunks: Any,
+                  end: str | None = "data: [DONE]\n\n") -> StreamingResponse:
+        """SSE of `chunks` (`start()`, `event(i, ev)`), closed by `end`, or by `chunks.end()` when None."""
+        return _EngineStreamResponse(job, self._sse(request, job, streams, chunks, end))
+
+    async def start_chat(self, rid: str, body: P.ChatCompletionRequest,
+                         ) -> tuple[_Job, list[Any], list[ChatOutputParser] | None, int]:
+        """A chat request templated, checked and submitted: its job, streams, output parsers and
+        prompt length."""
+        self.check_model(body.model)
+        ids, prompt, tool_choice = await run_in_threadpool(self.chat_prompt, body)
+        parsers = self.chat_parsers(body, prompt, tool_choice)
+        params = self.sampling(body, len(ids), "messages")
+        job, streams = self.submit(rid, body.n, ids, params, body.logprobs, body.num_top_logprobs)
+        return job, streams, parsers, len(ids)
 
     # -- endpoints --------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
         body: P.ChatCompletionRequest = await _parse(request, P.ChatCompletionRequest, self.cfg.max_body_bytes)
-        self.check_model(body.model)
-        ids, prompt, tool_choice = await run_in_threadpool(self.chat_prompt, body)
-        parsers = self.chat_parsers(body, prompt, tool_choice)
-        params = self.sampling(body, len(ids), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        job, streams = self.submit(rid, body.n, ids, params, body.logprobs, body.num_top_logprobs)
+        job, streams, parsers, _ = await self.start_chat(rid, body)
         if body.stream:
             chunks = _ChatChunks(self, rid, body.model, body.include_usage, body.logprobs, body.n, parsers)
             return self.streaming(request, job, streams, chunks)
@@ -505,6 +514,13 @@ def build_app(engine: Any, server_cfg: ServerConfig | None = None, *, own_engine
     v1.add_api_route("/chat/completions", s.chat_completions, methods=["POST"])
     v1.add_api_route("/completions", s.completions, methods=["POST"])
     v1.add_api_route("/models", s.list_models, methods=["GET"])
+    # Anthropic's Messages API: its own key header and error shape, so not behind `authorize`.
+    from strata.server.anthropic import anthropic_messages  # it builds on this module
+
+    async def messages(request: Request) -> Response:
+        return await anthropic_messages(s, request)
+
+    app.add_api_route("/v1/messages", messages, methods=["POST"])
     v1.add_api_route("/models/{model:path}", s.get_model, methods=["GET"])
     app.include_router(v1)
     # vLLM's paths, outside /v1, behind the same key.
