@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
@@ -217,3 +218,32 @@ def test_batch_groups_overlap_keeps_seeded_sampling():
         return {k: [t for ev in v for t in ev.token_ids] for k, v in e.run_to_completion().items()}
 
     assert sample(True) == sample(False)
+
+
+def test_sampled_verification_targets_the_penalised_distribution():
+    """Rows with drafts are verified against the same penalised distribution a row without drafts
+    samples from: the request's tokens and the drafts before the row count as seen."""
+    from types import SimpleNamespace
+
+    from strata.runner.model_runner import ModelRunner
+    from strata.runner.sampling import apply_repetition_penalty
+
+    row = torch.randn(50)
+    req = SimpleNamespace(params=SamplingParams(temperature=0.8, repetition_penalty=1.3), all_ids=[3, 7, 7])
+    got = ModelRunner._penalised(row, req, (11, 12))
+    assert torch.equal(got, apply_repetition_penalty(row, torch.tensor([3, 7, 7, 11, 12]), 1.3))
+    assert not torch.equal(got, row)
+    plain = SimpleNamespace(params=SamplingParams(temperature=0.8), all_ids=[3])
+    assert ModelRunner._penalised(row, plain, (4,)) is row
+
+
+def test_sampled_speculation_with_penalty_is_seeded():
+    def sample():
+        e = LLMEngine(EngineConfig(device="cpu", parallel=1, spec=2, batch_mtp=True))
+        e.add_request(EngineRequest("p", tuple(e.tokenizer.encode(PROMPTS[0])),
+                                    SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2, seed=5,
+                                                   ignore_eos=True), time.monotonic()))
+        return [t for ev in e.run_to_completion()["p"] for t in ev.token_ids], e.stats().spec
+
+    a, st = sample()
+    assert a == sample()[0] and len(a) == 12 and st["drafts_proposed"] > 0

@@ -24,7 +24,7 @@ from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
 from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
-from strata.runner.sampling import Sampler, filtered_probs
+from strata.runner.sampling import Sampler, apply_repetition_penalty, filtered_probs
 from strata.runner.transfer import to_device
 from strata.spec.verify import verify_greedy, verify_sampled
 
@@ -385,6 +385,16 @@ class ModelRunner:
             step.ready = torch.cuda.Event()
             step.ready.record()
 
+    @staticmethod
+    def _penalised(row: torch.Tensor, req, drafts) -> torch.Tensor:
+        """A verification row's logits under the request's repetition penalty, the tokens before it
+        (its drafts included) counting as seen: the same target a row without drafts samples from."""
+        penalty = req.params.repetition_penalty
+        if penalty == 1.0:
+            return row
+        seen = torch.tensor(req.all_ids + list(drafts), device=row.device)
+        return apply_repetition_penalty(row, seen, penalty)
+
     @torch.inference_mode()
     def collect(self, step: LaunchedStep, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
         """Wait for a launched step and return the tokens of its sampling chunks: one token, or with
@@ -416,7 +426,8 @@ class ModelRunner:
                 continue
             logits = step.logits
             q = (draft_probs or {}).get(req.request_id)
-            target = torch.stack([filtered_probs(logits[r0 + j], p) for j in range(k1)]).cpu()
+            target = torch.stack([filtered_probs(self._penalised(logits[r0 + j], req, ch.drafts[:j]), p)
+                                  for j in range(k1)]).cpu()
             toks = verify_sampled(list(ch.drafts), q, target, self.sampler(req).gen)
             idx = torch.tensor(toks, device=logits.device)
             rows = torch.arange(r0, r0 + len(toks), device=logits.device)
