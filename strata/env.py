@@ -60,6 +60,14 @@ class _Env:
 ENV = _Env()
 
 
+def child_environment(pythonpath_first: str) -> dict[str, str]:
+    """This process's environment for a child Python process, with `pythonpath_first` ahead on its
+    PYTHONPATH (benchmarks start their clients this way)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = pythonpath_first + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 def get(switch: Switch[T]) -> T:
     return switch.get()
 

@@ -20,6 +20,7 @@ import time
 from typing import Iterator
 
 import strata
+from strata.env import child_environment
 
 
 @contextlib.contextmanager
@@ -70,8 +71,7 @@ def run_client(url: str, model_name: str, prompt_tokens: int, max_tokens: int, v
                seed: int = 0, timeout_s: float = 600.0) -> dict:
     """Runs `python -m strata.bench.http_client` against `url`; returns its JSON."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(strata.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_environment(root)
     cmd = [sys.executable, "-m", "strata.bench.http_client", url, "--model", model_name,
            "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(max_tokens), "--vocab", str(vocab),
            "--runs", str(runs), "--seed", str(seed)]

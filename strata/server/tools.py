@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -186,7 +187,7 @@ def argument_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, An
 # -- output side --------------------------------------------------------------------------------------
 
 
-class ToolStream:
+class ToolStream(ABC):
     """Incremental tool-call parser over a completion's text: `push(delta)` and `finish()` return Deltas
     (content and tool-call pieces, in output order). `calls` and `content` hold what was parsed so far.
 
@@ -258,8 +259,9 @@ class ToolStream:
     def _begin_block(self) -> None:
         pass
 
+    @abstractmethod
     def _block(self, final: bool) -> bool:
-        raise NotImplementedError
+        """Consume what can be consumed of the open call block; True once the block is closed."""
 
 
 def _hermes_calls(body: str) -> list[tuple[str, str]] | None:
