@@ -22,7 +22,7 @@ step() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
   local t0=$SECONDS
-  timeout "$secs" "$@" 2>&1 | grep -v "^\s*$" | tail -40
+  timeout "$secs" "$@" 2>&1 | grep -v "^\s*$" | tail -${TAIL:-40}
   echo "--- $name: rc ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
   tar czf "$OUT/results.tgz" -C "$R" .  # after every step: a call cut short still brings back what ran
 }
@@ -31,12 +31,19 @@ step() {  # name, seconds, command...
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
   for s in "$@"; do
     case $s in
+      new) step new 420 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernels_moe_routing.py tests/test_kernels_small.py tests/test_kernel_token_mask.py tests/test_gpu_graphs.py ;;
+      sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
+      moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;
+      decode-nopdl) STRATA_PDL=0 step decode-nopdl 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_nopdl.json ;;
+      decode-sync) step decode-sync 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --no-async-scheduling --out $R/decode_quick_sync.json ;;
+      moe-decode1) step moe-decode1 150 $B decode --shape qwen3-30b-a3b --batch 1,8 --no-hf --repeats 1 --out $R/decode_moe_quick.json ;;
       speed) step speed 120 $T -k "speed_report or cuda_graph_replay" tests/test_kernel_attention.py ;;
       gemv) step gemv 240 $T tests/test_kernel_gemv.py ;;
       gemv-sweep) step gemv-sweep 300 python3 -m strata.kernels.gemv --sweep 6144x4096 4096x4096 2048x4096 5120x2048 ;;
       sweep-attn) step sweep-attn 300 python3 scripts/sweep_attention.py ;;
       graphs) step graphs 300 $T tests/test_gpu_graphs.py tests/test_kernel_kv_dequant.py ;;
       profile-moe) step profile-moe 150 python3 scripts/profile_step.py --shape qwen3-30b-a3b --batch 1 --top 30 ;;
+      int8-check) step int8-check 120 $T -k "int8" tests/test_kernels_attention_splits.py tests/test_gpu_graphs.py ;;
       kernels) step kernels 300 $T tests/test_kernel_attention.py tests/test_kernels_small.py tests/test_kernel_gemv.py tests/test_kernel_moe_decode.py tests/test_kernel_kv_dequant.py ;;
       tests-final) step tests-final 150 $T tests/test_gpu.py tests/test_kernel_moe_decode.py ;;
       tests) step tests 500 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_moe_packed.py tests/test_gpu_graphs.py tests/test_device_sampling.py tests/test_kernel_kv_dequant.py ;;

@@ -187,6 +187,9 @@ class EngineConfig:
     batch_groups: int = 1  # slots split into G decode groups stepped in turn (slot % G)
     overlap: bool = True  # with G > 1: launch a group's step before finishing the previous group's
     cuda_graph: bool = True  # replay CUDA graphs for decode and verification steps (CUDA only)
+    # Queue each step before reading the previous one's tokens (decode inputs taken on the device), so
+    # the GPU never waits for the host; needs --spec 0 and one batch group. None: on for CUDA.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
@@ -199,6 +202,9 @@ class EngineConfig:
             raise ValueError("batch_groups must be within 1..parallel")
         if self.spec < 0 or not 0.0 <= self.spec_min_p <= 1.0:
             raise ValueError("spec must be >= 0 and spec_min_p within [0, 1]")
+        if self.async_scheduling and (self.spec or self.batch_groups > 1):
+            raise ValueError("async_scheduling needs spec 0 and batch_groups 1 (drafts and groups need each "
+                             "step's tokens on the host before the next step)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.parallel:
             raise ValueError("max_num_batched_tokens must be >= parallel (one decode token per slot)")
 
@@ -208,7 +214,10 @@ class EngineConfig:
         one 8192-token chunk, in chunks of 512 at 0.75x; the CPU keeps small chunks, which give way sooner."""
         chunk = self.chunk_size or (2048 if self.resolved_device.startswith("cuda") else 512)
         budget = self.max_num_batched_tokens or max(2048, chunk + self.parallel * (1 + self.spec))
-        return dataclasses.replace(self, chunk_size=chunk, max_num_batched_tokens=budget)
+        async_ = self.async_scheduling
+        if async_ is None:
+            async_ = self.resolved_device.startswith("cuda") and not self.spec and self.batch_groups == 1
+        return dataclasses.replace(self, chunk_size=chunk, max_num_batched_tokens=budget, async_scheduling=async_)
 
     @property
     def resolved_device(self) -> str:

@@ -42,6 +42,9 @@ class _Env:
                               "run a prompt read concurrently with decoding on a second stream")
     PIPED_CONCURRENT_SMB = Switch("STRATA_PIPED_CONCURRENT_SMB", _bool, False,
                                   "allow STRATA_SPLIT_MTP_BATCH beside STRATA_PIPED_CONCURRENT")
+    PDL = Switch("STRATA_PDL", _bool, True,
+                 "launch Triton kernels with programmatic dependent launch on sm_90+ (a kernel's launch "
+                 "overlaps its predecessor's tail; each kernel waits for it before touching memory)")
     NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
     CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "", "where test fixtures and downloads are cached")
     API_KEY = Switch("STRATA_API_KEY", str, "", "the server's API key when --api-key is not given")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from strata.grammar.spec import GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -17,6 +19,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # What the output must match (structured output, enforced tool calls): plain data, compiled by the
+    # engine's strata.grammar.GrammarCompiler.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,6 +38,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError("grammar must be a GrammarSpec")
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,16 @@ def test_graphs_on_off_identical_fp32(spec):
     assert _generate(off, PROMPTS) == got_on
 
 
+def test_async_scheduling_on_off_identical_fp32():
+    """Run-ahead decodes take their input token from the previous step's picks on the device."""
+    on = _engine()
+    assert on.cfg.async_scheduling and on.pipelined
+    got_on = _generate(on, PROMPTS + [" ".join(PROMPTS * 20)], max_tokens=40)
+    del on
+    off = _engine(async_scheduling=False)
+    assert _generate(off, PROMPTS + [" ".join(PROMPTS * 20)], max_tokens=40) == got_on
+
+
 def test_graphs_bf16_agreement_reported():
     on = _generate(_engine(dtype="bfloat16"), PROMPTS)
     off = _generate(_engine(dtype="bfloat16", cuda_graph=False), PROMPTS)
@@ -55,10 +65,13 @@ def test_graphs_bf16_agreement_reported():
     print(f"bf16 greedy agreement bf16 KV vs int8 KV (Triton path): {same8}/{sum(map(len, on.values()))} tokens")
 
 
-def test_steady_state_allocates_nothing():
-    """Two identical rounds of mixed steps (a long read beside decodes, speculation on): the CUDA
-    caching allocator must neither add segments nor reserve more bytes in the second."""
-    e = _engine(dtype="bfloat16", spec=3, batch_mtp=True, chunk_size=256, max_num_batched_tokens=512)
+@pytest.mark.parametrize("spec", [3, 0], ids=["spec", "async"])
+def test_steady_state_allocates_nothing(spec):
+    """Two identical rounds of mixed steps (a long read beside decodes, speculation on, or async
+    scheduling without it): the CUDA caching allocator must neither add segments nor reserve more
+    bytes in the second."""
+    kw = dict(spec=3, batch_mtp=True) if spec else {}
+    e = _engine(dtype="bfloat16", chunk_size=256, max_num_batched_tokens=512, **kw)
     long_prompt = " ".join(PROMPTS * 60)
 
     def round_(tag: str) -> None:

@@ -17,8 +17,9 @@ import zlib
 import pytest
 import torch
 
+from strata.kernels import attention
 from strata.kernels.attention import (
-    MIN_KEYS_PER_SPLIT,
+    MIN_SPLIT_KEYS,
     SplitWorkspace,
     attention_flops,
     choose_num_splits,
@@ -108,6 +109,12 @@ def check(out, ref, seqs, q_start, tol):
     assert out[~owned.to(out.device)].isnan().all(), "a row outside every sequence was written"
 
 
+@pytest.fixture
+def short_splits(monkeypatch):
+    """Splits as short as one key tile, so the CPU-sized contexts below really split (and merge)."""
+    monkeypatch.setattr(attention, "MIN_SPLIT_KEYS", 16)
+
+
 CPU_CASES = [  # (dtype, int8, hkv, group, head_dim, block_size, num_splits, tol)
     (torch.float32, False, 2, 2, 16, 4, 1, 1e-5),
     (torch.float32, False, 1, 4, 32, 16, 1, 1e-5),
@@ -120,7 +127,7 @@ CPU_CASES = [  # (dtype, int8, hkv, group, head_dim, block_size, num_splits, tol
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("dtype,int8,hkv,group,head_dim,block_size,num_splits,tol", CPU_CASES)
-def test_matches_reference(seqs, dtype, int8, hkv, group, head_dim, block_size, num_splits, tol):
+def test_matches_reference(seqs, dtype, int8, hkv, group, head_dim, block_size, num_splits, tol, short_splits):
     seed = seed_of(len(seqs), dtype, int8, hkv, group, head_dim, block_size, num_splits)
     case, seqs, q_start = make_case(seed, seqs, hkv=hkv, group=group, head_dim=head_dim,
                                     block_size=block_size, dtype=dtype, int8=int8)
@@ -130,11 +137,11 @@ def test_matches_reference(seqs, dtype, int8, hkv, group, head_dim, block_size, 
 
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
-def test_splits_match_single_pass(seqs):
+def test_splits_match_single_pass(seqs, short_splits):
     case, seqs, q_start = make_case(11 + len(seqs), seqs, hkv=2, group=2, head_dim=16, block_size=16,
                                     dtype=torch.float32)
     one = run(paged_attention_triton, case)
-    for num_splits in (2, 5):  # 5 splits of 64 keys leave the later splits of short sequences empty
+    for num_splits in (2, 5):  # 5 splits of one 64-key tile: shorter sequences use fewer
         split = run(paged_attention_triton, case, num_splits, workspace_for(case, 8))
         check(split, one, seqs, q_start, 1e-5)
 
@@ -157,7 +164,7 @@ def assert_batch_invariant(case, seqs, q_start, num_splits, check_seqs):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_row_results_do_not_depend_on_the_batch(num_splits):
+def test_row_results_do_not_depend_on_the_batch(num_splits, short_splits):
     """fp32: a sequence alone and inside a mixed batch (other rows, another place in the batch) gives
     bitwise the same rows under the same launch configuration."""
     case, seqs, q_start = make_case(23 + num_splits, MIXED, hkv=1, group=4, head_dim=16, block_size=4,
@@ -182,8 +189,8 @@ def test_choose_num_splits():
     # One long decode on 132 SMs: about two waves, clamped to max_splits.
     assert choose_num_splits(1, 1, 8, 32768, 132, 64) == 33
     assert choose_num_splits(1, 1, 8, 32768, 132, 16) == 16
-    # Short context: each split keeps at least one key tile.
-    assert choose_num_splits(1, 1, 8, 1024, 132, 64) == 1024 // MIN_KEYS_PER_SPLIT
+    # Short context: at most cdiv(max_ctx, MIN_SPLIT_KEYS) splits.
+    assert choose_num_splits(1, 1, 8, 1024, 132, 64) == 1024 // MIN_SPLIT_KEYS
     assert choose_num_splits(1, 1, 8, 100, 132, 64) == 1
     # Prefill-sized or already wide work: no split.
     assert choose_num_splits(1, 4096, 8, 32768, 132, 64) == 1

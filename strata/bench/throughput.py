@@ -56,6 +56,8 @@ def engine_config(args, device: torch.device, ctx: int, parallel: int, chunk: in
               max_num_batched_tokens=max(chunk, parallel), kv_size=ctx * parallel, kv=args.kv)
     if args.no_cuda_graph and "cuda_graph" in EngineConfig.__dataclass_fields__:
         kw["cuda_graph"] = False
+    if getattr(args, "no_async_scheduling", False):
+        kw["async_scheduling"] = False
     return EngineConfig(**kw)
 
 
@@ -200,6 +202,7 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
         eng, startup = build_engine(engine_config(args, device, ctx, b, args.chunk), loaded)
         info.setdefault("startup_s", startup)
         info.setdefault("cuda_graph", getattr(eng.cfg, "cuda_graph", None))
+        info.setdefault("async_scheduling", getattr(eng.cfg, "async_scheduling", None))
         prompts = _prompts(mc.vocab_size, [args.prompt] * b, args.seed + b)
         runs = [_decode_once(eng, prompts, params, f"d{b}-{rep}", device) for rep in range(args.repeats + 1)]
         best = min(runs[1:], key=lambda r: r["s"] / max(r["new"], 1))
@@ -381,6 +384,7 @@ def add_parsers(sub) -> None:
         p.add_argument("--seed", type=int, default=0, help="weights and prompts")
         p.add_argument("--no-hf", action="store_true", help="Strata only")
         p.add_argument("--no-cuda-graph", action="store_true", help="EngineConfig(cuda_graph=False)")
+        p.add_argument("--no-async-scheduling", action="store_true", help="EngineConfig(async_scheduling=False)")
         p.add_argument("--no-ceilings", action="store_true", help="skip the copy/GEMM ceilings (fractions null)")
         p.add_argument("--out", default=None, help="default: bench/results/{which}_{shape}[_int8]_{device}.json")
         if which == "read":

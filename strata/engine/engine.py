@@ -8,6 +8,12 @@ With batch groups (`--batch-groups G`, G > 1, and `overlap` on) steps are pipeli
 and launches the next group's step, then finishes the previous one (waits for its tokens, updates the
 scheduler, drafts, detokenizes) while the device computes the new one. The scheduler keeps the two
 steps apart (a request in flight is not scheduled again), so the result is the same as stepping in turn.
+
+With async scheduling (`async_scheduling`, on by default on CUDA without speculation) steps are
+pipelined the same way with one group: the next step is scheduled and launched before the previous
+one's tokens are read, its decode inputs taken from the previous step's picks on the device
+(the scheduler's run-ahead), so the GPU always has a step queued while the host finishes the last.
+A request that stops on a token has had one more step computed for it; that step is dropped.
 """
 
 from __future__ import annotations
@@ -109,7 +115,8 @@ class LLMEngine:
             SchedulerConfig(parallel=cfg.parallel, max_num_batched_tokens=cfg.max_num_batched_tokens,
                             chunk_size=cfg.chunk_size, block_size=cfg.block_size, num_blocks=num_blocks,
                             max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec,
-                            batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps),
+                            batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps,
+                            run_ahead=bool(cfg.async_scheduling)),
             self.allocator,
         )
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -127,7 +134,7 @@ class LLMEngine:
         self.graph_seconds = self.runner.capture_graphs()  # last: every buffer a graph reads exists now
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
-        self.pipelined = cfg.batch_groups > 1 and cfg.overlap
+        self.pipelined = (cfg.batch_groups > 1 and cfg.overlap) or bool(cfg.async_scheduling)
         self.in_flight: _Launched | None = None
         self.started = time.monotonic()
         self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0

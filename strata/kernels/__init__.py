@@ -21,6 +21,22 @@ def triton_available() -> bool:
     return True
 
 
+@lru_cache(maxsize=8)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether to launch a kernel on `t`'s device with programmatic dependent launch (PDL): Hopper and
+    later, unless STRATA_PDL=0. A kernel launched so must begin with `pdl_prologue(USE_PDL)` (below):
+    it then starts while its predecessor drains, and waits for it before its first memory access, so
+    the launch latency of a chain of small kernels (a decode step's ~250) overlaps real work."""
+    from strata.env import ENV
+
+    return t.is_cuda and ENV.PDL.get() and _pdl_capable(t.device.index if t.device.index is not None
+                                                        else torch.cuda.current_device())
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether `op` should run the Triton kernel for a tensor: on CUDA, and only where no gradient
     flows through it (the kernels have no backward; training on the GPU runs the references)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 try:
     import triton
@@ -38,7 +39,9 @@ def silu_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 
 @jit
-def _silu_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+def _silu_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -66,9 +69,10 @@ def silu_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     if n == 0 or inter == 0:
         return out
     block = min(triton.next_power_of_2(inter), BLOCK_COLS)
+    on = use_pdl(x)
     _silu_mul_kernel[(n, triton.cdiv(inter, block))](
         x, x.stride(0), out, out.stride(0), inter, BLOCK=block, USE_LIBDEVICE=x.is_cuda,
-        num_warps=max(1, min(4, block // 256)))
+        USE_PDL=on, launch_pdl=on, num_warps=max(1, min(4, block // 256)))
     return out
 
 

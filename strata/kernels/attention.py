@@ -11,28 +11,44 @@ q_len 0 are padding and do nothing; output rows that belong to no sequence are n
 The kernel (FlashAttention-2 / flash-decoding style): one program per (sequence, query tile, kv head,
 split). A program holds the tile's queries for all G = Hq / Hkv heads of its kv head as one block of
 BLOCK_M = BLOCK_Q * G rows, so each K/V tile is read once per group. It walks the keys in tiles of
-KV_TILE positions gathered through the block table, with an online softmax in fp32 (exp2, log2 e
+`kv_tile` positions gathered through the block table, with an online softmax in fp32 (exp2, log2 e
 folded into the scale); only the tiles that cross the causal diagonal or the context end are masked,
-and tiles wholly past the query tile's last position are skipped. With num_splits > 1 the keys of a
-sequence are cut into num_splits ranges (computed in the kernel from ctx_len), each program writes
-its unnormalised partial result to a `SplitWorkspace` and a second kernel merges a row's splits in
-the fixed order 0, 1, 2, ...
+and tiles wholly past the query tile's last position are skipped. int8 tiles enter the dots as exact
+bf16/fp16 integers: the K scale multiplies the score columns after QK^T and the V scale the
+probabilities before PV, so no tile is rescaled element by element.
+
+Splits. `num_splits` is the host's upper bound (the grid's third dimension); a sequence uses only
+active = min(num_splits, cdiv(ctx_len, MIN_SPLIT_KEYS)) of them, each cdiv(cdiv(ctx_len, active),
+kv_tile) key tiles long, and the programs above its last non-empty split return at once. So a graph
+captured for the longest context still gives a short context one to three splits. A query tile whose
+keys span one split writes its output directly. Otherwise every program stores its unnormalised
+partial result in the `SplitWorkspace`, then takes a ticket from the tile's arrival counter (an atomic
+add with acquire/release order after a CTA barrier, so the partials of every finished program are
+visible to the one that sees the last ticket); the last program merges the partials in the fixed order
+0, 1, 2, ... — the same bits whichever program finishes last — writes the output and resets the counter
+to 0 for the next call.
 
 Graph capture: the grid depends only on R, max_q_len, Hkv and num_splits (host ints); every length,
 start and table entry is read by the kernel, so a captured launch replays with new values in the same
-tensors. Nothing is read back to the host and no tuning runs at call time.
+tensors. Nothing is read back to the host, no tuning runs at call time, and the counters are back at 0
+after every complete launch.
 
 Batch invariance (what holds, and what full invariance would still need): a row's math is per row;
-the key tile size and the order of key tiles are the same for every regime, and tile boundaries sit
-at absolute multiples of KV_TILE; the extra tiles a row may visit because of its neighbours in the
-query tile are fully masked for it and are exact no-ops (p = 0, rescale by exp2(0) = 1). So for a
-fixed num_splits a row does not depend on the batch, its place in the tile or max_q_len, provided the
+the order of key tiles is the same for every regime and tile boundaries sit at absolute multiples of
+kv_tile; the extra tiles a row may visit because of its neighbours in the query tile are fully masked
+for it and are exact no-ops (p = 0, rescale by exp2(0) = 1). Split boundaries depend on ctx_len, the
+key tile and min(num_splits, cdiv(ctx_len, MIN_SPLIT_KEYS)): whenever num_splits >= cdiv(ctx_len,
+MIN_SPLIT_KEYS) they depend on ctx_len alone, and a context of at most MIN_SPLIT_KEYS keys is never
+split (same bits as num_splits = 1). So a row is independent of the batch when every launch passes
+num_splits >= cdiv(longest context, MIN_SPLIT_KEYS) (a batch-invariant mode: a fixed num_splits of
+that size and a workspace to match; idle split programs cost one early return each), provided the
 dot products of a row do not depend on the tile height BLOCK_M (true of fp32 "ieee" dots, which are
-FMA loops over D). Not yet invariant: (1) split boundaries depend on num_splits, which
-`choose_num_splits` derives from the batch shape — a batch-invariant mode must fix num_splits (or
-fix the split length in keys) independently of the batch; (2) bf16/fp16 dots run on tensor cores
-with an instruction chosen by BLOCK_M (decode and prefill configs differ), whose accumulation order
-is not specified — invariance there needs one BLOCK_M / num_warps for all regimes.
+FMA loops over D). Not yet invariant: (1) `choose_num_splits` lowers num_splits for wide batches and
+caps it (the runner: 32), so contexts longer than num_splits * MIN_SPLIT_KEYS split by the batch's
+num_splits; (2) bf16/fp16 dots run on tensor cores with an instruction chosen by BLOCK_M (decode and
+prefill configs differ), whose accumulation order is not specified — invariance there needs one
+BLOCK_M / num_warps for all regimes; (3) int8 caches use a longer key tile in decode-sized steps
+(KV_TILE_INT8) than in prompt-sized ones (KV_TILE).
 """
 
 from __future__ import annotations
@@ -44,11 +60,13 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 LOG2E = 1.4426950408889634
-KV_TILE = 64  # keys per tile, the same for every regime (see batch invariance above)
-MIN_KEYS_PER_SPLIT = 64  # one key tile: short contexts still spread over SMs (latency-bound otherwise)
+KV_TILE = 64  # keys per tile of bf16/fp16/fp32 caches, the same for every regime (see batch invariance)
+KV_TILE_INT8 = 128  # int8 caches in decode-sized steps: the same bytes per tile as 64 bf16 keys
+MIN_SPLIT_KEYS = 256  # a sequence gets at most cdiv(ctx_len, MIN_SPLIT_KEYS) key splits
 
 
 @dataclass(frozen=True)
@@ -56,55 +74,74 @@ class TileConfig:
     block_m: int  # query rows per program (queries x heads of the group), a power of two >= 16
     num_warps: int
     num_stages: int
+    kv_tile: int = KV_TILE  # keys per tile; select_config sets it from KV_TILE / KV_TILE_INT8
 
 
 # Decode and verify: few query rows, memory bound; small row blocks, splits fill the GPU. Chosen with
 # scripts/sweep_attention.py on the H200: 2 warps beat 4 for one sequence at 32K (1555 vs 1254 GB/s of
-# K/V) and for int8 at batch 8 (1569 vs 1000), within 2% elsewhere.
+# K/V) and for int8 at batch 8 (1569 vs 1000), within 2% elsewhere (measured before int8 used
+# KV_TILE_INT8 and word loads of V; `--only decode-configs` of the sweep re-measures).
 DECODE_CONFIG = TileConfig(block_m=16, num_warps=2, num_stages=3)
+# int8 decode: 128-key tiles converted in registers want 4 warps (sweep_attention.py --only decode-configs
+# on the H200: 2,075 GB/s of int8 at 8 sequences x 32K against 1,847 with 2 warps).
+DECODE_CONFIG_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=3)
 DECODE_MAX_ROWS = 64  # max_q_len * G up to this uses DECODE_CONFIG, rounded up to a power of two
 # Prefill (and mixed steps holding a prompt chunk): compute bound. The same sweep: 4 warps and 4 stages
 # give 425 TFLOP/s on a 32K causal prefill against 347 for 8 warps and 3 stages; 128-key tiles lose.
+# int8 caches keep 64-key tiles here too (prompt-sized int8 steps mostly attend over a dequantized
+# bf16 copy, and four stages of 128-key int8 tiles plus their bf16 operands crowd shared memory).
 PREFILL_CONFIG = TileConfig(block_m=128, num_warps=4, num_stages=4)
 
 
 @lru_cache(maxsize=256)
-def select_config(max_q_len: int, group: int) -> TileConfig:
+def select_config(max_q_len: int, group: int, is_int8: bool = False) -> TileConfig:
+    """Tile shape for a launch; reads the module constants, so a sweep that changes them clears the cache."""
     rows = max_q_len * group
     if rows <= DECODE_MAX_ROWS:
-        cfg = DECODE_CONFIG
+        cfg = DECODE_CONFIG_INT8 if is_int8 else DECODE_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(rows))
+        kv_tile = KV_TILE_INT8 if is_int8 else KV_TILE
     else:
         cfg = PREFILL_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
-    return TileConfig(block_m, cfg.num_warps, cfg.num_stages)
+        kv_tile = KV_TILE
+    return TileConfig(block_m, cfg.num_warps, cfg.num_stages, kv_tile)
 
 
 class SplitWorkspace:
     """Partial results of split-KV attention, allocated once and reused by every call.
 
     acc (max_rows, Hq, max_splits, D) holds unnormalised outputs; m and l (max_rows, Hq, max_splits)
-    the running max (log2 domain) and softmax sum. Row index = the query row in q."""
+    the running max (log2 domain) and softmax sum. Row index = the query row in q. counters
+    (max_rows, Hq) int32 count the finished splits of a query tile, at [first row of the tile, kv head];
+    they are zero between calls (the merging program resets its own) and must start at zero."""
 
     def __init__(self, max_rows: int, num_q_heads: int, head_dim: int, max_splits: int, device):
         self.max_rows, self.num_q_heads, self.head_dim, self.max_splits = max_rows, num_q_heads, head_dim, max_splits
         self.acc = torch.empty((max_rows, num_q_heads, max_splits, head_dim), dtype=torch.float32, device=device)
         self.m = torch.empty((max_rows, num_q_heads, max_splits), dtype=torch.float32, device=device)
         self.l = torch.empty_like(self.m)
+        self.counters = torch.zeros((max_rows, num_q_heads), dtype=torch.int32, device=device)
+
+
+SPLIT_WAVES = 2  # programs per SM that key splits aim for
 
 
 def choose_num_splits(num_seqs: int, max_q_len: int, num_kv_heads: int, max_ctx: int, num_sms: int,
-                      max_splits: int) -> int:
-    """Splits per sequence so that small, long-context batches still fill about two waves of SMs.
+                      max_splits: int, waves: int | None = None) -> int:
+    """Splits per sequence so that small, long-context batches still fill about `waves` (default
+    SPLIT_WAVES) programs per SM.
 
-    Query tiles are estimated at 16 queries (the kernel's tile depends on the group size, which this
-    host-side heuristic does not need to know exactly)."""
+    An upper bound: the kernel gives each sequence at most cdiv(ctx_len, MIN_SPLIT_KEYS) of them, so
+    max_ctx may be the longest context a captured graph will ever see. Query tiles are estimated at 16
+    queries (the kernel's tile depends on the group size, which this host-side heuristic does not need
+    to know exactly)."""
     programs = max(1, num_seqs * num_kv_heads * triton.cdiv(max(max_q_len, 1), 16))
-    target = 2 * num_sms
+    target = (waves or SPLIT_WAVES) * num_sms
     if programs >= target:
         return 1
     splits = triton.cdiv(target, programs)
-    splits = min(splits, max(1, max_ctx // MIN_KEYS_PER_SPLIT), max_splits)
+    splits = min(splits, triton.cdiv(max(max_ctx, 1), MIN_SPLIT_KEYS), max_splits)
     return max(1, splits)
 
 
@@ -112,6 +149,27 @@ def attention_flops(q_len: int, ctx_len: int, num_q_heads: int, head_dim: int) -
     """QK^T and PV matmul flops of one sequence's causal attention: 4 * D * Hq per (query, key) pair."""
     pairs = q_len * (ctx_len - q_len) + q_len * (q_len + 1) // 2
     return 4.0 * head_dim * num_q_heads * pairs
+
+
+@triton.jit
+def _load_int8_tile_by_words(base, slots, stride_slot, in_range, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             MASKED: tl.constexpr):
+    """An int8 [BLOCK_N, HEAD_DIM] tile read as int32 words and unpacked in registers. PV needs V
+    transposed; a tile loaded as int8 feeds that operand from shared memory one byte per load (sm_90 has
+    no 8-bit ldmatrix.trans), while a tile built in registers is staged as bf16 and read with
+    ldmatrix.trans like a bf16 tile. Bytes are little-endian: element 4 w + i is byte i of word w."""
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    w_ptrs = base.to(tl.pointer_type(tl.int32)) + slots[:, None] * (stride_slot // 4) + offs_w[None, :]
+    if MASKED:
+        w = tl.load(w_ptrs, mask=in_range[:, None], other=0)
+    else:
+        w = tl.load(w_ptrs)
+    b0 = w.to(tl.int8)
+    b1 = (w >> 8).to(tl.int8)
+    b2 = (w >> 16).to(tl.int8)
+    b3 = (w >> 24).to(tl.int8)
+    # join(join(b0, b2), join(b1, b3))[.., i, j] = b_{2i + j}: row-major flattening restores the order.
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, HEAD_DIM])
 
 
 @triton.jit
@@ -128,7 +186,6 @@ def _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_ba
         block_ids = tl.load(table_row + offs_n // BLOCK_SIZE)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
     k_ptrs = k_base + slots[:, None] * stride_k_slot + offs_d[None, :]
-    v_ptrs = v_base + slots[:, None] * stride_v_slot + offs_d[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=in_range[:, None], other=0)
     else:
@@ -151,32 +208,69 @@ def _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_ba
     alpha = tl.math.exp2(m_i - m_shift)
     p = tl.math.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=in_range[:, None], other=0)
-    else:
-        v = tl.load(v_ptrs)
     if IS_INT8:
+        v = _load_int8_tile_by_words(v_base, slots, stride_v_slot, in_range, BLOCK_N, HEAD_DIM, MASKED)
         if MASKED:
             v_scale = tl.load(vs_base + slots * stride_vs_slot, mask=in_range, other=0.0)
         else:
             v_scale = tl.load(vs_base + slots * stride_vs_slot)
-        v = v.to(tl.float32) * v_scale[:, None]
+        p = p * v_scale[None, :]
+    else:
+        v_ptrs = v_base + slots[:, None] * stride_v_slot + offs_d[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0)
+        else:
+            v = tl.load(v_ptrs)
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new
 
 
 @triton.jit
+def _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows outside the sequence, which are not stored
+    o = acc / l_safe[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_parts,
+                    stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
+                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Combines the partial results of splits 0 .. num_parts - 1, in that order. Split 0 holds key 0,
+    so every real row has a finite max; a row's split with no visible key adds exp2(-inf) * 0."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ml = ws_m_ptr + rows * stride_wm_n + head * stride_wm_h
+    ll = ws_l_ptr + rows * stride_wm_n + head * stride_wm_h
+    wa = ws_acc_ptr + rows[:, None] * stride_wa_n + head[:, None] * stride_wa_h + offs_d[None, :]
+    # .cg: written by other SMs during this launch, so read through L2.
+    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_parts):
+        m_max = tl.maximum(m_max, tl.load(ml + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(0, num_parts):
+        w = tl.math.exp2(tl.load(ml + s, mask=row_ok, other=0.0, cache_modifier=".cg") - m_max)
+        part = tl.load(wa + s * stride_wa_s, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * part
+        l_sum += w * tl.load(ll + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+    return acc, l_sum
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
-    ws_acc_ptr, ws_m_ptr, ws_l_ptr,
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, ws_count_ptr,
     stride_qn, stride_qh, stride_k_slot, stride_kh, stride_v_slot, stride_vh,
     stride_ks_slot, stride_ksh, stride_vs_slot, stride_vsh, stride_on, stride_oh, stride_table,
-    stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
-    qk_scale, num_q_tiles, num_splits,
+    stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h, stride_wc_n,
+    qk_scale, num_q_tiles, num_splits, min_split_keys,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = pid // num_q_tiles
@@ -191,16 +285,19 @@ def _paged_attention_kernel(
     last_pos = ctx - q_len + tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
     if SPLIT:
         split = tl.program_id(2)
-        split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        active = tl.minimum(num_splits, tl.cdiv(ctx, min_split_keys))
+        split_len = tl.cdiv(tl.cdiv(ctx, active), BLOCK_N) * BLOCK_N
+        # The splits that start at or before the tile's last position: at most `active`, fewer when
+        # rounding split_len up to whole tiles empties the last ones or the tile ends early (causal).
+        num_parts = last_pos // split_len + 1
+        if split >= num_parts:
+            return
         kv_lo = split * split_len
         kv_hi = tl.minimum(kv_lo + split_len, ctx)
     else:
-        split = 0  # unused without SPLIT
         kv_lo = 0
         kv_hi = ctx
     kv_stop = tl.minimum(kv_hi, last_pos + 1)
-    if kv_lo >= kv_stop:
-        return
     # Tiles below full_stop are visible to every row of the query tile: no mask needed.
     full_stop = kv_lo + tl.maximum(tl.minimum(kv_stop, first_pos + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
 
@@ -234,50 +331,28 @@ def _paged_attention_kernel(
                                         True, IS_INT8, DOT_PREC)
 
     if SPLIT:
-        wa = ws_acc_ptr + rows[:, None] * stride_wa_n + head[:, None] * stride_wa_h + split * stride_wa_s
-        tl.store(wa + offs_d[None, :], acc, mask=row_ok[:, None])
-        wm = rows * stride_wm_n + head * stride_wm_h + split
-        tl.store(ws_m_ptr + wm, m_i, mask=row_ok)
-        tl.store(ws_l_ptr + wm, l_i, mask=row_ok)
+        if num_parts == 1:
+            _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM)
+        else:
+            wa = ws_acc_ptr + rows[:, None] * stride_wa_n + head[:, None] * stride_wa_h + split * stride_wa_s
+            tl.store(wa + offs_d[None, :], acc, mask=row_ok[:, None])
+            wm = rows * stride_wm_n + head * stride_wm_h + split
+            tl.store(ws_m_ptr + wm, m_i, mask=row_ok)
+            tl.store(ws_l_ptr + wm, l_i, mask=row_ok)
+            # Every thread's stores precede the barrier, and the barrier the release: the ticket
+            # publishes the whole partial, not only the part the atomic's own thread wrote.
+            tl.debug_barrier()
+            counter = ws_count_ptr + (row0 + tile_q0).to(tl.int64) * stride_wc_n + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_parts - 1:
+                tl.debug_barrier()  # the acquire (one thread) before any thread's loads of the partials
+                acc, l_i = _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_parts,
+                                           stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
+                                           BLOCK_M, HEAD_DIM)
+                _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM)
+                tl.store(counter, 0)  # every other split has arrived: nothing else touches it this launch
     else:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows, which are not stored
-        o = acc / l_safe[:, None]
-        o_ptrs = out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
-    stride_on, stride_oh, stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
-    max_q_len, num_splits, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = pid // max_q_len
-    i = pid % max_q_len
-    q_len = tl.load(q_len_ptr + seq)
-    if i >= q_len:
-        return
-    ctx = tl.load(ctx_len_ptr + seq)
-    row = (tl.load(q_start_ptr + seq) + i).to(tl.int64)
-    pos = ctx - q_len + i
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    used = pos // split_len + 1  # splits that start at or before this row's position
-    ml_base = row * stride_wm_n + head * stride_wm_h
-    m_max = tl.full([], float("-inf"), dtype=tl.float32)
-    for s in range(0, used):
-        m_max = tl.maximum(m_max, tl.load(ws_m_ptr + ml_base + s))
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    l_sum = tl.zeros([], dtype=tl.float32)
-    acc_base = ws_acc_ptr + row * stride_wa_n + head * stride_wa_h + offs_d
-    for s in range(0, used):
-        w = tl.math.exp2(tl.load(ws_m_ptr + ml_base + s) - m_max)
-        acc += w * tl.load(acc_base + s * stride_wa_s)
-        l_sum += w * tl.load(ws_l_ptr + ml_base + s)
-    o = acc / l_sum
-    tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+        _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, k_scale, v_scale):
@@ -317,6 +392,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
             raise ValueError(f"{name} must be contiguous in its last dim")
     if is_int8 and (k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32):
         raise ValueError("k_scale / v_scale must be float32")
+    if is_int8 and (v_cache.data_ptr() % 4 or v_cache.stride(0) % 4 or v_cache.stride(1) % 4):
+        raise ValueError("an int8 v_cache must be 4-byte aligned in its pointer and strides (read as int32 words)")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split = num_splits > 1
@@ -331,31 +408,28 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
     if r == 0 or n == 0 or max_q_len <= 0:
         return out
     group = hq // hkv
-    cfg = select_config(max_q_len, group)
+    cfg = select_config(max_q_len, group, is_int8)
     block_q = cfg.block_m // group
     num_q_tiles = triton.cdiv(max_q_len, block_q)
     ks, vs = (k_scale, v_scale) if is_int8 else (k_cache, v_cache)  # placeholders, never read
-    ws_acc, ws_m, ws_l = (workspace.acc, workspace.m, workspace.l) if split else (out, out, out)
-    wa_strides = ws_acc.stride()[:3] if split else (0, 0, 0)
-    wm_strides = ws_m.stride()[:2] if split else (0, 0)
+    if split:
+        ws = (workspace.acc, workspace.m, workspace.l, workspace.counters)
+        ws_strides = (*workspace.acc.stride()[:3], *workspace.m.stride()[:2], workspace.counters.stride(0))
+    else:
+        ws, ws_strides = (out, out, out, q_len), (0,) * 6  # placeholders, never read
     ks_strides = ks.stride()[:2] if is_int8 else (0, 0)
     vs_strides = vs.stride()[:2] if is_int8 else (0, 0)
+    on = use_pdl(q)
     grid = (r * num_q_tiles, hkv, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, ks, vs, out, block_tables, q_start, q_len, ctx_len, ws_acc, ws_m, ws_l,
+        q, k_cache, v_cache, ks, vs, out, block_tables, q_start, q_len, ctx_len, *ws,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        *ks_strides, *vs_strides, out.stride(0), out.stride(1), block_tables.stride(0),
-        *wa_strides, *wm_strides,
-        scale * LOG2E, num_q_tiles, num_splits,
-        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=KV_TILE, HEAD_DIM=d, BLOCK_SIZE=block_size,
-        IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *ks_strides, *vs_strides, out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
+        scale * LOG2E, num_q_tiles, num_splits, MIN_SPLIT_KEYS,
+        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.kv_tile, HEAD_DIM=d, BLOCK_SIZE=block_size,
+        IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=on,
+        launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split:
-        _merge_splits_kernel[(r * max_q_len, hq)](
-            out, ws_acc, ws_m, ws_l, q_start, q_len, ctx_len, out.stride(0), out.stride(1),
-            *wa_strides, *wm_strides, max_q_len, num_splits, BLOCK_N=KV_TILE, HEAD_DIM=d, num_warps=1,
-        )
     return out
 
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 try:
     import triton
@@ -173,7 +174,8 @@ def _finish(acc, bias_ptr, out_ptr, out_stride, cols, rows, col_ok, row_ok, HAS_
 def _gemv_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
-                 USE_LIBDEVICE: tl.constexpr):
+                 USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -271,11 +273,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             raise ValueError(f"workspace: expected a contiguous int32 tensor of >= {need} elements")
         counters = workspace[:tiles]
         partials = workspace[_counter_slots(tiles):need].view(torch.float32)
+    on = use_pdl(x)
     _gemv_kernel[(tiles * cfg.split_k,)](
         x, x.stride(0), weight, weight if bias is None else bias, out, out.stride(0), partials, counters, m, n, k,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_N=n % cfg.block_n == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, IEEE_DOT=x.dtype == torch.float32, USE_LIBDEVICE=x.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 try:
     import triton
@@ -34,7 +35,8 @@ def gather_dequant_ref(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Te
 
 @jit
 def _gather_dequant_kernel(cache_ptr, scale_ptr, slots_ptr, out_ptr, stride_slot, stride_scale, stride_out,
-                           HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, HEADS)
@@ -53,8 +55,9 @@ def gather_dequant_triton(cache: torch.Tensor, scale: torch.Tensor, slots: torch
     if not (cache.is_contiguous() and scale.is_contiguous() and out.stride(-1) == 1 and out.stride(1) == d):
         raise ValueError("cache, scale and out rows must be contiguous")
     if t:
+        on = use_pdl(cache)
         _gather_dequant_kernel[(t,)](cache, scale, slots, out, cache.stride(0), scale.stride(0), out.stride(0),
-                                     HEADS=h, HEAD_DIM=d, num_warps=4)
+                                     HEADS=h, HEAD_DIM=d, USE_PDL=on, launch_pdl=on, num_warps=4)
     return out
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 try:
     import triton
@@ -78,7 +79,8 @@ def _store_kv_kernel(k_ptr, k_tok_stride, k_head_stride, v_ptr, v_tok_stride, v_
                      k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slots_ptr,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                      BLOCK_D: tl.constexpr, QUANTIZE: tl.constexpr, RECIPROCAL_SCALE: tl.constexpr,
-                     USE_LIBDEVICE: tl.constexpr):
+                     USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     head_ok = heads < NUM_KV_HEADS
@@ -123,11 +125,12 @@ def store_kv_triton(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -
         return
     block_d = triton.next_power_of_2(head_dim)
     block_heads = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // block_d))
+    on = use_pdl(k)
     _store_kv_kernel[(n, triton.cdiv(num_kv_heads, block_heads))](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), k_cache, v_cache, k_scale, v_scale, slots,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HEADS=block_heads, BLOCK_D=block_d,
         QUANTIZE=quantize, RECIPROCAL_SCALE=quantize and k.is_cuda, USE_LIBDEVICE=k.is_cuda,
-        num_warps=min(4, max(1, block_heads * block_d // 256)))
+        USE_PDL=on, launch_pdl=on, num_warps=min(4, max(1, block_heads * block_d // 256)))
 
 
 def store_kv(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> None:

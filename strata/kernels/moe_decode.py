@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 try:
     import triton
@@ -132,7 +133,8 @@ def moe_experts_decode_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
 @jit
 def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, w13_ptr, act_ptr, hidden, inter, top_k,
                     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    USE_LIBDEVICE: tl.constexpr):
+                    USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     pair = tl.program_id(0)
     token = pair // top_k
     slot = pair % top_k
@@ -175,7 +177,8 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, w13_pt
 def _down_combine_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stride_t, wts_stride_j, w2_ptr,
                          out_ptr, out_stride, hidden, inter, top_k,
                          BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, EVEN: tl.constexpr,
-                         NUM_STAGES: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_K)
@@ -231,20 +234,23 @@ def moe_experts_decode_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
 def _launch_gate_up(x, topk_ids, w13, act, cfg: MoeDecodeConfig) -> None:
     (t, k), h, inter = topk_ids.shape, x.shape[1], act.shape[1]
     even = h % cfg.gate_up_block_h == 0 and inter % cfg.gate_up_block_i == 0
+    on = use_pdl(x)
     _gate_up_kernel[(t * k, triton.cdiv(inter, cfg.gate_up_block_i))](
         x, x.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1), w13, act, h, inter, k,
         BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h, EVEN=even, NUM_STAGES=cfg.gate_up_stages,
-        USE_LIBDEVICE=x.is_cuda, num_warps=cfg.gate_up_warps)
+        USE_LIBDEVICE=x.is_cuda, USE_PDL=on, launch_pdl=on, num_warps=cfg.gate_up_warps)
 
 
 def _launch_down_combine(act, topk_ids, topk_weights, w2, out, cfg: MoeDecodeConfig) -> None:
     (t, k), h, inter = topk_ids.shape, out.shape[1], act.shape[1]
     even = inter % cfg.down_block_k == 0 and h % cfg.down_block_h == 0
+    on = use_pdl(act)
     _down_combine_kernel[(t, triton.cdiv(h, cfg.down_block_h))](
         act, topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
         topk_weights.stride(1), w2, out, out.stride(0), h, inter, k,
         BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, K_CHUNKS=triton.cdiv(inter, cfg.down_block_k),
-        EVEN=even, NUM_STAGES=cfg.down_stages, num_warps=cfg.down_warps)
+        EVEN=even, NUM_STAGES=cfg.down_stages, USE_PDL=on, launch_pdl=on,
+        num_warps=cfg.down_warps)
 
 
 def moe_experts_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,

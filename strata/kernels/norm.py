@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 try:
     import triton
@@ -68,7 +69,9 @@ def _store_normed_chunk(v, inv_rms, w_ptr, out_row, offs, mask):
 
 @jit
 def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, w_ptr, out_ptr, out_stride, n_cols, n_cols_f, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     res_row = res_ptr + row * res_stride
@@ -122,10 +125,11 @@ def _launch(x, residual, weight, eps, out):
     if n_rows == 0:
         return out
     block = min(triton.next_power_of_2(n_cols), MAX_ROW_BLOCK)
+    on = use_pdl(x)
     _rms_norm_kernel[(n_rows,)](
         x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), n_cols, float(n_cols), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=triton.cdiv(n_cols, block),
-        num_warps=min(16, max(1, block // 512)))
+        USE_PDL=on, launch_pdl=on, num_warps=min(16, max(1, block // 512)))
     return out
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import use_triton
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
 
 try:
     import triton
@@ -83,7 +84,9 @@ def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_
                          NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HALF: tl.constexpr, PASS_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_NORM: tl.constexpr,
-                         ROUND_NORMED: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+                         ROUND_NORMED: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     head_ok = heads < NUM_HEADS  # q heads then k heads: contiguous in the row
@@ -162,12 +165,13 @@ def qk_norm_rope_triton(qkv, positions, inv_freq, attn_scale, q_weight, k_weight
     block_dim = triton.next_power_of_2(head_dim)
     block_heads = min(triton.next_power_of_2(num_heads), max(1, 1024 // block_dim))
     grid = (n, triton.cdiv(num_heads, block_heads))
+    on = use_pdl(qkv)
     _qk_norm_rope_kernel[grid](
         qkv, qkv.stride(0), positions, inv_freq, q_weight, k_weight, float(attn_scale), eps, float(head_dim),
         NUM_Q_HEADS=num_q_heads, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HALF=half, PASS_DIM=pass_dim,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
         HAS_NORM=has_norm, ROUND_NORMED=round_normed, USE_LIBDEVICE=qkv.is_cuda,
-        num_warps=min(4, max(1, block_heads * block_dim // 512)))
+        USE_PDL=on, launch_pdl=on, num_warps=min(4, max(1, block_heads * block_dim // 512)))
     return q, k, v
 
 

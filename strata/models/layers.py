@@ -22,6 +22,7 @@ from strata.config import ModelConfig, RopeConfig
 from strata.kernels import activation as k_act
 from strata.kernels import gemv as k_gemv
 from strata.kernels import moe_decode as k_moe
+from strata.kernels import moe_routing as k_route
 from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import triton_available, use_triton
@@ -259,10 +260,18 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
         # The fp32 copy of a 16-bit router weight, made once by MoE.pack_experts() instead of every call.
         self.register_buffer("weight_f32", None, persistent=False)
+        # Counters of the fused routing kernel (which leaves them at zero), set by MoE.pack_experts() on CUDA.
+        self.route_ws: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (weights [N, k] fp32, expert ids [N, k], router logits [N, E] fp32)."""
+        """Returns (weights [N, k] fp32, expert ids [N, k], router logits [N, E] fp32). On CUDA without a
+        gradient, strata.kernels.moe_routing: one launch for up to 16 tokens, else cuBLAS logits + one."""
         weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+        if (self.route_ws is not None and x.dim() == 2 and use_triton(x)
+                and not (weight.requires_grad and torch.is_grad_enabled())):
+            return k_route.router_decode(x, weight, scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm,
+                                         n_group=self.n_group, topk_group=self.topk_group,
+                                         bias=self.e_score_correction_bias, scale=self.scale, workspace=self.route_ws)
         logits = F.linear(x.float(), weight)
         if self.scoring == "softmax":
             probs = logits.softmax(dim=-1)
@@ -375,6 +384,7 @@ class MoE(nn.Module):
         # Stacked expert weights, set by pack_experts(). Non-persistent: the checkpoint names stay HF's.
         self.register_buffer("w13", None, persistent=False)  # [E, 2*I, H]: gate rows, then up rows
         self.register_buffer("w2", None, persistent=False)  # [E, H, I]
+        self.sort_ws: torch.Tensor | None = None  # the token sort's counters (CUDA), set by pack_experts()
 
     @torch.no_grad()
     def pack_experts(self) -> str:
@@ -401,6 +411,9 @@ class MoE(nn.Module):
         self.w13, self.w2 = w13, w2
         if self.gate.weight.dtype != torch.float32:
             self.gate.weight_f32 = self.gate.weight.detach().float()
+        if w13.is_cuda and triton_available():
+            self.sort_ws = k_route.sort_tokens_workspace(w13.device)
+            self.gate.route_ws = k_route.router_decode_workspace(w13.device)
         if _grouped_mm_works(w13, w2):
             self.path = "grouped"
             self.decode_kernel = _moe_decode_works(w13, w2, self.num_experts_per_tok)
@@ -456,11 +469,9 @@ class MoE(nn.Module):
 
     def _grouped(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        # Group ends from the sorted ids. Not bincount: on CUDA it reads the ids' max on the host.
-        experts = torch.arange(self.num_experts, device=ids.device, dtype=flat_ids.dtype)
-        offs = torch.searchsorted(flat_ids[order], experts, right=True, out_int32=True)
+        # Pairs stably sorted by expert and the group ends, with no host sync (not bincount: on CUDA it
+        # reads the ids' max on the host). Two launches on CUDA, argsort + searchsorted elsewhere.
+        order, offs = k_route.sort_tokens(ids, self.num_experts, workspace=self.sort_ws)
         xs = x[order // k]
         h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)

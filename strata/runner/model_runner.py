@@ -9,6 +9,10 @@ plus one) replay CUDA graphs captured at start-up per batch-size bucket, largest
 pool. A graph covers the forward, the logits of every row, the greedy picks and their logprobs; its
 inputs are the same static buffers an eager step uses, padded to the bucket. Steps with prompt reads
 run eagerly.
+
+Run-ahead chunks (async scheduling, `ScheduledChunk.pending`) take their first input token from the
+previous launch's picks, still on the device: the runner keeps that launch's pick tensor and each
+request's row in it, and copies the token into the input buffer after the upload, before the step.
 """
 
 from __future__ import annotations
@@ -100,6 +104,14 @@ class ModelRunner:
         self.d_pos = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_slots = torch.zeros(t, dtype=torch.long, device=self.device)
         self.d_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=self.device)
+        # Run-ahead inputs: (input row, row in the previous launch's picks) per pending chunk.
+        self.h_pending = torch.zeros(2, max_seqs, dtype=torch.long, pin_memory=cuda)
+        self.np_pending = self.h_pending.numpy()
+        self.d_pending = torch.zeros(2, max_seqs, dtype=torch.long, device=self.device)
+        self.d_pending_ids = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self.last_picks: torch.Tensor | None = None  # the latest launch's picks (device), one per row
+        self.last_pick_rows: dict[str, int] = {}  # request id -> its sampled token's row in last_picks
+        self.num_pending = 0  # pending inputs of the step being launched
         # The host buffers are reused every step: before refilling them, wait until the previous step's
         # copies out of them have finished (a step that samples nothing never syncs otherwise).
         self.copied = torch.cuda.Event() if cuda else None
@@ -170,6 +182,12 @@ class ModelRunner:
             lens.append(k)
             ctx.append(s + k)
         n, r = len(ids), len(chunks)
+        self.num_pending = 0
+        for i, ch in enumerate(chunks):
+            if ch.pending:
+                self.np_pending[0, self.num_pending] = q_start[i]
+                self.np_pending[1, self.num_pending] = self.last_pick_rows[ch.request.request_id]
+                self.num_pending += 1
         self.np_ids[:n] = ids
         self.np_pos[:n] = pos
         self.np_slots[:n] = slots
@@ -183,6 +201,11 @@ class ModelRunner:
         self.d_tables[:seqs].copy_(self.h_tables[:seqs], non_blocking=True)
         if self.attn.meta is not None:
             self.attn.meta[:, :seqs].copy_(self.h_meta[:, :seqs], non_blocking=True)
+        p = self.num_pending
+        if p:
+            self.d_pending[:, :p].copy_(self.h_pending[:, :p], non_blocking=True)
+            picked = torch.index_select(self.last_picks, 0, self.d_pending[1, :p], out=self.d_pending_ids[:p])
+            self.d_ids.index_copy_(0, self.d_pending[0, :p], picked)
         if self.copied is not None:
             self.copied.record()
 
@@ -317,7 +340,7 @@ class ModelRunner:
         for ch in chunks:
             req, p = ch.request, ch.request.params
             seed = self.sampler(req).seed
-            done = len(req.output_ids)
+            done = len(req.output_ids) + ch.pending  # a pending token is drawn before this row's
             for j in range(len(ch.drafts) + 1):
                 if ch.drafts and not p.greedy:
                     rows.append(RowParams())
@@ -374,6 +397,9 @@ class ModelRunner:
 
     def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int,
                     top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+        self.last_picks = best
+        self.last_pick_rows = {step.chunks[i].request.request_id: r0 + k1 - 1
+                               for i, (r0, k1) in zip(step.picks, step.spans) if not step.chunks[i].drafts}
         step.out, self.next_out = self.next_out, 1 - self.next_out
         self.h_greedy[step.out][:m].copy_(best, non_blocking=True)
         self.h_logprob[step.out][:m].copy_(best_lp, non_blocking=True)

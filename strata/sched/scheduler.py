@@ -18,6 +18,15 @@ applies the previous step's results. A request stays *in flight* from the schedu
 chunk until the update() of that step; in-flight requests are neither scheduled again nor preempted
 (the device may still be writing their blocks), so a preemption they block happens at their next
 step boundary instead.
+
+Run-ahead (`run_ahead`, the engine's async scheduling): a request in flight may get the chunk after
+its in-flight one in the very next schedule(), before update() has seen the in-flight step's result,
+so the device always has the next step queued. The new chunk starts where the in-flight one ends;
+if that one samples, the new chunk's first input is the token it samples (`pending`: the runner
+takes it from the device), which is only allowed where nothing on the host needs that token first
+(no drafts, no repetition penalty) and the request cannot finish by length on it. A run-ahead chunk
+of a request that finishes on its in-flight token (EOS, a stop string, an abort) is computed and
+dropped: update() skips requests that are no longer running.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ class SchedulerConfig:
     lookahead: int = 0  # extra positions to reserve blocks for (the drafter's K/V)
     batch_groups: int = 1  # slots split into groups (slot % G) whose decodes are stepped in turn
     max_hold_steps: int = 16  # a long read held back this many steps in a row reads the next one anyway
+    run_ahead: bool = False  # schedule a request's next chunk while its previous step is in flight
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
@@ -57,6 +67,9 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.num_blocks must be >= 2 (block 0 is reserved)")
 
 
+PENDING_TOKEN = -1
+
+
 @dataclass(frozen=True, eq=False)
 class ScheduledChunk:
     """Positions [start, start + num_tokens) of `request`; `sample`: the runner samples from the last."""
@@ -66,6 +79,7 @@ class ScheduledChunk:
     num_tokens: int
     sample: bool
     drafts: tuple[int, ...] = ()  # speculative tokens after the request's last one, to verify
+    pending: int = 0  # 1: the first input is the token the request's in-flight step samples (run-ahead)
 
     @property
     def end(self) -> int:
@@ -73,7 +87,9 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids(self.start, self.end - len(self.drafts)) + list(self.drafts)
+        """Input tokens; a pending one is PENDING_TOKEN (the runner fills it in on the device)."""
+        known = self.request.token_ids(self.start + self.pending, self.end - len(self.drafts))
+        return [PENDING_TOKEN] * self.pending + known + list(self.drafts)
 
 
 @dataclass
@@ -138,7 +154,7 @@ class Scheduler:
         self._last_step: set[str] = set()  # requests that got tokens in the previous step
         self._next_group = 0  # batch groups: whose turn to decode is next
         self._held: dict[str, int] = {}  # long reads: steps held back in a row (starvation guard)
-        self._in_flight: set[str] = set()  # scheduled, not yet updated (overlapped steps)
+        self._in_flight: dict[str, ScheduledChunk] = {}  # scheduled, not yet updated: the latest chunk
         self._preempt_next: set[str] = set()  # victims that were in flight when their blocks were needed
         self.give_ways_total = 0
         self.preemptions_total = 0
@@ -236,15 +252,17 @@ class Scheduler:
             victim = self._requests.get(rid)
             if victim is not None and victim.status is RequestStatus.RUNNING and rid not in self._in_flight:
                 self._preempt(victim, step)
-        self._preempt_next &= self._in_flight
+        self._preempt_next &= self._in_flight.keys()
+        # Where each schedulable request's next chunk starts (after its in-flight chunk, if any).
+        nexts = {r.request_id: n for r in self._running if (n := self._next_start(r)) is not None}
 
-        for req in self._decode_group():
+        for req in self._decode_group(nexts):
             if step.tokens >= cfg.max_num_batched_tokens:
                 break
-            if req.status is RequestStatus.RUNNING and not req.is_reading:
-                self._schedule_decode(req, step)
+            if req.status is RequestStatus.RUNNING:
+                self._schedule_decode(req, step, *nexts[req.request_id])
 
-        readers = sorted((r for r in self._running if r.is_reading and r.request_id not in self._in_flight),
+        readers = sorted((r for r in self._running if r.request_id in nexts and self._uncomputed(r, nexts) > 1),
                          key=self._arrival_of)
         newest = self._arrival_of(readers[-1]) if readers else -1
         deferred: list[Request] = []
@@ -252,11 +270,12 @@ class Scheduler:
             # Newer reads arriving every step would starve a long read: after max_hold_steps held
             # steps in a row it reads a chunk beside them.
             starving = self._held.get(req.request_id, 0) >= cfg.max_hold_steps
-            if cfg.give_way and req.remaining_read > cfg.chunk_size and self._arrival_of(req) < newest and not starving:
+            if (cfg.give_way and self._uncomputed(req, nexts) > cfg.chunk_size and self._arrival_of(req) < newest
+                    and not starving):
                 deferred.append(req)
             else:
                 self._held.pop(req.request_id, None)
-                self._schedule_read(req, step)
+                self._schedule_read(req, step, nexts[req.request_id][0])
         for req in deferred:
             if req.status is not RequestStatus.RUNNING:
                 continue
@@ -271,11 +290,11 @@ class Scheduler:
                 self._held[req.request_id] = self._held.get(req.request_id, 0) + 1
                 continue
             self._held.pop(req.request_id, None)
-            self._schedule_read(req, step)
+            self._schedule_read(req, step, nexts[req.request_id][0])
 
         # A read in flight from the previous step still counts as having read last.
-        self._last_step = set(step.chunks) | self._in_flight
-        self._in_flight |= set(step.chunks)
+        self._last_step = set(step.chunks) | self._in_flight.keys()
+        self._in_flight.update(step.chunks)
         return SchedulerOutput(list(step.chunks.values()), step.preempted, step.finished)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -287,7 +306,8 @@ class Scheduler:
         finished = list(output.finished)
         for chunk in output.chunks:
             req = chunk.request
-            self._in_flight.discard(req.request_id)
+            if self._in_flight.get(req.request_id) is chunk:  # else a run-ahead chunk followed it
+                del self._in_flight[req.request_id]
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted by the engine since schedule()
             if chunk.start != req.num_computed_tokens:
@@ -338,15 +358,37 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self._running.append(req)
 
-    def _schedule_read(self, req: Request, step: _Step) -> None:
+    def _next_start(self, req: Request) -> tuple[int, int] | None:
+        """(position the request's next chunk starts at, pending inputs) or None while it cannot get
+        one: its chunk is in flight and may not be run ahead of (see the module docstring)."""
+        ahead = self._in_flight.get(req.request_id)
+        if ahead is None:
+            return req.num_computed_tokens, 0
+        if not self.config.run_ahead or ahead.drafts or req.request_id in self._preempt_next:
+            return None
+        if not ahead.sample:
+            return ahead.end, 0
+        # The in-flight step appends one token: the run-ahead decode reads it and samples the next,
+        # which needs room under both length limits (else the request finishes on the first one).
+        if (req.params.repetition_penalty != 1.0 or len(req.output_ids) + 2 > req.params.max_tokens
+                or req.num_tokens + 2 > self.config.max_model_len):
+            return None
+        return ahead.end, 1
+
+    @staticmethod
+    def _uncomputed(req: Request, nexts: dict[str, tuple[int, int]]) -> int:
+        start, pending = nexts[req.request_id]
+        return req.num_tokens + pending - start
+
+    def _schedule_read(self, req: Request, step: _Step, start: int) -> None:
         left = self.config.max_num_batched_tokens - step.tokens
         if req.status is RequestStatus.RUNNING and left > 0:
-            self._schedule_chunk(req, min(self.config.chunk_size, req.remaining_read, left), step)
+            self._schedule_chunk(req, min(self.config.chunk_size, req.num_tokens - start, left), step, start=start)
 
-    def _decode_group(self) -> list[Request]:
+    def _decode_group(self, nexts: dict[str, tuple[int, int]]) -> list[Request]:
         """The requests to decode this step: all of them, or with batch groups the next group in turn
         that has one ready (reads are not grouped: they run beside whichever group decodes)."""
-        ready = [r for r in self._running if not r.is_reading and r.request_id not in self._in_flight]
+        ready = [r for r in self._running if r.request_id in nexts and self._uncomputed(r, nexts) == 1]
         g_count = self.config.batch_groups
         if g_count == 1 or not ready:
             return ready
@@ -355,8 +397,11 @@ class Scheduler:
         self._next_group = (g + 1) % g_count
         return [r for r in ready if r.slot % g_count == g]
 
-    def _schedule_decode(self, req: Request, step: _Step) -> None:
+    def _schedule_decode(self, req: Request, step: _Step, start: int, pending: int) -> None:
         """One token, plus the request's drafts when budget, context and max_tokens leave room."""
+        if pending:  # run-ahead: no drafts (they would have to follow the pending token)
+            self._schedule_chunk(req, 1, step, start=start, pending=pending)
+            return
         room = min(
             self.config.max_num_batched_tokens - step.tokens - 1,
             self.config.max_model_len - req.num_tokens - 1,
@@ -364,15 +409,18 @@ class Scheduler:
         )
         drafts = tuple(req.draft_ids[: max(room, 0)])
         req.draft_ids = []
-        self._schedule_chunk(req, 1 + len(drafts), step, drafts)
+        self._schedule_chunk(req, 1 + len(drafts), step, drafts, start=start)
 
-    def _schedule_chunk(self, req: Request, n: int, step: _Step, drafts: tuple[int, ...] = ()) -> bool:
+    def _schedule_chunk(self, req: Request, n: int, step: _Step, drafts: tuple[int, ...] = (), *,
+                        start: int, pending: int = 0) -> bool:
+        if req.request_id in self._preempt_next:
+            return False  # marked as a victim in this step (run-ahead): it gets no more work
         # Lookahead blocks hold the K/V the drafter writes past the verified tokens.
-        reserve = min(req.num_computed_tokens + n + self.config.lookahead, self.config.max_model_len)
-        if not self._make_room(req, max(reserve, req.num_computed_tokens + n), step):
+        reserve = min(start + n + self.config.lookahead, self.config.max_model_len)
+        if not self._make_room(req, max(reserve, start + n), step):
             return False
-        start = req.num_computed_tokens
-        step.add(ScheduledChunk(req, start, n, start + n - len(drafts) == req.num_tokens, drafts))
+        sample = start + n - len(drafts) == req.num_tokens + pending
+        step.add(ScheduledChunk(req, start, n, sample, drafts, pending))
         return True
 
     def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
@@ -392,14 +440,15 @@ class Scheduler:
                 req.block_ids.extend(ids)
                 return True
             victim = self._running[-1]
-            if victim.request_id in self._in_flight:
-                # Its step may still be writing those blocks: preempt it at its next step boundary and
-                # let `req` wait until then.
-                self._preempt_next.add(victim.request_id)
-                return False
             if victim is req and len(self._running) == 1:
+                # Finishing is safe even while a run-ahead step of it is in flight: nothing comes back.
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
                 step.finished.append(req)
+                return False
+            if victim.request_id in self._in_flight:
+                # Its step may still be writing those blocks, and its result would come back to a
+                # recomputing request: preempt it at its next step boundary and let `req` wait until then.
+                self._preempt_next.add(victim.request_id)
                 return False
             self._preempt(victim, step)
             if victim is req:
@@ -446,5 +495,5 @@ class Scheduler:
         del self._arrival[req.request_id]
         self._last_step.discard(req.request_id)
         self._held.pop(req.request_id, None)
-        self._in_flight.discard(req.request_id)
+        self._in_flight.pop(req.request_id, None)
         self._preempt_next.discard(req.request_id)

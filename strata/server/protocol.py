@@ -1,11 +1,19 @@
 """The OpenAI wire format: request bodies as pydantic models, responses as the shapes clients parse.
 
 Requests ignore fields they do not know (clients and SDKs send many optional ones), but a known field
-asking for something Strata cannot do (response_format other than text, presence/frequency penalties,
-suffix, best_of > 1) is a 400 rather than being silently dropped. Chat takes `tools`, `tool_choice`
+asking for something Strata cannot do (presence/frequency penalties, suffix, best_of > 1) is a 400
+rather than being silently dropped. Chat takes `tools`, `tool_choice`
 and `chat_template_kwargs` (see `strata.server.tools`); messages carry `tool_calls` / `tool_call_id`. Extensions beyond OpenAI's schema, in vLLM's spelling:
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`; `/tokenize` and `/detokenize`
 take vLLM's bodies.
+
+Structured output (chat and completions): `response_format` of type `json_object`, `json_schema`
+(`{"name", "schema", "strict"}`) and the extensions `{"type": "regex", "regex": ...}` and
+`{"type": "grammar", "grammar": GBNF or Lark}`; also llama-server's top-level `json_schema` and
+`grammar` and vLLM's `structured_outputs` (`json`, `regex`, `choice` or `grammar`). At most one of
+these per request; `grammar_spec()` gives it as a `GrammarSpec` and `grammar_param` names its field.
+Shapes are checked here; whether a schema, regex or grammar compiles is the engine's tokenizer's
+business (`strata.grammar.GrammarCompiler.compile` raises GrammarError, a 400 naming the problem).
 
 Defaults follow OpenAI: temperature 1.0; `max_tokens` 16 for completions and the rest of the context
 for chat. Logprobs are those of the sampled tokens (chat `logprobs: true`, completions `logprobs: 0`),
@@ -15,12 +23,14 @@ MAX_N choices per request.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
 from strata.engine.types import MAX_TOP_LOGPROBS
+from strata.grammar.spec import GrammarError, GrammarSpec
 from strata.tokenizer import TEMPLATE_RESERVED_NAMES
 
 MAX_N = 16  # choices per request: each is an engine request of its own
@@ -45,6 +55,66 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None  # OpenAI requires one; it names the schema and nothing is derived from it
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`, with Strata's `regex` and `grammar` types, and llama-server's
+    `schema` on `json_object`."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    regex: str | None = None
+    grammar: str | None = None
+
+    def spec(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec.json_schema(self.schema_, strict=False) if self.schema_ is not None \
+                else GrammarSpec.json_object()
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("type 'json_schema' needs json_schema.schema")
+            return GrammarSpec.json_schema(self.json_schema.schema_, strict=bool(self.json_schema.strict))
+        text = self.regex if self.type == "regex" else self.grammar
+        if not text:
+            raise ValueError(f"type {self.type!r} needs a non-empty {self.type!r} field")
+        return GrammarSpec.regex(text) if self.type == "regex" else GrammarSpec.grammar(text)
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one of `json` (a schema, or its JSON text), `regex`,
+    `choice` and `grammar`."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def spec(self) -> GrammarSpec:
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar)) if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice and grammar")
+        if self.json_ is not None:
+            schema = self.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"json is not a JSON schema: {e}") from None
+            return GrammarSpec.json_schema(schema, strict=False)
+        if self.choice is not None:
+            return GrammarSpec.choice(self.choice)
+        return GrammarSpec.regex(self.regex) if self.regex is not None else GrammarSpec.grammar(self.grammar or "")
+
+
 class _SamplingRequest(_Request):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -63,8 +133,61 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    grammar: str | None = None  # llama-server's: GBNF (or Lark)
+    json_schema: dict[str, Any] | None = None  # llama-server's
 
     default_max_tokens: ClassVar[int | None] = None  # None: whatever room the context leaves
+
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _format_shape(cls, v: ResponseFormat | StructuredOutputs | None) -> Any:
+        if v is not None:
+            try:
+                v.spec()
+            except GrammarError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("the grammar is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> "_SamplingRequest":
+        given = [name for name in ("response_format", "structured_outputs", "grammar", "json_schema")
+                 if getattr(self, name) is not None and not (name == "response_format"
+                                                             and getattr(self, name).type == "text")]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(given)}: each constrains the whole output")
+        return self
+
+    @property
+    def grammar_param(self) -> str | None:
+        """The field the output constraint came from (the `param` of a 400 about it), or None."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return next((n for n in ("structured_outputs", "grammar", "json_schema") if getattr(self, n) is not None),
+                    None)
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """What the output must match, or None. Its shape is checked; whether it compiles is not (that
+        needs the engine's tokenizer and may take milliseconds: the server compiles it off the event
+        loop, and a GrammarError is a 400 with `grammar_param`)."""
+        param = self.grammar_param
+        if param == "response_format":
+            return self.response_format.spec()  # type: ignore[union-attr]
+        if param == "structured_outputs":
+            return self.structured_outputs.spec()  # type: ignore[union-attr]
+        if param == "grammar":
+            return GrammarSpec.grammar(self.grammar or "")
+        if param == "json_schema":
+            return GrammarSpec.json_schema(self.json_schema or {}, strict=False)
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -115,7 +238,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -127,8 +249,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise Unsupported("response_format", "only response_format type 'text' is supported")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+        if forced and self.grammar_spec() is not None:
+            raise Unsupported("response_format", "response_format (or another output grammar) cannot be combined "
+                                                 "with tool_choice 'required' or a named function")
 
     @field_validator("top_logprobs")
     @classmethod
