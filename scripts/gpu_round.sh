@@ -31,6 +31,14 @@ step() {  # name, seconds, command...
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
   for s in "$@"; do
     case $s in
+      graphs-final) step graphs-final 200 $T tests/test_kernel_token_mask.py tests/test_gpu_graphs.py -k "not bf16_agreement and not int8_backend" ;;
+      grammar-cost)
+        V=.cache/llama-cpp-vocab-0.3.16/ggml-vocab-qwen2.gguf
+        G="$B decode --batch 8 --no-hf --no-ceilings --tokens 48 --repeats 1"
+        step grammar-plain 80 $G --out $R/decode_grammar-off_qwen3-8b_cuda.json
+        step grammar-masked 80 $G --tokenizer $V --out $R/decode_grammar-masked_qwen3-8b_cuda.json
+        step grammar-json-array 80 $G --tokenizer $V --grammar json-array --out $R/decode_grammar-json-array_qwen3-8b_cuda.json ;;
+      prefix) step prefix 100 $B prefix --out $R/prefix_cuda.json ;;
       new) step new 420 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernels_moe_routing.py tests/test_kernels_small.py tests/test_kernel_token_mask.py tests/test_gpu_graphs.py ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;

@@ -180,6 +180,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # per-step token budget (reads + decodes); None: chunk + every slot's decode rows, at least 2048
     give_way: bool = True  # a long prompt read yields to newer requests at chunk boundaries
     max_hold_steps: int = 16  # but a long read held this many steps in a row reads a chunk anyway
+    prefix_cache: bool = True  # reuse the K/V of full blocks of earlier requests with the same prefix
     spec: int = 0  # MTP speculation: up to N drafts per step (0 = off)
     spec_min_p: float = 0.0  # stop drafting at the first draft whose MTP probability is below this
     spec_adaptive: bool = False  # each slot's draft count follows its running acceptance (1..N)

@@ -34,8 +34,9 @@ def tok():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Chunks of 128 tokens, one chunk per step: a 3K-token read takes ~24 steps.
+    # No prefix cache: the scenarios read the same long prompt alone first, then against newer requests.
     config = {"device": "cpu", "parallel": 2, "ctx": 4096, "chunk_size": 128, "max_num_batched_tokens": 128,
-              "log_level": "warning"}
+              "log_level": "warning", "prefix_cache": False}
     with running_server(tmp_path_factory.mktemp("scenarios"), config) as base:
         yield base
 

@@ -13,6 +13,10 @@ step must read (weights, K/V) times steps per second over the measured copy band
 batch-1 decode through the OpenAI server (`strata.bench.http_arm`). HF: one forward over the prompt
 (read); `generate` with a fixed number of new tokens, timed from its first new token to its last
 (decode, as Strata's: after the read).
+Structured output's cost: `--tokenizer PATH` gives the engine a grammar compiler (the token-mask kernel
+then runs in every decode graph, over all-ones rows), and `--grammar json` adds a json_object grammar
+to every request (masks filled on the host each step). A grammar may end a request before `tokens`
+(its object is complete): tok/s counts the tokens produced and `finished_early` says how many did.
 Writes JSON under bench/results/ and, when matplotlib is installed, a PNG beside it.
 """
 
@@ -33,6 +37,7 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
+from strata.grammar import GrammarSpec
 from strata.loaders import LoadedModel
 from strata.params import SamplingParams
 
@@ -178,14 +183,20 @@ def _decode_once(eng: LLMEngine, prompts: list[list[int]], params: SamplingParam
     before = sum(len(r.output_ids) for r in eng.requests.values())
     _sync(device)
     step_s = []
+    new = early = 0
     t0 = time.perf_counter()
     while eng.has_work():
         ts = time.perf_counter()
-        eng.step()
+        events = eng.step()
         step_s.append(time.perf_counter() - ts)
+        if params.grammar is not None:  # a grammar may finish a request before max_tokens
+            new += sum(len(ev.token_ids) for ev in events)
+            early += sum(ev.finish_reason is not None and ev.completion_tokens < params.max_tokens for ev in events)
     _sync(device)
-    return {"s": time.perf_counter() - t0, "new": len(prompts) * params.max_tokens - before, "steps": len(step_s),
-            "step_s": step_s}
+    if params.grammar is None:
+        new = len(prompts) * params.max_tokens - before
+    return {"s": time.perf_counter() - t0, "new": new, "steps": len(step_s), "step_s": step_s,
+            "finished_early": early}
 
 
 def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
@@ -193,7 +204,15 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
     ctx = args.prompt + args.tokens + 8
     _check_context(mc, args.prompt + args.tokens, args.shape)
     loaded, info["model_init_s"] = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed), device)
-    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    grammar = getattr(args, "grammar", None)
+    if grammar and not getattr(args, "tokenizer", None):
+        raise SystemExit("--grammar json needs --tokenizer: a vocab GGUF (e.g. .cache/llama-cpp-vocab-0.3.16/"
+                         "ggml-vocab-qwen2.gguf from tests/fetch_vocab.py) or an HF model directory")
+    if getattr(args, "tokenizer", None):
+        loaded = with_tokenizer(loaded, _load_tokenizer(args.tokenizer))
+    info["grammar"] = grammar
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True,
+                            grammar=BENCH_GRAMMARS[grammar]() if grammar else None)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     # Mean context a timed step reads: tokens 2..T see prompt + 1 .. prompt + T - 1.
     context = args.prompt + args.tokens / 2
@@ -214,6 +233,7 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
         rows.append({"batch": b, "new_tokens": best["new"], "strata_tok_s": best["new"] / best["s"],
                      "strata_s": best["s"], "steps": best["steps"], "startup_s": startup,
                      "strata_step_p50_ms": percentile(step_ms, 50), "strata_step_p99_ms": percentile(step_ms, 99),
+                     "finished_early": best["finished_early"],
                      "weight_bytes_per_step": w, "kv_bytes_per_step": kv, "bandwidth_fraction": frac})
         print(f"decode batch {b:3d}: strata {best['new'] / best['s']:9.1f} tok/s"
               + (f"  bandwidth {frac:.3f}" if frac is not None else ""), flush=True)
@@ -227,6 +247,28 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
     del loaded
     _free(device)
     return rows
+
+
+# json: any JSON object (what response_format json_object asks). Random weights may close it early,
+# shrinking the batch; json-array asks for JSON objects in an array too long to finish, so the batch
+# stays full with the same kind of masks.
+BENCH_GRAMMARS = {
+    "json": GrammarSpec.json_object,
+    "json-array": lambda: GrammarSpec.json_schema({"type": "array", "items": {"type": "object"}, "minItems": 100000},
+                                                  strict=False),
+}
+
+
+def _load_tokenizer(path: str):
+    """A vocab GGUF or an HF model directory (tokenizer.json), for `--tokenizer`."""
+    if path.endswith(".gguf"):
+        from strata.loaders.gguf import open_reader
+        from strata.loaders.gguf_vocab import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(open_reader(path), path)
+    from strata.tokenizer import Tokenizer
+
+    return Tokenizer.from_hf_dir(path)
 
 
 HTTP_ROW_FIELDS = ("http_b1_tok_s", "http_itl_p50_ms", "http_itl_p99_ms")
@@ -313,7 +355,10 @@ def run(args) -> int:
         hf_arm(args, device, dtype, info["ceilings"], info, rows)
     info["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     info["rows"] = rows
-    save(info, args.out or default_out(args.which, args.shape, args.kv, device), _draw)
+    out = args.out or default_out(args.which, args.shape, args.kv, device)
+    if not args.out and getattr(args, "tokenizer", None):  # beside the plain arm's file, not over it
+        out = out.removesuffix(".json") + f"_{'grammar-' + args.grammar if args.grammar else 'masked'}.json"
+    save(info, out, _draw)
     print_tables(summary_tables(info))
     return 0
 
@@ -396,4 +441,9 @@ def add_parsers(sub) -> None:
             p.add_argument("--prompt", type=int, default=512)
             p.add_argument("--tokens", type=int, default=128)
             p.add_argument("--http", action="store_true", help="also batch-1 decode through the OpenAI server")
+            p.add_argument("--tokenizer", default=None,
+                           help="a vocab GGUF or HF model dir: the engine gets a grammar compiler (mask kernel on)")
+            p.add_argument("--grammar", default=None, choices=["json", "json-array"],
+                           help="every request gets a json_object grammar (json-array: a list of objects that cannot "
+                                "end early, so the batch stays full); needs --tokenizer")
         p.set_defaults(func=run, which=which)

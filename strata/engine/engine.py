@@ -28,6 +28,7 @@ import torch
 from strata.config import EngineConfig
 from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
                                  EngineStats, RateWindow, SlotSnapshot)
+from strata.grammar import GrammarCompiler, GrammarError
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.loaders import LoadedModel, load_model
@@ -84,6 +85,20 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
     return cfg.ctx * cfg.parallel
 
 
+def _grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler | None:
+    """The compiler of this model's grammars (structured output), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    try:
+        t0 = time.perf_counter()
+        compiler = GrammarCompiler(tokenizer, vocab_size)
+    except Exception as e:  # a tokenizer the grammar engine cannot read: serve without structured output
+        log.warning("structured output is off: the grammar engine cannot use this tokenizer (%s)", e)
+        return None
+    log.info("grammar compiler ready (%d tokens) in %.1fs", compiler.vocab_size, time.perf_counter() - t0)
+    return compiler
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, progress: bool = True, loaded: LoadedModel | None = None):
         """`loaded`: a model already on the device (benchmarks build random weights in place); else
@@ -116,12 +131,15 @@ class LLMEngine:
                             chunk_size=cfg.chunk_size, block_size=cfg.block_size, num_blocks=num_blocks,
                             max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec,
                             batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps,
-                            run_ahead=bool(cfg.async_scheduling)),
+                            run_ahead=bool(cfg.async_scheduling), prefix_cache=cfg.prefix_cache,
+                            prefix_salt=f"{self.model_name}|{dtype}|{cfg.kv}", prefix_with_mtp=bool(cfg.spec)),
             self.allocator,
         )
+        self.grammar_compiler = _grammar_compiler(self.tokenizer, mc.vocab_size)
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
-                                  seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph)
+                                  seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
+                                  grammar=self.grammar_compiler)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:
@@ -151,6 +169,7 @@ class LLMEngine:
             raise RequestError(f"duplicate request id {req.request_id!r}")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        matcher = self._matcher(req.params)
         r = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
                     arrival_time=req.arrival_time, eos_ids=frozenset(self.eos_ids))
         self.requests[req.request_id] = r
@@ -159,7 +178,20 @@ class LLMEngine:
         self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
         if req.top_logprobs:
             self.runner.want_top_logprobs(req.request_id, req.top_logprobs)
+        if matcher is not None:
+            self.runner.constrain(req.request_id, matcher)
         self.scheduler.add(r)
+
+    def _matcher(self, params):
+        """A new matcher for the request's grammar (the server compiled it already: a cache hit)."""
+        if params.grammar is None:
+            return None
+        if self.grammar_compiler is None:
+            raise RequestError("structured output needs the model's tokenizer, which this model lacks")
+        try:
+            return self.grammar_compiler.compile(params.grammar).matcher()
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> EngineEvent | None:
         r = self.requests.get(request_id)
@@ -193,12 +225,17 @@ class LLMEngine:
         self.prompt_tokens_total += sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
                                         for c in out.chunks)
         finished = self.scheduler.update(out, {rid: s.tokens for rid, s in sampled.items()})
+        grammar_done = self._advance_grammars(sampled)
         if self.drafter:
             for r in out.preempted:
                 self.drafter.reset(r.request_id)
             live = [i for i, c in enumerate(out.chunks) if c.request.request_id in self.requests]
             self.drafter.after_step([out.chunks[i] for i in live], self.runner.hidden,
                                     [self.runner.row_starts[i] for i in live], sampled)
+            for i in live:  # blocks whose MTP K/V are now written too may join the prefix cache
+                r = out.chunks[i].request
+                self.scheduler.cache_blocks(r, self.drafter.mtp_upto.get(r.request_id, 0))
+            self._cut_drafts(sampled)
         events: list[EngineEvent] = []
         done = {r.request_id for r in finished}
         for rid, s in sampled.items():
@@ -220,8 +257,10 @@ class LLMEngine:
             st.sent_tokens = len(r.output_ids)
             lp = tuple(s.logprobs[: len(new_ids)]) if st.logprobs else None
             top = tuple(tuple(t) for t in s.top[: len(new_ids)]) if s.top is not None else None
-            if stopped and rid not in done:
+            if (stopped or rid in grammar_done) and rid not in done:
                 self.scheduler.finish(rid, "stop")
+                if not stopped:
+                    text += st.stops.flush()
                 events.append(self._finish_event(r, "stop", new_ids, text, lp, top))
             elif rid in done:
                 events.append(self._finish_event(r, r.finish_reason, new_ids, text + st.stops.flush(), lp, top))
@@ -232,6 +271,33 @@ class LLMEngine:
             if r.request_id in self.requests:
                 events.append(self._finish_event(r, r.finish_reason, (), self.text[r.request_id].stops.flush()))
         return events
+
+    def _advance_grammars(self, sampled) -> set[str]:
+        """Feeds each constrained request's new output tokens to its matcher; returns the requests
+        whose grammar is done: a stop token was accepted, or nothing but one may follow (finished now
+        rather than after a step that samples it). With ignore_eos too: the output cannot go on."""
+        done = set()
+        matchers = self.runner.matchers
+        for rid in sampled:
+            m = matchers.get(rid)
+            if m is None:
+                continue
+            new = self.requests[rid].output_ids[m.num_tokens :]
+            if m.accept_many(new) < len(new) or m.is_terminated() or m.must_stop():
+                done.add(rid)
+        return done
+
+    def _cut_drafts(self, sampled) -> None:
+        """Drops the drafts a constrained request's grammar rejects before they are verified: each
+        would cost a row and could never be accepted (its row's mask excludes it)."""
+        matchers = self.runner.matchers
+        for rid in sampled:
+            m = matchers.get(rid)
+            r = self.requests.get(rid)
+            if m is not None and r is not None and r.draft_ids:
+                n = m.valid_prefix(r.draft_ids)
+                if n < len(r.draft_ids):
+                    r.draft_ids = r.draft_ids[:n]
 
     def _record_ttft(self, seconds: float) -> None:
         self.ttft_sum += seconds
@@ -251,7 +317,8 @@ class LLMEngine:
         if r.output_ids and reason == "stop" and _is_eos(r, r.output_ids[-1]):
             completion -= 1  # the EOS token is not part of the completion
         return EngineEvent(r.request_id, tuple(ids), text, reason, len(r.prompt_ids), completion, lp,
-                           spec=spec.as_dict() if spec else None, top_logprobs=top)
+                           spec=spec.as_dict() if spec else None, top_logprobs=top,
+                           cached_tokens=r.num_cached_tokens or 0)
 
     def stats(self) -> EngineStats:
         """A snapshot of host counters only (no device reads). Call it from the thread that steps:
@@ -270,6 +337,8 @@ class LLMEngine:
             prompt_tokens_per_second=self.prompt_rate.update(self.prompt_tokens_total, uptime),
             generation_tokens_per_second=self.generation_rate.update(self.generation_tokens_total, uptime),
             ttft_last_seconds=self.ttft_last, slots=self.slot_snapshots(now),
+            prefix_cache_queries_total=s.prefix_queries_total, prefix_cache_hits_total=s.prefix_hits_total,
+            prefix_cache_cached_tokens_total=s.prefix_cached_tokens_total,
         )
 
     def slot_snapshots(self, now: float) -> tuple[SlotSnapshot, ...]:

@@ -46,6 +46,7 @@ class EngineEvent:
     # Per token of token_ids, when the request set top_logprobs: the most likely (token id, logprob),
     # descending, under the distribution `logprobs` come from.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    cached_tokens: int = 0  # on the last event: prompt tokens whose K/V came from the prefix cache
 
 
 class SlotSnapshot(NamedTuple):
@@ -119,3 +120,8 @@ class EngineStats:
     generation_tokens_per_second: float = 0.0
     ttft_last_seconds: float | None = None  # of the most recent first token
     slots: tuple[SlotSnapshot, ...] = ()  # one per slot, by slot id
+    # Prefix cache, counted at each request's first admission: lookups, lookups that reused at least
+    # one block, and the tokens reused.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prefix_cache_cached_tokens_total: int = 0

@@ -1,9 +1,13 @@
-"""Paged KV cache bookkeeping: which fixed-size blocks of the pool belong to nobody.
+"""Paged KV cache bookkeeping: which fixed-size blocks of the pool belong to nobody, and which hold a
+known prefix (the prefix cache).
 
 Pure Python (no torch): the scheduler owns one of these and is tested on the CPU without a model.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
 
 NULL_BLOCK = 0
 
@@ -15,6 +19,12 @@ class BlockAllocator:
     a padded entry points at a real block whose contents nobody reads. The usable capacity is
     therefore `num_blocks - 1`; `num_used` and `num_free` count usable blocks only (an idle
     allocator has `num_used == 0`).
+
+    Prefix cache: a used block may be `register`ed under a key naming its contents (see
+    `strata.kvcache.prefix`). Blocks are reference counted; `lookup` hands the same block to several
+    requests. A keyed block whose last reference is freed stays cached: it counts as free, and
+    `allocate` takes plain free blocks first, then evicts cached ones least recently freed first
+    (dropping their keys). Every operation is O(1) per block.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -26,7 +36,10 @@ class BlockAllocator:
         self.block_size = block_size
         # Popped from the end: the first allocations get ids 1, 2, 3, ... which reads well in logs.
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # used blocks: how many block tables hold each
+        self._cached: OrderedDict[int, Hashable] = OrderedDict()  # unreferenced keyed blocks, LRU first
+        self._key_of: dict[int, Hashable] = {}  # every keyed block, used or cached
+        self._block_of: dict[Hashable, int] = {}
 
     @property
     def capacity(self) -> int:
@@ -34,11 +47,23 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` can hand out: plain free ones and evictable cached ones."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks kept for their contents (part of `num_free`)."""
+        return len(self._cached)
+
+    def refcount(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def key_of(self, block: int) -> Hashable | None:
+        return self._key_of.get(block)
 
     def blocks_for(self, num_tokens: int) -> int:
         if num_tokens < 0:
@@ -46,34 +71,85 @@ class BlockAllocator:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
         """`n` distinct block ids, or None (and nothing taken) when fewer than `n` are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
+        if n > self.num_free:
             return None
-        ids = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
+        plain = min(n, len(self._free))
+        ids = self._free[len(self._free) - plain :]
+        del self._free[len(self._free) - plain :]
         ids.reverse()
-        self._used.update(ids)
+        for _ in range(n - plain):
+            block, key = self._cached.popitem(last=False)
+            del self._key_of[block], self._block_of[key]
+            ids.append(block)
+        for b in ids:
+            self._refs[b] = 1
         return ids
 
     def free(self, ids) -> None:
-        """Give blocks back. Every id is checked before any is freed, so a bad call changes nothing."""
+        """Drop one reference to each block. Every id is checked before any is freed, so a bad call
+        changes nothing. A keyed block left without references stays cached (most recently freed last:
+        pass a block table in order and its tail is evicted before its head)."""
         ids = list(ids)
         seen: set[int] = set()
         for b in ids:
             if b in seen:
                 raise ValueError(f"block {b} appears twice in one free()")
             seen.add(b)
-            if b not in self._used:
+            if b not in self._refs:
                 if isinstance(b, int) and NULL_BLOCK < b < self.num_blocks:
                     raise ValueError(f"double free of block {b}")
                 raise ValueError(f"block {b!r} was never handed out by this allocator")
-        self._used.difference_update(ids)
-        self._free.extend(reversed(ids))
+        plain: list[int] = []
+        for b in reversed(ids):
+            if self._refs[b] > 1:
+                self._refs[b] -= 1
+                continue
+            del self._refs[b]
+            key = self._key_of.get(b)
+            if key is None:
+                plain.append(b)
+            else:
+                self._cached[b] = key
+        self._free.extend(plain)
+
+    # ---- prefix cache ------------------------------------------------------------------------------
+    def register(self, block: int, key: Hashable) -> bool:
+        """Name a used, fully written block's contents. False (and nothing changes) when another block
+        already holds `key` (two requests computed the same prefix at once: this one stays private)."""
+        if block not in self._refs:
+            raise ValueError(f"block {block!r} is not in use: only written blocks can be registered")
+        held = self._block_of.get(key)
+        if held is not None:
+            return held == block
+        old = self._key_of.get(block)
+        if old is not None:
+            raise ValueError(f"block {block} is already registered under another key")
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def lookup(self, keys: Iterable[Hashable]) -> list[int]:
+        """The blocks of the longest leading run of `keys` that are cached, each with a reference taken
+        (free them like allocated blocks)."""
+        hit: list[int] = []
+        for key in keys:
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            if b in self._cached:
+                del self._cached[b]
+                self._refs[b] = 1
+            else:
+                self._refs[b] += 1
+            hit.append(b)
+        return hit
 
     def __repr__(self) -> str:
-        return f"BlockAllocator(used={self.num_used}/{self.capacity}, block_size={self.block_size})"
+        return (f"BlockAllocator(used={self.num_used}/{self.capacity}, cached={self.num_cached}, "
+                f"block_size={self.block_size})")

@@ -13,6 +13,12 @@ run eagerly.
 Run-ahead chunks (async scheduling, `ScheduledChunk.pending`) take their first input token from the
 previous launch's picks, still on the device: the runner keeps that launch's pick tensor and each
 request's row in it, and copies the token into the input buffer after the upload, before the step.
+
+Grammars (structured output): each logit row that samples has a row in a token bitmask, filled on the
+host by the request's matcher before launch (all ones for requests without a grammar), uploaded with
+the other inputs, and applied to the logits (`apply_token_mask`) before any pick: inside the graph
+body, so graphs replay unchanged, and in eager steps that have a constrained row. A verification
+row j of a constrained request gets the mask after its drafts[:j].
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from strata.engine.types import MAX_TOP_LOGPROBS
+from strata.grammar import GrammarCompiler, GrammarMatcher
+from strata.kernels.token_mask import apply_token_mask
 from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
@@ -81,7 +89,7 @@ class _Graph:
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
                  max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
-                 cuda_graph: bool = True):
+                 cuda_graph: bool = True, grammar: GrammarCompiler | None = None):
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
@@ -124,6 +132,18 @@ class ModelRunner:
         self.h_top_ids = [torch.zeros(top_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.h_top_lp = [torch.zeros(top_size, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
         self.top_logprobs: dict[str, int] = {}  # request id -> alternatives per token, for those asking
+        # Token bitmasks, one row per sampling logit row (at most every sequence's drafts + 1). The
+        # device copy is all ones except in the first `mask_dirty` rows (those of the last step that
+        # had a grammar), so steps without grammars upload nothing.
+        self.grammar = grammar
+        self.matchers: dict[str, GrammarMatcher] = {}  # request id -> its grammar's state (engine-owned)
+        self.h_mask = self.np_mask = self.d_mask = None
+        self.mask_rows = self.mask_dirty = 0  # rows to upload this step; rows the device may hold masks in
+        if grammar is not None:
+            shape = (max_seqs * self.rows_per_seq, grammar.mask_words)
+            self.h_mask = torch.full(shape, -1, dtype=torch.int32, pin_memory=cuda)
+            self.np_mask = self.h_mask.numpy()
+            self.d_mask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         self.next_out = 0
         self.samplers: dict[str, Sampler] = {}
         self.seed, self.sampled_requests = seed, 0
@@ -142,6 +162,13 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         self.top_logprobs.pop(request_id, None)
+        self.matchers.pop(request_id, None)
+
+    def constrain(self, request_id: str, matcher: GrammarMatcher) -> None:
+        """Mask the request's rows by `matcher`'s state; the engine advances it after each step."""
+        if self.grammar is None:
+            raise ValueError("this runner was built without a grammar compiler")
+        self.matchers[request_id] = matcher
 
     def want_top_logprobs(self, request_id: str, k: int) -> None:
         """Report the `k` (1..20) most likely tokens of each of the request's rows with its tokens."""
@@ -195,6 +222,29 @@ class ModelRunner:
         meta[0, :r], meta[1, :r], meta[2, :r] = q_start, lens, ctx
         return n, starts, lens
 
+    def _fill_masks(self, chunks, picks: list[int], spans: list[tuple[int, int]]) -> bool:
+        """The step's bitmask rows into the host buffer (after `_fill`: the previous upload has left
+        it); sets `mask_rows`, what `_upload` copies. `spans`: per pick, (first logit row, rows).
+        Returns whether any row is constrained."""
+        entries = []
+        if self.matchers:
+            for i, (r0, _) in zip(picks, spans):
+                m = self.matchers.get(chunks[i].request.request_id)
+                if m is not None:
+                    entries.append((m, r0, chunks[i].drafts))
+        if not entries and not self.mask_dirty:
+            self.mask_rows = 0
+            return False
+        used = max((r0 + k for r0, k in spans), default=0) if entries else 0
+        self.mask_rows = max(used, self.mask_dirty)
+        self.np_mask[: self.mask_rows] = -1
+        if entries:
+            # Drafts the grammar rejects were cut by the engine; any left get all-ones rows and are
+            # rejected by verification (their own row's mask excludes them).
+            self.grammar.fill_masks(entries, self.np_mask)
+        self.mask_dirty = used
+        return bool(entries)
+
     def _upload(self, rows: int, seqs: int) -> None:
         for h, d in ((self.h_ids, self.d_ids), (self.h_pos, self.d_pos), (self.h_slots, self.d_slots)):
             d[:rows].copy_(h[:rows], non_blocking=True)
@@ -202,6 +252,8 @@ class ModelRunner:
         if self.attn.meta is not None:
             self.attn.meta[:, :seqs].copy_(self.h_meta[:, :seqs], non_blocking=True)
         p = self.num_pending
+        if self.mask_rows:
+            self.d_mask[: self.mask_rows].copy_(self.h_mask[: self.mask_rows], non_blocking=True)
         if p:
             self.d_pending[:, :p].copy_(self.h_pending[:, :p], non_blocking=True)
             picked = torch.index_select(self.last_picks, 0, self.d_pending[1, :p], out=self.d_pending_ids[:p])
@@ -273,6 +325,8 @@ class ModelRunner:
     def _graph_body(self, rows: int):
         hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
         logits = self.model.compute_logits(hidden)
+        if self.d_mask is not None:  # all ones for unconstrained rows: one read of the mask, no writes
+            apply_token_mask(logits, self.d_mask[:rows])
         best = logits.argmax(-1)
         lse = torch.logsumexp(logits, -1)
         best_lp = logits.gather(1, best[:, None])[:, 0] - lse
@@ -298,7 +352,16 @@ class ModelRunner:
             row_starts[i] = row_starts[i - 1] + lens[i - 1]
         g = self._graph_for(chunks)
         if g is not None:
+            if self.grammar is not None:
+                spans = [(row_starts[i], ch.num_tokens) for i, ch in enumerate(chunks)]
+                self._fill_masks(chunks, list(range(r)), spans)
             return self._launch_graph(g, chunks, n, r, row_starts)
+        picks = [i for i, ch in enumerate(chunks) if ch.sample]
+        spans, m = [], 0
+        for i in picks:
+            spans.append((m, len(chunks[i].drafts) + 1))
+            m += len(chunks[i].drafts) + 1
+        masked = self.grammar is not None and self._fill_masks(chunks, picks, spans)
         self._upload(n, r)
         if self.attn.meta is not None:
             ctx = [s + k for s, k in zip(starts, lens)]
@@ -307,16 +370,17 @@ class ModelRunner:
         else:
             self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
-        step = LaunchedStep(chunks, hidden, row_starts, [i for i, ch in enumerate(chunks) if ch.sample], [])
+        step = LaunchedStep(chunks, hidden, row_starts, picks, spans)
         if not step.picks:
             return step
         rows = []
         for i in step.picks:
             ch = chunks[i]
             first = row_starts[i] + ch.num_tokens - len(ch.drafts) - 1
-            step.spans.append((len(rows), len(ch.drafts) + 1))
             rows.extend(range(first, first + len(ch.drafts) + 1))
         step.logits = self.model.compute_logits(hidden.index_select(0, to_device(rows, self.device)))
+        if masked:
+            apply_token_mask(step.logits, self.d_mask[: len(rows)])
         step.lse = torch.logsumexp(step.logits, -1)
         sampling = [chunks[i] for i in step.picks]
         drawn = self._draw(step.logits, sampling)

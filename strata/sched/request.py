@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from strata.kvcache.prefix import PrefixKeys
 from strata.params import SamplingParams
 
 
@@ -54,6 +55,13 @@ class Request:
     preemptions: int = 0
     # Speculation: tokens drafted for the next step, verified by it (set by the engine's drafter).
     draft_ids: list[int] = field(default_factory=list)
+    # Prefix cache (kept by the scheduler): the keys of the request's full blocks; how many leading
+    # blocks of its table are cached (hits or registered); tokens taken from the cache at its latest
+    # admission; and at its first admission (None until admitted), which usage reports.
+    prefix_keys: PrefixKeys | None = None
+    prefix_blocks: int = 0
+    prefix_hit: int = 0
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

@@ -13,6 +13,14 @@ Order of a step (`schedule()`):
 Blocks are allocated just before a chunk is scheduled; when the pool is empty the most recently
 admitted running request is preempted (see `_make_room`).
 
+Prefix cache (`prefix_cache`): full blocks are keyed by a hash chain of their tokens
+(`strata.kvcache.prefix`) and registered with the allocator once their K/V are written (by update(),
+or with the MTP layer in use by the engine through `cache_blocks`, once the MTP K/V are written too).
+At admission a request takes the longest cached run of its leading blocks into its block table and
+its counter starts after them: everything else (chunks, give-way, run-ahead, preemption) is
+unchanged. Hits are whole blocks and stop before the block holding the last token, which must be
+computed to sample: so a shared block is never written.
+
 Steps may overlap: with batch groups the engine schedules and launches one group's step before it
 applies the previous step's results. A request stays *in flight* from the schedule() that gave it a
 chunk until the update() of that step; in-flight requests are neither scheduled again nor preempted
@@ -38,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.kvcache.allocator import BlockAllocator
+from strata.kvcache.prefix import PrefixKeys
 from strata.sched.request import FINISH_STATUS, Request, RequestStatus
 
 
@@ -54,6 +63,9 @@ class SchedulerConfig:
     batch_groups: int = 1  # slots split into groups (slot % G) whose decodes are stepped in turn
     max_hold_steps: int = 16  # a long read held back this many steps in a row reads the next one anyway
     run_ahead: bool = False  # schedule a request's next chunk while its previous step is in flight
+    prefix_cache: bool = False  # reuse cached full blocks of earlier requests (see the module docstring)
+    prefix_salt: str = ""  # what else the K/V depend on (model, dtype, KV storage): part of every key
+    prefix_with_mtp: bool = False  # keys take the next token; blocks are registered by cache_blocks() only
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
@@ -158,6 +170,8 @@ class Scheduler:
         self._preempt_next: set[str] = set()  # victims that were in flight when their blocks were needed
         self.give_ways_total = 0
         self.preemptions_total = 0
+        self.prefix_queries_total = self.prefix_hits_total = self.prefix_cached_tokens_total = 0
+        self._salt = config.prefix_salt.encode()
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -317,6 +331,7 @@ class Scheduler:
                 )
             if not chunk.sample:
                 req.num_computed_tokens += chunk.num_tokens
+                self._cache_written(req)
                 continue
             try:
                 got = sampled[req.request_id]
@@ -328,6 +343,7 @@ class Scheduler:
             if not 1 <= len(emitted) <= len(chunk.drafts) + 1:
                 raise ValueError(f"request {req.request_id!r}: {len(emitted)} tokens for {len(chunk.drafts)} drafts")
             req.num_computed_tokens += chunk.num_tokens - len(chunk.drafts) + len(emitted) - 1
+            self._cache_written(req)
             if req.first_token_time is None:
                 req.first_token_time = self._now()
             for token in emitted:
@@ -357,6 +373,50 @@ class Scheduler:
             req.slot = heapq.heappop(self._free_slots)
             req.status = RequestStatus.RUNNING
             self._running.append(req)
+            if self.config.prefix_cache:
+                self._take_cached_prefix(req)
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def _keys(self, req: Request) -> list[bytes]:
+        if req.prefix_keys is None:
+            req.prefix_keys = PrefixKeys(self.config.block_size, self._salt, self.config.prefix_with_mtp)
+        return req.prefix_keys.extend(req.token_ids, req.num_tokens)
+
+    def _take_cached_prefix(self, req: Request) -> None:
+        """Start a newly admitted request's block table with the longest cached run of its blocks."""
+        if req.block_ids or req.num_computed_tokens:
+            raise RuntimeError(f"request {req.request_id!r} admitted with blocks or computed tokens: {req!r}")
+        bs = self.config.block_size
+        usable = (req.num_tokens - 1) // bs  # the block holding the last token is always computed
+        blocks = self.allocator.lookup(self._keys(req)[:usable])
+        req.block_ids = blocks
+        req.prefix_blocks = len(blocks)
+        req.prefix_hit = req.num_computed_tokens = len(blocks) * bs
+        if req.num_cached_tokens is None:  # first admission: what the request's usage reports
+            req.num_cached_tokens = req.prefix_hit
+            self.prefix_queries_total += 1
+            self.prefix_hits_total += bool(blocks)
+            self.prefix_cached_tokens_total += req.prefix_hit
+
+    def _cache_written(self, req: Request) -> None:
+        if self.config.prefix_cache and not self.config.prefix_with_mtp:
+            self.cache_blocks(req, req.num_computed_tokens)
+
+    def cache_blocks(self, req: Request, upto: int) -> None:
+        """Register `req`'s full blocks below position `upto` (at most its computed tokens) in the prefix
+        cache. update() does it for computed K/V; with `prefix_with_mtp` the engine calls it with the
+        positions whose MTP K/V are written as well. A no-op when the cache is off or `req` is not running."""
+        if not self.config.prefix_cache or req.status is not RequestStatus.RUNNING:
+            return
+        n = min(upto, req.num_computed_tokens) // self.config.block_size
+        if n <= req.prefix_blocks:
+            return
+        keys = self._keys(req)
+        n = min(n, len(keys), len(req.block_ids))
+        for k in range(req.prefix_blocks, n):
+            self.allocator.register(req.block_ids[k], keys[k])
+        req.prefix_blocks = max(n, req.prefix_blocks)
 
     def _next_start(self, req: Request) -> tuple[int, int] | None:
         """(position the request's next chunk starts at, pending inputs) or None while it cannot get
@@ -370,7 +430,8 @@ class Scheduler:
             return ahead.end, 0
         # The in-flight step appends one token: the run-ahead decode reads it and samples the next,
         # which needs room under both length limits (else the request finishes on the first one).
-        if (req.params.repetition_penalty != 1.0 or len(req.output_ids) + 2 > req.params.max_tokens
+        if (req.params.repetition_penalty != 1.0 or req.params.grammar is not None
+                or len(req.output_ids) + 2 > req.params.max_tokens
                 or req.num_tokens + 2 > self.config.max_model_len):
             return None
         return ahead.end, 1
@@ -457,13 +518,13 @@ class Scheduler:
     def _preempt(self, req: Request, step: _Step) -> None:
         """Back to the front of the queue with nothing computed; output_ids are kept for recompute.
 
-        A request that holds no blocks yet (admitted but never scheduled) lost nothing: it is returned
-        to the queue without counting a preemption.
+        A request that holds no blocks yet (admitted but never scheduled; or only its cache hit) lost
+        nothing: it is returned to the queue without counting a preemption.
         """
-        lost_work = bool(req.block_ids)
+        lost_work = len(req.block_ids) > req.prefix_hit // self.config.block_size  # more than its cache hit
         step.withdraw(req)
         self._release(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.prefix_hit = req.prefix_blocks = 0
         req.draft_ids = []
         self._waiting.appendleft(req)
         if lost_work:

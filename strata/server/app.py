@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
 from strata.engine.types import EngineRequest
+from strata.grammar import GrammarError, GrammarSpec
 from strata.params import SamplingParams
 from strata.server import protocol as P
 from strata.server.config import ServerConfig
@@ -37,6 +38,7 @@ from strata.server.metrics import CONTENT_TYPE, Metrics, RequestCounter, slots_j
 from strata.server.reasoning import reasoning_parser_for, thinking_opened_in_prompt
 from strata.server.responses import (_ChatChunks, _chat_message, _CompletionChunks, _EngineStreamResponse, _Job,
                                      _json, _Merged, _Result, _sse, _usage)
+from strata.server.tool_grammar import tool_call_grammar
 from strata.server.tools import (ChatOutputParser, ToolChoice, ToolRequestError, resolve_tool_choice,
                                  template_tools, tool_parser_for, tools_for_template)
 from strata.web import mount_webui
@@ -45,6 +47,7 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 # Below this, dividing fp32 logits by the temperature can overflow to inf/NaN; the distribution is
 # already a point mass there, so such requests run greedy.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MIN_LOGPROB = -9999.0  # what an alternative the grammar disallows (-inf) is reported as
 
 
 class APIError(Exception):
@@ -118,6 +121,14 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _grammar_compiler(engine: Any) -> Any:
+    """The engine's GrammarCompiler (its own attribute, else its LLMEngine's), or None."""
+    found = getattr(engine, "grammar_compiler", None)
+    if found is None:
+        found = getattr(getattr(engine, "engine", None), "grammar_compiler", None)
+    return found
+
+
 def _model_type(engine: Any) -> str | None:
     """The served model's `model_type`: the engine's own attribute, else its LLMEngine's config."""
     found = getattr(engine, "model_type", None)
@@ -140,6 +151,7 @@ class _Server:
         # Engines that can report sampled-token logprobs take `submit(req, logprobs=True)`.
         self.engine_logprobs = "logprobs" in inspect.signature(engine.submit).parameters
         self.model_type = _model_type(engine)  # picks the tool-call and reasoning output formats
+        self.grammar_compiler = _grammar_compiler(engine)  # None: structured output is unavailable
 
     # -- request checks ---------------------------------------------------------------------------
 
@@ -195,6 +207,56 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
+    async def constrain(self, params: SamplingParams, spec: GrammarSpec | None, param: str | None,
+                        ) -> SamplingParams:
+        """`params` with `spec` as its grammar, compiled here in the thread pool (a schema can take
+        milliseconds; the engine's own compile is then a cache hit). A GrammarError is a 400 naming the
+        problem and `param`."""
+        if spec is None:
+            return params
+        if self.grammar_compiler is None:
+            if param == "tool_choice":  # as before grammars: the call is asked for and parsed, not enforced
+                return params
+            raise APIError(400, "structured output is not available: the model has no tokenizer the grammar "
+                                "engine can use", param=param, code="unsupported_parameter")
+        try:
+            await run_in_threadpool(self.grammar_compiler.compile, spec)
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+        return dataclasses.replace(params, grammar=spec)
+
+    def chat_grammar(self, body: P.ChatCompletionRequest, prompt: str, choice: ToolChoice,
+                     ) -> tuple[GrammarSpec | None, str | None]:
+        """(what the output must match, the field it comes from): a tool call for tool_choice
+        "required" or a named function, in the model's format; else the request's response_format (or
+        another output constraint), unless tools are offered under "auto" (the model may call one)."""
+        if choice.mode in ("required", "function"):
+            template = self.tokenizer.chat_template
+            tp = tool_parser_for(self.model_type, template)
+            if tp is None:
+                raise APIError(400, f"tool_choice {choice.mode!r} needs a model with a known tool-call format",
+                               param="tool_choice", code="unsupported_parameter")
+            kw = body.chat_template_kwargs or {}
+            rp = reasoning_parser_for(self.model_type, template, kw.get("enable_thinking", True))
+            reasoning = "none" if rp is None else "open" if thinking_opened_in_prompt(prompt) else "optional"
+            try:
+                spec = tool_call_grammar(body.tools, choice, tp.format, self.tokenizer,
+                                         parallel=body.parallel_tool_calls is not False, reasoning=reasoning)
+            except ToolRequestError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            return spec, "tool_choice"
+        if choice.mode == "auto" and body.tools:
+            return None, None
+        return self.grammar_spec(body)
+
+    @staticmethod
+    def grammar_spec(body: P._SamplingRequest) -> tuple[GrammarSpec | None, str | None]:
+        param = body.grammar_param
+        try:
+            return body.grammar_spec(), param
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+
     # -- prompts ----------------------------------------------------------------------------------
 
     def chat_prompt(self, body: P.ChatCompletionRequest) -> tuple[list[int], str, ToolChoice]:
@@ -243,7 +305,8 @@ class _Server:
 
     def _top_entry(self, token_id: int, logprob: float) -> P.TopLogprob:
         tok = self._token_text(token_id)
-        return P.TopLogprob(token=tok, logprob=logprob, bytes=list(tok.encode("utf-8")))
+        # A grammar's mask leaves disallowed alternatives at -inf; OpenAI reports such as -9999.
+        return P.TopLogprob(token=tok, logprob=max(logprob, MIN_LOGPROB), bytes=list(tok.encode("utf-8")))
 
     def chat_logprobs(self, ids: tuple[int, ...] | list[int], lps: Any, tops: Any = None) -> P.ChoiceLogprobs | None:
         if lps is None:
@@ -271,7 +334,7 @@ class _Server:
             if tops is not None:
                 alt: dict[str, float] = {}
                 for a, v in tops[j]:
-                    alt.setdefault(self._token_text(a), v)
+                    alt.setdefault(self._token_text(a), max(v, MIN_LOGPROB))
                 alt.setdefault(tokens[-1], values[-1])
                 alternatives.append(alt)
         return P.CompletionLogprobs(tokens=tokens, token_logprobs=values, text_offset=offsets,
@@ -379,6 +442,7 @@ class _Server:
         ids, prompt, tool_choice = await run_in_threadpool(self.chat_prompt, body)
         parsers = self.chat_parsers(body, prompt, tool_choice)
         params = self.sampling(body, len(ids), "messages")
+        params = await self.constrain(params, *self.chat_grammar(body, prompt, tool_choice))
         job, streams = self.submit(rid, body.n, ids, params, body.logprobs, body.num_top_logprobs)
         return job, streams, parsers, len(ids)
 
@@ -405,7 +469,7 @@ class _Server:
         body: P.CompletionRequest = await _parse(request, P.CompletionRequest, self.cfg.max_body_bytes)
         self.check_model(body.model)
         ids, prompt_text = await run_in_threadpool(self.completion_prompt, body)
-        params = self.sampling(body, len(ids), "prompt")
+        params = await self.constrain(self.sampling(body, len(ids), "prompt"), *self.grammar_spec(body))
         rid = f"cmpl-{uuid.uuid4().hex}"
         job, streams = self.submit(rid, body.n, ids, params, body.wants_logprobs, body.num_top_logprobs)
         echo = prompt_text if body.echo else ""

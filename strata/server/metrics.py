@@ -62,6 +62,14 @@ class EngineCollector(Collector):
         yield _counter("strata_requests_finished_total", "Requests finished (any reason).", s.requests_finished_total)
         yield _counter("strata_give_ways_total", "Times a prompt read gave way to decoding.", s.give_ways_total)
         yield _counter("strata_preemptions_total", "Requests preempted for KV cache space.", s.preemptions_total)
+        yield _counter("strata_prefix_cache_queries_total", "Requests that looked up the prefix cache.",
+                       s.prefix_cache_queries_total)
+        yield _counter("strata_prefix_cache_hits_total", "Requests that reused at least one cached KV block.",
+                       s.prefix_cache_hits_total)
+        yield _counter("strata_prefix_cache_misses_total", "Requests that found no cached KV block.",
+                       s.prefix_cache_queries_total - s.prefix_cache_hits_total)
+        yield _counter("strata_prefix_cache_cached_tokens_total", "Prompt tokens whose K/V came from the prefix cache.",
+                       s.prefix_cache_cached_tokens_total)
         yield _gauge("strata_prompt_tokens_per_second", "Prompt tokens read per second, recent.",
                      s.prompt_tokens_per_second)
         yield _gauge("strata_generation_tokens_per_second", "Tokens generated per second, recent.",

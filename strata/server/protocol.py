@@ -237,6 +237,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes exactly one call
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")

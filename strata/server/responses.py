@@ -22,12 +22,13 @@ if TYPE_CHECKING:
     from strata.server.app import _Server
 
 
+# serialize_as_any: a usage is a `_CachedUsage` (its prompt_tokens_details are not in P.Usage's schema).
 def _json(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
+    return Response(model.model_dump_json(serialize_as_any=True), media_type="application/json")
 
 
 def _sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+    return f"data: {model.model_dump_json(serialize_as_any=True)}\n\n"
 
 
 _Tops = tuple[tuple[tuple[int, float], ...], ...]
@@ -53,6 +54,7 @@ class _Result:
         self.prompt_tokens = self.completion_tokens = 0
         self.error: str | None = None
         self.spec: dict | None = None
+        self.cached_tokens = 0
 
     def add(self, ev: EngineEvent) -> None:
         self.text.append(ev.text)
@@ -68,15 +70,21 @@ class _Result:
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
         self.error = ev.error or self.error
         self.spec = ev.spec or self.spec
+        self.cached_tokens = ev.cached_tokens or self.cached_tokens
+
+
+class _CachedUsage(P.Usage):
+    prompt_tokens_details: dict  # {"cached_tokens": prompt tokens read from the prefix cache}, as OpenAI
 
 
 def _usage(parts: list[_Result] | list[EngineEvent]) -> P.Usage:
     """The usage of a response whose choices are `parts` (results, or their last events): the prompt
-    counted once, completions summed."""
+    counted once, completions summed; cached tokens of the choice that found the most."""
     prompt = parts[0].prompt_tokens
     completion = sum(p.completion_tokens for p in parts)
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   speculation=_pooled_spec([p.spec for p in parts if p.spec]))
+    return _CachedUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                        speculation=_pooled_spec([p.spec for p in parts if p.spec]),
+                        prompt_tokens_details={"cached_tokens": max(p.cached_tokens for p in parts)})
 
 
 def _pooled_spec(specs: list[dict]) -> dict | None:

@@ -127,8 +127,9 @@ class ToolChoice:
     """What a request's `tool_choice` asks for. `mode` is `none`, `auto`, `required` or `function`
     (then `name` is the function). Only `auto` and beyond pass tools to the template and parse calls.
 
-    `required` and `function` are not enforced while generating: that needs a grammar engine Strata
-    does not have yet. `complied(calls)` tells afterwards whether the model did as asked."""
+    `required` and `function` are enforced while generating by a grammar built from the tools'
+    schemas (`strata/server/tool_grammar.py`) when the engine has a grammar compiler; `complied(calls)`
+    tells afterwards whether the model did as asked."""
 
     mode: Literal["none", "auto", "required", "function"]
     name: str | None = None

@@ -84,7 +84,12 @@ class MTPDrafter:
         for i, ch in enumerate(chunks):
             req, s, r0 = ch.request, ch.start, row_starts[i]
             rid = req.request_id
-            done = self.mtp_upto.setdefault(rid, 0)
+            done = self.mtp_upto.get(rid, 0)
+            if done < req.prefix_hit <= s:
+                # The first chunk after a prefix-cache hit: the cached blocks hold their MTP K/V too
+                # (their keys take the next token), so nothing before the hit needs hidden states.
+                done = req.prefix_hit
+            self.mtp_upto[rid] = done
             if not ch.sample:  # a read chunk that does not reach the end of the prompt
                 if self.split:
                     rows_h.append(hidden[r0 : r0 + ch.num_tokens])

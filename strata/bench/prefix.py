@@ -1,0 +1,108 @@
+"""`strata bench prefix`: a conversation's next turn with the prefix cache against a cold read.
+
+Turn 1 is a `--tokens`-long prompt (the default model's card, repeated) answered with `--reply`
+greedy tokens. Turn 2 re-sends turn 1 and its reply, then a short new question (a different one each
+repeat, so only the conversation so far can be cached). Reported per arm (`--no-prefix-cache` and
+the cache on, each its own engine): turn 2's time to first token (best of `--repeats`), the tokens
+the cache supplied, and whether both arms answer alike (greedy). JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from strata.bench.results import print_tables, save, summary_table
+from strata.config import EngineConfig
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.loaders import default_model_path
+from strata.params import SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _ttft(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> tuple[float, list[int], int]:
+    """(seconds from submission to the first token, the greedy answer, cached tokens)."""
+    _sync(eng.device)
+    t0 = time.perf_counter()
+    eng.add_request(EngineRequest(rid, tuple(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                  time.monotonic()))
+    first, out, cached = None, [], 0
+    while eng.has_work():
+        for ev in eng.step():
+            if ev.request_id == rid:
+                if first is None and ev.token_ids:
+                    _sync(eng.device)
+                    first = time.perf_counter() - t0
+                out.extend(ev.token_ids)
+                cached = ev.cached_tokens if ev.finish_reason else cached
+    return first, out, cached
+
+
+def arm(args, prefix_cache: bool) -> dict:
+    eng = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, ctx=args.tokens + 1024,
+                                 chunk_size=args.chunk, prefix_cache=prefix_cache), progress=False)
+    text = open(f"{default_model_path()}/README.md").read()
+    ids = eng.tokenizer.encode(text * (1 + args.tokens * 6 // max(len(text), 1)))[: args.tokens]
+    _ttft(eng, "warmup", eng.tokenizer.encode("Hello there"), 4)
+    _, reply, _ = _ttft(eng, "turn1", ids, args.reply)
+    best, answers, cached = float("inf"), [], 0
+    for rep in range(args.repeats):
+        question = eng.tokenizer.encode(f" Question {rep}: what does the text above say about speed?")
+        seconds, answer, cached = _ttft(eng, f"turn2-{rep}", ids + reply + question, 8)
+        best = min(best, seconds)
+        answers.append(answer)
+    return {"prefix_cache": prefix_cache, "turn2_prompt_tokens": len(ids) + len(reply) + len(question),
+            "ttft_s": best, "cached_tokens": cached, "answers": answers, "device": str(eng.device)}
+
+
+def run(args) -> int:
+    arms = [arm(args, False), arm(args, True)]
+    cold, warm = arms
+    info = {"bench": "prefix", "tokens": args.tokens, "reply": args.reply, "repeats": args.repeats, "arms": arms,
+            "ttft_ratio": warm["ttft_s"] / cold["ttft_s"], "same_answers": cold["answers"] == warm["answers"]}
+    device = "cuda" if cold["device"].startswith("cuda") else "cpu"
+    out = args.out or f"bench/results/prefix_{device}.json"
+
+    def draw(plt, info):
+        plt.bar(["cold", "prefix cache"], [a["ttft_s"] * 1e3 for a in info["arms"]])
+        plt.ylabel("turn-2 TTFT (ms)")
+
+    save(info, out, draw)
+    rows = [{"arm": "prefix cache" if a["prefix_cache"] else "cold", "ttft_ms": a["ttft_s"] * 1e3,
+             "cached": a["cached_tokens"], "prompt": a["turn2_prompt_tokens"]} for a in arms]
+    print_tables([summary_table(f"next turn of a {args.tokens}-token conversation (ratio {info['ttft_ratio']:.3f}, "
+                                f"same answers: {info['same_answers']})",
+                                [("arm", "arm", ""), ("turn-2 prompt", "prompt", "d"), ("cached", "cached", "d"),
+                                 ("TTFT ms", "ttft_ms", ".1f")], rows)])
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prefix", help="prefix cache: a conversation's next-turn TTFT against a cold read")
+    _add_args(p)
+
+
+def _add_args(p) -> None:
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tokens", type=int, default=3584,
+                   help="turn 1's prompt tokens (turn 2 re-sends them with the reply: ~3.7K, within the embedded model's 4,096 positions)")
+    p.add_argument("--reply", type=int, default=64, help="turn 1's answer tokens")
+    p.add_argument("--chunk", type=int, default=None, help="read chunk size (default: the engine's)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="strata bench prefix")
+    _add_args(parser)
+    ns = parser.parse_args()
+    raise SystemExit(ns.func(ns))
