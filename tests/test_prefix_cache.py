@@ -365,3 +365,16 @@ def test_server_reports_cached_tokens_in_usage_and_metrics(tmp_path):
     assert values["strata_prefix_cache_hits_total"] + values["strata_prefix_cache_misses_total"] == 6
     assert values["strata_prefix_cache_hits_total"] >= 3
     assert values["strata_prefix_cache_cached_tokens_total"] >= 2 * cached
+
+
+def test_a_copy_of_a_prompt_being_read_waits_for_its_blocks_instead_of_reading_them_again():
+    """n > 1: choices arrive together with one prompt; the second waits for the first's blocks."""
+    make = lambda: [Request(f"c{i}", req("p", 40).prompt_ids, SamplingParams(max_tokens=5)) for i in range(2)]  # noqa: E731
+    expected = reference(make, block_size=4, chunk_size=16, parallel=2)
+    reqs = make()
+    s = make_sched(prefix_cache=True, block_size=4, chunk_size=16, parallel=2)
+    chunks, _ = drive(s, {0: reqs})
+    assert {r.request_id: r.output_ids for r in reqs} == expected
+    assert [c[0] for c in chunks["c0"][:3]] == [0, 16, 32]
+    assert chunks["c1"][0][0] == 36  # after the 9 blocks c0 cached (the last token's block is computed)
+    assert reqs[1].num_cached_tokens == 36 and s.allocator.num_used == 0

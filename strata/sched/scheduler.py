@@ -368,13 +368,38 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
+        held: list[Request] = []
         while self._waiting and self._free_slots:
             req = self._waiting.popleft()
+            if self.config.prefix_cache and self._sibling_reads_it(req):
+                held.append(req)
+                continue
             req.slot = heapq.heappop(self._free_slots)
             req.status = RequestStatus.RUNNING
             self._running.append(req)
             if self.config.prefix_cache:
                 self._take_cached_prefix(req)
+        self._waiting.extendleft(reversed(held))
+
+    def _sibling_reads_it(self, req: Request) -> bool:
+        """Whether a running request holds, not yet cached, every prompt block `req` could reuse (n > 1
+        choices, a resent prompt): `req` then waits until they are cached (after that request's read,
+        and with speculation its MTP K/V) instead of reading them a second time. Only fresh requests
+        wait, and only behind a running request, which registers its blocks as it goes or leaves
+        (finish, abort, preemption), so nothing waits for ever."""
+        if req.num_cached_tokens is not None:
+            return False
+        usable = (req.num_tokens - 1) // self.config.block_size
+        if usable == 0:
+            return False
+        last = self._keys(req)[usable - 1]  # a chain key: equal last keys mean equal chains
+        for r in self._running:
+            if r.prefix_blocks >= usable:  # already cached (or registered by another copy)
+                continue
+            keys = self._keys(r)
+            if len(keys) >= usable and keys[usable - 1] == last:
+                return True
+        return False
 
     # ---------------------------------------------------------------- prefix cache
 
