@@ -121,21 +121,13 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _grammar_compiler(engine: Any) -> Any:
-    """The engine's GrammarCompiler (its own attribute, else its LLMEngine's), or None."""
-    found = getattr(engine, "grammar_compiler", None)
+def _engine_attr(engine: Any, name: str, inner: str | None = None) -> Any:
+    """`engine.name`, else the wrapped LLMEngine's (`engine.engine`, its `inner` part if given), or None."""
+    found = getattr(engine, name, None)
     if found is None:
-        found = getattr(getattr(engine, "engine", None), "grammar_compiler", None)
+        core = getattr(engine, "engine", None)
+        found = getattr(getattr(core, inner, None) if inner else core, name, None)
     return found
-
-
-def _model_type(engine: Any) -> str | None:
-    """The served model's `model_type`: the engine's own attribute, else its LLMEngine's config."""
-    found = getattr(engine, "model_type", None)
-    if found is None:
-        config = getattr(getattr(engine, "engine", None), "model_config", None)
-        found = getattr(config, "model_type", None)
-    return found if isinstance(found, str) else None
 
 
 class _Server:
@@ -150,8 +142,9 @@ class _Server:
         self.token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
         # Engines that can report sampled-token logprobs take `submit(req, logprobs=True)`.
         self.engine_logprobs = "logprobs" in inspect.signature(engine.submit).parameters
-        self.model_type = _model_type(engine)  # picks the tool-call and reasoning output formats
-        self.grammar_compiler = _grammar_compiler(engine)  # None: structured output is unavailable
+        model_type = _engine_attr(engine, "model_type", "model_config")  # picks the tool-call and reasoning formats
+        self.model_type = model_type if isinstance(model_type, str) else None
+        self.grammar_compiler = _engine_attr(engine, "grammar_compiler")  # None: structured output is unavailable
 
     # -- request checks ---------------------------------------------------------------------------
 
