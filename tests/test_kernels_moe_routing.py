@@ -1,4 +1,4 @@
-"""MoE routing kernels (strata.kernels.moe_routing) against their torch references and the MoE module.
+"""MoE routing and token sort kernels (moe_routing.py, moe_sort.py) against torch references and the MoE module.
 
 CPU: the kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at small shapes:
 softmax and sigmoid scoring, group limit and correction bias on and off, fused-router configurations
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from strata.kernels import moe_routing as mr
+from strata.kernels import moe_sort as ms
 from strata.models import layers
 from test_moe_packed import BASE, random_moe
 
@@ -32,7 +33,7 @@ DEV = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 # Forces every loop of the fused router at small shapes: H steps of 16, one expert per program.
 LOOPING = mr.RouterDecodeConfig(block_e=1, block_h=16, num_warps=1, num_stages=2)
-SMALL_SORT = mr.SortConfig(hist_block=32, rank_block=8, scan_rows=2)
+SMALL_SORT = ms.SortConfig(hist_block=32, rank_block=8, scan_rows=2)
 
 
 def seed_of(*parts) -> int:
@@ -141,9 +142,9 @@ def test_sort_tokens_matches_argsort(t, k, e, cfg):
     gen = torch.Generator().manual_seed(seed_of("sort", t, k, e))
     # Experts drawn from half the range (some get nothing) with repeats across tokens, as top-k gives.
     ids = torch.stack([torch.randperm(max(k, e // 2), generator=gen)[:k] for _ in range(t)]).to(DEV)
-    ws = mr.sort_tokens_workspace(DEV)
-    order, offs = mr.sort_tokens_triton(ids, e, workspace=ws, config=cfg)
-    order_ref, offs_ref = mr.sort_tokens_ref(ids, e)
+    ws = ms.sort_tokens_workspace(DEV)
+    order, offs = ms.sort_tokens_triton(ids, e, workspace=ws, config=cfg)
+    order_ref, offs_ref = ms.sort_tokens_ref(ids, e)
     assert order.dtype == torch.int64 and offs.dtype == torch.int32 and offs.shape == (e,)
     assert torch.equal(order, order_ref) and torch.equal(offs, offs_ref)
     assert not ws.any()
@@ -153,10 +154,10 @@ def test_sort_tokens_skewed_int32_and_empty():
     ids = torch.full((40, 2), 3, dtype=torch.int32, device=DEV)  # every pair on one expert: stability is all
     ids[7, 1] = ids[30, 0] = 0
     for cfg in (None, SMALL_SORT):
-        order, offs = mr.sort_tokens_triton(ids, 5, config=cfg)
-        order_ref, offs_ref = mr.sort_tokens_ref(ids, 5)
+        order, offs = ms.sort_tokens_triton(ids, 5, config=cfg)
+        order_ref, offs_ref = ms.sort_tokens_ref(ids, 5)
         assert torch.equal(order, order_ref) and torch.equal(offs, offs_ref)
-    order, offs = mr.sort_tokens_triton(ids[:0], 5)
+    order, offs = ms.sort_tokens_triton(ids[:0], 5)
     assert order.shape == (0,) and offs.tolist() == [0] * 5
 
 
@@ -169,7 +170,7 @@ def test_dispatch_and_support():
         for a, b in zip(got, ref):
             assert torch.equal(a, b)  # off CUDA the dispatch runs the references
     ids = torch.randint(0, 8, (5, 2))
-    assert all(torch.equal(a, b) for a, b in zip(mr.sort_tokens(ids, 8), mr.sort_tokens_ref(ids, 8)))
+    assert all(torch.equal(a, b) for a, b in zip(ms.sort_tokens(ids, 8), ms.sort_tokens_ref(ids, 8)))
     assert mr.router_decode_supported(16, 128, 2048, torch.bfloat16, top_k=8)
     assert mr.router_decode_supported(1, 160, 5120, torch.float32, top_k=8, scoring="sigmoid", n_group=8, topk_group=4)
     assert not mr.router_decode_supported(17, 128, 2048, torch.bfloat16, top_k=8)
@@ -193,18 +194,18 @@ def test_moe_module_with_kernels_switched_on(router, monkeypatch):
     assert ref.pack_experts() == "grouped"
     ours = copy.deepcopy(ref)
     # pack_experts makes the kernels' counters only on CUDA: give the CPU module its own.
-    ours.gate.route_ws, ours.sort_ws = mr.router_decode_workspace("cpu"), mr.sort_tokens_workspace("cpu")
+    ours.gate.route_ws, ours.sort_ws = mr.router_decode_workspace("cpu"), ms.sort_tokens_workspace("cpu")
     calls = []
     monkeypatch.setattr(mr, "router_decode_triton", _counting(mr.router_decode_triton, calls, "decode"))
     monkeypatch.setattr(mr, "route_triton", _counting(mr.route_triton, calls, "route"))
-    monkeypatch.setattr(mr, "sort_tokens_triton", _counting(mr.sort_tokens_triton, calls, "sort"))
+    monkeypatch.setattr(ms, "sort_tokens_triton", _counting(ms.sort_tokens_triton, calls, "sort"))
     for t in (3, 17):
         x = torch.randn(t, BASE["hidden_size"], generator=torch.Generator().manual_seed(seed_of(router, t)))
         with torch.no_grad():
             w_ref, ids_ref, logits_ref = ref.gate(x)
             out_ref = ref._grouped(x, w_ref, ids_ref)
             with monkeypatch.context() as m:
-                for module in (layers, mr):
+                for module in (layers, mr, ms):
                     m.setattr(module, "use_triton", lambda _t: True)
                 w, ids, logits = ours.gate(x)
                 out = ours._grouped(x, w, ids)
@@ -290,10 +291,10 @@ def test_gpu_sort_tokens(t, k, e):
     gen = torch.Generator(device="cuda").manual_seed(seed_of("gpu sort", t, k, e))
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=-1)[1]
     skewed = torch.randint(0, 3, (t, k), device="cuda", generator=gen)
-    ws = mr.sort_tokens_workspace("cuda")
+    ws = ms.sort_tokens_workspace("cuda")
     for case in (ids, skewed, ids.to(torch.int32)):
-        order, offs = mr.sort_tokens(case, e, workspace=ws)
-        order_ref, offs_ref = mr.sort_tokens_ref(case, e)
+        order, offs = ms.sort_tokens(case, e, workspace=ws)
+        order_ref, offs_ref = ms.sort_tokens_ref(case, e)
         assert torch.equal(order, order_ref) and torch.equal(offs, offs_ref)
     assert not ws.any()
 
@@ -305,17 +306,17 @@ def test_gpu_cuda_graph_replay():
     x, weight, s = gpu_router("e160-groups", 9)
     x = x[:4].clone()
     ids_in = torch.rand(512, 160, device="cuda").topk(8, dim=-1)[1]
-    route_ws, sort_ws = mr.router_decode_workspace("cuda"), mr.sort_tokens_workspace("cuda")
+    route_ws, sort_ws = mr.router_decode_workspace("cuda"), ms.sort_tokens_workspace("cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compiles outside the capture
         mr.router_decode(x, weight, workspace=route_ws, **s)
-        mr.sort_tokens(ids_in, 160, workspace=sort_ws)
+        ms.sort_tokens(ids_in, 160, workspace=sort_ws)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         routed = mr.router_decode(x, weight, workspace=route_ws, **s)
-        sorted_ = mr.sort_tokens(ids_in, 160, workspace=sort_ws)
+        sorted_ = ms.sort_tokens(ids_in, 160, workspace=sort_ws)
     for step in range(3):
         x.copy_(torch.randn_like(x))
         ids_in.copy_(torch.rand(512, 160, device="cuda").topk(8, dim=-1)[1])
@@ -323,7 +324,7 @@ def test_gpu_cuda_graph_replay():
         torch.cuda.synchronize()
         want = mr.router_decode_triton(x, weight, **s)
         assert all(torch.equal(a, b) for a, b in zip(routed, want)), f"replay {step}"
-        assert all(torch.equal(a, b) for a, b in zip(sorted_, mr.sort_tokens_ref(ids_in, 160))), f"replay {step}"
+        assert all(torch.equal(a, b) for a, b in zip(sorted_, ms.sort_tokens_ref(ids_in, 160))), f"replay {step}"
     assert not route_ws.any() and not sort_ws.any()
 
 

@@ -23,6 +23,7 @@ from strata.kernels import activation as k_act
 from strata.kernels import gemv as k_gemv
 from strata.kernels import moe_decode as k_moe
 from strata.kernels import moe_routing as k_route
+from strata.kernels import moe_sort as k_sort
 from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import triton_available, use_triton
@@ -412,7 +413,7 @@ class MoE(nn.Module):
         if self.gate.weight.dtype != torch.float32:
             self.gate.weight_f32 = self.gate.weight.detach().float()
         if w13.is_cuda and triton_available():
-            self.sort_ws = k_route.sort_tokens_workspace(w13.device)
+            self.sort_ws = k_sort.sort_tokens_workspace(w13.device)
             self.gate.route_ws = k_route.router_decode_workspace(w13.device)
         if _grouped_mm_works(w13, w2):
             self.path = "grouped"
@@ -471,7 +472,7 @@ class MoE(nn.Module):
         n, k = ids.shape
         # Pairs stably sorted by expert and the group ends, with no host sync (not bincount: on CUDA it
         # reads the ids' max on the host). Two launches on CUDA, argsort + searchsorted elsewhere.
-        order, offs = k_route.sort_tokens(ids, self.num_experts, workspace=self.sort_ws)
+        order, offs = k_sort.sort_tokens(ids, self.num_experts, workspace=self.sort_ws)
         xs = x[order // k]
         h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)
