@@ -29,6 +29,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from strata.bench.http_client import lines_urllib, sse_chunks  # standard library only, like this client
+
 COST_FIELDS = ("decode_b1_cost", "decode_b8_cost", "read_4096_cost", "read_32768_cost")
 COST_NOTE = ("the cost of batch invariance against the fastest non-invariant kernels; null until the "
              "batch-invariant mode (issue 15, item 1) exists")
@@ -41,29 +43,17 @@ METRICS = ("strata_prefix_cache_hits_total", "strata_prefix_cache_cached_tokens_
 def stream_answer(url: str, body: dict) -> dict:
     """One streamed completion: its token texts, their logprobs, the finish reason, and when it
     started and ended (seconds on this process's monotonic clock)."""
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
     tokens: list[str] = []
     logprobs: list[float] = []
     finish = None
     start = time.monotonic()
-    with urllib.request.urlopen(req) as resp:
-        for raw in resp:
-            line = raw.decode().rstrip("\r\n")
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"the server streamed an error: {chunk['error']}")
-            for choice in chunk.get("choices", ()):
-                lp = choice.get("logprobs")
-                if lp:
-                    tokens += lp["tokens"]
-                    logprobs += lp["token_logprobs"]
-                finish = choice.get("finish_reason") or finish
+    for chunk in sse_chunks(lines_urllib(url + "/v1/completions", body)):
+        for choice in chunk.get("choices", ()):
+            lp = choice.get("logprobs")
+            if lp:
+                tokens += lp["tokens"]
+                logprobs += lp["token_logprobs"]
+            finish = choice.get("finish_reason") or finish
     return {"tokens": tokens, "logprobs": logprobs, "finish_reason": finish, "start": start, "end": time.monotonic()}
 
 

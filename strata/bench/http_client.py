@@ -25,13 +25,27 @@ def _lines_httpx(url: str, body: dict) -> Iterator[str]:
         yield from resp.iter_lines()
 
 
-def _lines_urllib(url: str, body: dict) -> Iterator[str]:
+def lines_urllib(url: str, body: dict) -> Iterator[str]:
     import urllib.request
 
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req) as resp:
         for raw in resp:
             yield raw.decode().rstrip("\r\n")
+
+
+def sse_chunks(lines: Iterator[str]) -> Iterator[dict]:
+    """The JSON chunks of an OpenAI-style SSE stream, up to `[DONE]`; a streamed error raises."""
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"the server streamed an error: {chunk['error']}")
+        yield chunk
 
 
 def client_name() -> str:
@@ -44,20 +58,12 @@ def client_name() -> str:
 
 def stream_once(url: str, body: dict, client: str) -> dict:
     """One streamed completion: arrival times of text chunks and the usage's completion tokens."""
-    lines = _lines_httpx if client == "httpx" else _lines_urllib
+    lines = _lines_httpx if client == "httpx" else lines_urllib
     times: list[float] = []
     completion_tokens = None
     t0 = time.perf_counter()
-    for line in lines(url, body):
-        if not line.startswith("data: "):
-            continue
+    for chunk in sse_chunks(lines(url, body)):
         now = time.perf_counter() - t0
-        data = line[len("data: "):]
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise RuntimeError(f"the server streamed an error: {chunk['error']}")
         if chunk.get("usage"):
             completion_tokens = chunk["usage"]["completion_tokens"]
         if any(c.get("text") for c in chunk.get("choices", ())):
