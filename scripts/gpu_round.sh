@@ -40,6 +40,11 @@ step() {  # name, seconds, command...
         step grammar-json-array 80 $G --tokenizer $V --grammar json-array --out $R/decode_grammar-json-array_qwen3-8b_cuda.json ;;
       prefix) step prefix 100 $B prefix --out $R/prefix_cuda.json ;;
       new) step new 420 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernels_moe_routing.py tests/test_kernels_small.py tests/test_kernel_token_mask.py tests/test_gpu_graphs.py ;;
+      s1-tests) step s1-tests 420 $T tests/test_kernel_gemv.py tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_gpu_graphs.py -k "prefetch or matches_linear or on_off or allocates or attention" ;;
+      prefetch-sweep)
+        step prefetch-sweep-b1 200 python3 scripts/profile_step.py --batch 1 --top 8 --prefetch-sweep 0,8,16,32,64
+        step prefetch-sweep-b8 200 python3 scripts/profile_step.py --batch 8 --top 8 --prefetch-sweep 0,16,32 ;;
+      sweep-prefill) step sweep-prefill 240 python3 scripts/sweep_attention.py --only prefill --prefill-configs "64,128,4,4;64,128,4,3;64,256,8,2;64,256,8,3;128,256,8,2" ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;
       decode-nopdl) STRATA_PDL=0 step decode-nopdl 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_nopdl.json ;;

@@ -18,7 +18,36 @@ from strata.bench.random_model import random_model
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
+from strata.env import ENV, overridden
 from strata.params import SamplingParams
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 50) -> float:
+    graph.replay()
+    times = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def sweep_prefetch(eng: LLMEngine, batch: int, values: list[int]) -> None:
+    """The decode graph's device time with each GEMV L2-prefetch budget, recaptured per value; the
+    values are interleaved twice so drift in clocks shows up as disagreement between the passes."""
+    res: dict[int, list[float]] = defaultdict(list)
+    for _ in range(2):
+        for mb in values:
+            with overridden(ENV.GEMV_PREFETCH_MB, str(mb)):
+                eng.runner.graphs = {}
+                eng.runner.capture_graphs()
+            g = eng.runner.graphs[min(b for b in eng.runner.graphs if b >= batch)]
+            res[mb].append(replay_ms(g.graph))
+    for mb in values:
+        print(f"STRATA_GEMV_PREFETCH_MB={mb:4d}: graph replay p50 " + " / ".join(f"{t:.3f}" for t in res[mb]) + " ms")
 
 
 def main() -> None:
@@ -29,6 +58,8 @@ def main() -> None:
     ap.add_argument("--kv", default="auto")
     ap.add_argument("--spec", type=int, default=0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prefetch-sweep", default="",
+                    help="graph replay time per STRATA_GEMV_PREFETCH_MB value, e.g. 0,8,16,32 (graphs recaptured)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     loaded = random_model(a.shape, dev, torch.bfloat16)
@@ -61,6 +92,8 @@ def main() -> None:
             e.synchronize()
             times.append(s.elapsed_time(e))
         print(f"graph replay (device): p50 {statistics.median(times):.3f} ms  min {min(times):.3f} ms")
+    if g is not None and a.prefetch_sweep:
+        sweep_prefetch(eng, a.batch, [int(v) for v in a.prefetch_sweep.split(",")])
     # One eager step's kernels.
     graphs, eng.runner.graphs = eng.runner.graphs, {}
     eng.step()

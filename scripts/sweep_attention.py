@@ -108,12 +108,16 @@ def _graph_us(case, splits, ws, replays=10) -> float:
     return us
 
 
-def sweep_prefill() -> None:
+def sweep_prefill(only: str = "") -> None:
     prefill = {name: _setup(seqs, int8) for name, seqs, int8 in (
         ("32K", [(32768, 32768)], False), ("8K@32K", [(8192, 32768)], False), ("8K@32K int8", [(8192, 32768)], True))}
     base = (A.KV_TILE, A.PREFILL_CONFIG)
     print("prefill: kv_tile block_m warps stages -> TFLOP/s per case")
     configs = list(itertools.product((64, 128), (128,), (4, 8), (2, 3, 4))) + [(64, 64, 4, 3), (128, 64, 4, 3)]
+    # Two warp groups sharing each K/V tile (FlashAttention-3's 2 x 128 query rows per CTA).
+    configs += [(64, 256, 8, 2), (64, 256, 8, 3), (128, 256, 8, 2)]
+    if only:
+        configs = [tuple(int(v) for v in c.split(",")) for c in only.split(";")]
     for tile, bm, w, st in configs:
         A.KV_TILE, A.PREFILL_CONFIG = tile, A.TileConfig(bm, w, st)
         A.select_config.cache_clear()
@@ -219,11 +223,13 @@ def sweep_decode_configs(num_sms: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("prefill", "decode", "decode-configs"))
+    parser.add_argument("--prefill-configs", default="",
+                        help="only these prefill configs, 'tile,block_m,warps,stages;...' (default: all)")
     parser.add_argument("--json", help="write the decode measurements here")
     args = parser.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.only in (None, "prefill"):
-        sweep_prefill()
+        sweep_prefill(args.prefill_configs)
     if args.only in (None, "decode"):
         rows = sweep_decode(num_sms)
         print_decode(rows)

@@ -32,7 +32,9 @@ from strata.kernels.gemv import (
     gemv_triton,
     gemv_workspace,
     gemv_workspace_numel,
+    prefetch_blocks,
 )
+from strata.env import ENV, overridden
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -211,6 +213,45 @@ def test_gpu_matches_linear_and_batch_invariant(shape):
     assert torch.equal(gemv(x, w, b, workspace=ws), results[16]), "not deterministic run to run"
     no_ws = gemv(x, w, b)  # allocated workspace
     assert torch.equal(no_ws, results[16])
+
+
+def test_prefetch_blocks_fit_budget():
+    """The L2 prefetch never asks for more than STRATA_GEMV_PREFETCH_MB over the grid nor more than a
+    program's share of K; 0 MiB turns it off."""
+    for (n, k), cfg in GEMV_CONFIGS.items():
+        share = k // cfg.block_k // cfg.split_k
+        for mb in (0, 1, 16, 4096):
+            with overridden(ENV.GEMV_PREFETCH_MB, str(mb)):
+                b = prefetch_blocks(cfg, n, k, 2)
+            assert 0 <= b <= share
+            assert b * cfg.programs(n) * cfg.block_n * cfg.block_k * 2 <= mb * 2**20
+            if mb == 4096:
+                assert b == share
+        assert prefetch_blocks(cfg, n, k, 2) > 0 or cfg.programs(n) * cfg.block_n * cfg.block_k * 2 > 16 * 2**20
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 12288), (151936, 4096)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gpu_prefetch_changes_nothing(shape):
+    """Prefetching weights into L2 before the PDL wait is a hint: the same bits with it, without it and
+    without PDL, and the compiled kernel really carries the prefetch."""
+    n, k = shape
+    x, w, b = make_inputs(seed_of("prefetch", shape), 8, n, k, torch.bfloat16, bias=True, device="cuda")
+    ws = gemv_workspace(n, k, "cuda")
+    outs = {}
+    for name, env in (("off", {"STRATA_GEMV_PREFETCH_MB": "0"}), ("all", {"STRATA_GEMV_PREFETCH_MB": "4096"}),
+                      ("no-pdl", {"STRATA_PDL": "0"})):
+        with overridden(ENV.GEMV_PREFETCH_MB, env.get("STRATA_GEMV_PREFETCH_MB")), \
+                overridden(ENV.PDL, env.get("STRATA_PDL")):
+            outs[name] = gemv(x, w, b, workspace=ws)
+    assert torch.equal(outs["all"], outs["off"]) and torch.equal(outs["no-pdl"], outs["off"])
+    from strata.kernels.gemv import _gemv_kernel
+
+    compiled = [c for dev in _gemv_kernel.device_caches.values() for part in dev if isinstance(part, dict)
+                for c in part.values() if hasattr(c, "asm")]
+    ptx = [c.asm["ptx"] for c in compiled]
+    assert any("cp.async.bulk.prefetch.L2" in p for p in ptx), "no compiled GEMV issues the L2 prefetch"
 
 
 @pytest.mark.gpu

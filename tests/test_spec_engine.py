@@ -91,8 +91,8 @@ def test_rejected_drafts_roll_back(plain, monkeypatch):
 
     original = drafter_mod.MTPDrafter._picks
 
-    def wrong(self, reqs, logits):
-        return [((tok + 1) % logits.shape[-1], prob, q) for tok, prob, q in original(self, reqs, logits)]
+    def wrong(self, reqs, rows, logits, top, top_p):
+        return [((tok + 1) % logits.shape[-1], prob, q) for tok, prob, q in original(self, reqs, rows, logits, top, top_p)]
 
     monkeypatch.setattr(drafter_mod.MTPDrafter, "_picks", wrong)
     out, e = run(spec=3, batch_mtp=True)

@@ -148,8 +148,12 @@ class LLMEngine:
                                       batch_mtp=cfg.batch_mtp, adaptive=cfg.spec_adaptive,
                                       max_model_len=self.max_model_len, max_seqs=cfg.parallel,
                                       chunk_size=cfg.chunk_size, device=self.device, dtype=dtype,
-                                      seed_of=lambda req: self.runner.sampler(req).seed)
-        self.graph_seconds = self.runner.capture_graphs()  # last: every buffer a graph reads exists now
+                                      seed_of=lambda req: self.runner.sampler(req).seed,
+                                      max_num_batched_tokens=cfg.max_num_batched_tokens, cuda_graph=cfg.cuda_graph)
+        # Last: every buffer a graph reads exists now.
+        self.graph_seconds = self.runner.capture_graphs()
+        if self.drafter:
+            self.graph_seconds += self.drafter.capture_graphs()
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.pipelined = (cfg.batch_groups > 1 and cfg.overlap) or bool(cfg.async_scheduling)

@@ -197,16 +197,19 @@ def _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_ba
         else:
             k_scale = tl.load(ks_base + slots * stride_ks_slot)
         s = s * (k_scale * qk_scale)[None, :]
+        col_scale = 1.0
     else:
-        s = s * qk_scale
+        # The scale stays out of s: the row max of raw scores times the (positive) scale is the max of
+        # the scaled ones, and p takes scale and shift in one FMA per score.
+        col_scale = qk_scale
     if MASKED:
         visible = in_range[None, :] & (offs_n[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * col_scale)
     # A row with no visible key yet keeps m = -inf; shifting by 0 then keeps p = 0 and avoids inf - inf.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_shift)
-    p = tl.math.exp2(s - m_shift[:, None])
+    p = tl.math.exp2(s * col_scale - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if IS_INT8:
         v = _load_int8_tile_by_words(v_base, slots, stride_v_slot, in_range, BLOCK_N, HEAD_DIM, MASKED)

@@ -21,6 +21,10 @@ specialise on, so every M ≤ 16 runs the same binary; tensor-core rows are inde
 order (blocks in order inside a split, splits summed in index order) is fixed, so a row's result is
 bit-identical whether it is computed alone or among 15 others, and from run to run.
 
+Launched with PDL (`strata.kernels.pdl`), each program first asks L2 to prefetch the first
+`prefetch_blocks` K blocks of its weight rows, then waits for the previous kernel: at batch 1 the
+weight stream starts while the norm, RoPE or attention kernel before the GEMV still runs.
+
 CUDA graphs: the grid comes from shapes only and nothing is read back to the host; under capture
 the allocations (out when none is passed, a zeroed workspace when none is passed) come from the
 graph pool. A workspace must not be shared by launches that may run concurrently (two streams).
@@ -38,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
-from strata.kernels.pdl import pdl_prologue
+from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
 
 try:
     import triton
@@ -174,14 +178,21 @@ def _finish(acc, bias_ptr, out_ptr, out_stride, cols, rows, col_ok, row_ok, HAS_
 def _gemv_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
-                 USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+                 USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr):
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
     k_blocks = k // BLOCK_K
     kb_begin = split * k_blocks // SPLIT_K
     kb_end = (split + 1) * k_blocks // SPLIT_K
+    if USE_PDL and PREFETCH_BLOCKS > 0:
+        # The first K blocks of this program's weight rows, fetched while the previous kernel runs.
+        pf_rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), n - 1)
+        block_bytes: tl.constexpr = BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        pf_bytes = tl.minimum(kb_end - kb_begin, PREFETCH_BLOCKS) * block_bytes
+        prefetch_rows_l2(w_ptr + pf_rows.to(tl.int64) * k + kb_begin * BLOCK_K,
+                         tl.full([BLOCK_N], 0, tl.int32) + pf_bytes)
+    pdl_prologue(USE_PDL)
 
     offs_n = tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -274,12 +285,24 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         counters = workspace[:tiles]
         partials = workspace[_counter_slots(tiles):need].view(torch.float32)
     on = use_pdl(x)
+    prefetch = prefetch_blocks(cfg, n, k, weight.element_size()) if on else 0
     _gemv_kernel[(tiles * cfg.split_k,)](
         x, x.stride(0), weight, weight if bias is None else bias, out, out.stride(0), partials, counters, m, n, k,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_N=n % cfg.block_n == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, IEEE_DOT=x.dtype == torch.float32, USE_LIBDEVICE=x.is_cuda,
-        USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_PDL=on, PREFETCH_BLOCKS=prefetch, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def prefetch_blocks(cfg: GemvConfig, n: int, k: int, elem_bytes: int) -> int:
+    """K blocks of its weight rows each program prefetches into L2 before its PDL wait: as many as fit
+    STRATA_GEMV_PREFETCH_MB over the whole grid (the programs resident while the previous kernel runs
+    use it; L2 must still hold them when the loop reaches them), at most the program's share."""
+    from strata.env import ENV
+
+    budget = ENV.GEMV_PREFETCH_MB.get() * 2**20
+    per_block = cfg.programs(n) * cfg.block_n * cfg.block_k * elem_bytes
+    return max(0, min(budget // per_block, k // cfg.block_k // cfg.split_k))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,

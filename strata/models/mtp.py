@@ -15,7 +15,7 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.models.attention import AttentionBackend
-from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs
+from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs, linear
 
 
 class SharedHead(nn.Module):
@@ -47,5 +47,6 @@ class MTPLayer(DecoderLayer):
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
         return super().forward(x, rope, attn)
 
-    def logits(self, h: torch.Tensor, main_head: nn.Linear) -> torch.Tensor:
-        return (self.shared_head.head or main_head)(self.shared_head.norm(h)).float()
+    def logits(self, h: torch.Tensor, main_head: nn.Linear, gemv_ws: torch.Tensor | None = None) -> torch.Tensor:
+        head = self.shared_head.head or main_head
+        return linear(self.shared_head.norm(h), head.weight, head.bias, gemv_ws).float()

@@ -78,6 +78,8 @@ class CausalLM(nn.Module):
             shapes = [tuple(head.shape)] + [tuple(t.shape) for m in packed for t in (
                 (m.qkv_weight, m.o_proj.weight) if isinstance(m, Attention) else (m.gate_up_weight, m.down_proj.weight))
                 if t is not None]
+            shapes += [tuple(m.shared_head.head.weight.shape) for m in self.modules()
+                       if getattr(getattr(m, "shared_head", None), "head", None) is not None]
             numel = max([gemv_workspace_numel(n, k) for n, k in shapes if gemv_supported(1, n, k, head.dtype)] or [0])
             self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=head.device)
             for m in packed:
@@ -100,6 +102,15 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP step. Row i combines the main model's hidden state at position i with the token at
         position i+1 and predicts the token at i+2. Returns (mtp hidden [N, H], logits [N, V] fp32)."""
+        h = self.mtp_hidden(hidden, next_ids, positions, attn, depth)
+        return h, self.mtp_logits(h, depth)
+
+    def mtp_hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                   depth: int = 0) -> torch.Tensor:
+        """The MTP layer's output hidden states [N, H] (its K/V written), without logits."""
         layer = self.model.layers[self.num_layers + depth]
-        h = layer(hidden, next_ids, self.rope(positions, hidden.dtype), attn, self.model.embed_tokens)
-        return h, layer.logits(h, self.lm_head)
+        return layer(hidden, next_ids, self.rope(positions, hidden.dtype), attn, self.model.embed_tokens)
+
+    def mtp_logits(self, h: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """fp32 logits [N, V] of MTP hidden states: a drafter asks only for the rows it draws from."""
+        return self.model.layers[self.num_layers + depth].logits(h, self.lm_head, self.gemv_ws)

@@ -30,6 +30,7 @@ from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
 from strata.runner.sampling import filtered_probs
+from strata.spec.mtp_step import MTPStep
 from strata.spec.stats import SpecStats
 
 log = logging.getLogger("strata")
@@ -38,16 +39,21 @@ log = logging.getLogger("strata")
 class MTPDrafter:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_drafts: int, min_p: float, batch_mtp: bool,
                  adaptive: bool, max_model_len: int, max_seqs: int, chunk_size: int, device: torch.device,
-                 dtype: torch.dtype, seed_of: Callable[[Any], int]):
-        """`seed_of(request)`: the request's sampling seed; its drafts draw from the next one."""
+                 dtype: torch.dtype, seed_of: Callable[[Any], int], max_num_batched_tokens: int = 0,
+                 cuda_graph: bool = True):
+        """`seed_of(request)`: the request's sampling seed; its drafts draw from the next one.
+        `max_num_batched_tokens`: the most rows of a step (sizes the MTP call buffers)."""
         if not model.mtp_layers:
             raise ValueError("speculation needs a model with an MTP head (num_nextn_predict_layers > 0)")
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_drafts, self.min_p, self.batch_mtp, self.adaptive = max_drafts, min_p, batch_mtp, adaptive
         self.max_model_len, self.chunk_size, self.seed_of = max_model_len, chunk_size, seed_of
-        self.attn = make_attention(pool, model.config, max_seqs=max_seqs, max_rows=max(chunk_size, max_seqs * (1 + max_drafts)),
+        max_rows = max(chunk_size, max_num_batched_tokens, max_seqs * (1 + max_drafts))
+        self.attn = make_attention(pool, model.config, max_seqs=max_seqs + 1, max_rows=max_rows,
                                    max_split_rows=max_seqs, device=self.device, dtype=dtype,
                                    max_context=max_model_len)
+        self.step = MTPStep(model, pool, self.attn, max_seqs=max_seqs, max_rows=max_rows, rows_per_seq=1 + max_drafts,
+                            max_model_len=max_model_len, device=self.device, dtype=dtype, cuda_graph=cuda_graph)
         self.split = self.split_mode()
         log.info("MTP draft K/V for prompts: %s", "batched with the read (STRATA_SPLIT_MTP_BATCH=1)" if self.split
                  else "by the drafter at hand-over (default)")
@@ -60,6 +66,10 @@ class MTPDrafter:
         self.acceptance: dict[str, float] = {}  # running acceptance (adaptive draft length)
         self.stats: dict[str, SpecStats] = {}
         self.total = SpecStats(max_drafts)
+
+    def capture_graphs(self) -> float:
+        """The MTP call graphs (see `strata.spec.mtp_step`); seconds taken, 0 without CUDA graphs."""
+        return self.step.capture_graphs()
 
     @staticmethod
     def split_mode() -> bool:
@@ -79,7 +89,7 @@ class MTPDrafter:
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def after_step(self, chunks, hidden: torch.Tensor, row_starts: list[int], sampled: dict) -> None:
-        rows_h: list[torch.Tensor] = []
+        rows_h: list[list[int]] = []  # per sequence, its rows in `hidden`
         seqs = []  # (request, first position, next-token ids, wants drafts)
         for i, ch in enumerate(chunks):
             req, s, r0 = ch.request, ch.start, row_starts[i]
@@ -92,7 +102,7 @@ class MTPDrafter:
             self.mtp_upto[rid] = done
             if not ch.sample:  # a read chunk that does not reach the end of the prompt
                 if self.split:
-                    rows_h.append(hidden[r0 : r0 + ch.num_tokens])
+                    rows_h.append(list(range(r0, r0 + ch.num_tokens)))
                     seqs.append((req, s, req.token_ids(s + 1, s + ch.num_tokens + 1), False))
                 else:
                     self.prompt_hidden[req.slot, s : s + ch.num_tokens] = hidden[r0 : r0 + ch.num_tokens]
@@ -108,21 +118,23 @@ class MTPDrafter:
                 continue
             if done < s:  # default mode: the read kept the prompt's earlier rows; run them now
                 self._catch_up(req, done, s)
-            rows_h.append(hidden[r0 : r0 + n])
+            rows_h.append(list(range(r0, r0 + n)))
             seqs.append((req, s, nxt, True))
         if not seqs:
             return
         self.draft_probs = {k: v for k, v in self.draft_probs.items() if k not in {q[0].request_id for q in seqs}}
         groups = [list(range(len(seqs)))] if self.batch_mtp else [[i] for i in range(len(seqs))]
         for g in groups:
-            self._run_group([seqs[i] for i in g], [rows_h[i] for i in g])
+            self.step.stage_rows(hidden, [row for i in g for row in rows_h[i]])
+            self._run_group([seqs[i] for i in g])
 
     def _catch_up(self, req, start: int, end: int) -> None:
         """MTP K/V for prompt positions [start, end) from the stored hidden states, a read-chunk at a
         time so activations stay as small as the read's."""
         for c0 in range(start, end, self.chunk_size):
             c1 = min(c0 + self.chunk_size, end)
-            self._mtp(self.prompt_hidden[req.slot, c0:c1], req.token_ids(c0 + 1, c1 + 1), [c0], [c1 - c0], [req])
+            self.step.stage_block(self.prompt_hidden[req.slot, c0:c1])
+            self.step.run([req], [c0], [c1 - c0], req.token_ids(c0 + 1, c1 + 1))
         self.mtp_upto[req.request_id] = end
 
     def _record(self, rid: str, proposed: int, accepted: int) -> None:
@@ -131,20 +143,6 @@ class MTPDrafter:
         self.total.record(proposed, accepted)
         prev = self.acceptance.get(rid, 1.0)
         self.acceptance[rid] = 0.7 * prev + 0.3 * (accepted / proposed)
-
-    def _mtp(self, h: torch.Tensor, nxt: list[int], starts: list[int], lens: list[int], reqs) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.pool.block_size
-        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        tables = torch.zeros(len(reqs), max(len(r.block_ids) for r in reqs), dtype=torch.int32)
-        slots = []
-        for j, (r, s, n) in enumerate(zip(reqs, starts, lens)):
-            t = torch.tensor(r.block_ids, dtype=torch.long)
-            tables[j, : len(t)] = t.to(torch.int32)
-            p = torch.arange(s, s + n)
-            slots.append(t[p // bs] * bs + p % bs)
-        dev = self.device
-        self.attn.prepare(torch.cat(slots).to(dev), starts, lens, tables.to(dev))
-        return self.model.mtp_forward(h, torch.tensor(nxt, device=dev), pos.to(dev), self.attn)
 
     def _budget(self, req, last_pos: int) -> int:
         """How many drafts this request may get: N (or its adaptive share), bounded by the context
@@ -155,11 +153,13 @@ class MTPDrafter:
         left = req.params.max_tokens - len(req.output_ids) - 1
         return max(0, min(n, left, self.max_model_len - 2 - last_pos))
 
-    def _picks(self, reqs, logits: torch.Tensor) -> list[tuple[int, float, torch.Tensor | None]]:
-        """One draft per row: greedy rows all in one device round trip, sampled rows one by one."""
-        probs = logits.float().softmax(-1)
-        top_p, top = (v.tolist() for v in probs.max(-1))
-        return [(top[k], top_p[k], None) if r.params.greedy else self._sample(r, logits[k]) for k, r in enumerate(reqs)]
+    def _picks(self, reqs, rows: list[int], logits: torch.Tensor, top: torch.Tensor,
+               top_p: torch.Tensor) -> list[tuple[int, float, torch.Tensor | None]]:
+        """One draft for request reqs[k] from row rows[k] of the call's outputs: greedy rows from the
+        head's top token (one device round trip for all), sampled rows one by one."""
+        tops, probs = torch.stack((top.double(), top_p.double())).tolist()
+        return [(int(tops[i]), probs[i], None) if r.params.greedy else self._sample(r, logits[i])
+                for r, i in zip(reqs, rows)]
 
     def _sample(self, req, logits: torch.Tensor) -> tuple[int, float, torch.Tensor]:
         p = req.params
@@ -171,39 +171,37 @@ class MTPDrafter:
         tok = int(torch.multinomial(q, 1, generator=gen))
         return tok, float(q[tok]), q
 
-    def _run_group(self, seqs, rows_h) -> None:
+    def _run_group(self, seqs) -> None:
+        """One MTP call over the verified rows of `seqs` (staged by the caller), then the drafting
+        recursion: one row per still-drafting request per depth."""
         reqs = [q[0] for q in seqs]
         starts = [q[1] for q in seqs]
         lens = [len(q[2]) for q in seqs]
-        h, logits = self._mtp(torch.cat(rows_h), [t for q in seqs for t in q[2]], starts, lens, reqs)
+        h_last, logits, top, top_p = self.step.run(reqs, starts, lens, [t for q in seqs for t in q[2]])
         for r, s, n in zip(reqs, starts, lens):
             self.mtp_upto[r.request_id] = s + n
-        ends = torch.tensor(lens).cumsum(0) - 1
-        # Depth 1 from each sequence's last row, then one row per still-drafting request per depth.
         budget = {j: self._budget(reqs[j], starts[j] + lens[j] - 1) for j in range(len(reqs)) if seqs[j][3]}
         drafts: dict[int, list[int]] = {j: [] for j in budget}
         qs: dict[int, list[torch.Tensor]] = {j: [] for j in budget}
-        active = [(j, starts[j] + lens[j] - 1) for j in budget if budget[j] > 0]
-        sel = torch.tensor([j for j, _ in active], dtype=torch.long)
-        last_h = h[ends[sel].to(h.device)]
-        last_logits = logits[ends[sel].to(logits.device)]
+        # (request index, its last position, its row in the latest call's outputs)
+        active = [(j, starts[j] + lens[j] - 1, j) for j in budget if budget[j] > 0]
         while active:
             keep = []
-            picks = self._picks([reqs[j] for j, _ in active], last_logits)
-            for k, ((j, pos), (tok, prob, q)) in enumerate(zip(active, picks)):
+            picks = self._picks([reqs[j] for j, _, _ in active], [row for _, _, row in active], logits, top, top_p)
+            for (j, pos, row), (tok, prob, q) in zip(active, picks):
                 if prob < self.min_p:
                     continue  # stop at the first draft the head is unsure of (it is not proposed)
                 drafts[j].append(tok)
                 if q is not None:
                     qs[j].append(q)
                 if len(drafts[j]) < budget[j]:
-                    keep.append((k, j, pos))
+                    keep.append((j, pos, row))
             if not keep:
                 break
-            idx = torch.tensor([k for k, _, _ in keep], device=last_h.device)
-            active = [(j, pos + 1) for _, j, pos in keep]
-            last_h, last_logits = self._mtp(last_h[idx], [drafts[j][-1] for j, _ in active],
-                                            [pos for _, pos in active], [1] * len(active), [reqs[j] for j, _ in active])
+            self.step.stage_rows(h_last, [row for _, _, row in keep])
+            h_last, logits, top, top_p = self.step.run([reqs[j] for j, _, _ in keep], [pos + 1 for _, pos, _ in keep],
+                                                       [1] * len(keep), [drafts[j][-1] for j, _, _ in keep])
+            active = [(j, pos + 1, k) for k, (j, pos, _) in enumerate(keep)]
         for j, d in drafts.items():
             reqs[j].draft_ids = d
             if qs[j]:
