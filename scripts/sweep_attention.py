@@ -111,7 +111,7 @@ def _graph_us(case, splits, ws, replays=10) -> float:
 def sweep_prefill(only: str = "") -> None:
     prefill = {name: _setup(seqs, int8) for name, seqs, int8 in (
         ("32K", [(32768, 32768)], False), ("8K@32K", [(8192, 32768)], False), ("8K@32K int8", [(8192, 32768)], True))}
-    base = (A.KV_TILE, A.PREFILL_CONFIG)
+    base = (A.KV_TILE, A.PREFILL_KV_TILE, A.PREFILL_CONFIG, A.PREFILL_CONFIG_INT8)
     print("prefill: kv_tile block_m warps stages -> TFLOP/s per case")
     configs = list(itertools.product((64, 128), (128,), (4, 8), (2, 3, 4))) + [(64, 64, 4, 3), (128, 64, 4, 3)]
     # Two warp groups sharing each K/V tile (FlashAttention-3's 2 x 128 query rows per CTA).
@@ -119,7 +119,8 @@ def sweep_prefill(only: str = "") -> None:
     if only:
         configs = [tuple(int(v) for v in c.split(",")) for c in only.split(";")]
     for tile, bm, w, st in configs:
-        A.KV_TILE, A.PREFILL_CONFIG = tile, A.TileConfig(bm, w, st)
+        A.KV_TILE = A.PREFILL_KV_TILE = tile  # int8 prefill reads KV_TILE
+        A.PREFILL_CONFIG = A.PREFILL_CONFIG_INT8 = A.TileConfig(bm, w, st)
         A.select_config.cache_clear()
         res = []
         for name, c in prefill.items():
@@ -129,7 +130,7 @@ def sweep_prefill(only: str = "") -> None:
             except Exception as e:  # a config that does not fit shared memory: report and go on
                 res.append(f"{name} fail({type(e).__name__})")
         print(f"  {tile:3d} {bm:3d} {w} {st}: " + " | ".join(res), flush=True)
-    A.KV_TILE, A.PREFILL_CONFIG = base
+    A.KV_TILE, A.PREFILL_KV_TILE, A.PREFILL_CONFIG, A.PREFILL_CONFIG_INT8 = base
     A.select_config.cache_clear()
 
 

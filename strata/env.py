@@ -45,9 +45,10 @@ class _Env:
     PDL = Switch("STRATA_PDL", _bool, True,
                  "launch Triton kernels with programmatic dependent launch on sm_90+ (a kernel's launch "
                  "overlaps its predecessor's tail; each kernel waits for it before touching memory)")
-    GEMV_PREFETCH_MB = Switch("STRATA_GEMV_PREFETCH_MB", int, 16,
+    GEMV_PREFETCH_MB = Switch("STRATA_GEMV_PREFETCH_MB", int, 0,
                               "MiB of weights each decode GEMV asks L2 to prefetch before its PDL wait, while "
-                              "the kernel before it still runs (0: off)")
+                              "the kernel before it still runs (0: off; on the H200 8 gained < 0.5% and 16+ "
+                              "lost, scripts/profile_step.py --prefetch-sweep)")
     NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
     CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "", "where test fixtures and downloads are cached")
     API_KEY = Switch("STRATA_API_KEY", str, "", "the server's API key when --api-key is not given")

@@ -227,7 +227,8 @@ def test_prefetch_blocks_fit_budget():
             assert b * cfg.programs(n) * cfg.block_n * cfg.block_k * 2 <= mb * 2**20
             if mb == 4096:
                 assert b == share
-        assert prefetch_blocks(cfg, n, k, 2) > 0 or cfg.programs(n) * cfg.block_n * cfg.block_k * 2 > 16 * 2**20
+        with overridden(ENV.GEMV_PREFETCH_MB, "16"):
+            assert prefetch_blocks(cfg, n, k, 2) > 0 or cfg.programs(n) * cfg.block_n * cfg.block_k * 2 > 16 * 2**20
 
 
 @pytest.mark.gpu

@@ -35,9 +35,12 @@ def expected_parts(q_len: int, ctx: int, num_splits: int, kv_tile: int) -> int:
 
 @pytest.fixture
 def tiny_tiles(monkeypatch):
-    """Splits of 32 keys and key tiles of 32, so CPU-sized contexts split many ways."""
+    """Splits of 32 keys, key tiles of 32 and prompt tiles of 128 rows, so CPU-sized contexts split many
+    ways and a CPU-sized prompt chunk spans several query tiles."""
     monkeypatch.setattr(A, "MIN_SPLIT_KEYS", 32)
     monkeypatch.setattr(A, "KV_TILE", 32)
+    monkeypatch.setattr(A, "PREFILL_KV_TILE", 32)
+    monkeypatch.setattr(A, "PREFILL_CONFIG", A.TileConfig(block_m=128, num_warps=4, num_stages=2))
     A.select_config.cache_clear()
     yield
     A.select_config.cache_clear()

@@ -34,8 +34,8 @@ tensors. Nothing is read back to the host, no tuning runs at call time, and the 
 after every complete launch.
 
 Batch invariance (what holds, and what full invariance would still need): a row's math is per row;
-the order of key tiles is the same for every regime and tile boundaries sit at absolute multiples of
-kv_tile; the extra tiles a row may visit because of its neighbours in the query tile are fully masked
+within a regime (decode-sized or prompt-sized steps) the key tile is fixed and tile boundaries sit at
+absolute multiples of it; the extra tiles a row may visit because of its neighbours in the query tile are fully masked
 for it and are exact no-ops (p = 0, rescale by exp2(0) = 1). Split boundaries depend on ctx_len, the
 key tile and min(num_splits, cdiv(ctx_len, MIN_SPLIT_KEYS)): whenever num_splits >= cdiv(ctx_len,
 MIN_SPLIT_KEYS) they depend on ctx_len alone, and a context of at most MIN_SPLIT_KEYS keys is never
@@ -47,8 +47,9 @@ FMA loops over D). Not yet invariant: (1) `choose_num_splits` lowers num_splits 
 caps it (the runner: 32), so contexts longer than num_splits * MIN_SPLIT_KEYS split by the batch's
 num_splits; (2) bf16/fp16 dots run on tensor cores with an instruction chosen by BLOCK_M (decode and
 prefill configs differ), whose accumulation order is not specified — invariance there needs one
-BLOCK_M / num_warps for all regimes; (3) int8 caches use a longer key tile in decode-sized steps
-(KV_TILE_INT8) than in prompt-sized ones (KV_TILE).
+BLOCK_M / num_warps for all regimes; (3) the key tile differs by regime (bf16 decode KV_TILE, prefill
+PREFILL_KV_TILE; int8 decode KV_TILE_INT8, int8 prefill KV_TILE), which moves tile boundaries and so
+the order in which a row's online softmax adds its keys.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 
 LOG2E = 1.4426950408889634
-KV_TILE = 64  # keys per tile of bf16/fp16/fp32 caches, the same for every regime (see batch invariance)
+KV_TILE = 64  # keys per tile of bf16/fp16/fp32 caches in decode-sized steps (prefill: PREFILL_KV_TILE)
 KV_TILE_INT8 = 128  # int8 caches in decode-sized steps: the same bytes per tile as 64 bf16 keys
 MIN_SPLIT_KEYS = 256  # a sequence gets at most cdiv(ctx_len, MIN_SPLIT_KEYS) key splits
 
@@ -86,11 +87,14 @@ DECODE_CONFIG = TileConfig(block_m=16, num_warps=2, num_stages=3)
 # on the H200: 2,075 GB/s of int8 at 8 sequences x 32K against 1,847 with 2 warps).
 DECODE_CONFIG_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=3)
 DECODE_MAX_ROWS = 64  # max_q_len * G up to this uses DECODE_CONFIG, rounded up to a power of two
-# Prefill (and mixed steps holding a prompt chunk): compute bound. The same sweep: 4 warps and 4 stages
-# give 425 TFLOP/s on a 32K causal prefill against 347 for 8 warps and 3 stages; 128-key tiles lose.
-# int8 caches keep 64-key tiles here too (prompt-sized int8 steps mostly attend over a dequantized
-# bf16 copy, and four stages of 128-key int8 tiles plus their bf16 operands crowd shared memory).
-PREFILL_CONFIG = TileConfig(block_m=128, num_warps=4, num_stages=4)
+# Prefill (and mixed steps holding a prompt chunk): compute bound. Two warp groups of 128 query rows
+# share each 128-key tile, double-buffered (`sweep_attention.py --only prefill` on the H200: 472 TFLOP/s
+# on a 32K causal prefill, 467 for an 8K chunk over 32K, against 440 / 413 for one warp group with
+# 64-key tiles and 4 stages). int8 caches read directly (prompt-sized int8 steps mostly attend over a
+# dequantized bf16 copy) keep 64-key tiles: 245 TFLOP/s against 164 with 128 keys.
+PREFILL_KV_TILE = 128
+PREFILL_CONFIG = TileConfig(block_m=256, num_warps=8, num_stages=2)
+PREFILL_CONFIG_INT8 = TileConfig(block_m=256, num_warps=8, num_stages=2)
 
 
 @lru_cache(maxsize=256)
@@ -102,9 +106,9 @@ def select_config(max_q_len: int, group: int, is_int8: bool = False) -> TileConf
         block_m = max(cfg.block_m, triton.next_power_of_2(rows))
         kv_tile = KV_TILE_INT8 if is_int8 else KV_TILE
     else:
-        cfg = PREFILL_CONFIG
+        cfg = PREFILL_CONFIG_INT8 if is_int8 else PREFILL_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
-        kv_tile = KV_TILE
+        kv_tile = KV_TILE if is_int8 else PREFILL_KV_TILE
     return TileConfig(block_m, cfg.num_warps, cfg.num_stages, kv_tile)
 
 
