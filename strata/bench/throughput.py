@@ -57,8 +57,9 @@ def _free(device: torch.device) -> None:
 
 def engine_config(args, device: torch.device, ctx: int, parallel: int, chunk: int) -> EngineConfig:
     # An explicit KV size: the pool must not take the device's free memory (the next arm needs it).
+    # No prefix cache: a repeated read of the same prompt would be a cache hit, not a read.
     kw = dict(device=str(device), dtype=args.dtype, ctx=ctx, parallel=parallel, chunk_size=chunk,
-              max_num_batched_tokens=max(chunk, parallel), kv_size=ctx * parallel, kv=args.kv)
+              max_num_batched_tokens=max(chunk, parallel), kv_size=ctx * parallel, kv=args.kv, prefix_cache=False)
     if args.no_cuda_graph and "cuda_graph" in EngineConfig.__dataclass_fields__:
         kw["cuda_graph"] = False
     if getattr(args, "no_async_scheduling", False):

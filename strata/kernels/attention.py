@@ -95,20 +95,24 @@ DECODE_MAX_ROWS = 64  # max_q_len * G up to this uses DECODE_CONFIG, rounded up 
 PREFILL_KV_TILE = 128
 PREFILL_CONFIG = TileConfig(block_m=256, num_warps=8, num_stages=2)
 PREFILL_CONFIG_INT8 = TileConfig(block_m=256, num_warps=8, num_stages=2)
+# fp32 (tests, the fp32 engine): FMA dots whose 256 x 128 score and accumulator tiles would not fit the
+# registers; the one-warp-group shape with 64-key tiles.
+PREFILL_CONFIG_FP32 = TileConfig(block_m=128, num_warps=4, num_stages=4)
 
 
 @lru_cache(maxsize=256)
-def select_config(max_q_len: int, group: int, is_int8: bool = False) -> TileConfig:
-    """Tile shape for a launch; reads the module constants, so a sweep that changes them clears the cache."""
+def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool = False) -> TileConfig:
+    """Tile shape for a launch (`fp32`: 4-byte queries); reads the module constants, so a sweep that
+    changes them clears the cache."""
     rows = max_q_len * group
     if rows <= DECODE_MAX_ROWS:
         cfg = DECODE_CONFIG_INT8 if is_int8 else DECODE_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(rows))
         kv_tile = KV_TILE_INT8 if is_int8 else KV_TILE
     else:
-        cfg = PREFILL_CONFIG_INT8 if is_int8 else PREFILL_CONFIG
+        cfg = PREFILL_CONFIG_FP32 if fp32 else PREFILL_CONFIG_INT8 if is_int8 else PREFILL_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
-        kv_tile = KV_TILE if is_int8 else PREFILL_KV_TILE
+        kv_tile = KV_TILE if is_int8 or fp32 else PREFILL_KV_TILE
     return TileConfig(block_m, cfg.num_warps, cfg.num_stages, kv_tile)
 
 
@@ -415,7 +419,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
     if r == 0 or n == 0 or max_q_len <= 0:
         return out
     group = hq // hkv
-    cfg = select_config(max_q_len, group, is_int8)
+    cfg = select_config(max_q_len, group, is_int8, q.dtype == torch.float32)
     block_q = cfg.block_m // group
     num_q_tiles = triton.cdiv(max_q_len, block_q)
     ks, vs = (k_scale, v_scale) if is_int8 else (k_cache, v_cache)  # placeholders, never read
