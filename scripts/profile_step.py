@@ -44,6 +44,8 @@ def sweep_prefetch(eng: LLMEngine, batch: int, values: list[int]) -> None:
             with overridden(ENV.GEMV_PREFETCH_MB, str(mb)):
                 eng.runner.graphs = {}
                 eng.runner.capture_graphs()
+            eng.step()  # capture leaves its own layout in the inputs; a real step puts the decode's back
+            torch.cuda.synchronize()
             g = eng.runner.graphs[min(b for b in eng.runner.graphs if b >= batch)]
             res[mb].append(replay_ms(g.graph))
     for mb in values:

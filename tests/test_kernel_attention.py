@@ -217,13 +217,17 @@ def gpu_batch(seed, kind, batch):
         return [(1, c) for c in ctx]
     if kind == "verify":
         return [(k + 1, max(c, k + 1)) for k, c in zip(torch.randint(1, 4, (batch,), generator=gen).tolist(), ctx)]
-    # mixed: a 1024-token chunk over a 3K cached prefix, a fresh 700-token prefill, decodes, verifies, padding
+    if kind == "short":  # chunks below PREFILL_WIDE_MIN_Q: the one-warp-group prompt tiles
+        return [(512, 3584), (300, 300), PAD] + [(1 + i % 4, c) for i, c in enumerate(ctx)]
+    # mixed: a 1024-token chunk over a 3K cached prefix (the wide prompt tiles), a fresh 700-token
+    # prefill, decodes, verifies, padding
     return [(1024, 4096), (700, 700), PAD] + [(1 + i % 4, c) for i, c in enumerate(ctx)]
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("kind,batch", [("decode", 1), ("decode", 32), ("verify", 8), ("verify", 32), ("mixed", 6)])
+@pytest.mark.parametrize("kind,batch", [("decode", 1), ("decode", 32), ("verify", 8), ("verify", 32), ("mixed", 6),
+                                        ("short", 4)])
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
 def test_gpu_matches_reference(kind, batch, int8, num_splits):

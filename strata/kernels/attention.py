@@ -47,8 +47,8 @@ FMA loops over D). Not yet invariant: (1) `choose_num_splits` lowers num_splits 
 caps it (the runner: 32), so contexts longer than num_splits * MIN_SPLIT_KEYS split by the batch's
 num_splits; (2) bf16/fp16 dots run on tensor cores with an instruction chosen by BLOCK_M (decode and
 prefill configs differ), whose accumulation order is not specified — invariance there needs one
-BLOCK_M / num_warps for all regimes; (3) the key tile differs by regime (bf16 decode KV_TILE, prefill
-PREFILL_KV_TILE; int8 decode KV_TILE_INT8, int8 prefill KV_TILE), which moves tile boundaries and so
+BLOCK_M / num_warps for all regimes; (3) the key tile differs by regime (bf16 decode and short chunks KV_TILE,
+long chunks PREFILL_KV_TILE; int8 decode KV_TILE_INT8, int8 prefill KV_TILE), which moves tile boundaries and so
 the order in which a row's online softmax adds its keys.
 """
 
@@ -95,9 +95,12 @@ DECODE_MAX_ROWS = 64  # max_q_len * G up to this uses DECODE_CONFIG, rounded up 
 PREFILL_KV_TILE = 128
 PREFILL_CONFIG = TileConfig(block_m=256, num_warps=8, num_stages=2)
 PREFILL_CONFIG_INT8 = TileConfig(block_m=256, num_warps=8, num_stages=2)
-# fp32 (tests, the fp32 engine): FMA dots whose 256 x 128 score and accumulator tiles would not fit the
-# registers; the one-warp-group shape with 64-key tiles.
-PREFILL_CONFIG_FP32 = TileConfig(block_m=128, num_warps=4, num_stages=4)
+# Chunks shorter than PREFILL_WIDE_MIN_Q queries: 64 queries per program would leave SMs idle (a
+# 512-token chunk of the 8B shape is 8 x 8 programs), so one warp group of 128 rows over 64-key tiles
+# (440 TFLOP/s at 32K in the same sweep). Also fp32 (tests, the fp32 engine) at any length: its FMA
+# dots would not fit 256 x 128 score and accumulator tiles in the registers.
+PREFILL_CONFIG_NARROW = TileConfig(block_m=128, num_warps=4, num_stages=4)
+PREFILL_WIDE_MIN_Q = 1024
 
 
 @lru_cache(maxsize=256)
@@ -110,9 +113,10 @@ def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool 
         block_m = max(cfg.block_m, triton.next_power_of_2(rows))
         kv_tile = KV_TILE_INT8 if is_int8 else KV_TILE
     else:
-        cfg = PREFILL_CONFIG_FP32 if fp32 else PREFILL_CONFIG_INT8 if is_int8 else PREFILL_CONFIG
+        wide = max_q_len >= PREFILL_WIDE_MIN_Q and not fp32
+        cfg = (PREFILL_CONFIG_INT8 if is_int8 else PREFILL_CONFIG) if wide else PREFILL_CONFIG_NARROW
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
-        kv_tile = KV_TILE if is_int8 or fp32 else PREFILL_KV_TILE
+        kv_tile = PREFILL_KV_TILE if wide and not is_int8 else KV_TILE
     return TileConfig(block_m, cfg.num_warps, cfg.num_stages, kv_tile)
 
 
