@@ -42,3 +42,16 @@ def test_bench_spec_arms_agree(tmp_path):
     groups = [(r["spec"], r["batch_groups"], r["overlap"]) for r in res["groups"]]
     assert groups == [(s, g, o) for s in (0, 3) for g, o in ((1, False), (2, True), (2, False))]
     assert all(r["identical_to_spec0"] for r in res["groups"])
+
+
+def test_bench_prefix_on_a_random_shape(tmp_path):
+    """--shape: random weights and a token-id conversation; the cached arm reuses all but the last
+    partial block of turn 2's prompt and answers as the cold one."""
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix", "--shape", "tiny", "--device", "cpu", "--tokens", "200", "--reply", "8",
+                 "--repeats", "2", "--chunk", "64", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    cold, warm = res["arms"]
+    assert res["shape"] == "tiny" and res["same_answers"]
+    assert cold["cached_tokens"] == 0 and warm["turn2_prompt_tokens"] == 200 + 8 + 14
+    assert warm["turn2_prompt_tokens"] - 16 <= warm["cached_tokens"] < warm["turn2_prompt_tokens"]

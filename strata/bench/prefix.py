@@ -1,7 +1,9 @@
 """`strata bench prefix`: a conversation's next turn with the prefix cache against a cold read.
 
 Turn 1 is a `--tokens`-long prompt (the default model's card, repeated) answered with `--reply`
-greedy tokens. Turn 2 re-sends turn 1 and its reply, then a short new question (a different one each
+greedy tokens. With `--shape` (e.g. `qwen3-8b`) the model is random weights at that shape, built once
+on the device for both arms, and the conversation is random token ids: the ratio then reflects a
+model whose reads cost what real ones do, where the embedded model's are mostly fixed step costs. Turn 2 re-sends turn 1 and its reply, then a short new question (a different one each
 repeat, so only the conversation so far can be cached). Reported per arm (`--no-prefix-cache` and
 the cache on, each its own engine): turn 2's time to first token (best of `--repeats`), the tokens
 the cache supplied, and whether both arms answer alike (greedy). JSON under bench/results/.
@@ -45,16 +47,28 @@ def _ttft(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> tuple[fl
     return first, out, cached
 
 
-def arm(args, prefix_cache: bool) -> dict:
-    eng = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, ctx=args.tokens + 1024,
-                                 chunk_size=args.chunk, prefix_cache=prefix_cache), progress=False)
-    text = open(f"{default_model_path()}/README.md").read()
-    ids = eng.tokenizer.encode(text * (1 + args.tokens * 6 // max(len(text), 1)))[: args.tokens]
-    _ttft(eng, "warmup", eng.tokenizer.encode("Hello there"), 4)
+def _random_ids(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def arm(args, prefix_cache: bool, loaded=None) -> dict:
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, ctx=args.tokens + 1024, chunk_size=args.chunk,
+                       prefix_cache=prefix_cache, **({"kv_size": args.tokens + 1024} if loaded else {}))
+    eng = LLMEngine(cfg, progress=False, loaded=loaded)
+    if loaded is None:
+        text = open(f"{default_model_path()}/README.md").read()
+        ids = eng.tokenizer.encode(text * (1 + args.tokens * 6 // max(len(text), 1)))[: args.tokens]
+        warmup = eng.tokenizer.encode("Hello there")
+        questions = [eng.tokenizer.encode(f" Question {rep}: what does the text above say about speed?")
+                     for rep in range(args.repeats)]
+    else:  # random weights: token ids stand for text
+        vocab = loaded.config.vocab_size
+        ids, warmup = _random_ids(vocab, args.tokens, 1), _random_ids(vocab, 3, 2)
+        questions = [_random_ids(vocab, 14, 10 + rep) for rep in range(args.repeats)]
+    _ttft(eng, "warmup", warmup, 4)
     _, reply, _ = _ttft(eng, "turn1", ids, args.reply)
     best, answers, cached = float("inf"), [], 0
-    for rep in range(args.repeats):
-        question = eng.tokenizer.encode(f" Question {rep}: what does the text above say about speed?")
+    for rep, question in enumerate(questions):
         seconds, answer, cached = _ttft(eng, f"turn2-{rep}", ids + reply + question, 8)
         best = min(best, seconds)
         answers.append(answer)
@@ -63,12 +77,19 @@ def arm(args, prefix_cache: bool) -> dict:
 
 
 def run(args) -> int:
-    arms = [arm(args, False), arm(args, True)]
+    loaded = None
+    if args.shape:
+        from strata.bench.random_model import random_model
+
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        loaded = random_model(args.shape, device, dtype)
+    arms = [arm(args, False, loaded), arm(args, True, loaded)]
     cold, warm = arms
-    info = {"bench": "prefix", "tokens": args.tokens, "reply": args.reply, "repeats": args.repeats, "arms": arms,
+    info = {"bench": "prefix", "shape": args.shape or "default", "tokens": args.tokens, "reply": args.reply, "repeats": args.repeats, "arms": arms,
             "ttft_ratio": warm["ttft_s"] / cold["ttft_s"], "same_answers": cold["answers"] == warm["answers"]}
     device = "cuda" if cold["device"].startswith("cuda") else "cpu"
-    out = args.out or f"bench/results/prefix_{device}.json"
+    out = args.out or f"bench/results/prefix{'_' + args.shape if args.shape else ''}_{device}.json"
 
     def draw(plt, info):
         plt.bar(["cold", "prefix cache"], [a["ttft_s"] * 1e3 for a in info["arms"]])
@@ -91,6 +112,10 @@ def add_parser(sub) -> None:
 
 def _add_args(p) -> None:
     p.add_argument("--device", default=None)
+    from strata.bench.random_model import SHAPES
+
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="random weights at this shape instead of the embedded model (token-id conversation)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tokens", type=int, default=3584,
                    help="turn 1's prompt tokens (turn 2 re-sends them with the reply: ~3.7K, within the embedded model's 4,096 positions)")
