@@ -173,6 +173,9 @@ class EngineConfig:
     seed: int | None = None  # seeds requests that bring none (in arrival order): reproducible runs
     parallel: int = 1  # slots: requests decoding at once; more wait in a queue
     kv: str = "auto"  # KV cache storage: auto (the model dtype) | bf16 | int8
+    # GGUF Q8_0 / Q4_K / IQ3_S linear weights stay quantized on the device (their Triton kernels) instead
+    # of being expanded to the model dtype at load. Off until the kernels are measured on the GPU.
+    keep_quantized: bool = False
     kv_size: int | None = None  # KV capacity in tokens; None: from free memory (CUDA), ctx x parallel (CPU)
     gpu_memory_utilization: float = 0.9  # share of the GPU's free memory the KV pool may take
     block_size: int = 16  # tokens per KV block

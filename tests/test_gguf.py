@@ -317,6 +317,40 @@ def test_quantized_weights(tmp_path):
     assert 1e-6 < err < 0.1
 
 
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # Triton's interpreter
+def test_quantized_weights_kept_quantized(tmp_path):
+    """`keep_quantized`: the Q8_0 / Q4_K projections become QWeights from the file's own blocks (q|k|v
+    and gate|up stacked by rows), their float parameters are never made, and the logits match the
+    dequantized model's (fp32 activations: the kernels against dequantize-then-matmul)."""
+    from strata.kernels.quant import QWeight
+
+    src = str(tmp_path / "hf")
+    save_tiny_model("qwen3", src, intermediate_size=256)
+    c = _hf_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    qtypes = {"token_embd.weight": QT.F16, "output.weight": QT.Q8_0}
+    for i in range(c["num_hidden_layers"]):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):
+            qtypes[f"blk.{i}.{t}.weight"] = QT.Q8_0
+        qtypes[f"blk.{i}.ffn_down.weight"] = QT.Q4_K
+    path = write_gguf(tmp_path / "q.gguf", c, tensors, qtypes=qtypes)
+
+    floats = load_model(path)
+    kept = load_model(path, keep_quantized=True)
+    attn, mlp = kept.model.model.layers[0].self_attn, kept.model.model.layers[0].mlp
+    assert isinstance(attn.qkv_q, QWeight) and attn.qkv_q.ggml_type == "Q8_0" and attn.qkv_weight is None
+    assert attn.qkv_q.n == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    assert isinstance(mlp.down_q, QWeight) and mlp.down_q.ggml_type == "Q4_K"
+    assert isinstance(mlp.gate_up_q, QWeight) and isinstance(kept.model.lm_head_q, QWeight)
+    assert attn.q_proj.weight.is_meta and mlp.down_proj.weight.is_meta  # never materialised
+    ref_qkv = floats.model.model.layers[0].self_attn.qkv_weight
+    assert torch.equal(attn.qkv_q.dequantize(), ref_qkv.float())
+    for t in (24, 5):  # a prompt-sized GEMM and decode-sized GEMVs
+        ids = torch.randint(0, c["vocab_size"], (1, t))
+        err = rel_err(_logits(kept, ids), _logits(floats, ids))
+        assert err < 1e-4, (t, err)
+
+
 def test_quantized_expert_stacks(tiny_model_dirs, tmp_path):
     """Quantized stacked experts split per expert: expert e is row e of the dequantized stack."""
     src, _ = tiny_model_dirs["qwen3_moe"]

@@ -43,6 +43,10 @@ SHAPES: dict[str, dict] = {
                           max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
     "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+    # Every K a multiple of 256, as the 256-value super-blocks of Q4_K / IQ3_S need.
+    "tiny-256": dict(model_type="qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                     tie_word_embeddings=False),
     "tiny-moe": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -78,19 +82,28 @@ def _fill(t: torch.Tensor, name: str, gen: torch.Generator) -> torch.Tensor:
 
 @torch.no_grad()
 def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                 tokenizer: Tokenizer | None = None) -> LoadedModel:
+                 tokenizer: Tokenizer | None = None, quant: str | None = None) -> LoadedModel:
     """Strata's model for `shape` with random weights on `device` in `dtype`, ready for
-    `LLMEngine(cfg, loaded=...)`: packed and in eval mode, as `load_model` leaves it."""
+    `LLMEngine(cfg, loaded=...)`: packed and in eval mode, as `load_model` leaves it. `quant` (a GGUF
+    type of `strata.kernels.quant`): the linear weights a GGUF load would keep quantized are random
+    blocks of that format instead, as `load_model(keep_quantized=True)` leaves them."""
     device = torch.device(device)
     cfg = shape_config(shape)
     with torch.device("meta"):
         model = build_model(cfg, with_mtp=False)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    quantized = loaders._quantizable_linears(model) if quant else set()
     # One tensor at a time, straight into its parameter, as the loader assigns weights: the peak is
     # the model itself, never a second copy of it.
     for name, p in list(model.named_parameters()):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name in quantized:
+            from strata.kernels.quant import random_blocks
+
+            module = model.get_submodule(name.rpartition(".")[0])
+            module.quant_raw = (quant, random_blocks(quant, p.shape[0], p.shape[1], gen, device))
             continue
         value = _fill(torch.empty(p.shape, device=device, dtype=dtype), name, gen)
         module_name, _, attr = name.rpartition(".")

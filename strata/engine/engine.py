@@ -108,7 +108,8 @@ class LLMEngine:
         self.device = torch.device(cfg.resolved_device)
         dtype = cfg.torch_dtype
         if loaded is None:
-            loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=progress)
+            loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=progress,
+                                keep_quantized=cfg.keep_quantized)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = cfg.model or "strata-default"
         self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)

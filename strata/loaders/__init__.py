@@ -1,5 +1,11 @@
 """Model loading: read a checkpoint (HF directory or GGUF file), build the model on the meta device,
-check every tensor's name and shape against it, and assign the weights on the target device."""
+check every tensor's name and shape against it, and assign the weights on the target device.
+
+With `keep_quantized`, a GGUF file's quantized linear weights (attention and dense MLP projections,
+the LM head; formats of `strata.kernels.quant`) go to the device as their raw blocks, parked on their
+`nn.Linear` as `quant_raw`; `CausalLM.pack` turns them into `QWeight`s (q|k|v and gate|up stacked by
+rows of blocks) and the float parameter is never materialised. Embeddings, norms and MoE experts are
+read as floats."""
 
 from __future__ import annotations
 
@@ -68,9 +74,9 @@ def _mtp_prefix(cfg: ModelConfig) -> str:
 
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: bool = True, pack_experts: bool = True) -> LoadedModel:
+               progress: bool = True, pack_experts: bool = True, keep_quantized: bool = False) -> LoadedModel:
     """`pack_experts=False` keeps projections unstacked and MoE layers on the reference loop path (e.g.
-    to copy weights out for training)."""
+    to copy weights out for training). `keep_quantized`: see the module docstring (needs packing)."""
     path = os.fspath(path or default_model_path())
     ckpt = read_checkpoint(path)
     try:
@@ -83,7 +89,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
             model = build_model(cfg, with_mtp=with_mtp)
     except ConfigError as e:
         raise LoadError(path, str(e)) from None
-    _assign_weights(model, ckpt, torch.device(device), dtype, progress)
+    quantizable = _quantizable_linears(model) if keep_quantized and pack_experts and ckpt.raw else set()
+    _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable)
     if pack_experts:
         _pack(model, torch.device(device))
     model.eval()
@@ -112,7 +119,24 @@ def _optional_mtp_copies(model: CausalLM, names: set[str]) -> None:
                 layer.shared_head.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
 
-def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool) -> None:
+def _quantizable_linears(model: CausalLM) -> set[str]:
+    """Weight names that may stay quantized: attention and dense-MLP projections, the LM head."""
+    from strata.models.layers import MLP, MoE, Attention
+
+    experts = {id(e) for m in model.modules() if isinstance(m, MoE) for e in m.experts}
+    out = set()
+    for name, m in model.named_modules():
+        if isinstance(m, Attention):
+            out |= {f"{name}.{p}_proj.weight" for p in "qkvo"}
+        elif isinstance(m, MLP) and id(m) not in experts:
+            out |= {f"{name}.{p}_proj.weight" for p in ("gate", "up", "down")}
+    if not model.config.tie_word_embeddings:
+        out.add("lm_head.weight")
+    return out
+
+
+def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool,
+                    quantizable: set[str] = frozenset()) -> None:
     names = set(ckpt.names)
     cfg = model.config
     _optional_mtp_copies(model, names)
@@ -131,6 +155,17 @@ def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dty
 
     bar = _Progress(len(expected), "loading weights") if progress else None
     for name in sorted(expected):
+        raw = ckpt.raw(name) if name in quantizable else None
+        if raw is not None:
+            module_name, _, _ = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if raw[1].shape[0] != module.weight.shape[0]:
+                raise LoadError(ckpt.path, f"shape mismatch for {name}: file has {raw[1].shape[0]} rows, "
+                                           f"model expects {module.weight.shape[0]}")
+            module.quant_raw = (raw[0], raw[1].to(device))  # the weight itself stays on meta
+            if bar:
+                bar.advance()
+            continue
         t = ckpt.get(name)
         target = params.get(name)
         if target is None:

@@ -29,6 +29,9 @@ class Checkpoint:
     `names` lists every tensor in HF naming (`model.layers.0.self_attn.q_proj.weight`);
     `get(name)` returns it as a CPU torch tensor (any float dtype; the builder casts).
     `tokenizer` is a `strata.tokenizer.Tokenizer` or None when the file has none.
+    `raw(name)`, where the format has quantized tensors (GGUF): (GGUF type name, the file's blocks as a
+    CPU uint8 tensor [N, bytes per row]) for a 2-D weight in a type `strata.kernels.quant` keeps
+    quantized, else None; the builder uses it instead of `get` when it keeps weights quantized.
     """
 
     path: str
@@ -37,6 +40,7 @@ class Checkpoint:
     get: Callable[[str], torch.Tensor]
     tokenizer: Any = None
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    raw: Callable[[str], tuple[str, torch.Tensor] | None] | None = None
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n in self.names:

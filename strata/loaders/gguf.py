@@ -124,7 +124,7 @@ def tensor_to_torch(t: ReaderTensor, expert: int | None = None) -> torch.Tensor:
         return torch.from_numpy(np.array(data, dtype=_PLAIN_TYPES[qtype]))
     if qtype == QT.BF16:
         return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
-    # Q8_0 is dequantized like the rest for now; a Q8_0 matmul kernel that keeps it packed comes later.
+    # Read as floats (the CPU path, embeddings, experts); `Checkpoint.raw` keeps linear weights packed.
     return torch.from_numpy(dequantize(data, qtype))
 
 
@@ -190,6 +190,16 @@ def read_gguf(path: str) -> Checkpoint:
         except (ValueError, OSError) as e:
             raise LoadError(path, f"cannot read tensor {ref.gguf_name} ({e})") from None
 
+    def raw(name: str) -> tuple[str, torch.Tensor] | None:
+        from strata.kernels.quant import FORMATS
+
+        ref = where[name]
+        t = tensors[ref.gguf_name]
+        if ref.expert is not None or len(shapes[ref.gguf_name]) != 2 or t.tensor_type.name not in FORMATS:
+            return None
+        # A copy: the mapping is read-only. Rows of blocks, as the file stores them.
+        return t.tensor_type.name, torch.from_numpy(np.array(t.data, dtype=np.uint8))
+
     tokenizer = None
     if reader.fields.get("tokenizer.ggml.model") is not None:
         from strata.loaders.gguf_vocab import tokenizer_from_gguf
@@ -201,4 +211,5 @@ def read_gguf(path: str) -> Checkpoint:
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise LoadError(path, f"cannot build the tokenizer ({why})") from None
-    return Checkpoint(path=path, config=config, names=list(where), get=get, tokenizer=tokenizer, shapes=hf_shapes)
+    return Checkpoint(path=path, config=config, names=list(where), get=get, tokenizer=tokenizer, shapes=hf_shapes,
+                      raw=raw)

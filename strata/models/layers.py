@@ -27,16 +27,21 @@ from strata.kernels import moe_sort as k_sort
 from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import triton_available, use_triton
+from strata.kernels.quant import QWeight
 from strata.models.attention import AttentionBackend
 
 log = logging.getLogger("strata")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor | None = None,
            workspace: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the decode GEMV kernel for the few-row products where it beats cuBLAS on the
     GPU (a workspace, set by `CausalLM.pack`, says the model runs there). Its K order depends only on
-    the weight's shape, so a row's result is the same for any batch of up to 16 rows."""
+    the weight's shape, so a row's result is the same for any batch of up to 16 rows. A `QWeight` (a
+    weight kept quantized) goes through its format's kernels."""
+    if isinstance(weight, QWeight):
+        y = weight.matmul(x)
+        return y if bias is None else y + bias
     if (workspace is not None and x.dim() == 2 and use_triton(x) and x.stride(-1) == 1 and weight.is_contiguous()
             and weight.dtype == x.dtype and k_gemv.gemv_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)):
         return k_gemv.gemv_triton(x, weight, bias, workspace=workspace)
@@ -167,12 +172,21 @@ class Attention(nn.Module):
         # q|k|v stacked by pack(): one projection GEMM instead of three. Non-persistent, like MoE.w13.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_q: QWeight | None = None  # q|k|v kept quantized (loader + pack), instead of qkv_weight
+        self.o_q: QWeight | None = None
         self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
 
     @torch.no_grad()
-    def pack(self) -> None:
-        """Stack the q, k, v projections and make each a view of the stack (no second copy)."""
+    def pack(self, dtype: torch.dtype | None = None) -> None:
+        """Stack the q, k, v projections and make each a view of the stack (no second copy); weights
+        the loader kept quantized become `QWeight`s (`dtype`: the model's, for a mixed stack)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.o_q = take_quantized([self.o_proj], dtype)
+        self.qkv_q = take_quantized(list(projs), dtype)
+        if self.qkv_q is not None:
+            if self.q_proj.bias is not None:
+                self.qkv_bias = torch.cat([p.bias.detach() for p in projs])
+            return
         if any(p.weight.requires_grad or p.weight.is_meta for p in projs):
             return
         self.qkv_weight = _stack_views([p for p in projs], "weight")
@@ -181,16 +195,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        if self.qkv_weight is not None and use_triton(x):
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.gemv_ws)
+        w_qkv = self.qkv_q if self.qkv_q is not None else self.qkv_weight
+        if w_qkv is not None and use_triton(x):
+            qkv = linear(x, w_qkv, self.qkv_bias, self.gemv_ws)
             q, k, v = k_rope.qk_norm_rope_triton(
                 qkv, rope.positions, rope.rotary.inv_freq, rope.rotary.scale,
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.eps, self.n_heads, self.n_kv, d, self.rotary_dim)
         else:
-            if self.qkv_weight is not None:
-                qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            if w_qkv is not None:
+                qkv = linear(x, w_qkv, self.qkv_bias)
                 q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
             else:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -201,7 +216,28 @@ class Attention(nn.Module):
             # fp32 norm weights promote q/k under autocast; attention kernels want one 16-bit dtype.
             q, k = apply_rotary(q, cos, sin).to(v.dtype), apply_rotary(k, cos, sin).to(v.dtype)
         o = attn.attend(self.layer_idx, q, k, v)
-        return linear(o.reshape(n, self.n_heads * d), self.o_proj.weight, None, self.gemv_ws)
+        w_o = self.o_q if self.o_q is not None else self.o_proj.weight
+        return linear(o.reshape(n, self.n_heads * d), w_o, None, self.gemv_ws)
+
+
+def take_quantized(modules: list[nn.Module], dtype: torch.dtype | None) -> QWeight | None:
+    """The loader parks a weight it kept quantized on its `nn.Linear` as `quant_raw` (GGUF type, raw
+    blocks on the device). For projections applied as one stack: their `QWeight`, rows of blocks
+    concatenated in order, or None when none was kept quantized. A stack whose members differ (a file
+    mixing formats, or one the kernels do not cover) gets float weights instead (`dtype`), so it
+    packs as usual."""
+    raws = [m.__dict__.pop("quant_raw", None) for m in modules]
+    if all(r is None for r in raws):
+        return None
+    k = modules[0].in_features
+    if any(r is None for r in raws) or len({r[0] for r in raws}) > 1:
+        for m, r in zip(modules, raws):
+            if r is not None:
+                w = QWeight.from_raw(r[0], r[1], r[1].shape[0], k).dequantize()
+                m.weight = nn.Parameter(w.to(dtype or torch.float32), requires_grad=False)
+        return None
+    rows = torch.cat([r[1] for r in raws]) if len(raws) > 1 else raws[0][1]
+    return QWeight.from_raw(raws[0][0], rows, rows.shape[0], k)
 
 
 def _stack_views(modules: list[nn.Module], attr: str) -> torch.Tensor:
@@ -223,18 +259,25 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # gate rows, then up rows
+        self.gate_up_q: QWeight | None = None  # gate|up kept quantized, instead of gate_up_weight
+        self.down_q: QWeight | None = None
         self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
 
     @torch.no_grad()
-    def pack(self) -> None:
+    def pack(self, dtype: torch.dtype | None = None) -> None:
+        self.down_q = take_quantized([self.down_proj], dtype)
+        self.gate_up_q = take_quantized([self.gate_proj, self.up_proj], dtype)
+        if self.gate_up_q is not None:
+            return
         if any(p.weight.requires_grad or p.weight.is_meta for p in (self.gate_proj, self.up_proj)):
             return
         self.gate_up_weight = _stack_views([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
-            h = silu_mul(linear(x, self.gate_up_weight, None, self.gemv_ws))
-            return linear(h, self.down_proj.weight, None, self.gemv_ws)
+        w_gate_up = self.gate_up_q if self.gate_up_q is not None else self.gate_up_weight
+        if w_gate_up is not None:
+            h = silu_mul(linear(x, w_gate_up, None, self.gemv_ws))
+            return linear(h, self.down_q if self.down_q is not None else self.down_proj.weight, None, self.gemv_ws)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

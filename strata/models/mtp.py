@@ -47,6 +47,9 @@ class MTPLayer(DecoderLayer):
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
         return super().forward(x, rope, attn)
 
-    def logits(self, h: torch.Tensor, main_head: nn.Linear, gemv_ws: torch.Tensor | None = None) -> torch.Tensor:
-        head = self.shared_head.head or main_head
-        return linear(self.shared_head.norm(h), head.weight, head.bias, gemv_ws).float()
+    def logits(self, h: torch.Tensor, main_head_weight, gemv_ws: torch.Tensor | None = None) -> torch.Tensor:
+        """`main_head_weight`: the main model's LM head (a tensor or a `QWeight`), used unless the
+        checkpoint gave this layer its own."""
+        own = self.shared_head.head
+        weight = own.weight if own is not None else main_head_weight
+        return linear(self.shared_head.norm(h), weight, None, gemv_ws).float()

@@ -15,7 +15,8 @@ from strata.config import ModelConfig
 from strata.models.attention import AttentionBackend
 from strata.kernels import triton_available
 from strata.kernels.gemv import gemv_supported, gemv_workspace_numel
-from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs, Rotary, linear
+from strata.kernels.quant import QWeight
+from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
 
 
@@ -41,6 +42,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
         self.gemv_ws: torch.Tensor | None = None  # set by pack() on CUDA: the GEMV kernels' workspace
+        self.lm_head_q: QWeight | None = None  # the LM head kept quantized (loader + pack)
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:
@@ -64,15 +66,17 @@ class CausalLM(nn.Module):
         from strata.models.layers import MLP, Attention, MoE
 
         expert_mlps = {id(e) for m in self.modules() if isinstance(m, MoE) for e in m.experts}
+        dtype = self.model.embed_tokens.weight.dtype
+        self.lm_head_q = take_quantized([self.lm_head], dtype)
         packed = []
         for m in self.modules():
             if isinstance(m, Attention) or (isinstance(m, MLP) and id(m) not in expert_mlps):
-                m.pack()
+                m.pack(dtype)
                 packed.append(m)
             elif isinstance(m, MoE):
                 m.pack_experts()
         head = self.lm_head.weight
-        if head.is_cuda and triton_available():
+        if self.model.embed_tokens.weight.is_cuda and triton_available():
             # One split-K workspace serves every GEMV of the model: the launches run one after another
             # and each leaves its counters at zero.
             shapes = [tuple(head.shape)] + [tuple(t.shape) for m in packed for t in (
@@ -80,8 +84,8 @@ class CausalLM(nn.Module):
                 if t is not None]
             shapes += [tuple(m.shared_head.head.weight.shape) for m in self.modules()
                        if getattr(getattr(m, "shared_head", None), "head", None) is not None]
-            numel = max([gemv_workspace_numel(n, k) for n, k in shapes if gemv_supported(1, n, k, head.dtype)] or [0])
-            self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=head.device)
+            numel = max([gemv_workspace_numel(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype)] or [0])
+            self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.model.embed_tokens.weight.device)
             for m in packed:
                 m.gemv_ws = self.gemv_ws
 
@@ -95,7 +99,11 @@ class CausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, None, self.gemv_ws).float()
+        return linear(hidden, self.head_weight, None, self.gemv_ws).float()
+
+    @property
+    def head_weight(self) -> "torch.Tensor | QWeight":
+        return self.lm_head_q if self.lm_head_q is not None else self.lm_head.weight
 
     def mtp_forward(
         self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, depth: int = 0
@@ -113,4 +121,4 @@ class CausalLM(nn.Module):
 
     def mtp_logits(self, h: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """fp32 logits [N, V] of MTP hidden states: a drafter asks only for the rows it draws from."""
-        return self.model.layers[self.num_layers + depth].logits(h, self.lm_head, self.gemv_ws)
+        return self.model.layers[self.num_layers + depth].logits(h, self.head_weight, self.gemv_ws)

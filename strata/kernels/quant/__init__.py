@@ -1,0 +1,92 @@
+"""Quantized weights kept quantized on the device (issue 10): one module per GGUF format.
+
+Each format module (`q8_0`, `q4_k`, `iq3_s`) follows one contract: `GGML_TYPE`, `BLOCK_VALUES`,
+`BLOCK_BYTES`; `repack(raw)` turns the file's blocks (uint8 [N, K / BLOCK_VALUES * BLOCK_BYTES], already
+on the device) into the kernel's planes with device ops only; `dequantize(planes, n, k)` is the fp32
+definition (equal to the gguf package's numpy dequantization, bit for bit); `matmul(x, planes, n, k)`
+computes x @ Wᵀ through Triton kernels (a GEMV for decode-sized M, a tiled GEMM for reads);
+`random_raw(n, k, seed)` writes valid random blocks for tests and benchmarks.
+
+`QWeight` binds one tensor's planes to its format and shape; `FORMATS` maps a GGUF type name to its
+module (imported on first use, so a CPU-only install without Triton still loads GGUF files).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+_MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s"}
+FORMATS = tuple(_MODULES)
+
+
+def format_module(ggml_type: str) -> ModuleType:
+    """The kernel module of a GGUF type name ("Q8_0", "Q4_K", "IQ3_S")."""
+    if ggml_type not in _MODULES:
+        raise ValueError(f"no quantized kernels for {ggml_type} (kept quantized: {', '.join(FORMATS)})")
+    return importlib.import_module(f"strata.kernels.quant.{_MODULES[ggml_type]}")
+
+
+@dataclass
+class QWeight:
+    """One quantized [N, K] weight on its device: the format's planes, built by `repack`."""
+
+    ggml_type: str
+    n: int
+    k: int
+    planes: dict[str, torch.Tensor]
+    # The split-K workspace of a format whose decode kernel takes one (`gemv_workspace_numel`), made
+    # once here so no call allocates; like the planes, one weight's calls must not run on two streams.
+    workspace: torch.Tensor | None = None
+
+    @classmethod
+    def from_raw(cls, ggml_type: str, raw: torch.Tensor, n: int, k: int) -> "QWeight":
+        mod = format_module(ggml_type)
+        if k % mod.BLOCK_VALUES or tuple(raw.shape) != (n, k // mod.BLOCK_VALUES * mod.BLOCK_BYTES):
+            raise ValueError(f"{ggml_type} [{n}, {k}]: expected raw blocks of shape "
+                             f"({n}, {k // mod.BLOCK_VALUES * mod.BLOCK_BYTES}), got {tuple(raw.shape)}")
+        numel = mod.gemv_workspace_numel(n, k) if hasattr(mod, "gemv_workspace_numel") else 0
+        workspace = torch.zeros(numel, dtype=torch.int32, device=raw.device) if numel else None
+        return cls(ggml_type, n, k, mod.repack(raw.contiguous()), workspace)
+
+    @property
+    def module(self) -> ModuleType:
+        return format_module(self.ggml_type)
+
+    @property
+    def nbytes(self) -> int:
+        extra = [self.workspace] if self.workspace is not None else []
+        return sum(t.numel() * t.element_size() for t in [*self.planes.values(), *extra])
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.planes.values())).device
+
+    def dequantize(self) -> torch.Tensor:
+        return self.module.dequantize(self.planes, self.n, self.k)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.workspace is not None:
+            return self.module.matmul(x, self.planes, self.n, self.k, out, workspace=self.workspace)
+        return self.module.matmul(x, self.planes, self.n, self.k, out)
+
+
+# Byte offsets of each block's fp16 scale fields (d; Q4_K also dmin), which `random_blocks` must keep
+# finite; every other byte of a block is valid whatever its value.
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "IQ3_S": (0,)}
+
+
+def random_blocks(ggml_type: str, n: int, k: int, generator: torch.Generator, device) -> torch.Tensor:
+    """Random but valid raw blocks [N, K / BLOCK_VALUES * BLOCK_BYTES] made on the device (benchmarks
+    at 8B shapes: the modules' `random_raw` writers are numpy and meant for test sizes). Scales are
+    ~2e-4, so values land near the ±0.02 of the float random weights."""
+    mod = format_module(ggml_type)
+    blocks = k // mod.BLOCK_VALUES
+    raw = torch.randint(0, 256, (n, blocks, mod.BLOCK_BYTES), generator=generator, device=device, dtype=torch.uint8)
+    for off in _SCALE_FIELDS[ggml_type]:
+        scale = torch.empty(n, blocks, 1, device=device, dtype=torch.float16).uniform_(1e-4, 3e-4, generator=generator)
+        raw[:, :, off : off + 2] = scale.view(torch.uint8)
+    return raw.view(n, blocks * mod.BLOCK_BYTES)

@@ -1,0 +1,473 @@
+"""GGUF IQ3_S weights kept quantized on the device: planes, the fp32 definition, and two Triton kernels.
+
+Format (per super-block of 256 values, 110 bytes): fp16 d; qs[64], the low 8 bits of 64 grid
+indices; qh[8], their 9th bits (bit i of byte b for index 8b + i); signs[32], one bit per value (set =
+negative); scales[4], eight 4-bit scales, one per sub-block of 32 values (low nibble first). Value v
+of the block is d * (1 + 2 * scale[v // 32]) * grid[index[v // 4]][v % 4] * sign[v], where the grid
+(512 entries of 4 magnitudes in {1, 3, ..., 15}) is read from the gguf package at import. Every
+factor is a small odd integer times an fp16, so the product is exact in fp32 in any order: the
+dequantization is bit for bit gguf's.
+
+Planes (`repack`, 110 bytes per block, exactly the file's size): "qs" uint8 [N, K/4], "signs" int32
+[N, K/32] (a sub-block's 32 sign bits as one little-endian word), "qh" uint8 [N, K/32] (one byte per
+sub-block), "scales" uint8 [N, K/64], "d" fp16 [N, K/256]; plus "workspace" int32 where the decode
+configuration of (N, K) splits K (counters and fp32 partials, ≤ 8% of the weight bytes). The grid is
+a 2 KB int32 [512] table (4 magnitudes packed per word) on each device, gathered by the kernels.
+
+Kernels. Both dequantize a [BLOCK_N, BLOCK_K] weight tile in registers one grid word per 4 values:
+each of the word's 4 bytes gives a [BLOCK_N, BLOCK_K / 4] plane, and the four are interleaved back
+into K order (join + reshape, register-local). The weight is rounded once from its exact fp32 value
+to x's dtype (round to nearest even) and multiplied on the tensor cores with fp32 accumulation (fp32
+x: IEEE fp32 dot); the result is rounded once to x's dtype.
+- M ≤ 16 (decode GEMV): weights as the MMA's M side, xᵀ padded to 16 columns ("swap AB", as in
+  strata/kernels/gemv.py), so every M ≤ 16 runs one binary and a row's result does not depend on
+  the others. Optional deterministic split-K: the last program of a column tile to arrive (atomic
+  ticket) sums the fp32 partials in split order and resets the ticket.
+- M > 16 (prompt reads): a tiled GEMM, x tiles [BLOCK_M, BLOCK_K] times dequantized weight tiles
+  (each weight tile is dequantized once per BLOCK_M rows of x, so BLOCK_M is large).
+Configurations are functions of (N, K) (and, for the GEMM, x's dtype and M ≤ 128 or not) only, chosen by reasoning for
+the H200 and not yet timed; both kernels were compiled for sm_90 (bf16: GEMV mma.sync at 128
+registers, GEMM wgmma at 165, no spills; the weight tile reaches shared memory in 16-byte stores).
+Under TRITON_INTERPRET the 16-bit dot runs in fp32 on the rounded values (the same products), and
+the byte-to-weight step uses a multiply where the GPU uses an fma (both exact: the GPU tests check
+the kernels' weights bit for bit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: dequantize works, the kernels are never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+GGML_TYPE = "IQ3_S"
+BLOCK_VALUES = 256
+BLOCK_BYTES = 110
+GEMV_MAX_ROWS = 16  # M ≤ this runs the GEMV; its MMA pads x to this many rows
+NUM_SMS = 132  # H200; a constant so that configurations depend on (N, K) only
+WORKSPACE_MAX_FRACTION = 0.08  # split-K only where its workspace stays this small next to the weight
+
+
+def _grid_words() -> torch.Tensor:
+    """int32 [512]: gguf's IQ3_S grid, entry i's 4 magnitudes as bytes 0..3 of word i."""
+    from gguf.quants import IQ3_S as GgufIQ3S
+
+    GgufIQ3S.init_grid()
+    mags = np.asarray(GgufIQ3S.grid, dtype=np.float32).reshape(512, 4)
+    assert np.array_equal(mags, np.round(mags)) and mags.min() >= 1 and mags.max() <= 15
+    mags = mags.astype(np.int32)
+    words = mags[:, 0] | (mags[:, 1] << 8) | (mags[:, 2] << 16) | (mags[:, 3] << 24)
+    return torch.from_numpy(words.astype(np.int32))
+
+
+GRID_WORDS = _grid_words()  # CPU; `grid_table` puts it on a device
+
+
+@lru_cache(maxsize=16)
+def grid_table(device: torch.device) -> torch.Tensor:
+    """The grid on `device` (made once per device; `repack` makes it, so never first under capture)."""
+    return GRID_WORDS.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planes, the definition, random blocks
+
+
+def _check_raw(raw: torch.Tensor) -> tuple[int, int]:
+    if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % BLOCK_BYTES:
+        raise ValueError(f"IQ3_S raw blocks: expected uint8 [N, K/256*110], got {raw.dtype} {tuple(raw.shape)}")
+    return raw.shape[0], raw.shape[1] // BLOCK_BYTES * BLOCK_VALUES
+
+
+def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    n, k = _check_raw(raw)
+    blocks = raw.contiguous().view(n, k // BLOCK_VALUES, BLOCK_BYTES)
+    field = lambda lo, hi: blocks[:, :, lo:hi].clone(memory_format=torch.contiguous_format)  # noqa: E731
+    planes = {
+        "qs": field(2, 66).view(n, k // 4),
+        "signs": field(74, 106).view(torch.int32).view(n, k // 32),
+        "qh": field(66, 74).view(n, k // 32),
+        "scales": field(106, 110).view(n, k // 64),
+        "d": field(0, 2).view(torch.float16).view(n, k // 256),
+    }
+    cfg = gemv_config(n, k)
+    if cfg.split_k > 1:
+        planes["workspace"] = torch.zeros(workspace_numel(n, cfg), dtype=torch.int32, device=raw.device)
+    grid_table(raw.device)
+    return planes
+
+
+def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    qs, qh, signs = planes["qs"].long(), planes["qh"].long(), planes["signs"]
+    device = qs.device
+    bit8 = torch.arange(8, device=device)
+    high = ((qh.view(n, k // 32, 1) >> bit8) & 1).view(n, k // 4)
+    index = qs | (high << 8)
+    mags = (grid_table(device)[index].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
+    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
+    db = planes["d"].float().repeat_interleave(8, dim=1) * (1 + 2 * scale).float()  # [N, K/32], exact
+    negative = (signs.view(n, k // 32, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+    sign = 1.0 - 2.0 * negative.float()  # a multiplication, as gguf's, so zero weights keep gguf's sign
+    return ((db.view(n, k // 32, 1) * mags.float().view(n, k // 32, 32)) * sign).view(n, k)
+
+
+def random_raw(n: int, k: int, seed: int) -> np.ndarray:
+    """Random blocks: every field uniform random bits except d, |normal| * 1.5e-4 (weights of std ~0.02)."""
+    if k % BLOCK_VALUES:
+        raise ValueError(f"K = {k} is not a multiple of {BLOCK_VALUES}")
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // BLOCK_VALUES, BLOCK_BYTES), dtype=np.uint8)
+    d = (np.abs(rng.standard_normal((n, k // BLOCK_VALUES))) * 1.5e-4 + 1e-5).astype(np.float16)
+    blocks[:, :, 0:2] = d.view(np.uint8).reshape(n, k // BLOCK_VALUES, 2)
+    return blocks.reshape(n, k // BLOCK_VALUES * BLOCK_BYTES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # GEMM rows of x per program (the GEMV always pads to GEMV_MAX_ROWS)
+    block_n: int  # weight rows per program, a power of two >= 16
+    block_k: int  # K per step: 64, 128 or 256 (whole sub-blocks, ≥ 16 groups of 4)
+    split_k: int = 1  # GEMV only: programs per column tile, each over an equal share of the K steps
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def workspace_numel(n: int, cfg: TileConfig) -> int:
+    """int32 elements of GEMV workspace: tile tickets (padded to 128 bytes), then fp32 partials."""
+    if cfg.split_k == 1:
+        return 0
+    tiles = _cdiv(n, cfg.block_n)
+    return _cdiv(tiles, 32) * 32 + tiles * cfg.split_k * GEMV_MAX_ROWS * cfg.block_n
+
+
+# SASS instructions per weight value and thread of the GEMV loop (bf16, sm_90 compile, 4 warps,
+# BLOCK_K 256): the dequantization is ~5.5 of them; the rest moves the tile to the MMA, and 16-row
+# tiles do that twice over (the 4 warps duplicate a 16 x 16 MMA).
+GEMV_INSTRUCTIONS_PER_VALUE = {32: 11.8, 16: 14.9}
+
+
+def gemv_config(n: int, k: int) -> TileConfig:
+    """Untimed. The dequantization costs more issue slots than its bytes cost time (~3x at 4.8 TB/s),
+    so the kernel is compute bound: the estimate is instructions per value times the load imbalance
+    of the grid over the SMs, counting an SM with one program as half-rate (all programs resident:
+    128 registers and ≤ 36 KB of shared memory each). Candidates: 16- or 32-row tiles (mma.sync;
+    wgmma's 64 rows leave too few programs), a whole super-block per step (one d per row), 4 warps,
+    K split 1-8 ways with ≥ 4 steps per split and a workspace of at most WORKSPACE_MAX_FRACTION of
+    the weight; ties go to less splitting."""
+    steps = k // 256
+    weight_bytes = n * k // BLOCK_VALUES * BLOCK_BYTES
+    best = None
+    for block_n, per_value in GEMV_INSTRUCTIONS_PER_VALUE.items():
+        for split in (1, 2, 4, 8):
+            cfg = TileConfig(GEMV_MAX_ROWS, block_n, 256, split, num_warps=4, num_stages=3)
+            too_big = 4 * workspace_numel(n, cfg) > WORKSPACE_MAX_FRACTION * weight_bytes
+            if split > 1 and (steps // split < 4 or too_big):
+                continue
+            programs = cfg.split_k * _cdiv(n, block_n)
+            # Time ∝ the busiest SM's share of the work over its issue rate, full from 2 programs
+            # (2 warps per scheduler) up: per_value * max(programs on it, 2) / programs.
+            cost = per_value * max(_cdiv(programs, NUM_SMS), 2) * NUM_SMS / programs * (1 + 0.01 * split)
+            if best is None or cost < best[0]:
+                best = (cost, cfg)
+    return best[1]
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype = torch.bfloat16, m: int = 4096) -> TileConfig:
+    """Untimed. 16-bit x: wgmma tiles with 8 warps, the dequantized tile stored to shared memory once
+    per K step of 64 (32 values a thread). Dequantizing costs ~12 instructions a weight value per
+    step whatever BLOCK_M is, the MMA grows with it: at BLOCK_M 256 a step is ~800 issue cycles of
+    dequantization against ~1000 of MMA (128: ~740 against 500), at 246 registers and 91 KB of
+    shared memory (one program per SM), no spills. M ≤ 128 keeps 128-row tiles. fp32 x (an FMA
+    dot): 32 x 32 tiles, which spill ~300 bytes (64 x 64 tiles spill kilobytes)."""
+    if dtype == torch.float32:
+        return TileConfig(32, 32, 64, 1, num_warps=4, num_stages=2)
+    return TileConfig(128 if m <= 128 else 256, 128, 64, 1, num_warps=8, num_stages=3)
+
+
+def check_config(cfg: TileConfig, k: int, gemv: bool) -> None:
+    pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
+    steps = k // cfg.block_k if cfg.block_k else 0
+    if not (pow2(cfg.block_m) and pow2(cfg.block_n) and cfg.block_k in (64, 128, 256) and k % cfg.block_k == 0
+            and 1 <= cfg.split_k <= steps and (gemv or cfg.split_k == 1) and (not gemv or cfg.block_m == GEMV_MAX_ROWS)
+            and cfg.num_warps in (1, 2, 4, 8) and cfg.num_stages >= 1):
+        raise ValueError(f"invalid {'GEMV' if gemv else 'GEMM'} {cfg} for K={k}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@jit
+def _magnitude_times(db, word, signs, J: tl.constexpr, INTERPRETED: tl.constexpr):
+    """db * (byte J of word), negated where bit J of signs is set: exact fp32 weights of one byte plane.
+    The byte becomes the float 2^23 + byte by or-ing in 2^23's bits (I2F is quarter rate); one fma
+    then gives db * byte exactly (the true value fits 20 bits; the interpreter's fma rounds twice).
+    The sign is an xor of the sign bit."""
+    shifted = (((word >> (8 * J)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    if INTERPRETED:
+        v = db * (shifted - 8388608.0)
+    else:
+        v = tl.fma(shifted, db, db * -8388608.0)
+    return (v.to(tl.int32, bitcast=True) ^ ((signs >> J) << 31)).to(tl.float32, bitcast=True)
+
+
+@jit
+def _byte_plane(db, word, signs, J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+    """Byte J's weights of every group, [group in sub-block, sub-block, row] -> [row, group]."""
+    w = _magnitude_times(db, word, signs, J, INTERPRETED)
+    return tl.reshape(tl.permute(w, (2, 1, 0)), [BLOCK_N, BLOCK_K // 4])
+
+
+@jit
+def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, rows64, k0, k,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_K] weights of rows `rows64` (int64 [BLOCK_N], valid rows), K from k0.
+
+    The groups of 4 are laid out [group in sub-block, sub-block, row] and permuted to rows-first only
+    at the end: the grid gather has no contiguity, and the compiler then makes dim 0 the lanes' fastest
+    dimension, which must be K for the final tile to be stored to shared memory in vectors."""
+    SUBS: tl.constexpr = BLOCK_K // 32
+    sub = k0 // 32 + tl.arange(0, SUBS)[:, None]  # global sub-block index [SUBS, 1]
+    t = tl.arange(0, 8)[:, None, None]  # group of 4 inside a sub-block
+    row = rows64[None, :]
+    qs = tl.load(qs_ptr + row[None, :, :] * (k // 4) + sub[None, :, :] * 8 + t).to(tl.int32)
+    qh = tl.load(qh_ptr + row * (k // 32) + sub).to(tl.int32)
+    signs = tl.load(signs_ptr + row * (k // 32) + sub)
+    scale_byte = tl.load(scales_ptr + row * (k // 64) + sub // 2).to(tl.int32)
+    d = tl.load(d_ptr + row * (k // 256) + sub // 8).to(tl.float32)
+    scale = (scale_byte >> ((sub % 2) * 4)) & 15
+    db = (d * (1 + 2 * scale).to(tl.float32))[None, :, :]
+    index = qs | (((qh[None, :, :] >> t) & 1) << 8)
+    word = tl.load(grid_ptr + index)
+    group_signs = signs[None, :, :] >> (4 * t)  # bit j: value 4t + j
+    w0 = _byte_plane(db, word, group_signs, 0, BLOCK_N, BLOCK_K, INTERPRETED)
+    w1 = _byte_plane(db, word, group_signs, 1, BLOCK_N, BLOCK_K, INTERPRETED)
+    w2 = _byte_plane(db, word, group_signs, 2, BLOCK_N, BLOCK_K, INTERPRETED)
+    w3 = _byte_plane(db, word, group_signs, 3, BLOCK_N, BLOCK_K, INTERPRETED)
+    # [..., a, b] holds byte 2a + b of each group's word: flattened, K order 4g + j.
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK_N, BLOCK_K])
+
+
+@jit
+def _dot(a, b, acc, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
+    if INTERPRETED:  # the interpreter's 16-bit dot is unusable; exact products of the 16-bit values instead
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE_DOT:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@jit(do_not_specialize=["m"])
+def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, out_stride,
+                 partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    steps = k // BLOCK_K
+    step_begin = split * steps // SPLIT_K
+    step_end = (split + 1) * steps // SPLIT_K
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tile * BLOCK_N + offs_n
+    col_ok = cols < n
+    rows64 = tl.minimum(cols, n - 1).to(tl.int64)  # a ragged last tile reads valid rows, stores none
+    xrows = tl.arange(0, BLOCK_M)
+    xrow_ok = xrows < m
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(step_begin, step_end):
+        k0 = step * BLOCK_K
+        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, rows64, k0, k, BLOCK_N, BLOCK_K,
+                          INTERPRETED)
+        xt = tl.load(x_ptr + xrows[None, :] * x_stride + (k0 + offs_k)[:, None], mask=xrow_ok[None, :], other=0.0)
+        acc = _dot(w.to(x_ptr.dtype.element_ty), xt, acc, IEEE_DOT, INTERPRETED)
+
+    out_ptrs = out_ptr + xrows[None, :] * out_stride + cols[:, None]
+    out_ok = col_ok[:, None] & xrow_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        # Partials [tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32, rows < m only.
+        tile_partials = (partial_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N)
+                         + xrows[None, :] * BLOCK_N + offs_n[:, None])
+        tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc, mask=xrow_ok[None, :])
+        # All threads' partial stores precede thread 0's release (the atomic runs on one thread).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # Last to arrive: sum in split order; ".cg" reads L2, where the other SMs' stores are.
+            total = tl.load(tile_partials, mask=xrow_ok[None, :], other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), mask=xrow_ok[None, :], other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.store(counter_ptr + tile, 0)
+
+
+@jit
+def _gemm_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, out_stride,
+                 m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(m, BLOCK_M)
+    tiles_n = tl.cdiv(n, BLOCK_N)
+    # GROUP_M row tiles walk the column tiles together, so a weight tile is reused from L2.
+    per_group = GROUP_M * tiles_n
+    first_m = pid // per_group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    xrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = tl.minimum(cols, n - 1).to(tl.int64)
+    x_ptrs = x_ptr + tl.minimum(xrows, m - 1).to(tl.int64)[:, None] * x_stride + tl.arange(0, BLOCK_K)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, k // BLOCK_K):
+        k0 = step * BLOCK_K
+        xt = tl.load(x_ptrs)
+        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, rows64, k0, k, BLOCK_N, BLOCK_K,
+                          INTERPRETED)
+        acc = _dot(xt, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, IEEE_DOT, INTERPRETED)
+        x_ptrs += BLOCK_K
+    out_ptrs = out_ptr + xrows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(xrows < m)[:, None] & (cols < n)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
+    want = {"qs": ((n, k // 4), torch.uint8), "signs": ((n, k // 32), torch.int32), "qh": ((n, k // 32), torch.uint8),
+            "scales": ((n, k // 64), torch.uint8), "d": ((n, k // 256), torch.float16)}
+    for name, (shape, dtype) in want.items():
+        t = planes[name]
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"IQ3_S plane {name}: expected contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+
+
+def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
+           *, config: TileConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ Wᵀ -> [M, N] in x's dtype. `config` overrides the (N, K) configuration of the regime
+    M selects; `workspace` (int32, ≥ workspace_numel, zeroed once) overrides planes["workspace"] for
+    a split-K GEMV, and one is allocated only when neither is there (a config override)."""
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x: expected [M, {k}] with contiguous rows, got {tuple(x.shape)} strides {x.stride()}")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {tuple(out.shape)} {out.dtype}")
+    kernels = use_triton(x) if x.is_cuda else _interpreting()
+    if not kernels or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return out.copy_(F.linear(x.float(), dequantize(planes, n, k)).to(x.dtype))
+    _check_planes(planes, n, k)
+    if m == 0 or n == 0:
+        return out
+    gemv = m <= GEMV_MAX_ROWS
+    cfg = config or (gemv_config(n, k) if gemv else gemm_config(n, k, x.dtype, m))
+    check_config(cfg, k, gemv)
+    on = use_pdl(x)
+    common = dict(IEEE_DOT=x.dtype == torch.float32, INTERPRETED=not x.is_cuda, USE_PDL=on, launch_pdl=on,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    weights = (planes["qs"], planes["signs"], planes["qh"], planes["scales"], planes["d"], grid_table(x.device))
+    if not gemv:
+        grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
+        _gemm_kernel[grid](x, x.stride(0), *weights, out, out.stride(0), m, n, k, BLOCK_M=cfg.block_m,
+                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, **common)
+        return out
+    tiles = _cdiv(n, cfg.block_n)
+    counters = partials = out  # placeholders: never touched without split-K
+    if cfg.split_k > 1:
+        need = workspace_numel(n, cfg)
+        if workspace is None:
+            workspace = planes.get("workspace")
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.zeros(need, dtype=torch.int32, device=x.device)
+        elif workspace.dtype != torch.int32 or not workspace.is_contiguous():
+            raise ValueError("workspace: expected a contiguous int32 tensor")
+        counters = workspace[:tiles]
+        partials = workspace[_cdiv(tiles, 32) * 32:need].view(torch.float32)
+    _gemv_kernel[(tiles * cfg.split_k,)](
+        x, x.stride(0), *weights, out, out.stride(0), partials, counters, m, n, k, BLOCK_M=GEMV_MAX_ROWS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, **common)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-benchmark (CUDA): python -m strata.kernels.quant.iq3_s
+
+BENCH_SHAPES = [("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up", 24576, 4096),
+                ("8B down", 4096, 12288)]
+
+
+def _time_us(fn, runs: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / runs
+
+
+def _bench() -> None:
+    print(f"{'shape':>12} {'M':>5} | {'iq3_s us':>9} {'GB/s or TFLOP/s':>16} | {'bf16 us':>9} | rel err")
+    for name, n, k in BENCH_SHAPES:
+        planes = repack(torch.from_numpy(random_raw(n, k, seed=n + k)).cuda())
+        w = dequantize(planes, n, k).to(torch.bfloat16)
+        weight_bytes = n * k // BLOCK_VALUES * BLOCK_BYTES
+        for m in (1, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            ours = _time_us(lambda: matmul(x, planes, n, k, out))
+            theirs = _time_us(lambda: torch.matmul(x, w.t()))
+            ref = torch.matmul(x.float(), w.float().t())
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            speed = f"{weight_bytes / ours / 1e3:9.1f} GB/s" if m == 1 else f"{2 * m * n * k / ours / 1e6:7.1f} TFLOP/s"
+            print(f"{name:>12} {m:>5} | {ours:9.2f} {speed:>16} | {theirs:9.2f} | {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("the IQ3_S micro-benchmark needs a CUDA device")
+    _bench()

@@ -1,0 +1,577 @@
+"""GGUF Q4_K weights kept 4-bit on the device: repack, the fp32 definition, and x @ Wᵀ kernels.
+
+Q4_K (ggml): super-blocks of 256 values in 144 bytes — fp16 d, fp16 dmin, 12 bytes packing a 6-bit
+scale and a 6-bit min for each of 8 sub-blocks of 32, then 128 bytes of 4-bit quants. In the quant
+bytes, each run of 32 bytes serves two sub-blocks: low nibbles the first, high nibbles the second.
+A value is (d·scale)·q − dmin·min, computed in fp32 exactly as gguf's numpy dequantizer does: both
+products are exact in fp32 (11 + 6 + 4 significant bits), so the one rounding is the subtraction
+and a fused multiply-add gives the same bits.
+
+Planes (`repack`, device ops only), 148 bytes per 256 values (+2.8% over the file's 144):
+  qs      uint8 [N, K/2]    the quant bytes in the file's order (no shuffle needed: see below)
+  scales  uint8 [N, K/16]   per 64 values (sub-blocks 2g, 2g+1): scale 2g, scale 2g+1, min 2g, min
+                            2g+1, the 6-bit fields unpacked
+  d_dmin  fp16  [N, K/128]  per 256 values: d, dmin (the block's first 4 bytes as they are)
+The kernels read `scales` and `d_dmin` as int32 words: 4-byte loads that Triton's software pipeline
+can issue asynchronously (cp.async) a few steps ahead, like the quants, where byte loads could not.
+The kernels read a tile of BLOCK_K values as [rows, BLOCK_K/64, 32] bytes; the low nibbles are the
+values k0 + 64g + j and the high nibbles k0 + 64g + 32 + j, so each tile is two tensor-core dots of
+depth BLOCK_K/2 against x gathered at those two column sets — no nibble interleave in registers,
+and each [rows, g] scale broadcasts along the 32 bytes it covers.
+
+Rounding (the contract's semantics): each weight is dequantized to fp32 as above (bit for bit the
+`dequantize` value), then rounded to nearest even to x's dtype (bf16/fp16) and fed to the dot with
+fp32 accumulation; the result is rounded once to x's dtype. fp32 x keeps fp32 weights and an IEEE
+(non-TF32) dot. `matmul_ref` is that definition in torch and the path off CUDA.
+
+Kernels. M ≤ 16 (decode): the GEMV pattern of strata/kernels/gemv.py — the weight tile is the MMA's
+M side ("swap AB"), x is padded to 16 rows, M is a runtime argument Triton does not specialise on,
+so every M ≤ 16 runs one binary and a row's result does not depend on the other rows. Triton
+dequantizes straight into the MMA's register operand layout (wgmma at 64 rows, one warp group), so
+the weights never pass through shared memory; quants, scales and xᵀ stream in through the
+cp.async pipeline. Split-K: the last-arriving program of a row tile sums the fp32 partials in split
+order (deterministic, no float atomics) and resets the tile's ticket, so one zeroed workspace
+(`gemv_workspace_numel`) serves every call on a stream; `matmul(..., workspace=)` takes it, and
+without it a split-K shape allocates a zeroed one per call (from the graph pool under capture).
+M > 16 (prompt reads): a tiled GEMM in grouped tile order; each weight tile is dequantized in
+registers, stored to shared memory and read by wgmma. Grids depend on shapes only and nothing is
+read back to the host: both are CUDA-graph safe.
+
+Configurations are chosen by reasoning for the H200 and checked only by compiling for sm_90 (no
+spills, wgmma, every load pipelined); they are UNTIMED (see the notes at the tables).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: dequantize and the reference work, the kernels never launch
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+GGML_TYPE = "Q4_K"
+BLOCK_VALUES = 256
+BLOCK_BYTES = 144
+SUB_BLOCKS = 8  # of 32 values each
+
+GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
+NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks, planes and the definition
+
+
+def random_raw(n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [N, K/256·144] of valid Q4_K blocks with weights of std ~0.02: positive fp16 d and dmin
+    of sane size, random bytes for the packed scales/mins and the quants."""
+    if k % BLOCK_VALUES:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK_VALUES}")
+    rng = np.random.default_rng(seed)
+    nb = n * (k // BLOCK_VALUES)
+    blocks = rng.integers(0, 256, size=(nb, BLOCK_BYTES), dtype=np.uint8)
+    # E[scale·q] ≈ 31.5·7.5 and E[min] ≈ 31.5: dmin ≈ 7.5·d centres the values on ~0, and d ≈ 1e-4
+    # gives a spread of ~0.02.
+    d = (rng.uniform(0.6, 1.4, nb) * 1.0e-4).astype(np.float16)
+    dmin = (d.astype(np.float32) * rng.uniform(6.0, 9.0, nb)).astype(np.float16)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    blocks[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n, k // BLOCK_VALUES * BLOCK_BYTES)
+
+
+def _check_raw(raw: torch.Tensor) -> tuple[int, int]:
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % BLOCK_BYTES:
+        raise ValueError(f"raw: expected uint8 [N, K/{BLOCK_VALUES}·{BLOCK_BYTES}], "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    return raw.shape[0], raw.shape[1] // BLOCK_BYTES
+
+
+def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The file's blocks → the kernels' planes (module docstring), on raw's device, torch ops only."""
+    n, nb = _check_raw(raw)
+    blocks = raw.contiguous().view(n, nb, BLOCK_BYTES)
+    # Packed 6-bit fields, bytes 0-3: scales 0-3 (low 6 bits) + top 2 bits of scales 4-7; bytes 4-7:
+    # mins 0-3 + top 2 bits of mins 4-7; bytes 8-11: low 4 bits of scales 4-7 | of mins 4-7 << 4.
+    packed = blocks[:, :, 4:16]
+    lo_sc, lo_mn, hi = packed[:, :, 0:4], packed[:, :, 4:8], packed[:, :, 8:12]
+    sc = torch.cat([lo_sc & 0x3F, (hi & 0x0F) | ((lo_sc >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([lo_mn & 0x3F, (hi >> 4) | ((lo_mn >> 2) & 0x30)], dim=-1)
+    scales = torch.cat([sc.view(n, nb, 4, 2), mn.view(n, nb, 4, 2)], dim=-1)
+    return {"qs": blocks[:, :, 16:].reshape(n, nb * 128).contiguous(),
+            "scales": scales.reshape(n, nb * 16).contiguous(),
+            "d_dmin": blocks[:, :, 0:4].contiguous().view(torch.float16).reshape(n, nb * 2)}
+
+
+def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
+    shapes = {"qs": ((n, k // 2), torch.uint8), "scales": ((n, k // 16), torch.uint8),
+              "d_dmin": ((n, k // 128), torch.float16)}
+    if k % BLOCK_VALUES:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK_VALUES}")
+    for name, (shape, dtype) in shapes.items():
+        t = planes.get(name)
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            got = None if t is None else (tuple(t.shape), t.dtype)
+            raise ValueError(f"Q4_K plane {name!r}: expected contiguous {dtype} {shape}, got {got}")
+
+
+def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """fp32 [N, K], equal bit for bit to gguf.quants.dequantize(raw, Q4_K)."""
+    _check_planes(planes, n, k)
+    qs = planes["qs"].view(n, k // 64, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).view(n, k // 32, 32).float()
+    fields = planes["scales"].view(n, k // 64, 4)
+    d_dmin = planes["d_dmin"].view(n, k // 256, 2).float().repeat_interleave(SUB_BLOCKS, dim=1)
+    scale = d_dmin[:, :, 0] * fields[:, :, 0:2].reshape(n, k // 32).float()
+    offset = d_dmin[:, :, 1] * fields[:, :, 2:4].reshape(n, k // 32).float()
+    return (scale[:, :, None] * q - offset[:, :, None]).view(n, k)
+
+
+def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: fp32 product of x and the dequantized weight rounded to x's dtype, rounded once."""
+    w = dequantize(planes, n, k).to(x.dtype).float()
+    y = F.linear(x.float(), w).to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@jit
+def _byte_to_f32(v):
+    """int32 in [0, 256) → fp32 without an int→float conversion (a slow instruction class): OR it
+    into the mantissa of 2^23 and subtract 2^23, both exact."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@jit
+def _half_to_f32(v):
+    """The fp16 in the low 16 bits of an int32 → fp32."""
+    return v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@jit
+def _dequant_tile(qs_ptr, scales_ptr, d_dmin_ptr, w_rows, k0, k,
+                  ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Weight rows `w_rows` (int64 [R], all valid), values k0 .. k0+BLOCK_K → (low, high) [R, BLOCK_K/2]
+    in DTYPE: low column 32g+j is value k0+64g+j, high column 32g+j is value k0+64g+32+j.
+    `scales_ptr` and `d_dmin_ptr` are the planes viewed as int32 (one word per 64 / 256 values)."""
+    PAIRS: tl.constexpr = BLOCK_K // 64
+    g = tl.arange(0, PAIRS)
+    j = tl.arange(0, 32)
+    q = tl.load(qs_ptr + (w_rows * (k // 2))[:, None, None] + (k0 // 2 + g * 32)[None, :, None]
+                + j[None, None, :]).to(tl.int32)
+    fields = tl.load(scales_ptr + (w_rows * (k // 64))[:, None] + (k0 // 64 + g)[None, :])
+    d_dmin = tl.load(d_dmin_ptr + (w_rows * (k // 256))[:, None] + ((k0 + 64 * g) // 256)[None, :])
+    d = _half_to_f32(d_dmin)
+    dmin = _half_to_f32(d_dmin >> 16)
+    scale_lo = d * _byte_to_f32(fields & 0xFF)
+    scale_hi = d * _byte_to_f32((fields >> 8) & 0xFF)
+    offset_lo = dmin * _byte_to_f32((fields >> 16) & 0xFF)
+    offset_hi = dmin * _byte_to_f32((fields >> 24) & 0xFF)
+    q_lo = _byte_to_f32(q & 15)
+    q_hi = _byte_to_f32(q >> 4)
+    w_lo = scale_lo[:, :, None] * q_lo - offset_lo[:, :, None]
+    w_hi = scale_hi[:, :, None] * q_hi - offset_hi[:, :, None]
+    w_lo = tl.reshape(w_lo, (ROWS, BLOCK_K // 2)).to(DTYPE)
+    w_hi = tl.reshape(w_hi, (ROWS, BLOCK_K // 2)).to(DTYPE)
+    return w_lo, w_hi
+
+
+@jit
+def _low_columns(BLOCK_K: tl.constexpr):
+    """Offsets (from k0) of the values the low nibbles of a tile hold; +32 gives the high ones."""
+    c = tl.arange(0, BLOCK_K // 2)
+    return (c // 32) * 64 + c % 32
+
+
+@jit(do_not_specialize=["m"])
+def _gemv_kernel(x_ptr, x_stride, qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, out_stride, partial_ptr,
+                 counter_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    k_blocks = k // BLOCK_K
+    kb_begin = split * k_blocks // SPLIT_K
+    kb_end = (split + 1) * k_blocks // SPLIT_K
+
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tile * BLOCK_N + offs_n
+    col_ok = cols < n
+    w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # past-the-end rows re-read the last one, never stored
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    xt_ptrs = x_ptr + rows[None, :] * x_stride + _low_columns(BLOCK_K)[:, None]  # xᵀ [BLOCK_K/2, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(kb_begin, kb_end):
+        k0 = kb * BLOCK_K
+        w_lo, w_hi = _dequant_tile(qs_ptr, scales_ptr, d_dmin_ptr, w_rows, k0, k, BLOCK_N,
+                                   BLOCK_K, x_ptr.dtype.element_ty)
+        x_lo = tl.load(xt_ptrs + k0, mask=row_ok[None, :], other=0.0)
+        x_hi = tl.load(xt_ptrs + (k0 + 32), mask=row_ok[None, :], other=0.0)
+        if IEEE_DOT:
+            acc = tl.dot(w_lo, x_lo, acc, input_precision="ieee")
+            acc = tl.dot(w_hi, x_hi, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w_lo, x_lo, acc)
+            acc = tl.dot(w_hi, x_hi, acc)
+
+    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
+    out_ok = col_ok[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        # Partials [tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32; the ticket protocol of strata/kernels/gemv.py.
+        tile_partials = partial_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N) + rows[None, :] * BLOCK_N + offs_n[:, None]
+        tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc, mask=row_ok[None, :])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(tile_partials, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), mask=row_ok[None, :], other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.store(counter_ptr + tile, 0)
+
+
+@jit(do_not_specialize=["m"])
+def _gemm_kernel(x_ptr, x_stride, qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, out_stride, m, n, k,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    # Grouped order: GROUP_M row tiles walk the column tiles together, so a dequantized weight tile's
+    # bytes and the x tiles stay in L2 between neighbouring programs.
+    tiles_m = tl.cdiv(m, BLOCK_M)
+    tiles_n = tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = tl.minimum(rows, m - 1).to(tl.int64)
+    w_rows = tl.minimum(cols, n - 1).to(tl.int64)
+    x_ptrs = x_ptr + x_rows[:, None] * x_stride + _low_columns(BLOCK_K)[None, :]  # [BLOCK_M, BLOCK_K/2]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, k // BLOCK_K):
+        k0 = kb * BLOCK_K
+        x_lo = tl.load(x_ptrs + k0)
+        x_hi = tl.load(x_ptrs + (k0 + 32))
+        w_lo, w_hi = _dequant_tile(qs_ptr, scales_ptr, d_dmin_ptr, w_rows, k0, k, BLOCK_N,
+                                   BLOCK_K, x_ptr.dtype.element_ty)
+        if IEEE_DOT:
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < m)[:, None] & (cols < n)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations (by reasoning for the H200; UNTIMED)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows per program (the MMA's M side): 16, 32, 64 or 128
+    block_k: int  # values per step, a power of two >= 128 dividing K
+    split_k: int = 1  # programs per row tile, each over an equal share (±1) of the K steps
+    num_stages: int = 4
+
+    @property
+    def num_warps(self) -> int:
+        # One warp per 16 weight rows. The dequantized tile is produced directly in the MMA operand
+        # layout, and the MMA gives each warp 16 rows: more warps than BLOCK_N/16 would hold copies
+        # of the same rows and repeat the whole dequantization per copy (seen in the sm_90 SASS).
+        return self.block_n // 16
+
+    def programs(self, n: int) -> int:
+        return _cdiv(n, self.block_n) * self.split_k
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # values per step, a power of two >= 128 dividing K
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# GEMV. The loop body costs 7.7-8.3 instructions per weight value in the sm_90 SASS (nibble
+# extraction, the 2^23 trick, the FMA, bf16 packing, shared-memory reads) against 0.58 bytes of HBM:
+# at 4.8 TB/s that is ~2x the H200's ~33 T lane-instructions/s, so batch 1 is ALU-bound (about half
+# the HBM bandwidth at best, still ~2x fewer µs than a bf16 GEMV), and the tiles aim
+# at keeping every SM's four schedulers busy: 64-row tiles (4 warps, one warp group: wgmma with the
+# weights from registers; 72 registers and 31 KB at 128 values per step, 132 and 44 KB at 256; no
+# spills) and split-K up to about 3 programs
+# per SM (≤ 396 programs: one wave). Per program and stage: BLOCK_N·BLOCK_K/2 quant bytes, BLOCK_K·32
+# bytes of xᵀ. Split-K needs a workspace (`gemv_workspace_numel`): pass one to `matmul`.
+GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (4096, 4096): GemvConfig(64, 128, split_k=6),  # 384 programs, 5-6 steps each
+    (6144, 4096): GemvConfig(64, 128, split_k=4),  # 384 programs, 8 steps
+    (12288, 4096): GemvConfig(64, 128, split_k=2),  # 384 programs, 16 steps
+    (24576, 4096): GemvConfig(64, 256, split_k=1, num_stages=3),  # 384 programs, 16 steps
+    (4096, 12288): GemvConfig(64, 128, split_k=6),  # 384 programs, 16 steps
+    (5120, 2048): GemvConfig(64, 128, split_k=4),  # 320 programs, 4 steps
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _heuristic_gemv(n: int, k: int) -> GemvConfig:
+    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
+    block_k = 256 if k % 256 == 0 and k >= 8192 else 128
+    steps, tiles = k // block_k, _cdiv(n, block_n)
+    split = max(1, min(3 * NUM_SMS // tiles, steps // 2))
+    return GemvConfig(block_n, block_k, split, num_stages=3 if block_k == 256 else 4)
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """A function of (N, K) only: what makes a row's result independent of M ≤ 16."""
+    return GEMV_CONFIGS.get((n, k)) or _heuristic_gemv(n, k)
+
+
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+    """16-bit x: 128x128 output tiles, 8 warps (two wgmma warp groups), 128 values per step — per
+    stage 32 KB of x and 8 KB of quants, plus the dequantized tiles the wgmma reads from shared
+    memory (~150 KB, 176 registers, no spills when compiled for sm_90); 64-row tiles for short reads.
+    fp32 x (IEEE dot on the FMA units, a correctness path): 64x64 tiles, which do not spill."""
+    if dtype == torch.float32:
+        return GemmConfig(64, 64, 128, num_warps=8, num_stages=2)
+    return GemmConfig(64 if m <= 64 else 128, 128, 128, num_warps=8, num_stages=3)
+
+
+def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
+    """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials."""
+    cfg = config or gemv_config(n, k)
+    if cfg.split_k == 1:
+        return 0
+    tiles = _cdiv(n, cfg.block_n)
+    return _cdiv(tiles, 32) * 32 + tiles * cfg.split_k * GEMV_MAX_ROWS * cfg.block_n
+
+
+def _check_block_k(block_k: int, k: int) -> None:
+    if block_k < 128 or block_k & (block_k - 1) or k % block_k:
+        raise ValueError(f"block_k={block_k}: a power of two >= 128 dividing K={k} expected")
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers and dispatch
+
+
+def _check_call(x: torch.Tensor, planes, n: int, k: int, out: torch.Tensor | None,
+                allocate: bool = True) -> torch.Tensor | None:
+    _check_planes(planes, n, k)
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x: expected [M, {k}] bf16/fp16/fp32 with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    if x.device != planes["qs"].device:
+        raise ValueError(f"x on {x.device}, weight on {planes['qs'].device}")
+    m = x.shape[0]
+    if out is None:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device) if allocate else None
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    return out
+
+
+def _planes_args(planes):
+    return planes["qs"], planes["scales"].view(torch.int32), planes["d_dmin"].view(torch.int32)
+
+
+def gemv_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
+             *, workspace: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """The decode kernel, x [M ≤ 16, K]. A split-K configuration uses `workspace` (zeroed int32 of ≥
+    `gemv_workspace_numel` elements, left zeroed; not shared by concurrent streams) or allocates one."""
+    out = _check_call(x, planes, n, k, out)
+    m = x.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv_q4k: M={m} > {GEMV_MAX_ROWS}")
+    cfg = config or gemv_config(n, k)
+    _check_block_k(cfg.block_k, k)
+    if cfg.block_n not in (16, 32, 64, 128) or not 1 <= cfg.split_k <= k // cfg.block_k:
+        raise ValueError(f"invalid {cfg} for K={k}")
+    if m == 0:
+        return out
+    tiles = _cdiv(n, cfg.block_n)
+    counters = partials = out  # placeholders, untouched without split-K
+    if cfg.split_k > 1:
+        need = gemv_workspace_numel(n, k, cfg)
+        if workspace is None:
+            workspace = torch.zeros(need, dtype=torch.int32, device=x.device)
+        elif workspace.dtype != torch.int32 or workspace.numel() < need or not workspace.is_contiguous():
+            raise ValueError(f"workspace: expected a contiguous int32 tensor of >= {need} elements")
+        counters = workspace[:tiles]
+        partials = workspace[_cdiv(tiles, 32) * 32:need].view(torch.float32)
+    on = use_pdl(x)
+    _gemv_kernel[(tiles * cfg.split_k,)](
+        x, x.stride(0), *_planes_args(planes), out, out.stride(0), partials, counters, m, n, k,
+        BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        IEEE_DOT=x.dtype == torch.float32, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+def gemm_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
+             *, config: GemmConfig | None = None) -> torch.Tensor:
+    """The prompt-read kernel, any M (used for M > 16)."""
+    out = _check_call(x, planes, n, k, out)
+    m = x.shape[0]
+    cfg = config or gemm_config(m, n, k, x.dtype)
+    _check_block_k(cfg.block_k, k)
+    if m == 0:
+        return out
+    on = use_pdl(x)
+    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
+    _gemm_kernel[grid](
+        x, x.stride(0), *_planes_args(planes), out, out.stride(0), m, n, k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        IEEE_DOT=x.dtype == torch.float32, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+def _kernels_run(x: torch.Tensor) -> bool:
+    """On CUDA (without autograd), or anywhere while Triton interprets the kernels (TRITON_INTERPRET=1,
+    read by Triton when the kernels were decorated, not by us)."""
+    if use_triton(x):
+        return True
+    interpreted = type(_gemv_kernel).__name__ == "InterpretedFunction"
+    return interpreted and not (x.requires_grad and torch.is_grad_enabled())
+
+
+def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
+           *, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ Wᵀ → [M, N] in x's dtype (semantics: `matmul_ref`). M ≤ 16: the GEMV (a row's bits
+    do not depend on M); larger M: the GEMM. Off CUDA (no interpreter): `matmul_ref`."""
+    if not _kernels_run(x):
+        _check_call(x, planes, n, k, out, allocate=False)
+        return matmul_ref(x, planes, n, k, out)
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv_q4k(x, planes, n, k, out, workspace=workspace)
+    return gemm_q4k(x, planes, n, k, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-benchmark (CUDA): python -m strata.kernels.quant.q4_k [--sweep]
+
+BENCH_SHAPES = [("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up", 24576, 4096),
+                ("8B down", 4096, 12288)]
+
+
+def _time_us(calls, runs: int = 50) -> float:
+    for call in calls * 2:
+        call()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    torch.cuda._sleep(40_000_000)  # the host queues every launch before the first runs
+    for i, (start, end) in enumerate(events):
+        start.record()
+        calls[i % len(calls)]()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+
+
+def _weight_copies(n: int, k: int) -> list[dict[str, torch.Tensor]]:
+    """Enough weights (≥ 4, ≥ 3x the L2 in all) that cycling through them reads HBM, not L2."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    count = max(4, math.ceil(3 * l2 / (n * k * 148 // 256)))
+    return [repack(torch.from_numpy(random_raw(n, k, seed)).cuda()) for seed in range(count)]
+
+
+def bench(ms=(1, 4096), shapes=BENCH_SHAPES) -> list[dict]:
+    """Q4_K matmul against bf16 torch.matmul of the dequantized weight, both cycling over copies of
+    the weight. GB/s counts weight bytes (planes for Q4_K, bf16 for the reference)."""
+    rows = []
+    print(f"{'shape':>12} {'N x K':>12} {'M':>5} | {'q4_k us':>9} {'GB/s':>6} {'TFLOP/s':>7} | "
+          f"{'bf16 us':>9} {'GB/s':>6} {'TFLOP/s':>7} | rel err", flush=True)
+    for name, n, k in shapes:
+        planes = _weight_copies(n, k)
+        dense = [dequantize(p, n, k).to(torch.bfloat16) for p in planes]
+        qbytes = sum(t.numel() * t.element_size() for t in planes[0].values())
+        ws = torch.zeros(max(1, gemv_workspace_numel(n, k)), dtype=torch.int32, device="cuda")
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_q = _time_us([lambda p=p: matmul(x, p, n, k, workspace=ws) for p in planes])
+            t_d = _time_us([lambda w=w: torch.matmul(x, w.t()) for w in dense])
+            ref = torch.matmul(x.float(), dense[0].float().t())
+            err = ((matmul(x, planes[0], n, k, workspace=ws).float() - ref).norm() / ref.norm()).item()
+            flops = 2 * m * n * k
+            row = dict(shape=name, n=n, k=k, m=m, q4k_us=t_q, bf16_us=t_d, q4k_gbs=qbytes / t_q / 1e3,
+                       bf16_gbs=n * k * 2 / t_d / 1e3, q4k_tflops=flops / t_q / 1e6, bf16_tflops=flops / t_d / 1e6,
+                       rel_err=err)
+            rows.append(row)
+            print(f"{name:>12} {f'{n}x{k}':>12} {m:>5} | {t_q:9.2f} {row['q4k_gbs']:6.0f} {row['q4k_tflops']:7.1f} | "
+                  f"{t_d:9.2f} {row['bf16_gbs']:6.0f} {row['bf16_tflops']:7.1f} | {err:.1e}", flush=True)
+        del planes, dense
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_gemv(shapes=BENCH_SHAPES, ms=(1, 8)) -> None:
+    """Times GEMV configurations per shape (mean µs over `ms`) and prints the five best."""
+    for name, n, k in shapes:
+        planes = _weight_copies(n, k)
+        results = []
+        for block_n in (64, 128):
+            for block_k in (128, 256):
+                for split in (1, 2, 3, 4, 6, 8, 12):
+                    for stages in (3, 4, 6):
+                        cfg = GemvConfig(block_n, block_k, split, stages)
+                        if split > k // block_k // 2 or not 100 <= cfg.programs(n) <= 1600:
+                            continue
+                        ws = torch.zeros(max(1, gemv_workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
+                        times = []
+                        for m in ms:
+                            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                            times.append(_time_us([lambda p=p: gemv_q4k(x, p, n, k, workspace=ws, config=cfg)
+                                                   for p in planes], runs=30))
+                        results.append((statistics.mean(times), times, cfg))
+        results.sort(key=lambda r: r[0])
+        qbytes = n * k * 148 // 256
+        print(f"{name} {n}x{k}: current {gemv_config(n, k)}")
+        for mean_t, times, cfg in results[:5]:
+            print(f"   {mean_t:8.2f} us {qbytes / mean_t / 1e3:6.0f} GB/s  per M {[round(t, 2) for t in times]}  {cfg}",
+                  flush=True)
+        del planes
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the Q4_K micro-benchmark needs a CUDA device")
+    sweep_gemv() if "--sweep" in sys.argv[1:] else bench()

@@ -1,0 +1,395 @@
+"""GGUF Q8_0 weights kept quantized on the device: x [M, K] @ Wᵀ with W [N, K] read as int8.
+
+Format. A block is 32 values: an fp16 scale d, then 32 int8 quants q (34 bytes); value = d * q.
+
+Layout ("planes", built by `repack` on the device from the file's bytes by slicing and
+reinterpreting, nothing decoded): "qs" int8 [N, K] (the quants, row-major) and "d" fp16 [N, K/32]
+(block j of row n scales qs[n, 32j : 32j+32]). Same byte count as the file's blocks. Splitting the
+scales off gives both planes contiguous, aligned rows (for K % 256 == 0, 16-byte aligned), so every
+tile loads with wide asynchronous copies, which interleaved 34-byte blocks would not allow.
+
+Semantics. `dequantize` is d * q in fp32, which is exact (8 × 11 significant bits), hence equal to
+gguf's numpy dequantization bit for bit. `matmul` (kernels): each weight is d * q computed exactly in
+fp32 and rounded to nearest even to x's dtype (bf16 / fp16; no rounding for fp32 x), multiplied by x
+in its dtype with fp32 accumulation, the result rounded once to x's dtype. The fallback off CUDA and
+outside the interpreter (`matmul_ref`) is the contract's F.linear(x.float(), dequantize(...)), whose
+weights are not rounded: the two differ by that rounding only (~2⁻⁹ relative per bf16 weight).
+
+Kernels.
+- M ≤ 16 (decode): a GEMV. Each program owns BLOCK_N weight rows for all M rows and streams their
+  [BLOCK_N, BLOCK_K] quant tiles and scale tiles through the software pipeline; the quants are
+  loaded as [BLOCK_N, BLOCK_K/32, 32] so each scale multiplies its 32 values by broadcasting, with
+  no gather; the tile is rounded to x's dtype and multiplied on the tensor cores with xᵀ padded to
+  16 rows (weights on the MMA's M side, "swap AB"). No split-K: the contract allows no workspace
+  (no allocation but `out`), and with BLOCK_N 16-64 the grid still reaches the SMs for N ≥ 2048
+  (N = 4096: 128 programs of 32 rows). Smaller N (a 1024-row k/v projection) fills half the SMs;
+  that is where a split-K with a caller-owned workspace would help. M is not specialised on and the
+  tile never depends on M, so every M ≤ 16 runs one binary and a row's result is bit-identical
+  whatever else is in the batch, and from run to run.
+- M > 16 (prompt reads): a tiled GEMM over (BLOCK_M, BLOCK_N) output tiles in grouped order (a
+  group of M tiles shares each weight tile through L2); each weight tile is dequantized in registers
+  the same way and fed transposed to tl.dot with the x tile.
+The configurations are functions of (N, K) (GEMV) or (M, N, K) (GEMM), chosen by reasoning for the
+H200 (132 SMs, 227 KB shared memory per SM), NOT timed yet: see `gemv_config` / `gemm_config`.
+
+Every kernel begins with the PDL prologue and is launched with `launch_pdl` where supported. The
+grid depends on shapes only and nothing is read back to the host (CUDA graphs).
+
+The interpreter (TRITON_INTERPRET=1) cannot multiply bf16 tiles (it stores them as uint16), so
+there the rounded 16-bit operands are widened to fp32 before an IEEE fp32 dot: the same products
+(a product of two 16-bit floats is exact in fp32) with fp32 accumulation, so the CPU tests check the
+kernels' roundings; only the summation order differs from the GPU's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import use_pdl, use_triton
+from strata.kernels.pdl import pdl_prologue
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the references work, the kernels are never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+GGML_TYPE = "Q8_0"
+BLOCK_VALUES = 32
+BLOCK_BYTES = 34
+
+GEMV_MAX_ROWS = 16  # M up to this runs the GEMV, whose MMA pads x to 16 rows
+NUM_SMS = 132  # H200; a constant, not a device query, so configurations depend on shapes only
+SMEM_BUDGET = 110 << 10  # pipeline buffers per GEMV program: two programs fit an SM's 227 KB
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Q8Config:
+    block_m: int  # GEMV: 16 always (x padded to it); GEMM: output rows per program
+    block_n: int  # weight rows per program, a power of two >= 16
+    block_k: int  # K per pipeline stage, a power of two >= 32 dividing K
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8  # GEMM only: M tiles that visit the same weight tiles back to back
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_k(k: int, preferred: int) -> int:
+    """The largest power of two <= preferred, and >= 32, that divides K (a multiple of 32)."""
+    block = preferred
+    while block > 32 and k % block:
+        block //= 2
+    return block
+
+
+def gemv_config(n: int, k: int) -> Q8Config:
+    """M ≤ 16. The weight stream is the whole cost, so: the widest tile (BLOCK_N 64, then 32, then 16)
+    that still gives about one program per SM (N = 4096 -> 32 rows, 128 programs; N = 12288 -> 64
+    rows, 192 programs); BLOCK_K 256 (a 256-byte quant row and 16 bytes of scales per row per stage);
+    64 weight values per thread (4 warps, 8 for 64-row tiles) to keep the fp32 dequantization in
+    registers without spills; as many stages as fit SMEM_BUDGET (4-6), i.e. 20-48 KB of quants in
+    flight per program, about what covers HBM latency at the ~36 GB/s an SM's share is. Untimed."""
+    block_n = 64 if _cdiv(n, 64) >= NUM_SMS else 32 if _cdiv(n, 32) >= 0.9 * NUM_SMS else 16
+    block_k = _block_k(k, 256)
+    num_warps = 8 if block_n * block_k > 8192 else 4
+    stage_bytes = block_n * block_k + block_n * block_k // 16 + block_k * GEMV_MAX_ROWS * 2
+    num_stages = max(2, min(6, SMEM_BUDGET // stage_bytes))
+    return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps, num_stages)
+
+
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Q8Config:
+    """M > 16, bf16 / fp16 x: wgmma tiles. Beyond M = 64, 128 x 128 outputs over 8 warps (two warp
+    groups), BLOCK_K 128, 3 stages of x (32 KB) + quants (16 KB), plus the dequantized tile's 32 KB
+    staging; where that gives fewer tiles than SMs, 128 x 64 over 4 warps; where even that does, and
+    up to M = 64, 64-row tiles (little padding for the tensor cores) of 64 or 32 weight rows, so
+    N = 4096 still spreads over 128 programs: at such M the weight stream is most of the cost.
+    Every tile keeps >= 2 scales (4 bytes) per thread, which the pipeliner copies asynchronously (at
+    2 bytes it loads them synchronously inside the loop). fp32 x runs an FMA dot (no tensor cores; a correctness path):
+    32 x 64 x 32 is the largest tile tried that compiles for sm_90 without spills. Untimed."""
+    if dtype == torch.float32:
+        return Q8Config(32, 64, 32, num_warps=4, num_stages=2)
+    if m <= 64 or _cdiv(m, 128) * _cdiv(n, 64) < NUM_SMS:
+        block_n = 64 if _cdiv(n, 64) >= NUM_SMS else 32
+        return Q8Config(64, block_n, _block_k(k, 8192 // block_n), num_warps=4, num_stages=3)
+    if _cdiv(m, 128) * _cdiv(n, 128) >= NUM_SMS:
+        return Q8Config(128, 128, _block_k(k, 128), num_warps=8, num_stages=3)
+    return Q8Config(128, 64, _block_k(k, 128), num_warps=4, num_stages=3)
+
+
+def check_config(cfg: Q8Config, k: int, gemv: bool) -> None:
+    pow2 = lambda v, lo: v >= lo and v & (v - 1) == 0  # noqa: E731
+    if not (pow2(cfg.block_m, 16) and pow2(cfg.block_n, 16) and pow2(cfg.block_k, 32) and k % cfg.block_k == 0
+            and (cfg.block_m == GEMV_MAX_ROWS or not gemv) and cfg.num_warps in (1, 2, 4, 8)
+            and cfg.num_stages >= 1 and cfg.group_m >= 1):
+        raise ValueError(f"invalid {'GEMV' if gemv else 'GEMM'} {cfg} for K={k}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout, definition, test data
+
+
+def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """uint8 [N, K/32 * 34] blocks -> {"qs": int8 [N, K], "d": fp16 [N, K/32]}, on raw's device."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % BLOCK_BYTES:
+        raise ValueError(f"Q8_0 raw: expected uint8 [N, K/32*{BLOCK_BYTES}], got {raw.dtype} {tuple(raw.shape)}")
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, BLOCK_BYTES)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).view(n, -1)
+    qs = blocks[:, :, 2:].contiguous().view(torch.int8).view(n, -1)
+    return {"qs": qs, "d": d}
+
+
+def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    qs, d = planes.get("qs"), planes.get("d")
+    if k % BLOCK_VALUES or qs is None or d is None:
+        raise ValueError(f"Q8_0 planes: expected 'qs' and 'd' and K % 32 == 0, got keys {sorted(planes)}, K={k}")
+    if (qs.dtype != torch.int8 or tuple(qs.shape) != (n, k) or not qs.is_contiguous() or d.dtype != torch.float16
+            or tuple(d.shape) != (n, k // BLOCK_VALUES) or not d.is_contiguous() or d.device != qs.device):
+        raise ValueError(f"Q8_0 planes for [{n}, {k}]: expected contiguous qs int8 [{n}, {k}] and d fp16 "
+                         f"[{n}, {k // BLOCK_VALUES}] on one device, got qs {qs.dtype} {tuple(qs.shape)}, "
+                         f"d {d.dtype} {tuple(d.shape)}")
+    return qs, d
+
+
+def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """fp32 [N, K] on the planes' device; equal to gguf's numpy dequantization bit for bit."""
+    qs, d = _check_planes(planes, n, k)
+    w = qs.view(n, k // BLOCK_VALUES, BLOCK_VALUES).to(torch.float32) * d.to(torch.float32)[:, :, None]
+    return w.view(n, k)
+
+
+def random_raw(n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [N, K/32 * 34]: gguf's own Q8_0 quantization of normal values of std 0.02."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if k % BLOCK_VALUES:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK_VALUES}")
+    values = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * np.float32(0.02)
+    return np.ascontiguousarray(quantize(values, GGMLQuantizationType.Q8_0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@jit
+def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+    if FP32_DOT:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@jit
+def _dequant_tile(q_ptrs, d_ptrs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """q_ptrs [ROWS, BLOCK_K/32, 32] int8, d_ptrs [ROWS, BLOCK_K/32] fp16 -> d*q [ROWS, BLOCK_K] in
+    `dtype` (exact in fp32, then one rounding to nearest even)."""
+    q = tl.load(q_ptrs).to(tl.float32)
+    d = tl.load(d_ptrs).to(tl.float32)
+    return tl.reshape((q * d[:, :, None]).to(dtype), ROWS, BLOCK_K)
+
+
+@jit(do_not_specialize=["m"])
+def _q8_gemv_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k, k_groups,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    tile = tl.program_id(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Weight rows past N re-read row N-1, so the loads need no mask; their sums are never stored.
+    w_rows = tl.minimum(offs_n, n - 1 - tile * BLOCK_N)
+    tile_row0 = (tile * BLOCK_N).to(tl.int64)  # an lm_head's N*K nears 2^31; in-tile offsets stay int32
+    q_ptrs = (qs_ptr + tile_row0 * k + w_rows[:, None, None] * k
+              + tl.arange(0, GROUPS)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :])
+    d_ptrs = d_ptr + tile_row0 * k_groups + w_rows[:, None] * k_groups + tl.arange(0, GROUPS)[None, :]
+    xt_ptrs = x_ptr + rows[None, :] * x_stride + offs_k[:, None]  # xᵀ tile [BLOCK_K, BLOCK_M]
+    row_ok = rows < m
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, k // BLOCK_K):
+        w = _dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+        xt = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0)
+        acc = _dot(w, xt, acc, FP32_DOT)
+        q_ptrs += BLOCK_K
+        d_ptrs += GROUPS
+        xt_ptrs += BLOCK_K
+    cols = tile * BLOCK_N + offs_n
+    tl.store(out_ptr + rows[None, :] * out_stride + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=(cols < n)[:, None] & row_ok[None, :])
+
+
+@jit
+def _q8_gemm_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k, k_groups,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(m, BLOCK_M)
+    tiles_n = tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = pid // per_group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = tl.minimum(tile_m * BLOCK_M + offs_m, m - 1)  # clamped like the weight rows: no load masks
+    w_rows = tl.minimum(offs_n, n - 1 - tile_n * BLOCK_N)
+    tile_row0 = (tile_n * BLOCK_N).to(tl.int64)
+    x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
+    q_ptrs = (qs_ptr + tile_row0 * k + w_rows[:, None, None] * k
+              + tl.arange(0, GROUPS)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :])
+    d_ptrs = d_ptr + tile_row0 * k_groups + w_rows[:, None] * k_groups + tl.arange(0, GROUPS)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, k // BLOCK_K):
+        w = _dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+        a = tl.load(x_ptrs)
+        acc = _dot(a, tl.trans(w), acc, FP32_DOT)
+        q_ptrs += BLOCK_K
+        d_ptrs += GROUPS
+        x_ptrs += BLOCK_K
+    out_rows = tile_m * BLOCK_M + offs_m
+    cols = tile_n * BLOCK_N + offs_n
+    tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(out_rows < m)[:, None] & (cols < n)[None, :])
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported
+    by the kernels): the decorated kernel is then an InterpretedFunction."""
+    return type(_q8_gemv_kernel).__name__ == "InterpretedFunction"
+
+
+# ----------------------------------------------------------------------------------------------
+# Public ops
+
+
+def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x.float(), dequantize(planes)) rounded once to x's dtype."""
+    y = F.linear(x.float(), dequantize(planes, n, k)).to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
+                  out: torch.Tensor | None = None, *, config: Q8Config | None = None) -> torch.Tensor:
+    """The kernels: the GEMV for M ≤ 16, the GEMM above. x [M, K] bf16/fp16/fp32 with contiguous rows
+    (any row stride) on the planes' device; out [M, N] in x's dtype with contiguous rows, or None.
+    `config` overrides the regime's configuration (a GEMV one must have block_m 16)."""
+    qs, d = _check_planes(planes, n, k)
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES or x.device != qs.device:
+        raise ValueError(f"x: expected [M, {k}] bf16/fp16/fp32 with contiguous rows on {qs.device}, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()} on {x.device}")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif (out.dim() != 2 or tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1
+          or out.device != x.device):
+        raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}")
+    if m == 0 or n == 0:
+        return out
+    gemv = m <= GEMV_MAX_ROWS
+    cfg = config or (gemv_config(n, k) if gemv else gemm_config(m, n, k, x.dtype))
+    check_config(cfg, k, gemv)
+    on = use_pdl(x)
+    fp32_dot = x.dtype == torch.float32 or not x.is_cuda
+    common = dict(FP32_DOT=fp32_dot, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if gemv:
+        _q8_gemv_kernel[(_cdiv(n, cfg.block_n),)](
+            x, x.stride(0), qs, d, out, out.stride(0), m, n, k, k // BLOCK_VALUES,
+            BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **common)
+    else:
+        _q8_gemm_kernel[(_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)](
+            x, x.stride(0), qs, d, out, out.stride(0), m, n, k, k // BLOCK_VALUES,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **common)
+    return out
+
+
+def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ Wᵀ -> [M, N] in x's dtype: the kernels on CUDA (no gradient) and in the interpreter,
+    `matmul_ref` elsewhere."""
+    if use_triton(x) or (_interpreted() and not x.is_cuda and not (x.requires_grad and torch.is_grad_enabled())):
+        return matmul_triton(x, planes, n, k, out)
+    return matmul_ref(x, planes, n, k, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device micro-benchmark (by hand on the GPU: python -m strata.kernels.quant.q8_0)
+
+BENCH_SHAPES = [  # (name, N, K) of Qwen3-8B
+    ("q/o_proj", 4096, 4096), ("k/v_proj", 1024, 4096), ("gate/up", 12288, 4096), ("down", 4096, 12288),
+    ("lm_head", 151936, 4096),
+]
+
+
+def time_us(calls, runs: int) -> float:
+    """Median single-call CUDA-event time over `runs`, cycling through `calls` (weight copies that
+    together exceed L2, so each call reads HBM); the GPU sleeps while the launches are queued."""
+    for call in calls * 2:
+        call()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    torch.cuda._sleep(40_000_000)
+    for i, (start, end) in enumerate(events):
+        start.record()
+        calls[i % len(calls)]()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+
+
+def bench(ms=(1, 4096), shapes=BENCH_SHAPES, runs: int = 50) -> None:
+    """matmul against torch.matmul of the dequantized weight in bf16, per shape and M: µs, GB/s of
+    weight bytes read (Q8_0 vs bf16), TFLOP/s, relative Frobenius error vs the fp32 reference."""
+    device = torch.device("cuda")
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20)
+    print(f"{'shape':>10} {'N x K':>12} {'M':>5} | {'q8_0 us':>9} {'GB/s':>6} {'TFLOP/s':>7} | "
+          f"{'bf16 us':>9} {'GB/s':>6} {'TFLOP/s':>7} | {'rel err':>8}", flush=True)
+    for name, n, k in shapes:
+        raw = torch.from_numpy(random_raw(n, k, seed=n + k)).to(device)
+        planes = repack(raw)
+        copies = max(2, -(-3 * l2 // (n * k * 2)))
+        q_copies = [{key: t.clone() for key, t in planes.items()} for _ in range(copies)]
+        w_copies = [dequantize(planes, n, k).to(torch.bfloat16) for _ in range(copies)]
+        q_bytes = raw.numel()
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            ours = time_us([lambda p=p: matmul(x, p, n, k, out) for p in q_copies], runs)
+            theirs = time_us([lambda w=w: torch.matmul(x, w.t()) for w in w_copies], runs)
+            ref = F.linear(x.float(), dequantize(planes, n, k))
+            err = ((matmul(x, planes, n, k).float() - ref).norm() / ref.norm()).item()
+            flop = 2 * m * n * k / 1e6
+            print(f"{name:>10} {f'{n}x{k}':>12} {m:>5} | {ours:9.2f} {q_bytes / ours / 1e3:6.0f} {flop / ours:7.1f} | "
+                  f"{theirs:9.2f} {n * k * 2 / theirs / 1e3:6.0f} {flop / theirs:7.1f} | {err:8.1e}", flush=True)
+        del q_copies, w_copies
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("the Q8_0 micro-benchmark needs a CUDA device")
+    bench()

@@ -1,0 +1,76 @@
+"""`QWeight` and the stacking of weights the loader kept quantized (the per-format kernels have their
+own tests in tests/test_kernel_quant_*.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from strata.kernels.quant import FORMATS, QWeight, format_module, random_blocks
+from strata.models.layers import take_quantized
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def _raw(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(format_module(fmt).random_raw(n, k, seed))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qweight_dequantizes_like_gguf_and_multiplies(fmt):
+    n, k = 48, 512
+    raw = _raw(fmt, n, k, 1)
+    w = QWeight.from_raw(fmt, raw, n, k)
+    want = gguf_dequantize(raw.numpy(), QT[fmt])
+    assert np.array_equal(w.dequantize().numpy(), want)
+    raw_bytes = raw.numel()
+    assert raw_bytes * 0.9 <= sum(t.numel() * t.element_size() for t in w.planes.values()) <= raw_bytes * 1.1
+    x = torch.randn(3, k)
+    ref = x @ torch.from_numpy(want).T
+    got = w.matmul(x)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match="expected raw blocks"):
+        QWeight.from_raw(fmt, raw[:, :-1], n, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_random_blocks_are_valid(fmt):
+    gen = torch.Generator().manual_seed(0)
+    raw = random_blocks(fmt, 32, 256, gen, "cpu")
+    w = gguf_dequantize(raw.numpy(), QT[fmt])
+    assert np.isfinite(w).all() and 0.001 < w.std() < 0.2
+
+
+def _linear(fmt: str | None, n: int, k: int, seed: int) -> nn.Linear:
+    with torch.device("meta"):
+        m = nn.Linear(k, n, bias=False)
+    if fmt:
+        m.quant_raw = (fmt, _raw(fmt, n, k, seed))
+    return m
+
+
+def test_take_quantized_stacks_rows_of_blocks():
+    mods = [_linear("Q8_0", n, 256, i) for i, n in enumerate((64, 32, 32))]
+    raws = [m.quant_raw[1] for m in mods]
+    w = take_quantized(mods, torch.float32)
+    assert w is not None and (w.n, w.k, w.ggml_type) == (128, 256, "Q8_0")
+    parts = [gguf_dequantize(r.numpy(), QT.Q8_0) for r in raws]
+    assert np.array_equal(w.dequantize().numpy(), np.concatenate(parts))
+    assert not any(hasattr(m, "quant_raw") for m in mods)  # consumed
+    assert take_quantized([_linear(None, 8, 256, 0)], torch.float32) is None
+
+
+def test_take_quantized_mixed_stack_falls_back_to_floats():
+    """A stack mixing formats (or with a float member) packs as floats: the quantized members are
+    expanded to the model dtype, exactly."""
+    q, k8, v = _linear("Q4_K", 32, 256, 1), _linear("Q8_0", 16, 256, 2), _linear("Q8_0", 16, 256, 3)
+    raws = {id(m): m.quant_raw for m in (q, k8, v)}
+    assert take_quantized([q, k8, v], torch.float32) is None
+    for m in (q, k8, v):
+        fmt, raw = raws[id(m)]
+        assert not m.weight.is_meta and m.weight.dtype == torch.float32
+        assert np.array_equal(m.weight.detach().numpy(), gguf_dequantize(raw.numpy(), QT[fmt]))
