@@ -172,10 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_tui_parser(sub)
     b = sub.add_parser("bench", help="benchmarks; each writes JSON under bench/results/")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from strata.bench import determinism, kv_quality, prefix, quant, spec, throughput
+    from strata.bench import determinism, kv_quality, prefix, quant, quant_kl, spec, throughput
 
     kv_quality.add_parser(bsub)
     quant.add_parser(bsub)
+    quant_kl.add_parser(bsub)
     determinism.add_parser(bsub)
     prefix.add_parser(bsub)
     spec.add_parser(bsub)

@@ -71,3 +71,13 @@ def test_bench_quant_rows(tmp_path):
     assert rows["Q8_0"]["weights_gib"] < rows["bf16"]["weights_gib"]
     assert all(r["decode_b1_tok_s"] > 0 and r["read_32_tok_s"] > 0 for r in rows.values())
     assert rows["bf16"]["decode_vs_bf16"] == 1.0
+
+
+def test_bench_quant_kl_orders_formats(tmp_path):
+    """Q8_0 moves the embedded model's next-token distributions less than Q4_K, and neither not at all."""
+    out = tmp_path / "kl.json"
+    assert main(["bench", "quant-kl", "--formats", "Q8_0,Q4_K", "--tokens", "256", "--ctx", "128",
+                 "--out", str(out)]) == 0
+    rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
+    assert 0 < rows["Q8_0"]["kld"] < rows["Q4_K"]["kld"] < 0.5
+    assert rows["Q8_0"]["same_top"] > 0.9 and rows["Q8_0"]["tokens"] == 256

@@ -22,6 +22,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from strata.config import ModelConfig
+from strata.kernels.quant.writers import quantize_q4_k
 from strata.loaders import LoadError, load_model
 from strata.loaders.gguf import read_gguf
 from strata.loaders.names import MODEL_TYPE_TO_ARCH, hf_to_gguf
@@ -38,38 +39,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """Q4_K blocks for rows of `x` (last dim a multiple of 256): per 32-value sub-block a 6-bit scale
-    and min on two fp16 super-block factors, 4-bit values. gguf.quants can only dequantize Q4_K."""
-    shape = x.shape
-    sub = x.reshape(-1, 8, 32).astype(np.float32)
-    lo = np.minimum(sub.min(-1), 0.0)
-    scale, mins = (sub.max(-1) - lo) / 15.0, -lo
-    d = (scale.max(-1) / 63.0).astype(np.float16)
-    dmin = (mins.max(-1) / 63.0).astype(np.float16)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.nan_to_num(np.rint(scale / d.astype(np.float32)[:, None])).clip(0, 63).astype(np.uint8)
-        m = np.nan_to_num(np.rint(mins / dmin.astype(np.float32)[:, None])).clip(0, 63).astype(np.uint8)
-        eff_s = d.astype(np.float32)[:, None] * sc
-        eff_m = dmin.astype(np.float32)[:, None] * m
-        q = np.nan_to_num(np.rint((sub + eff_m[..., None]) / eff_s[..., None])).clip(0, 15).astype(np.uint8)
-    scales = np.concatenate([
-        (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
-        (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
-        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
-    ], axis=1)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
-    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
-
-
 def _encode(arr: np.ndarray, qtype: QT | None) -> tuple[np.ndarray, QT | None]:
     if qtype is None:
         return arr.astype(np.float32), None
     if qtype == QT.F16:
         return arr.astype(np.float16), None
     if qtype == QT.Q4_K:
-        return quantize_q4_k(arr), qtype
+        return quantize_q4_k(arr.reshape(-1, arr.shape[-1]).astype(np.float32)).reshape(*arr.shape[:-1], -1), qtype
     return quantize(arr.astype(np.float32), qtype), qtype
 
 

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
+from strata.kernels.splitk import split_k_reduce
+from strata.kernels.timing import time_us
 
 try:
     import triton
@@ -230,23 +232,10 @@ def _gemv_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, partial_
     if SPLIT_K == 1:
         _finish(acc, bias_ptr, out_ptr, out_stride, cols, rows, col_ok, row_ok, HAS_BIAS)
     else:
-        # Partials [tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32, rows < m only.
-        tile_partials = (partial_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N)
-                         + rows[None, :] * BLOCK_N + offs_n[:, None])
-        tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc, mask=row_ok[None, :])
-        # Every thread's partial stores are ordered before thread 0's release (the atomic runs on
-        # one thread), the pattern of a cooperative grid sync.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            # Last to arrive: sum in split order, not arrival order. ".cg" reads L2, where the
-            # other SMs' stores are, never a stale L1 line.
-            total = tl.load(tile_partials, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), mask=row_ok[None, :], other=0.0,
-                                 cache_modifier=".cg")
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
+                                     SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
             _finish(total, bias_ptr, out_ptr, out_stride, cols, rows, col_ok, row_ok, HAS_BIAS)
-            tl.store(counter_ptr + tile, 0)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -334,22 +323,6 @@ SILU_BENCH_SHAPES = [("8B down+silu", 4096, 12288)]
 BENCH_MS = (1, 2, 4, 8, 16)
 
 
-def _time_us(calls, runs: int) -> float:
-    """Median of `runs` single-call CUDA-event timings, cycling over `calls`. The GPU first sleeps
-    while the host queues everything, so host launch overhead never shows in a timing."""
-    for call in calls * 2:
-        call()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-    torch.cuda._sleep(40_000_000)  # ~20 ms at ~2 GHz, longer than queueing `runs` launches
-    for i, (start, end) in enumerate(events):
-        start.record()
-        calls[i % len(calls)]()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-
-
 def _weight_copies(n: int, k: int, device, dtype) -> list[torch.Tensor]:
     """Enough copies that cycling through them reads HBM, not L2 (≥ 4, ≥ 3x the L2 size in all)."""
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20)
@@ -371,7 +344,7 @@ def _bench_pair(n: int, k: int, m: int, weights, silu_mul: bool, runs: int, conf
     theirs = [lambda w=w: ref(w) for w in weights]
     expect = ref(weights[0]).float()
     err = ((ours[0]().float() - expect).abs().max() / expect.abs().max()).item()
-    return _time_us(ours, runs), _time_us(theirs, runs) if with_ref else float("nan"), err
+    return time_us(ours, runs), time_us(theirs, runs) if with_ref else float("nan"), err
 
 
 def bench_gemv(device="cuda", ms=BENCH_MS, shapes=None, runs: int = 100, dtype=torch.bfloat16) -> list[dict]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.timing import time_us
 
 try:
     import triton
@@ -271,24 +272,6 @@ BENCH_SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3
 BENCH_TOKENS = (1, 2, 4, 8, 16)
 
 
-def _time_us(calls, runs: int) -> float:
-    """Median of `runs` single-call CUDA-event timings, cycling over `calls`; the GPU first sleeps
-    while the host queues everything, so launch overhead never shows."""
-    import statistics
-
-    for call in calls * 2:
-        call()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-    torch.cuda._sleep(40_000_000)
-    for i, (start, end) in enumerate(events):
-        start.record()
-        calls[i % len(calls)]()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-
-
 def bench_moe_decode(device="cuda", tokens=BENCH_TOKENS, runs: int = 50, dtype=torch.bfloat16,
                      config: MoeDecodeConfig | None = None, routings: int = 8) -> list[dict]:
     """Prints (and returns) per T: kernel 1, kernel 2, both, and `MoE._grouped` on the same inputs
@@ -317,11 +300,11 @@ def bench_moe_decode(device="cuda", tokens=BENCH_TOKENS, runs: int = 50, dtype=t
             routes.append((ids, (w / w.sum(-1, keepdim=True)).float()))
         act = torch.empty(t * k, inter, device=device, dtype=dtype)
         out = torch.empty(t, h, device=device, dtype=dtype)
-        t_gate_up = _time_us([lambda r=r: _launch_gate_up(x, r[0], w13, act, cfg) for r in routes], runs)
-        t_down = _time_us([lambda r=r: _launch_down_combine(act, r[0], r[1], w2, out, cfg) for r in routes], runs)
-        t_both = _time_us([lambda r=r: moe_experts_decode_triton(x, r[0], r[1], w13, w2, out, config=cfg)
+        t_gate_up = time_us([lambda r=r: _launch_gate_up(x, r[0], w13, act, cfg) for r in routes], runs)
+        t_down = time_us([lambda r=r: _launch_down_combine(act, r[0], r[1], w2, out, cfg) for r in routes], runs)
+        t_both = time_us([lambda r=r: moe_experts_decode_triton(x, r[0], r[1], w13, w2, out, config=cfg)
                            for r in routes], runs)
-        t_grouped = _time_us([lambda r=r: MoE._grouped(module, x, r[1], r[0]) for r in routes], runs)
+        t_grouped = time_us([lambda r=r: MoE._grouped(module, x, r[1], r[0]) for r in routes], runs)
         ids, w = routes[0]
         got = moe_experts_decode_triton(x, ids, w, w13, w2, config=cfg)
         ref = moe_experts_decode_ref(x, ids, w, w13, w2)

@@ -34,7 +34,6 @@ workspace must not be used by launches that may run concurrently (two streams).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.timing import time_us
 
 try:
     import triton
@@ -423,24 +423,8 @@ BENCH_ROUTE_TOKENS = (512, 4096)  # scoring + top-k alone, on given logits (the 
 BENCH_SORT_TOKENS = (512, 4096)
 
 
-def _time_us(calls, runs: int) -> float:
-    """Median of `runs` single-call CUDA-event timings, cycling over `calls`; the GPU first sleeps
-    while the host queues everything, so launch overhead never shows (gaps between kernels do)."""
-    for call in calls * 2:
-        call()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-    torch.cuda._sleep(40_000_000)
-    for i, (start, end) in enumerate(events):
-        start.record()
-        calls[i % len(calls)]()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-
-
 def _bench_row(op: str, shape: str, t: int, ours: list, theirs: list, runs: int, check) -> dict:
-    t_ours, t_theirs = _time_us(ours, runs), _time_us(theirs, runs)
+    t_ours, t_theirs = time_us(ours, runs), time_us(theirs, runs)
     equal = check(ours[0](), theirs[0]())
     print(f"{op:>7} {shape:>18} {t:>5} | {t_ours:9.2f} {t_theirs:9.2f} {t_theirs / t_ours:7.2f} | {equal}", flush=True)
     return dict(op=op, shape=shape, t=t, kernel_us=t_ours, torch_us=t_theirs, equal=equal)

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.splitk import split_k_reduce
+from strata.kernels.timing import time_us
 
 try:
     import triton
@@ -317,21 +319,10 @@ def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
-        # Partials [tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32, rows < m only.
-        tile_partials = (partial_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N)
-                         + xrows[None, :] * BLOCK_N + offs_n[:, None])
-        tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc, mask=xrow_ok[None, :])
-        # All threads' partial stores precede thread 0's release (the atomic runs on one thread).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            # Last to arrive: sum in split order; ".cg" reads L2, where the other SMs' stores are.
-            total = tl.load(tile_partials, mask=xrow_ok[None, :], other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), mask=xrow_ok[None, :], other=0.0,
-                                 cache_modifier=".cg")
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, xrows, offs_n, xrow_ok,
+                                     SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
-            tl.store(counter_ptr + tile, 0)
 
 
 @jit
@@ -437,19 +428,6 @@ BENCH_SHAPES = [("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up"
                 ("8B down", 4096, 12288)]
 
 
-def _time_us(fn, runs: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / runs
-
-
 def _bench() -> None:
     print(f"{'shape':>12} {'M':>5} | {'iq3_s us':>9} {'GB/s or TFLOP/s':>16} | {'bf16 us':>9} | rel err")
     for name, n, k in BENCH_SHAPES:
@@ -459,8 +437,8 @@ def _bench() -> None:
         for m in (1, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            ours = _time_us(lambda: matmul(x, planes, n, k, out))
-            theirs = _time_us(lambda: torch.matmul(x, w.t()))
+            ours = time_us([lambda: matmul(x, planes, n, k, out)])
+            theirs = time_us([lambda: torch.matmul(x, w.t())])
             ref = torch.matmul(x.float(), w.float().t())
             err = ((out.float() - ref).norm() / ref.norm()).item()
             speed = f"{weight_bytes / ours / 1e3:9.1f} GB/s" if m == 1 else f"{2 * m * n * k / ours / 1e6:7.1f} TFLOP/s"

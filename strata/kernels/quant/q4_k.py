@@ -53,6 +53,8 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.splitk import split_k_reduce
+from strata.kernels.timing import time_us
 
 try:
     import triton
@@ -241,18 +243,10 @@ def _gemv_kernel(x_ptr, x_stride, qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, out_s
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
-        # Partials [tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32; the ticket protocol of strata/kernels/gemv.py.
-        tile_partials = partial_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N) + rows[None, :] * BLOCK_N + offs_n[:, None]
-        tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc, mask=row_ok[None, :])
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.load(tile_partials, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), mask=row_ok[None, :], other=0.0,
-                                 cache_modifier=".cg")
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
+                                     SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
-            tl.store(counter_ptr + tile, 0)
 
 
 @jit(do_not_specialize=["m"])
@@ -490,20 +484,6 @@ BENCH_SHAPES = [("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up"
                 ("8B down", 4096, 12288)]
 
 
-def _time_us(calls, runs: int = 50) -> float:
-    for call in calls * 2:
-        call()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-    torch.cuda._sleep(40_000_000)  # the host queues every launch before the first runs
-    for i, (start, end) in enumerate(events):
-        start.record()
-        calls[i % len(calls)]()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-
-
 def _weight_copies(n: int, k: int) -> list[dict[str, torch.Tensor]]:
     """Enough weights (≥ 4, ≥ 3x the L2 in all) that cycling through them reads HBM, not L2."""
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
@@ -524,8 +504,8 @@ def bench(ms=(1, 4096), shapes=BENCH_SHAPES) -> list[dict]:
         ws = torch.zeros(max(1, gemv_workspace_numel(n, k)), dtype=torch.int32, device="cuda")
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_q = _time_us([lambda p=p: matmul(x, p, n, k, workspace=ws) for p in planes])
-            t_d = _time_us([lambda w=w: torch.matmul(x, w.t()) for w in dense])
+            t_q = time_us([lambda p=p: matmul(x, p, n, k, workspace=ws) for p in planes])
+            t_d = time_us([lambda w=w: torch.matmul(x, w.t()) for w in dense])
             ref = torch.matmul(x.float(), dense[0].float().t())
             err = ((matmul(x, planes[0], n, k, workspace=ws).float() - ref).norm() / ref.norm()).item()
             flops = 2 * m * n * k
@@ -556,7 +536,7 @@ def sweep_gemv(shapes=BENCH_SHAPES, ms=(1, 8)) -> None:
                         times = []
                         for m in ms:
                             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                            times.append(_time_us([lambda p=p: gemv_q4k(x, p, n, k, workspace=ws, config=cfg)
+                            times.append(time_us([lambda p=p: gemv_q4k(x, p, n, k, workspace=ws, config=cfg)
                                                    for p in planes], runs=30))
                         results.append((statistics.mean(times), times, cfg))
         results.sort(key=lambda r: r[0])

@@ -43,7 +43,6 @@ kernels' roundings; only the summation order differs from the GPU's.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +51,7 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.timing import time_us
 
 try:
     import triton
@@ -343,22 +343,6 @@ BENCH_SHAPES = [  # (name, N, K) of Qwen3-8B
     ("q/o_proj", 4096, 4096), ("k/v_proj", 1024, 4096), ("gate/up", 12288, 4096), ("down", 4096, 12288),
     ("lm_head", 151936, 4096),
 ]
-
-
-def time_us(calls, runs: int) -> float:
-    """Median single-call CUDA-event time over `runs`, cycling through `calls` (weight copies that
-    together exceed L2, so each call reads HBM); the GPU sleeps while the launches are queued."""
-    for call in calls * 2:
-        call()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
-    torch.cuda._sleep(40_000_000)
-    for i, (start, end) in enumerate(events):
-        start.record()
-        calls[i % len(calls)]()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
 
 
 def bench(ms=(1, 4096), shapes=BENCH_SHAPES, runs: int = 50) -> None:

@@ -1,0 +1,44 @@
+"""Split-K in one launch, shared by the decode GEMVs (`gemv.py`, `quant/q4_k.py`, `quant/iq3_s.py`).
+
+Program (tile, split) of a split-K grid stores its fp32 partial, then takes a ticket from the tile's
+counter; the program that arrives last, whichever it is, sums the partials in split order 0, 1, ...
+(so the bits never depend on arrival order), resets the counter to zero for the next launch and
+writes the output. No second launch, and a workspace is reusable by the next call on the same stream.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the kernels are never launched
+
+    def jit(fn):
+        return fn
+
+
+@jit
+def split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 (weights on the MMA's M side, x rows on N). Partials live at
+    partial_ptr as [tiles, SPLIT_K, BLOCK_M, BLOCK_N] (rows with row_ok only); counters one int32 per
+    tile, zero between launches. Returns (last, total): in the last-arriving program True and the sum
+    of every split's partial, elsewhere False and acc."""
+    tile_partials = partial_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N) + rows[None, :] * BLOCK_N + offs_n[:, None]
+    tl.store(tile_partials + split * (BLOCK_M * BLOCK_N), acc, mask=row_ok[None, :])
+    # Every thread's partial stores are ordered before thread 0's release (the atomic runs on one
+    # thread), the pattern of a cooperative grid sync.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = acc
+    if last:
+        # ".cg" reads L2, where the other SMs' stores are, never a stale L1 line.
+        total = tl.load(tile_partials, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(tile_partials + s * (BLOCK_M * BLOCK_N), mask=row_ok[None, :], other=0.0,
+                             cache_modifier=".cg")
+        tl.store(counter_ptr + tile, 0)
+    return last, total
