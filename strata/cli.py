@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import time
 
@@ -184,11 +185,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever sys.stderr is when a record is written (tests swap it per test)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def _configure_logging(command: str) -> None:
+    """strata's logger to stderr at STRATA_LOG_LEVEL: by default INFO for a server's operator and
+    WARNING for the interactive commands, whose stderr carries progress and speed lines. `strata tui`
+    leaves it alone (Textual owns the terminal), as does a process that set up strata's logger itself."""
+    from strata.env import ENV
+
+    logger = logging.getLogger("strata")
+    if command == "tui" or logger.handlers:
+        return
+    level = ENV.LOG_LEVEL.get().strip().upper() or ("INFO" if command == "serve" else "WARNING")
+    logger.setLevel(level)
+    handler = _Stderr(sys.stderr)
+    handler.setFormatter(logging.Formatter("strata: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from strata.loaders import LoadError
 
     try:
+        _configure_logging(args.command)
         return args.func(args)
     except (LoadError, ValueError) as e:
         print(f"strata: error: {e}", file=sys.stderr)

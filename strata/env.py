@@ -52,7 +52,9 @@ class _Env:
     NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
     CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "", "where test fixtures and downloads are cached")
     API_KEY = Switch("STRATA_API_KEY", str, "", "the server's API key when --api-key is not given")
-    LOG_LEVEL = Switch("STRATA_LOG_LEVEL", str, "INFO", "log level for strata's logger (stderr)")
+    LOG_LEVEL = Switch("STRATA_LOG_LEVEL", str, "",
+                       "level of strata's own log on stderr (DEBUG, INFO, WARNING, ...); empty: INFO for "
+                       "`strata serve`, WARNING for the other commands")
 
     def __getattr__(self, item: str):  # pragma: no cover - typo guard
         raise AttributeError(f"unknown Strata switch {item!r}")

@@ -327,6 +327,40 @@ def test_quantized_weights_kept_quantized(tmp_path):
         assert err < 1e-4, (t, err)
 
 
+def test_quantized_gguf_serves_kept_quantized(tmp_path, monkeypatch):
+    """`strata serve model.gguf --keep-quantized`: a Q4_K / Q8_0 file answers a completion through the
+    OpenAI API with the same greedy text as the same file expanded to floats. (CPU: the QWeights use
+    their reference path; the kernels are the format tests' business.)"""
+    from serving import running_server
+
+    import httpx
+
+    src = str(tmp_path / "hf")
+    save_tiny_model("qwen3", src, intermediate_size=256)
+    c = _hf_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    qtypes = {"output.weight": QT.Q8_0}
+    for i in range(c["num_hidden_layers"]):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):
+            qtypes[f"blk.{i}.{t}.weight"] = QT.Q8_0  # rows of 64: too short for Q4_K's 256-value blocks
+        qtypes[f"blk.{i}.ffn_down.weight"] = QT.Q4_K
+    path = write_gguf(tmp_path / "q4k.gguf", c, tensors, qtypes=qtypes, tok_dir=src)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the server's CPU path, not interpreted kernels
+    texts = []
+    for keep in (True, False):
+        config = {"model": path, "device": "cpu", "ctx": 256, "log_level": "info", "keep_quantized": keep}
+        sub = tmp_path / f"keep{keep}"
+        sub.mkdir()
+        with running_server(sub, config) as base:
+            r = httpx.post(base + "/v1/completions", json={"model": path, "prompt": "the earth", "max_tokens": 12,
+                                                          "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        log = (sub / "server.log").read_text()
+        assert ("kept 9 linear weights quantized (Q4_K, Q8_0)" in log) == keep, log[-2000:]
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_quantized_expert_stacks(tiny_model_dirs, tmp_path):
     """Quantized stacked experts split per expert: expert e is row e of the dequantized stack."""
     src, _ = tiny_model_dirs["qwen3_moe"]

@@ -9,6 +9,7 @@ read as floats."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from strata.loaders.base import Checkpoint, LoadError
 from strata.models.layers import rope_inv_freq
 from strata.models.registry import build_model
 from strata.models.transformer import CausalLM
+
+log = logging.getLogger("strata")
 
 __all__ = ["LoadError", "Checkpoint", "LoadedModel", "read_checkpoint", "load_model", "default_model_path"]
 
@@ -93,8 +96,22 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
     _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable)
     if pack_experts:
         _pack(model, torch.device(device))
+    if quantizable:
+        _log_quantized(model)
     model.eval()
     return LoadedModel(model=model, config=cfg, tokenizer=ckpt.tokenizer, path=path, has_mtp=with_mtp)
+
+
+def _log_quantized(model: CausalLM) -> None:
+    from strata.kernels.quant import QWeight
+
+    kept = [q for m in model.modules() for q in vars(m).values() if isinstance(q, QWeight)]
+    if kept:
+        types = ", ".join(sorted({q.ggml_type for q in kept}))
+        log.info("kept %d linear weights quantized (%s): %.1f MiB", len(kept), types,
+                 sum(q.nbytes for q in kept) / 2**20)
+    else:
+        log.info("no weight was kept quantized (no Q8_0 / Q4_K / IQ3_S linear weights in this file)")
 
 
 def _pack(model: CausalLM, device: torch.device) -> None:
