@@ -39,9 +39,11 @@ class _Env:
     SPLIT_MTP_BATCH = Switch("STRATA_SPLIT_MTP_BATCH", _bool, False,
                              "compute the MTP layer's prompt K/V batched, chunk by chunk, during the prompt read")
     PIPED_CONCURRENT = Switch("STRATA_PIPED_CONCURRENT", _bool, False,
-                              "run a prompt read concurrently with decoding on a second stream")
+                              "run a prompt read concurrently with decoding on a second stream (issue 11: reserved, "
+                              "not built yet; setting it changes nothing)")
     PIPED_CONCURRENT_SMB = Switch("STRATA_PIPED_CONCURRENT_SMB", _bool, False,
-                                  "allow STRATA_SPLIT_MTP_BATCH beside STRATA_PIPED_CONCURRENT")
+                                  "allow STRATA_SPLIT_MTP_BATCH beside STRATA_PIPED_CONCURRENT (issue 11: reserved, "
+                                  "not built yet)")
     PDL = Switch("STRATA_PDL", _bool, True,
                  "launch Triton kernels with programmatic dependent launch on sm_90+ (a kernel's launch "
                  "overlaps its predecessor's tail; each kernel waits for it before touching memory)")

@@ -194,3 +194,14 @@ def test_wide_tables_are_not_folded_off_a_terminal():
     cols = [(f"column number {i}", f"k{i}", ".1f") for i in range(12)]
     text = _render([summary_table("wide", cols, [{f"k{i}": float(i) for i in range(12)}])])
     assert "column number 11" in text  # one header line each, not folded to 80 columns
+
+
+def test_readme_lists_every_switch():
+    """Each STRATA_* switch of strata/env.py is in the README's table (a new switch must be documented)."""
+    from pathlib import Path
+
+    from strata.env import ENV
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [s.name for s in ENV.switches() if f"`{s.name}`" not in readme]
+    assert not missing, f"README.md does not list {missing}"
