@@ -27,7 +27,6 @@ from torch import nn
 
 from strata.bench.results import print_tables, save, summary_table
 from strata.kernels.quant import FORMATS, QWeight, format_module
-from strata.kernels.quant.writers import quantize
 from strata.loaders import default_model_path, load_model
 from strata.models.attention import CausalBatch
 from strata.models.layers import Router
@@ -36,6 +35,8 @@ from strata.models.layers import Router
 def quantize_linears(model: nn.Module, ggml_type: str) -> tuple[int, int]:
     """Replace, in place, each eligible linear weight by its quantize → dequantize round trip.
     Returns (quantized parameters, linear parameters left in float)."""
+    from strata.kernels.quant.writers import quantize  # the gguf package, only when the bench runs
+
     mod = format_module(ggml_type)
     head = getattr(model, "lm_head", None)
     tied = head is not None and head.weight is model.model.embed_tokens.weight
