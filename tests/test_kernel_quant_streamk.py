@@ -29,6 +29,7 @@ from strata.kernels.quant import q8_0, streamk
 from strata.kernels.quant.q8_0 import Q8Config
 from strata.kernels.quant.streamk import QMatmulContext, q8_0_matmul_streamk
 from strata.kernels.timing import time_us
+from test_kernel_quant_q8_0 import make_x, rel_fro  # the same inputs and error measure as the tiled GEMM
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -53,22 +54,6 @@ def seed_of(*parts) -> int:
 
 def planes_of(n, k, seed, device=DEV):
     return q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed)).to(device))
-
-
-def make_x(m, k, dtype, seed, device=DEV, pad=0):
-    """x [m, k]; with pad > 0 a column slice of a NaN-filled wider buffer (row stride k + pad)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
-    if pad:
-        wide = torch.full((m, k + pad), float("nan"), dtype=dtype, device=device)
-        wide[:, :k] = x
-        x = wide[:, :k]
-    return x
-
-
-def rel_fro(out, ref) -> float:
-    out, ref = out.float(), ref.float()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check_product(got, x, planes, n, k):

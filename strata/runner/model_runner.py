@@ -45,6 +45,11 @@ log = logging.getLogger("strata")
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def graph_buckets(max_seqs: int) -> list[int]:
+    """The batch sizes graphs are captured for, largest first: the buckets below `max_seqs`, and it."""
+    return sorted({b for b in GRAPH_BUCKETS if b < max_seqs} | {max_seqs}, reverse=True)
+
+
 @dataclass
 class Sampled:
     tokens: list[int]  # one token, or with drafts: the accepted drafts then the target's own token
@@ -288,7 +293,7 @@ class ModelRunner:
         if not self.use_graphs:
             return 0.0
         t0 = time.perf_counter()
-        buckets = sorted({b for b in GRAPH_BUCKETS if b < self.max_seqs} | {self.max_seqs}, reverse=True)
+        buckets = graph_buckets(self.max_seqs)
         q = self.rows_per_seq
         pool = torch.cuda.graph_pool_handle()
         rows_max = buckets[0] * q

@@ -29,7 +29,7 @@ import torch
 from strata.kvcache.pool import KVPool
 from strata.models.attention import AttentionBackend
 from strata.models.transformer import CausalLM
-from strata.runner.model_runner import GRAPH_BUCKETS
+from strata.runner.model_runner import graph_buckets
 
 log = logging.getLogger("strata")
 
@@ -184,7 +184,7 @@ class MTPStep:
         if not self.use_graphs:
             return 0.0
         t0 = time.perf_counter()
-        buckets = sorted({b for b in GRAPH_BUCKETS if b < self.max_seqs} | {self.max_seqs}, reverse=True)
+        buckets = graph_buckets(self.max_seqs)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for q in sorted({self.rows_per_seq, 1}, reverse=True):
