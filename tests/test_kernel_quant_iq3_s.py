@@ -186,7 +186,7 @@ def test_invalid_configs_rejected():
 
 def test_fallback_without_kernels(monkeypatch):
     """Off CUDA without the interpreter: F.linear of the fp32 dequantization."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(q, "kernels_run", lambda t, kernel: False)
     n, k = 24, 256
     raw, planes = planes_of(n, k, 40)
     x = torch.randn(5, k).to(torch.bfloat16)

@@ -41,3 +41,13 @@ def use_triton(t: torch.Tensor) -> bool:
     """Whether `op` should run the Triton kernel for a tensor: on CUDA, and only where no gradient
     flows through it (the kernels have no backward; training on the GPU runs the references)."""
     return t.is_cuda and not (t.requires_grad and torch.is_grad_enabled()) and triton_available()
+
+
+def kernels_run(x: torch.Tensor, kernel) -> bool:
+    """Whether an op launches its Triton kernels for `x`: on CUDA (`use_triton`), or on any device
+    while Triton interprets them (TRITON_INTERPRET=1, which Triton read when `kernel` was decorated:
+    it is then an InterpretedFunction) — never where a gradient flows (the kernels have no backward)."""
+    if use_triton(x):
+        return True
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    return interpreted and not (x.requires_grad and torch.is_grad_enabled())

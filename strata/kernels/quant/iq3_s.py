@@ -36,7 +36,6 @@ the kernels' weights bit for bit).
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -45,7 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import use_pdl, use_triton
+from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_reduce
 from strata.kernels.timing import time_us
@@ -361,10 +360,6 @@ def _gemm_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
 # Dispatch
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
     want = {"qs": ((n, k // 4), torch.uint8), "signs": ((n, k // 32), torch.int32), "qh": ((n, k // 32), torch.uint8),
             "scales": ((n, k // 64), torch.uint8), "d": ((n, k // 256), torch.float16)}
@@ -386,7 +381,7 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {tuple(out.shape)} {out.dtype}")
-    kernels = use_triton(x) if x.is_cuda else _interpreting()
+    kernels = kernels_run(x, _gemv_kernel)
     if not kernels or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return out.copy_(F.linear(x.float(), dequantize(planes, n, k)).to(x.dtype))
     _check_planes(planes, n, k)

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import use_pdl, use_triton
+from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_reduce
 from strata.kernels.timing import time_us
@@ -456,20 +456,11 @@ def gemm_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
     return out
 
 
-def _kernels_run(x: torch.Tensor) -> bool:
-    """On CUDA (without autograd), or anywhere while Triton interprets the kernels (TRITON_INTERPRET=1,
-    read by Triton when the kernels were decorated, not by us)."""
-    if use_triton(x):
-        return True
-    interpreted = type(_gemv_kernel).__name__ == "InterpretedFunction"
-    return interpreted and not (x.requires_grad and torch.is_grad_enabled())
-
-
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
            *, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ → [M, N] in x's dtype (semantics: `matmul_ref`). M ≤ 16: the GEMV (a row's bits
     do not depend on M); larger M: the GEMM. Off CUDA (no interpreter): `matmul_ref`."""
-    if not _kernels_run(x):
+    if not kernels_run(x, _gemv_kernel):
         _check_call(x, planes, n, k, out, allocate=False)
         return matmul_ref(x, planes, n, k, out)
     if x.shape[0] <= GEMV_MAX_ROWS:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import use_pdl, use_triton
+from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.timing import time_us
 
@@ -275,12 +275,6 @@ def _q8_gemm_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k
              mask=(out_rows < m)[:, None] & (cols < n)[None, :])
 
 
-def _interpreted() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported
-    by the kernels): the decorated kernel is then an InterpretedFunction."""
-    return type(_q8_gemv_kernel).__name__ == "InterpretedFunction"
-
-
 # ----------------------------------------------------------------------------------------------
 # Public ops
 
@@ -331,7 +325,7 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ -> [M, N] in x's dtype: the kernels on CUDA (no gradient) and in the interpreter,
     `matmul_ref` elsewhere."""
-    if use_triton(x) or (_interpreted() and not x.is_cuda and not (x.requires_grad and torch.is_grad_enabled())):
+    if kernels_run(x, _q8_gemv_kernel):
         return matmul_triton(x, planes, n, k, out)
     return matmul_ref(x, planes, n, k, out)
 

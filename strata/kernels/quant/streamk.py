@@ -56,10 +56,10 @@ from functools import lru_cache
 
 import torch
 
-from strata.kernels import use_pdl, use_triton
+from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.q8_0 import (SUPPORTED_DTYPES, Q8Config, _block_k, _cdiv, _check_planes, _dequant_tile,
-                                       _dot, _interpreted, check_config, matmul_ref)
+                                       _dot, check_config, matmul_ref)
 
 try:
     import triton
@@ -278,7 +278,7 @@ def q8_0_matmul_streamk(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int
         raise ValueError(f"ctx is on {ctx.device}, the weights on {qs.device}")
     if num_programs is not None and not 1 <= num_programs <= MAX_PROGRAMS:
         raise ValueError(f"num_programs must be in [1, {MAX_PROGRAMS}], got {num_programs}")
-    if not (use_triton(x) or (_interpreted() and not x.is_cuda and not (x.requires_grad and torch.is_grad_enabled()))):
+    if not kernels_run(x, _q8_streamk_kernel):
         return matmul_ref(x, planes, n, k, out)
     m = x.shape[0]
     if out is None:
