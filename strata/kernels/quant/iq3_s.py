@@ -48,6 +48,7 @@ from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_reduce
 from strata.kernels.timing import time_us
+from strata.kernels.tiles import grouped_tile
 
 try:
     import triton
@@ -331,14 +332,7 @@ def _gemm_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
                  GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(m, BLOCK_M)
-    tiles_n = tl.cdiv(n, BLOCK_N)
-    # GROUP_M row tiles walk the column tiles together, so a weight tile is reused from L2.
-    per_group = GROUP_M * tiles_n
-    first_m = pid // per_group * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
 
     xrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

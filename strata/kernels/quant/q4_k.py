@@ -55,6 +55,7 @@ from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_reduce
 from strata.kernels.timing import time_us
+from strata.kernels.tiles import grouped_tile
 
 try:
     import triton
@@ -255,15 +256,7 @@ def _gemm_kernel(x_ptr, x_stride, qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, out_s
                  IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
-    # Grouped order: GROUP_M row tiles walk the column tiles together, so a dequantized weight tile's
-    # bytes and the x tiles stay in L2 between neighbouring programs.
-    tiles_m = tl.cdiv(m, BLOCK_M)
-    tiles_n = tl.cdiv(n, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

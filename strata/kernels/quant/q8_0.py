@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.timing import time_us
+from strata.kernels.tiles import grouped_tile
 
 try:
     import triton
@@ -237,38 +238,45 @@ def _q8_gemv_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k
 
 
 @jit
-def _q8_gemm_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k, k_groups,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+def q8_tile_product(x_ptr, x_stride, qs_ptr, d_ptr, m, n, k, k_groups, tile_m, tile_n, kb0, kb1,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] product of output tile (tile_m, tile_n) over K blocks kb0 .. kb1 - 1, each
+    weight tile dequantized and rounded to x's dtype (rows clamped, so no load needs a mask). Shared by
+    the tiled GEMM (all K blocks) and the stream-K GEMM (a program's share of a tile)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(m, BLOCK_M)
-    tiles_n = tl.cdiv(n, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = pid // per_group * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % per_group) % group_rows
-    tile_n = (pid % per_group) // group_rows
-
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = tl.minimum(tile_m * BLOCK_M + offs_m, m - 1)  # clamped like the weight rows: no load masks
+    x_rows = tl.minimum(tile_m * BLOCK_M + offs_m, m - 1)
     w_rows = tl.minimum(offs_n, n - 1 - tile_n * BLOCK_N)
     tile_row0 = (tile_n * BLOCK_N).to(tl.int64)
-    x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
-    q_ptrs = (qs_ptr + tile_row0 * k + w_rows[:, None, None] * k
+    x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride + kb0 * BLOCK_K + offs_k[None, :]
+    q_ptrs = (qs_ptr + tile_row0 * k + w_rows[:, None, None] * k + kb0 * BLOCK_K
               + tl.arange(0, GROUPS)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :])
-    d_ptrs = d_ptr + tile_row0 * k_groups + w_rows[:, None] * k_groups + tl.arange(0, GROUPS)[None, :]
+    d_ptrs = (d_ptr + tile_row0 * k_groups + w_rows[:, None] * k_groups + kb0 * GROUPS
+              + tl.arange(0, GROUPS)[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, k // BLOCK_K):
+    for _ in range(kb0, kb1):
         w = _dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
         a = tl.load(x_ptrs)
         acc = _dot(a, tl.trans(w), acc, FP32_DOT)
         q_ptrs += BLOCK_K
         d_ptrs += GROUPS
         x_ptrs += BLOCK_K
+    return acc
+
+
+@jit
+def _q8_gemm_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k, k_groups,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    tile_m, tile_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = q8_tile_product(x_ptr, x_stride, qs_ptr, d_ptr, m, n, k, k_groups, tile_m, tile_n, 0, k // BLOCK_K,
+                          BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     out_rows = tile_m * BLOCK_M + offs_m
     cols = tile_n * BLOCK_N + offs_n
     tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),

@@ -58,8 +58,9 @@ import torch
 
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.quant.q8_0 import (SUPPORTED_DTYPES, Q8Config, _block_k, _cdiv, _check_planes, _dequant_tile,
-                                       _dot, check_config, matmul_ref)
+from strata.kernels.quant.q8_0 import (SUPPORTED_DTYPES, Q8Config, _block_k, _cdiv, _check_planes, check_config,
+                                       matmul_ref, q8_tile_product)
+from strata.kernels.tiles import grouped_tile
 
 try:
     import triton
@@ -174,7 +175,6 @@ def _q8_streamk_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, flag
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    GROUPS: tl.constexpr = BLOCK_K // 32
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
     worker = tl.program_id(0)
     if has_fixup:
@@ -191,37 +191,16 @@ def _q8_streamk_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, flag
     end = ((worker + 1).to(tl.int64) * total // num_programs).to(tl.int32)
     first_tile = start // k_iters
     last_tile = (end - 1) // k_iters
-    per_group = GROUP_M * tiles_n
-
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     for step in range(0, last_tile - first_tile + 1):
         tile = last_tile - step
         tile_iter0 = tile * k_iters
         kb0 = tl.maximum(start - tile_iter0, 0)
         kb1 = tl.minimum(end - tile_iter0, k_iters)
-        first_m = tile // per_group * GROUP_M
-        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-        tile_m = first_m + (tile % per_group) % group_rows
-        tile_n = (tile % per_group) // group_rows
-
-        x_rows = tl.minimum(tile_m * BLOCK_M + offs_m, m - 1)  # clamped rows and weight rows: no load masks
-        w_rows = tl.minimum(offs_n, n - 1 - tile_n * BLOCK_N)
-        tile_row0 = (tile_n * BLOCK_N).to(tl.int64)
-        x_ptrs = x_ptr + x_rows.to(tl.int64)[:, None] * x_stride + kb0 * BLOCK_K + offs_k[None, :]
-        q_ptrs = (qs_ptr + tile_row0 * k + w_rows[:, None, None] * k + kb0 * BLOCK_K
-                  + tl.arange(0, GROUPS)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :])
-        d_ptrs = (d_ptr + tile_row0 * k_groups + w_rows[:, None] * k_groups + kb0 * GROUPS
-                  + tl.arange(0, GROUPS)[None, :])
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(kb0, kb1):
-            w = _dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
-            a = tl.load(x_ptrs)
-            acc = _dot(a, tl.trans(w), acc, FP32_DOT)
-            q_ptrs += BLOCK_K
-            d_ptrs += GROUPS
-            x_ptrs += BLOCK_K
+        tile_m, tile_n = grouped_tile(tile, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = q8_tile_product(x_ptr, x_stride, qs_ptr, d_ptr, m, n, k, k_groups, tile_m, tile_n, kb0, kb1,
+                              BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
 
         if kb1 < k_iters:
             # Not the tile's last K-block: publish the partial for the owner. The barrier orders every
