@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
-from strata.kernels.splitk import split_k_reduce
+from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
 
 try:
@@ -132,18 +132,11 @@ def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return 1 <= m <= MAX_ROWS and n >= 1 and k >= 64 and k % 64 == 0 and dtype in SUPPORTED_DTYPES
 
 
-def _counter_slots(tiles: int) -> int:
-    return _cdiv(tiles, 32) * 32  # partials start 128-byte aligned
-
-
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of workspace for weight [N, K] (0 without split-K). One buffer serves any
     M ≤ 16, and several shapes if sized for the largest of them."""
     cfg = config or gemv_config(n, k)
-    if cfg.split_k == 1:
-        return 0
-    tiles = _cdiv(n, cfg.block_n)
-    return _counter_slots(tiles) + tiles * cfg.split_k * BLOCK_M * cfg.block_n
+    return split_k_numel(n, cfg.block_n, cfg.split_k, BLOCK_M)
 
 
 def gemv_workspace(n: int, k: int, device, config: GemvConfig | None = None) -> torch.Tensor:
@@ -266,13 +259,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     tiles = _cdiv(n, cfg.block_n)
     counters = partials = out  # placeholders: never touched without split-K
     if cfg.split_k > 1:
-        need = gemv_workspace_numel(n, k, cfg)
-        if workspace is None:
-            workspace = torch.zeros(need, dtype=torch.int32, device=x.device)
-        elif workspace.dtype != torch.int32 or workspace.numel() < need or not workspace.is_contiguous():
-            raise ValueError(f"workspace: expected a contiguous int32 tensor of >= {need} elements")
-        counters = workspace[:tiles]
-        partials = workspace[_counter_slots(tiles):need].view(torch.float32)
+        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, BLOCK_M, x.device)
     on = use_pdl(x)
     prefetch = prefetch_blocks(cfg, n, k, weight.element_size()) if on else 0
     _gemv_kernel[(tiles * cfg.split_k,)](

@@ -8,6 +8,8 @@ writes the output. No second launch, and a workspace is reusable by the next cal
 
 from __future__ import annotations
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -42,3 +44,27 @@ def split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row
                              cache_modifier=".cg")
         tl.store(counter_ptr + tile, 0)
     return last, total
+
+
+# ---- the host side: one workspace layout for every kernel that uses split_k_reduce ---------------
+
+def split_k_numel(n: int, block_n: int, split_k: int, block_m: int) -> int:
+    """int32 elements of a split-K workspace: one counter per column tile (padded so the partials
+    start 128-byte aligned), then fp32 partials [tiles, split_k, block_m, block_n]; 0 without split-K."""
+    if split_k == 1:
+        return 0
+    tiles = -(-n // block_n)
+    return -(-tiles // 32) * 32 + tiles * split_k * block_m * block_n
+
+
+def split_k_views(workspace: torch.Tensor | None, n: int, block_n: int, split_k: int, block_m: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counters, partials) of `workspace` for one launch; None allocates a zeroed one (inside a CUDA
+    graph capture, from the graph's pool). The kernel leaves the counters at zero after each launch."""
+    need = split_k_numel(n, block_n, split_k, block_m)
+    if workspace is None:
+        workspace = torch.zeros(need, dtype=torch.int32, device=device)
+    elif workspace.dtype != torch.int32 or workspace.numel() < need or not workspace.is_contiguous():
+        raise ValueError(f"workspace: expected a contiguous int32 tensor of >= {need} elements")
+    tiles = -(-n // block_n)
+    return workspace[:tiles], workspace[-(-tiles // 32) * 32 : need].view(torch.float32)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_reduce
+from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 
@@ -163,10 +163,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def workspace_numel(n: int, cfg: TileConfig) -> int:
     """int32 elements of GEMV workspace: tile tickets (padded to 128 bytes), then fp32 partials."""
-    if cfg.split_k == 1:
-        return 0
-    tiles = _cdiv(n, cfg.block_n)
-    return _cdiv(tiles, 32) * 32 + tiles * cfg.split_k * GEMV_MAX_ROWS * cfg.block_n
+    return split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
 
 
 # SASS instructions per weight value and thread of the GEMV loop (bf16, sm_90 compile, 4 warps,
@@ -396,15 +393,11 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
     tiles = _cdiv(n, cfg.block_n)
     counters = partials = out  # placeholders: never touched without split-K
     if cfg.split_k > 1:
-        need = workspace_numel(n, cfg)
         if workspace is None:
             workspace = planes.get("workspace")
-        if workspace is None or workspace.numel() < need:
-            workspace = torch.zeros(need, dtype=torch.int32, device=x.device)
-        elif workspace.dtype != torch.int32 or not workspace.is_contiguous():
-            raise ValueError("workspace: expected a contiguous int32 tensor")
-        counters = workspace[:tiles]
-        partials = workspace[_cdiv(tiles, 32) * 32:need].view(torch.float32)
+            if workspace is not None and workspace.numel() < workspace_numel(n, cfg):
+                workspace = None  # sized for the default configuration, not this one
+        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS, x.device)
     _gemv_kernel[(tiles * cfg.split_k,)](
         x, x.stride(0), *weights, out, out.stride(0), partials, counters, m, n, k, BLOCK_M=GEMV_MAX_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, **common)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_reduce
+from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 
@@ -361,10 +361,7 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials."""
     cfg = config or gemv_config(n, k)
-    if cfg.split_k == 1:
-        return 0
-    tiles = _cdiv(n, cfg.block_n)
-    return _cdiv(tiles, 32) * 32 + tiles * cfg.split_k * GEMV_MAX_ROWS * cfg.block_n
+    return split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
 
 
 def _check_block_k(block_k: int, k: int) -> None:
@@ -414,13 +411,7 @@ def gemv_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
     tiles = _cdiv(n, cfg.block_n)
     counters = partials = out  # placeholders, untouched without split-K
     if cfg.split_k > 1:
-        need = gemv_workspace_numel(n, k, cfg)
-        if workspace is None:
-            workspace = torch.zeros(need, dtype=torch.int32, device=x.device)
-        elif workspace.dtype != torch.int32 or workspace.numel() < need or not workspace.is_contiguous():
-            raise ValueError(f"workspace: expected a contiguous int32 tensor of >= {need} elements")
-        counters = workspace[:tiles]
-        partials = workspace[_cdiv(tiles, 32) * 32:need].view(torch.float32)
+        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS, x.device)
     on = use_pdl(x)
     _gemv_kernel[(tiles * cfg.split_k,)](
         x, x.stride(0), *_planes_args(planes), out, out.stride(0), partials, counters, m, n, k,
