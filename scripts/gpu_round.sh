@@ -31,6 +31,23 @@ step() {  # name, seconds, command...
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
   for s in "$@"; do
     case $s in
+      gpu-all) step gpu-all 900 $T tests/ --durations=20 --continue-on-collection-errors ;;
+      peer-build)  # llama.cpp (../shared/tools/llamacpp; carry .peer) and the quantized GGUFs, in the background
+        mkdir -p /tmp/llama /tmp/peer && tar xJf .peer/llama.tar.xz -C /tmp/llama
+        setsid nohup bash -c "cd /tmp/llama && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF >/tmp/peer/cmake.log 2>&1 \
+          && cmake --build build -j12 --target llama-bench >/tmp/peer/build.log 2>&1; touch /tmp/peer/built" >/dev/null 2>&1 </dev/null &
+        setsid nohup bash -c "for f in Q8_0 Q4_K IQ3_S; do python3 scripts/quant_gguf.py /tmp/peer_\$f.gguf \$f \
+          --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf; done; touch /tmp/peer/ggufs" >/tmp/peer/gguf.log 2>&1 </dev/null &
+        echo "peer build and GGUF writes started" ;;
+      peer-quant)
+        t0=$SECONDS; while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/ggufs ]; do
+          [ $((SECONDS - t0)) -gt 420 ] && break; sleep 5; done
+        tail -n 3 /tmp/peer/build.log /tmp/peer/gguf.log
+        step peer-quant 300 bash -c "/tmp/llama/build/bin/llama-bench -m /tmp/peer_Q8_0.gguf -m /tmp/peer_Q4_K.gguf \
+          -m /tmp/peer_IQ3_S.gguf -ngl 99 -fa 1 -p 4096 -n 128 -r 3 -o json > $R/llamacpp_quant_qwen3-8b_cuda.json; \
+          python3 -c 'import json,sys; [print(r[\"model_type\"], r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"], 1)) for r in json.load(open(sys.argv[1]))]' \
+          $R/llamacpp_quant_qwen3-8b_cuda.json" ;;
       graphs-final) step graphs-final 200 $T tests/test_kernel_token_mask.py tests/test_gpu_graphs.py -k "not bf16_agreement and not int8_backend" ;;
       grammar-cost)
         V=.cache/llama-cpp-vocab-0.3.16/ggml-vocab-qwen2.gguf
@@ -46,7 +63,8 @@ step() {  # name, seconds, command...
         step prefetch-sweep-b8 200 python3 scripts/profile_step.py --batch 8 --top 8 --prefetch-sweep 0,16,32 ;;
       sweep-prefill) step sweep-prefill 240 python3 scripts/sweep_attention.py --only prefill --prefill-configs "64,128,4,4;64,128,4,3;64,256,8,2;64,256,8,3;128,256,8,2" ;;
       s2-tests) step s2-tests 300 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernel_kv_dequant.py tests/test_gpu_graphs.py -k "attention or splits or dequant or int8 or bf16_agreement" ;;
-      quant-tests) step quant-tests 400 $T tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py ;;
+      q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
+      quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_act_q8.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py ;;
       quant) step quant 400 $B quant --shape qwen3-8b --out $R/quant_qwen3-8b_cuda.json ;;
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;

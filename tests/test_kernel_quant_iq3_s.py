@@ -22,6 +22,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from strata.kernels.quant import QWeight
 from strata.kernels.quant import iq3_s as q
+from strata.kernels.timing import time_us
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -347,7 +348,7 @@ def test_gpu_speed_report():
         weight_bytes = raw.nbytes
         x1 = torch.randn(1, k, device="cuda").to(torch.bfloat16)
         xm = torch.randn(4096, k, device="cuda").to(torch.bfloat16)
-        t1 = q._time_us(lambda: q.matmul(x1, planes, n, k))
-        tm = q._time_us(lambda: q.matmul(xm, planes, n, k), runs=10)
+        t1 = time_us([lambda: q.matmul(x1, planes, n, k)])
+        tm = time_us([lambda: q.matmul(xm, planes, n, k)], runs=10)
         print(f"\nIQ3_S {n}x{k}: M=1 {t1:.2f} us, {weight_bytes / t1 / 1e3:.1f} GB/s of weights; "
               f"M=4096 {tm:.1f} us, {2 * 4096 * n * k / tm / 1e6:.1f} TFLOP/s")

@@ -51,6 +51,8 @@ import torch.nn.functional as F
 
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.quant.act_q8 import quantize_groups, quantize_ref
+from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 
@@ -83,6 +85,7 @@ class Q8Config:
     num_warps: int = 4
     num_stages: int = 4
     group_m: int = 8  # GEMM only: M tiles that visit the same weight tiles back to back
+    split_k: int = 1  # int8 GEMV only: programs per row tile, each over an equal share (±1) of the K steps
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,13 +100,38 @@ def _block_k(k: int, preferred: int) -> int:
     return block
 
 
+# The int8 GEMV (16-bit x). Per program and stage: BLOCK_N·BLOCK_K quant bytes, BLOCK_N·BLOCK_K/16 of
+# scales and a 16-row xᵀ tile (BLOCK_K·32 bytes): 22 KB at 64 × 256, so 3 stages keep ~66 KB in
+# flight and three programs share an SM. Split-K brings every shape to about three programs per SM
+# (one wave, ≤ 396 programs) where its row tiles alone give fewer. Entries are the sweep's picks
+# (`python -m strata.kernels.quant.q8_0 --sweep`); other shapes take `_heuristic_gemv`.
+GEMV_CONFIGS: dict[tuple[int, int], Q8Config] = {}
+
+
+def _heuristic_gemv(n: int, k: int) -> Q8Config:
+    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
+    block_k = _block_k(k, 256)
+    steps, tiles = k // block_k, _cdiv(n, block_n)
+    split = max(1, min(3 * NUM_SMS // tiles, steps // 2))
+    return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps=4, num_stages=3, split_k=split)
+
+
 def gemv_config(n: int, k: int) -> Q8Config:
-    """M ≤ 16. The weight stream is the whole cost, so: the widest tile (BLOCK_N 64, then 32, then 16)
-    that still gives about one program per SM (N = 4096 -> 32 rows, 128 programs; N = 12288 -> 64
-    rows, 192 programs); BLOCK_K 256 (a 256-byte quant row and 16 bytes of scales per row per stage);
-    64 weight values per thread (4 warps, 8 for 64-row tiles) to keep the fp32 dequantization in
-    registers without spills; as many stages as fit SMEM_BUDGET (4-6), i.e. 20-48 KB of quants in
-    flight per program, about what covers HBM latency at the ~36 GB/s an SM's share is. Untimed."""
+    """M ≤ 16 with 16-bit x (the int8 GEMV): a function of (N, K) only, so a row's result does not
+    depend on M."""
+    return GEMV_CONFIGS.get((n, k)) or _heuristic_gemv(n, k)
+
+
+def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
+    """int32 elements of the int8 GEMV's split-K workspace (0 without split-K)."""
+    cfg = config or gemv_config(n, k)
+    return split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+
+
+def fp32_gemv_config(n: int, k: int) -> Q8Config:
+    """M ≤ 16 with fp32 x (a correctness path: weights dequantized to fp32, IEEE dot, no split-K): the
+    widest tile (BLOCK_N 64, then 32, then 16) that still gives about one program per SM; BLOCK_K
+    256; 64 weight values per thread; as many stages as fit SMEM_BUDGET."""
     block_n = 64 if _cdiv(n, 64) >= NUM_SMS else 32 if _cdiv(n, 32) >= 0.9 * NUM_SMS else 16
     block_k = _block_k(k, 256)
     num_warps = 8 if block_n * block_k > 8192 else 4
@@ -135,7 +163,8 @@ def check_config(cfg: Q8Config, k: int, gemv: bool) -> None:
     pow2 = lambda v, lo: v >= lo and v & (v - 1) == 0  # noqa: E731
     if not (pow2(cfg.block_m, 16) and pow2(cfg.block_n, 16) and pow2(cfg.block_k, 32) and k % cfg.block_k == 0
             and (cfg.block_m == GEMV_MAX_ROWS or not gemv) and cfg.num_warps in (1, 2, 4, 8)
-            and cfg.num_stages >= 1 and cfg.group_m >= 1):
+            and cfg.num_stages >= 1 and cfg.group_m >= 1 and 1 <= cfg.split_k <= k // cfg.block_k
+            and (cfg.split_k == 1 or gemv)):
         raise ValueError(f"invalid {'GEMV' if gemv else 'GEMM'} {cfg} for K={k}")
 
 
@@ -237,6 +266,55 @@ def _q8_gemv_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k
              mask=(cols < n)[:, None] & row_ok[None, :])
 
 
+@jit(do_not_specialize=["m"])
+def _q8_gemv_i8_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
+                       k_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """16-bit x, M ≤ 16: x quantized per 32 values (`act_q8`), int8 × int8 MMAs (weights on the M side,
+    swap AB), one [G, BLOCK_N, 16] batched dot per step with a 32-deep batch per scale group, so
+    each group's exact int32 sum is scaled once by d_w · dx."""
+    pdl_prologue(USE_PDL)
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    k_blocks = k // BLOCK_K
+    kb_begin = split * k_blocks // SPLIT_K
+    kb_end = (split + 1) * k_blocks // SPLIT_K
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tile * BLOCK_N + offs_n
+    col_ok = cols < n
+    w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    g = tl.arange(0, GROUPS)
+    j = tl.arange(0, 32)
+    k0 = kb_begin * BLOCK_K
+    q_ptrs = qs_ptr + w_rows[None, :, None] * k + (k0 + g * 32)[:, None, None] + j[None, None, :]
+    d_ptrs = d_ptr + w_rows[None, :] * k_groups + (k0 // 32 + g)[:, None]
+    x_ptrs = x_ptr + rows[None, None, :] * x_stride + (k0 + g * 32)[:, None, None] + j[None, :, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(kb_begin, kb_end):
+        w = tl.load(q_ptrs)  # int8 [G, BLOCK_N, 32]
+        dw = tl.load(d_ptrs).to(tl.float32)  # [G, BLOCK_N]
+        xv = tl.load(x_ptrs, mask=row_ok[None, None, :], other=0.0).to(tl.float32)  # xᵀ [G, 32, BLOCK_M]
+        xq, dx = quantize_groups(xv, 1)  # int8 [G, 32, BLOCK_M], fp32 [G, BLOCK_M]
+        part = tl.dot(w, xq, out_dtype=tl.int32).to(tl.float32)  # [G, BLOCK_N, BLOCK_M], exact sums
+        acc += tl.sum(part * dw[:, :, None] * dx[:, None, :], axis=0)
+        q_ptrs += BLOCK_K
+        d_ptrs += GROUPS
+        x_ptrs += BLOCK_K
+    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
+    out_ok = col_ok[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
+                                     SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
 @jit
 def q8_tile_product(x_ptr, x_stride, qs_ptr, d_ptr, m, n, k, k_groups, tile_m, tile_n, kb0, kb1,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
@@ -294,8 +372,21 @@ def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
     return y if out is None else out.copy_(y)
 
 
+def gemv_i8_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """The int8 GEMV's definition (16-bit x, M ≤ 16), fp32 [M, N] before the one rounding to x's
+    dtype: x quantized per 32 values (`act_q8.quantize_ref`), each group's integer dot exact, scaled
+    by d_w · dx and summed over the groups in fp32 (the kernel's group order may differ)."""
+    qs, d = _check_planes(planes, n, k)
+    xq, dx = quantize_ref(x)
+    groups = k // BLOCK_VALUES
+    # Integer sums of at most 32 · 127² are exact in fp32.
+    sums = torch.einsum("mgj,ngj->mng", xq.view(-1, groups, 32).float(), qs.view(n, groups, 32).float())
+    return (sums * d.float()[None] * dx[:, None, :]).sum(-1)
+
+
 def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
-                  out: torch.Tensor | None = None, *, config: Q8Config | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, config: Q8Config | None = None,
+                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels: the GEMV for M ≤ 16, the GEMM above. x [M, K] bf16/fp16/fp32 with contiguous rows
     (any row stride) on the planes' device; out [M, N] in x's dtype with contiguous rows, or None.
     `config` overrides the regime's configuration (a GEMV one must have block_m 16)."""
@@ -313,28 +404,41 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     if m == 0 or n == 0:
         return out
     gemv = m <= GEMV_MAX_ROWS
-    cfg = config or (gemv_config(n, k) if gemv else gemm_config(m, n, k, x.dtype))
+    int8_gemv = gemv and x.dtype != torch.float32
+    cfg = config or (gemm_config(m, n, k, x.dtype) if not gemv else gemv_config(n, k) if int8_gemv
+                     else fp32_gemv_config(n, k))
     check_config(cfg, k, gemv)
+    if cfg.split_k > 1 and not int8_gemv:
+        raise ValueError(f"split-K is for the int8 GEMV only (16-bit x, M ≤ {GEMV_MAX_ROWS}): {cfg}")
     on = use_pdl(x)
     fp32_dot = x.dtype == torch.float32 or not x.is_cuda
-    common = dict(FP32_DOT=fp32_dot, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if gemv:
+    common = dict(USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if int8_gemv:
+        counters = partials = out  # placeholders, untouched without split-K
+        if cfg.split_k > 1:
+            counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS, x.device)
+        _q8_gemv_i8_kernel[(_cdiv(n, cfg.block_n) * cfg.split_k,)](
+            x, x.stride(0), qs, d, out, out.stride(0), partials, counters, m, n, k, k // BLOCK_VALUES,
+            BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, **common)
+    elif gemv:
         _q8_gemv_kernel[(_cdiv(n, cfg.block_n),)](
             x, x.stride(0), qs, d, out, out.stride(0), m, n, k, k // BLOCK_VALUES,
-            BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **common)
+            BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP32_DOT=fp32_dot, **common)
     else:
         _q8_gemm_kernel[(_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)](
             x, x.stride(0), qs, d, out, out.stride(0), m, n, k, k // BLOCK_VALUES,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **common)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            FP32_DOT=fp32_dot, **common)
     return out
 
 
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ -> [M, N] in x's dtype: the kernels on CUDA (no gradient) and in the interpreter,
-    `matmul_ref` elsewhere."""
+    `matmul_ref` elsewhere. The int8 GEMV's split-K uses `workspace` (zeroed int32 of ≥
+    `gemv_workspace_numel` elements, left zeroed; not shared by concurrent streams) or allocates one."""
     if kernels_run(x, _q8_gemv_kernel):
-        return matmul_triton(x, planes, n, k, out)
+        return matmul_triton(x, planes, n, k, out, workspace=workspace)
     return matmul_ref(x, planes, n, k, out)
 
 
@@ -375,7 +479,51 @@ def bench(ms=(1, 4096), shapes=BENCH_SHAPES, runs: int = 50) -> None:
         torch.cuda.empty_cache()
 
 
+SWEEP_SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
+
+
+def sweep_gemv(shapes=SWEEP_SHAPES, ms=(1, 8)) -> None:
+    """Times int8 GEMV configurations per shape (mean µs over `ms`, weight copies past L2) and prints
+    the five best beside the current one."""
+    import statistics
+
+    for name, n, k in shapes:
+        planes = repack(torch.from_numpy(random_raw(n, k, seed=n + k)).cuda())
+        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (150 << 20) // (n * k)))]
+        candidates = {gemv_config(n, k)}
+        for block_n in (64, 128):
+            for block_k in (256, 512):
+                for split in (1, 2, 3, 4, 6, 8):
+                    for warps, stages in ((4, 3), (8, 3)):
+                        cfg = Q8Config(GEMV_MAX_ROWS, block_n, block_k, warps, stages, split_k=split)
+                        steps = k // block_k
+                        if k % block_k or split > max(1, steps // 2) or not 100 <= _cdiv(n, block_n) * split <= 1600:
+                            continue
+                        candidates.add(cfg)
+        results = []
+        for cfg in candidates:
+            ws = torch.zeros(max(1, gemv_workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
+            times = []
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                times.append(time_us([lambda p=p: matmul_triton(x, p, n, k, out, config=cfg, workspace=ws)
+                                      for p in copies], runs=30))
+            results.append((statistics.mean(times), times, cfg))
+        results.sort(key=lambda r: r[0])
+        qbytes = n * k * BLOCK_BYTES // BLOCK_VALUES
+        current = next(r for r in results if r[2] == gemv_config(n, k))
+        print(f"{name} {n}x{k}: current {current[0]:8.2f} us {qbytes / current[0] / 1e3:6.0f} GB/s {current[2]}")
+        for mean_t, times, cfg in results[:5]:
+            print(f"   {mean_t:8.2f} us {qbytes / mean_t / 1e3:6.0f} GB/s  per M {[round(t, 2) for t in times]}  {cfg}",
+                  flush=True)
+        del copies, planes
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
+    import sys
+
     if not torch.cuda.is_available():
         raise SystemExit("the Q8_0 micro-benchmark needs a CUDA device")
-    bench()
+    sweep_gemv() if "--sweep" in sys.argv[1:] else bench()

@@ -1,0 +1,106 @@
+"""Writes a random-weight GGUF at a dense `strata bench` shape with every linear weight (and the
+embedding table) in one quantized format, for timing llama.cpp on the same formats `strata bench
+quant` times (issue 10). The blocks are random valid ones made on the device by the same
+`random_blocks` the bench uses; norms are ones. The tokenizer fields come from a vocab-only GGUF
+(llama.cpp ships `models/ggml-vocab-qwen2.gguf`).
+
+    python3 scripts/quant_gguf.py OUT.gguf Q4_K --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import gguf
+import numpy as np
+import torch
+
+from strata.bench.random_model import shape_config
+from strata.kernels.quant import FORMATS, random_blocks
+
+FILE_TYPES = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+              "IQ3_S": gguf.LlamaFileType.MOSTLY_IQ3_S}
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> None:
+    reader = gguf.GGUFReader(vocab_path)
+    for f in reader.fields.values():
+        if not f.name.startswith("tokenizer."):
+            continue
+        kind = f.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            parts = [f.parts[i] for i in f.data]
+            if f.types[1] == gguf.GGUFValueType.STRING:
+                writer.add_array(f.name, [bytes(p).decode("utf-8", errors="replace") for p in parts])
+            else:
+                writer.add_array(f.name, [p.tolist()[0] for p in parts])
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(f.name, bytes(f.parts[f.data[0]]).decode())
+        else:
+            writer.add_key_value(f.name, f.parts[f.data[0]].tolist()[0], kind)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("format", choices=FORMATS)
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--vocab", required=True, help="a vocab-only GGUF whose tokenizer.* fields are copied")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (quick checks)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    mc = shape_config(args.shape)
+    layers = args.layers or mc.num_hidden_layers
+    if mc.is_moe or mc.model_type != "qwen3":
+        raise SystemExit(f"{args.shape}: only dense qwen3 shapes are written")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    qtype = getattr(gguf.GGMLQuantizationType, args.format)
+    w = gguf.GGUFWriter(args.out, "qwen3")
+    copy_tokenizer(w, args.vocab)
+    hd, nh, nkv = mc.head_dim, mc.num_attention_heads, mc.num_key_value_heads
+    w.add_context_length(mc.max_position_embeddings)
+    w.add_embedding_length(mc.hidden_size)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(mc.intermediate_size)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(mc.rope.theta)
+    w.add_layer_norm_rms_eps(mc.rms_norm_eps)
+    w.add_file_type(FILE_TYPES[args.format])
+
+    def linear(name: str, n: int, k: int) -> None:
+        raw = random_blocks(args.format, n, k, gen, device).cpu().numpy()
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    h, ff = mc.hidden_size, mc.intermediate_size
+    linear("token_embd.weight", mc.vocab_size, h)
+    norm("output_norm.weight", h)
+    linear("output.weight", mc.vocab_size, h)
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(b + "attn_norm.weight", h)
+        norm(b + "ffn_norm.weight", h)
+        norm(b + "attn_q_norm.weight", hd)
+        norm(b + "attn_k_norm.weight", hd)
+        linear(b + "attn_q.weight", nh * hd, h)
+        linear(b + "attn_k.weight", nkv * hd, h)
+        linear(b + "attn_v.weight", nkv * hd, h)
+        linear(b + "attn_output.weight", h, nh * hd)
+        linear(b + "ffn_gate.weight", ff, h)
+        linear(b + "ffn_up.weight", ff, h)
+        linear(b + "ffn_down.weight", h, ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print("wrote", args.out, args.format)
+
+
+if __name__ == "__main__":
+    main()
