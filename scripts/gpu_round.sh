@@ -31,7 +31,7 @@ step() {  # name, seconds, command...
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
   for s in "$@"; do
     case $s in
-      gpu-all) step gpu-all 900 $T tests/ --durations=20 --continue-on-collection-errors ;;
+      gpu-all) step gpu-all ${GPU_ALL_S:-900} $T tests/ --durations=20 --continue-on-collection-errors ;;
       peer-build)  # llama.cpp (../shared/tools/llamacpp; carry .peer) and the quantized GGUFs, in the background
         mkdir -p /tmp/llama /tmp/peer && tar xJf .peer/llama.tar.xz -C /tmp/llama
         setsid nohup bash -c "cd /tmp/llama && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
@@ -65,7 +65,7 @@ step() {  # name, seconds, command...
       s2-tests) step s2-tests 300 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernel_kv_dequant.py tests/test_gpu_graphs.py -k "attention or splits or dequant or int8 or bf16_agreement" ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
       quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_act_q8.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py ;;
-      quant) step quant 400 $B quant --shape qwen3-8b --out $R/quant_qwen3-8b_cuda.json ;;
+      quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S} --out $R/quant_qwen3-8b_cuda.json ;;
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;

@@ -20,10 +20,10 @@ Kernels.
   [BLOCK_N, BLOCK_K] quant tiles and scale tiles through the software pipeline; the quants are
   loaded as [BLOCK_N, BLOCK_K/32, 32] so each scale multiplies its 32 values by broadcasting, with
   no gather; the tile is rounded to x's dtype and multiplied on the tensor cores with xᵀ padded to
-  16 rows (weights on the MMA's M side, "swap AB"). No split-K: the contract allows no workspace
-  (no allocation but `out`), and with BLOCK_N 16-64 the grid still reaches the SMs for N ≥ 2048
-  (N = 4096: 128 programs of 32 rows). Smaller N (a 1024-row k/v projection) fills half the SMs;
-  that is where a split-K with a caller-owned workspace would help. M is not specialised on and the
+  16 rows (weights on the MMA's M side, "swap AB"). Split-K (`gemv_config`): the last-arriving
+  program of a row tile sums the fp32 partials in split order (`strata.kernels.splitk`), so the
+  bits never depend on arrival order; the workspace (`gemv_workspace_numel`) is the caller's
+  (`QWeight` keeps one per weight) or allocated per call. M is not specialised on and the
   tile never depends on M, so every M ≤ 16 runs one binary and a row's result is bit-identical
   whatever else is in the batch, and from run to run.
 - M > 16 (prompt reads): a tiled GEMM over (BLOCK_M, BLOCK_N) output tiles in grouped order (a
@@ -51,7 +51,6 @@ import torch.nn.functional as F
 
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.quant.act_q8 import quantize_groups, quantize_ref
 from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
@@ -85,7 +84,7 @@ class Q8Config:
     num_warps: int = 4
     num_stages: int = 4
     group_m: int = 8  # GEMM only: M tiles that visit the same weight tiles back to back
-    split_k: int = 1  # int8 GEMV only: programs per row tile, each over an equal share (±1) of the K steps
+    split_k: int = 1  # GEMV only: programs per row tile, each over an equal share (±1) of the K steps
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -100,30 +99,30 @@ def _block_k(k: int, preferred: int) -> int:
     return block
 
 
-# The int8 GEMV (16-bit x). Per program and stage: BLOCK_N·BLOCK_K quant bytes, BLOCK_N·BLOCK_K/16 of
-# scales and a 16-row xᵀ tile (BLOCK_K·32 bytes): 22 KB at 64 × 256, so 3 stages keep ~66 KB in
-# flight and three programs share an SM. Split-K brings every shape to about three programs per SM
-# (one wave, ≤ 396 programs) where its row tiles alone give fewer. Entries are the sweep's picks
-# (`python -m strata.kernels.quant.q8_0 --sweep`); other shapes take `_heuristic_gemv`.
+# The GEMV for 16-bit x (the decode path). The previous one-program-per-SM tiles without split-K
+# reached 88 tok/s at 8B shapes; an int8-activation variant (x quantized per 32 values, int8 MMAs per
+# scale group) was measured at 443-829 GB/s, no better (bench/results/q8_0_int8_gemv_sweep_cuda.txt,
+# commit 6922040). This layout follows the Q4_K GEMV's: 64-row wgmma tiles on 4 warps (more warps
+# would repeat the dequantization per copy of the MMA rows), 128 values per step (64 per thread in
+# fp32), 4 stages of 8 KB quants + 4 KB xᵀ, and split-K up to about three programs per SM.
 GEMV_CONFIGS: dict[tuple[int, int], Q8Config] = {}
 
 
 def _heuristic_gemv(n: int, k: int) -> Q8Config:
-    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
-    block_k = _block_k(k, 256)
+    block_n = 64
+    block_k = _block_k(k, 128)
     steps, tiles = k // block_k, _cdiv(n, block_n)
     split = max(1, min(3 * NUM_SMS // tiles, steps // 2))
-    return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps=4, num_stages=3, split_k=split)
+    return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
 
 
 def gemv_config(n: int, k: int) -> Q8Config:
-    """M ≤ 16 with 16-bit x (the int8 GEMV): a function of (N, K) only, so a row's result does not
-    depend on M."""
+    """M ≤ 16 with 16-bit x: a function of (N, K) only, so a row's result does not depend on M."""
     return GEMV_CONFIGS.get((n, k)) or _heuristic_gemv(n, k)
 
 
 def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
-    """int32 elements of the int8 GEMV's split-K workspace (0 without split-K)."""
+    """int32 elements of the GEMV's split-K workspace (0 without split-K)."""
     cfg = config or gemv_config(n, k)
     return split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
 
@@ -230,49 +229,18 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 def _dequant_tile(q_ptrs, d_ptrs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
     """q_ptrs [ROWS, BLOCK_K/32, 32] int8, d_ptrs [ROWS, BLOCK_K/32] fp16 -> d*q [ROWS, BLOCK_K] in
     `dtype` (exact in fp32, then one rounding to nearest even)."""
-    q = tl.load(q_ptrs).to(tl.float32)
+    # q + 128 in [1, 255] ORed into the mantissa of 2^23, less 2^23 + 128: q in fp32 exactly, without
+    # an int->float conversion (those issue at 16 per clock per SM, a quarter of the integer ops' rate).
+    u = tl.load(q_ptrs).to(tl.int32) + 128
+    q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
     d = tl.load(d_ptrs).to(tl.float32)
     return tl.reshape((q * d[:, :, None]).to(dtype), ROWS, BLOCK_K)
 
 
 @jit(do_not_specialize=["m"])
-def _q8_gemv_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k, k_groups,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    tile = tl.program_id(0)
-    offs_n = tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Weight rows past N re-read row N-1, so the loads need no mask; their sums are never stored.
-    w_rows = tl.minimum(offs_n, n - 1 - tile * BLOCK_N)
-    tile_row0 = (tile * BLOCK_N).to(tl.int64)  # an lm_head's N*K nears 2^31; in-tile offsets stay int32
-    q_ptrs = (qs_ptr + tile_row0 * k + w_rows[:, None, None] * k
-              + tl.arange(0, GROUPS)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :])
-    d_ptrs = d_ptr + tile_row0 * k_groups + w_rows[:, None] * k_groups + tl.arange(0, GROUPS)[None, :]
-    xt_ptrs = x_ptr + rows[None, :] * x_stride + offs_k[:, None]  # xᵀ tile [BLOCK_K, BLOCK_M]
-    row_ok = rows < m
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, k // BLOCK_K):
-        w = _dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
-        xt = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0)
-        acc = _dot(w, xt, acc, FP32_DOT)
-        q_ptrs += BLOCK_K
-        d_ptrs += GROUPS
-        xt_ptrs += BLOCK_K
-    cols = tile * BLOCK_N + offs_n
-    tl.store(out_ptr + rows[None, :] * out_stride + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=(cols < n)[:, None] & row_ok[None, :])
-
-
-@jit(do_not_specialize=["m"])
-def _q8_gemv_i8_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
-                       k_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """16-bit x, M ≤ 16: x quantized per 32 values (`act_q8`), int8 × int8 MMAs (weights on the M side,
-    swap AB), one [G, BLOCK_N, 16] batched dot per step with a 32-deep batch per scale group, so
-    each group's exact int32 sum is scaled once by d_w · dx."""
+def _q8_gemv_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
+                    k_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
@@ -282,30 +250,28 @@ def _q8_gemv_i8_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, part
     kb_begin = split * k_blocks // SPLIT_K
     kb_end = (split + 1) * k_blocks // SPLIT_K
     offs_n = tl.arange(0, BLOCK_N)
-    cols = tile * BLOCK_N + offs_n
-    col_ok = cols < n
-    w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
     rows = tl.arange(0, BLOCK_M)
+    offs_k = kb_begin * BLOCK_K + tl.arange(0, BLOCK_K)
+    # Weight rows past N re-read row N-1, so the loads need no mask; their sums are never stored.
+    w_rows = tl.minimum(offs_n, n - 1 - tile * BLOCK_N)
+    tile_row0 = (tile * BLOCK_N).to(tl.int64)  # an lm_head's N*K nears 2^31; in-tile offsets stay int32
+    q_ptrs = (qs_ptr + tile_row0 * k + w_rows[:, None, None] * k + kb_begin * BLOCK_K
+              + tl.arange(0, GROUPS)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :])
+    d_ptrs = (d_ptr + tile_row0 * k_groups + w_rows[:, None] * k_groups + kb_begin * GROUPS
+              + tl.arange(0, GROUPS)[None, :])
+    xt_ptrs = x_ptr + rows[None, :] * x_stride + offs_k[:, None]  # xᵀ tile [BLOCK_K, BLOCK_M]
     row_ok = rows < m
-    g = tl.arange(0, GROUPS)
-    j = tl.arange(0, 32)
-    k0 = kb_begin * BLOCK_K
-    q_ptrs = qs_ptr + w_rows[None, :, None] * k + (k0 + g * 32)[:, None, None] + j[None, None, :]
-    d_ptrs = d_ptr + w_rows[None, :] * k_groups + (k0 // 32 + g)[:, None]
-    x_ptrs = x_ptr + rows[None, None, :] * x_stride + (k0 + g * 32)[:, None, None] + j[None, :, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(kb_begin, kb_end):
-        w = tl.load(q_ptrs)  # int8 [G, BLOCK_N, 32]
-        dw = tl.load(d_ptrs).to(tl.float32)  # [G, BLOCK_N]
-        xv = tl.load(x_ptrs, mask=row_ok[None, None, :], other=0.0).to(tl.float32)  # xᵀ [G, 32, BLOCK_M]
-        xq, dx = quantize_groups(xv, 1)  # int8 [G, 32, BLOCK_M], fp32 [G, BLOCK_M]
-        part = tl.dot(w, xq, out_dtype=tl.int32).to(tl.float32)  # [G, BLOCK_N, BLOCK_M], exact sums
-        acc += tl.sum(part * dw[:, :, None] * dx[:, None, :], axis=0)
+        w = _dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+        xt = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0)
+        acc = _dot(w, xt, acc, FP32_DOT)
         q_ptrs += BLOCK_K
         d_ptrs += GROUPS
-        x_ptrs += BLOCK_K
+        xt_ptrs += BLOCK_K
+    cols = tile * BLOCK_N + offs_n
     out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
-    out_ok = col_ok[:, None] & row_ok[None, :]
+    out_ok = (cols < n)[:, None] & row_ok[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
@@ -372,18 +338,6 @@ def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
     return y if out is None else out.copy_(y)
 
 
-def gemv_i8_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
-    """The int8 GEMV's definition (16-bit x, M ≤ 16), fp32 [M, N] before the one rounding to x's
-    dtype: x quantized per 32 values (`act_q8.quantize_ref`), each group's integer dot exact, scaled
-    by d_w · dx and summed over the groups in fp32 (the kernel's group order may differ)."""
-    qs, d = _check_planes(planes, n, k)
-    xq, dx = quantize_ref(x)
-    groups = k // BLOCK_VALUES
-    # Integer sums of at most 32 · 127² are exact in fp32.
-    sums = torch.einsum("mgj,ngj->mng", xq.view(-1, groups, 32).float(), qs.view(n, groups, 32).float())
-    return (sums * d.float()[None] * dx[:, None, :]).sum(-1)
-
-
 def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
                   out: torch.Tensor | None = None, *, config: Q8Config | None = None,
                   workspace: torch.Tensor | None = None) -> torch.Tensor:
@@ -404,38 +358,30 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     if m == 0 or n == 0:
         return out
     gemv = m <= GEMV_MAX_ROWS
-    int8_gemv = gemv and x.dtype != torch.float32
-    cfg = config or (gemm_config(m, n, k, x.dtype) if not gemv else gemv_config(n, k) if int8_gemv
-                     else fp32_gemv_config(n, k))
+    cfg = config or (gemm_config(m, n, k, x.dtype) if not gemv else fp32_gemv_config(n, k)
+                     if x.dtype == torch.float32 else gemv_config(n, k))
     check_config(cfg, k, gemv)
-    if cfg.split_k > 1 and not int8_gemv:
-        raise ValueError(f"split-K is for the int8 GEMV only (16-bit x, M ≤ {GEMV_MAX_ROWS}): {cfg}")
     on = use_pdl(x)
     fp32_dot = x.dtype == torch.float32 or not x.is_cuda
-    common = dict(USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if int8_gemv:
+    common = dict(FP32_DOT=fp32_dot, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if gemv:
         counters = partials = out  # placeholders, untouched without split-K
         if cfg.split_k > 1:
             counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS, x.device)
-        _q8_gemv_i8_kernel[(_cdiv(n, cfg.block_n) * cfg.split_k,)](
+        _q8_gemv_kernel[(_cdiv(n, cfg.block_n) * cfg.split_k,)](
             x, x.stride(0), qs, d, out, out.stride(0), partials, counters, m, n, k, k // BLOCK_VALUES,
             BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, **common)
-    elif gemv:
-        _q8_gemv_kernel[(_cdiv(n, cfg.block_n),)](
-            x, x.stride(0), qs, d, out, out.stride(0), m, n, k, k // BLOCK_VALUES,
-            BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP32_DOT=fp32_dot, **common)
     else:
         _q8_gemm_kernel[(_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)](
             x, x.stride(0), qs, d, out, out.stride(0), m, n, k, k // BLOCK_VALUES,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            FP32_DOT=fp32_dot, **common)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **common)
     return out
 
 
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
            out: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ -> [M, N] in x's dtype: the kernels on CUDA (no gradient) and in the interpreter,
-    `matmul_ref` elsewhere. The int8 GEMV's split-K uses `workspace` (zeroed int32 of ≥
+    `matmul_ref` elsewhere. The GEMV's split-K uses `workspace` (zeroed int32 of ≥
     `gemv_workspace_numel` elements, left zeroed; not shared by concurrent streams) or allocates one."""
     if kernels_run(x, _q8_gemv_kernel):
         return matmul_triton(x, planes, n, k, out, workspace=workspace)
@@ -483,7 +429,7 @@ SWEEP_SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 
 
 
 def sweep_gemv(shapes=SWEEP_SHAPES, ms=(1, 8)) -> None:
-    """Times int8 GEMV configurations per shape (mean µs over `ms`, weight copies past L2) and prints
+    """Times GEMV configurations per shape (mean µs over `ms`, weight copies past L2) and prints
     the five best beside the current one."""
     import statistics
 
@@ -491,10 +437,10 @@ def sweep_gemv(shapes=SWEEP_SHAPES, ms=(1, 8)) -> None:
         planes = repack(torch.from_numpy(random_raw(n, k, seed=n + k)).cuda())
         copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (150 << 20) // (n * k)))]
         candidates = {gemv_config(n, k)}
-        for block_n in (64, 128):
-            for block_k in (256, 512):
+        for block_n in (32, 64, 128):
+            for block_k in (128, 256):
                 for split in (1, 2, 3, 4, 6, 8):
-                    for warps, stages in ((4, 3), (8, 3)):
+                    for warps, stages in ((4, 4), (8, 3)):
                         cfg = Q8Config(GEMV_MAX_ROWS, block_n, block_k, warps, stages, split_k=split)
                         steps = k // block_k
                         if k % block_k or split > max(1, steps // 2) or not 100 <= _cdiv(n, block_n) * split <= 1600:
