@@ -274,14 +274,37 @@ def test_gpu_router_decode_real_sizes(name):
 @pytest.mark.parametrize("name", list(SHAPES_GPU))
 def test_gpu_route_many_tokens(name):
     e, _, s = SHAPES_GPU[name]
+    gen = torch.Generator(device="cuda").manual_seed(5)
     if s["scoring"] == "sigmoid":
-        s = dict(s, bias=torch.randn(e, device="cuda") * 0.1)
-    logits = torch.randn(4096, e, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)) * 2
+        s = dict(s, bias=torch.randn(e, device="cuda", generator=gen) * 0.1)
+    logits = torch.randn(4096, e, device="cuda", generator=gen) * 2
     w, ids = mr.route(logits, **s)
     w_ref, ids_ref = mr.route_ref(logits, **s)
-    mismatch = (ids != ids_ref).any(-1).float().mean().item()
-    print(f"{name}: rows with other ids {mismatch:.3%}, max |dw| {(w - w_ref).abs().max().item():.1e}")
-    assert_routing_equal((w, ids), (w_ref, ids_ref))
+    differ = (ids != ids_ref).any(-1)
+    print(f"{name}: rows with other ids {differ.float().mean().item():.3%}, max |dw| "
+          f"{(w - w_ref).abs().max().item():.1e}")
+    # The kernel's sigmoid may differ from torch's by an ulp, so a row whose reference choice is a
+    # near-tie (two groups' or two experts' scores within 1e-5 at the selection boundary) may pick the
+    # other side; every other row must match exactly.
+    assert not (differ & ~_near_ties(logits, s)).any()
+    keep = ~differ
+    assert_routing_equal((w[keep], ids[keep]), (w_ref[keep], ids_ref[keep]))
+
+
+def _near_ties(logits, s, tol=1e-5):
+    """Rows whose reference routing has a gap below tol at a selection boundary (groups or experts)."""
+    choice = logits.sigmoid() + s["bias"] if s["scoring"] == "sigmoid" else logits.softmax(-1)
+    n, e = choice.shape
+    near = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    if s.get("n_group", 1) > 1:
+        g, kg = s["n_group"], s["topk_group"]
+        group_score = choice.view(n, g, e // g).topk(2, dim=-1)[0].sum(-1)
+        ranked = group_score.sort(-1, descending=True)[0]
+        near |= (ranked[:, kg - 1] - ranked[:, kg]).abs() < tol
+        kept = torch.zeros_like(group_score).scatter_(1, group_score.topk(kg, dim=-1)[1], 1.0)
+        choice = choice.masked_fill(kept.repeat_interleave(e // g, dim=1) == 0, float("-inf"))
+    top = choice.sort(-1, descending=True)[0]
+    return near | ((top[:, s["top_k"] - 1] - top[:, s["top_k"]]).abs() < tol)
 
 
 @pytest.mark.gpu

@@ -99,20 +99,26 @@ def _block_k(k: int, preferred: int) -> int:
     return block
 
 
-# The GEMV for 16-bit x (the decode path). The previous one-program-per-SM tiles without split-K
-# reached 88 tok/s at 8B shapes; an int8-activation variant (x quantized per 32 values, int8 MMAs per
-# scale group) was measured at 443-829 GB/s, no better (bench/results/q8_0_int8_gemv_sweep_cuda.txt,
-# commit 6922040). This layout follows the Q4_K GEMV's: 64-row wgmma tiles on 4 warps (more warps
-# would repeat the dequantization per copy of the MMA rows), 128 values per step (64 per thread in
-# fp32), 4 stages of 8 KB quants + 4 KB xᵀ, and split-K up to about three programs per SM.
-GEMV_CONFIGS: dict[tuple[int, int], Q8Config] = {}
+# The GEMV for 16-bit x (the decode path). The first one-program-per-SM tiles without split-K gave
+# 88 tok/s at 8B shapes; an int8-activation variant (x quantized per 32 values, int8 MMAs per scale
+# group) was measured at 443-829 GB/s, no better (bench/results/q8_0_int8_gemv_sweep_cuda.txt,
+# commit 6922040). Now: 128-row tiles on 4 warps, 128 or 256 values per step, 4 stages, and split-K
+# up to about three programs per SM, at most MAX_SPLIT_K. The table holds the sweep's picks on the
+# H200 (`python -m strata.kernels.quant.q8_0 --sweep`, bench/results/q8_0_gemv_sweep_cuda.txt:
+# 979-1734 GB/s of weight bytes at M = 1 and 8, against 791-1275 for the 64-row tiles).
+MAX_SPLIT_K = 8
+GEMV_CONFIGS: dict[tuple[int, int], Q8Config] = {
+    (4096, 4096): Q8Config(GEMV_MAX_ROWS, 128, 256, num_warps=4, num_stages=4, split_k=4),  # o_proj, 18.2 us
+    (4096, 12288): Q8Config(GEMV_MAX_ROWS, 128, 256, num_warps=4, num_stages=4, split_k=4),  # down, 36.9 us
+}
 
 
 def _heuristic_gemv(n: int, k: int) -> Q8Config:
-    block_n = 64
+    """qkv 6144 x 4096 (split 8, 23.1 us) and gate_up 24576 x 4096 (split 2, 61.7 us) are its picks too."""
+    block_n = 128
     block_k = _block_k(k, 128)
     steps, tiles = k // block_k, _cdiv(n, block_n)
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2))
+    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, MAX_SPLIT_K))
     return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
 
 
