@@ -32,8 +32,10 @@ from strata.kernels.gemv import (
     gemv_triton,
     gemv_workspace,
     gemv_workspace_numel,
+    gemv_workspace_parts,
     prefetch_blocks,
 )
+from strata.kernels.splitk import shared_split_k_numel
 from strata.env import ENV, overridden
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -308,3 +310,35 @@ def test_gpu_speed_report():
     weight bytes for qkv, o_proj and down at M = 1..8."""
     rows = bench_gemv("cuda")
     assert rows and all(r["triton_us"] > 0 and r["rel_err"] <= 1e-2 for r in rows)
+
+
+def test_one_workspace_serves_shapes_of_different_tile_counts():
+    """A model shares one split-K workspace between its GEMV shapes (`shared_split_k_numel`). Shape A
+    has 40 column tiles, shape B 20: laid out as counters then partials right after them, B's partials
+    would start at slot 32 and land on A's counters 32-39, and A's next call would never see its last
+    split arrive for those tiles (what left rows of the 8B qkv projection unwritten). Partials at the
+    workspace's end keep every shape's counters clear."""
+    k, m = 256, 3
+    configs = {640: GemvConfig(16, 64, split_k=2), 320: GemvConfig(16, 64, split_k=4)}
+    ws = torch.zeros(shared_split_k_numel([gemv_workspace_parts(n, k, cfg) for n, cfg in configs.items()]),
+                     dtype=torch.int32, device=DEV)
+    for rep in range(2):
+        for n, cfg in configs.items():
+            x, w, _ = make_inputs(seed_of("shared", n, rep), m, n, k, torch.float32)
+            out = torch.full((m, n), float("nan"), device=DEV)
+            gemv_triton(x, w, None, out, workspace=ws, config=cfg)
+            assert rel_err(out, gemv_ref(x, w)) <= TOL[torch.float32], f"N={n}, call {rep}"
+            assert not ws[: -(-n // cfg.block_n)].any(), "split counters not reset"
+
+
+def test_shared_workspace_regions_never_overlap_for_the_table_shapes():
+    """Every pair of the tuned shapes (one model's GEMVs share a workspace): A's counters end before the
+    start of B's partials in a workspace sized by `shared_split_k_numel`."""
+    shapes = [(n, k) for n, k in GEMV_CONFIGS]
+    parts = {s: gemv_workspace_parts(*s) for s in shapes}
+    total = shared_split_k_numel(parts.values())
+    for a in shapes:
+        tiles_a = -(-a[0] // gemv_config(*a).block_n) if parts[a][0] else 0
+        for b in shapes:
+            assert tiles_a <= total - parts[b][1], f"{b}'s partials overlap {a}'s counters"
+    assert any(parts[s][0] > 32 for s in shapes)  # the case the layout is for: more than 32 tiles

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
-from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
 
 try:
@@ -133,10 +133,17 @@ def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
-    """int32 elements of workspace for weight [N, K] (0 without split-K). One buffer serves any
-    M ≤ 16, and several shapes if sized for the largest of them."""
+    """int32 elements of workspace for weight [N, K] (0 without split-K); one buffer serves any M ≤ 16.
+    Several shapes share one sized by `shared_split_k_numel` of their `gemv_workspace_parts` (not by
+    the largest of these: one shape's partials would overlap another's counters)."""
     cfg = config or gemv_config(n, k)
     return split_k_numel(n, cfg.block_n, cfg.split_k, BLOCK_M)
+
+
+def gemv_workspace_parts(n: int, k: int, config: GemvConfig | None = None) -> tuple[int, int]:
+    """(counter slots, partial elements) of weight [N, K]'s workspace, for `shared_split_k_numel`."""
+    cfg = config or gemv_config(n, k)
+    return split_k_parts(n, cfg.block_n, cfg.split_k, BLOCK_M)
 
 
 def gemv_workspace(n: int, k: int, device, config: GemvConfig | None = None) -> torch.Tensor:

@@ -48,23 +48,40 @@ def split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row
 
 # ---- the host side: one workspace layout for every kernel that uses split_k_reduce ---------------
 
-def split_k_numel(n: int, block_n: int, split_k: int, block_m: int) -> int:
-    """int32 elements of a split-K workspace: one counter per column tile (padded so the partials
-    start 128-byte aligned), then fp32 partials [tiles, split_k, block_m, block_n]; 0 without split-K."""
+def split_k_parts(n: int, block_n: int, split_k: int, block_m: int) -> tuple[int, int]:
+    """(counter slots, partial elements) of one launch's workspace, in int32 elements: one counter per
+    column tile, padded to 32 (128 bytes), and fp32 partials [tiles, split_k, block_m, block_n];
+    (0, 0) without split-K."""
     if split_k == 1:
-        return 0
+        return 0, 0
     tiles = -(-n // block_n)
-    return -(-tiles // 32) * 32 + tiles * split_k * block_m * block_n
+    return -(-tiles // 32) * 32, tiles * split_k * block_m * block_n
+
+
+def split_k_numel(n: int, block_n: int, split_k: int, block_m: int) -> int:
+    """int32 elements of a workspace for one shape: its counters, then its partials; 0 without split-K."""
+    return sum(split_k_parts(n, block_n, split_k, block_m))
+
+
+def shared_split_k_numel(parts) -> int:
+    """int32 elements of one workspace shared by launches of several shapes that run one after another
+    (`split_k_parts` of each): the largest counter region, then the largest partial region. Counters
+    sit at the start and partials at the end of the workspace (`split_k_views`), so no shape's partials
+    can land on another shape's counters, which must stay zero between launches."""
+    parts = list(parts)
+    return max((c for c, _ in parts), default=0) + max((p for _, p in parts), default=0)
 
 
 def split_k_views(workspace: torch.Tensor | None, n: int, block_n: int, split_k: int, block_m: int,
                   device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counters, partials) of `workspace` for one launch; None allocates a zeroed one (inside a CUDA
-    graph capture, from the graph's pool). The kernel leaves the counters at zero after each launch."""
-    need = split_k_numel(n, block_n, split_k, block_m)
+    """(counters, partials) of `workspace` for one launch: counters at its start, partials at its end;
+    None allocates a zeroed one (inside a CUDA graph capture, from the graph's pool). The kernel leaves
+    the counters at zero after each launch."""
+    counter_slots, partial_numel = split_k_parts(n, block_n, split_k, block_m)
+    need = counter_slots + partial_numel
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int32, device=device)
     elif workspace.dtype != torch.int32 or workspace.numel() < need or not workspace.is_contiguous():
         raise ValueError(f"workspace: expected a contiguous int32 tensor of >= {need} elements")
     tiles = -(-n // block_n)
-    return workspace[:tiles], workspace[-(-tiles // 32) * 32 : need].view(torch.float32)
+    return workspace[:tiles], workspace[workspace.numel() - partial_numel :].view(torch.float32)

@@ -14,7 +14,8 @@ from torch import nn
 from strata.config import ModelConfig
 from strata.models.attention import AttentionBackend
 from strata.kernels import triton_available
-from strata.kernels.gemv import gemv_supported, gemv_workspace_numel
+from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
+from strata.kernels.splitk import shared_split_k_numel
 from strata.kernels.quant import QWeight
 from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
@@ -78,13 +79,14 @@ class CausalLM(nn.Module):
         head = self.lm_head.weight
         if self.model.embed_tokens.weight.is_cuda and triton_available():
             # One split-K workspace serves every GEMV of the model: the launches run one after another
-            # and each leaves its counters at zero.
+            # and each leaves its counters at zero; sized so no shape's partials overlap another's
+            # counters (`shared_split_k_numel`).
             shapes = [tuple(head.shape)] + [tuple(t.shape) for m in packed for t in (
                 (m.qkv_weight, m.o_proj.weight) if isinstance(m, Attention) else (m.gate_up_weight, m.down_proj.weight))
                 if t is not None]
             shapes += [tuple(m.shared_head.head.weight.shape) for m in self.modules()
                        if getattr(getattr(m, "shared_head", None), "head", None) is not None]
-            numel = max([gemv_workspace_numel(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype)] or [0])
+            numel = shared_split_k_numel(gemv_workspace_parts(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype))
             self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.model.embed_tokens.weight.device)
             for m in packed:
                 m.gemv_ws = self.gemv_ws
