@@ -342,3 +342,19 @@ def test_shared_workspace_regions_never_overlap_for_the_table_shapes():
         for b in shapes:
             assert tiles_a <= total - parts[b][1], f"{b}'s partials overlap {a}'s counters"
     assert any(parts[s][0] > 32 for s in shapes)  # the case the layout is for: more than 32 tiles
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_layer_sequence_on_one_shared_workspace():
+    """The 8B layer's GEMVs in the order a decode step runs them, twice, through one workspace sized as
+    `CausalLM.pack` sizes it: each output against F.linear (the shapes with > 32 tiles that broke the
+    old layout)."""
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    ws = torch.zeros(shared_split_k_numel(gemv_workspace_parts(n, k) for n, k in shapes), dtype=torch.int32,
+                     device="cuda")
+    for rep in range(2):
+        for n, k in shapes:
+            x, w, _ = make_inputs(seed_of("layer", n, k, rep), 1, n, k, torch.bfloat16, device="cuda")
+            out = gemv_triton(x, w, None, workspace=ws)
+            assert rel_err(out, F.linear(x.float(), w.float())) <= TOL[torch.bfloat16], f"{n}x{k}, pass {rep}"
