@@ -51,6 +51,10 @@ class _Env:
                               "MiB of weights each decode GEMV asks L2 to prefetch before its PDL wait, while "
                               "the kernel before it still runs (0: off; on the H200 8 gained < 0.5% and 16+ "
                               "lost, scripts/profile_step.py --prefetch-sweep)")
+    Q8_DECODE = Switch("STRATA_Q8_DECODE", str, "dequant",
+                       "Q8_0 decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores) or "
+                       "'dp4a' (x quantized per 32 values, packed int8 dot products; strata/kernels/quant/dp4a.py, "
+                       "not yet timed on a GPU)")
     NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
     CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "", "where test fixtures and downloads are cached")
     API_KEY = Switch("STRATA_API_KEY", str, "", "the server's API key when --api-key is not given")

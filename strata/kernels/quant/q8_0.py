@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata.env import ENV
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
@@ -128,16 +129,33 @@ def gemv_config(n: int, k: int) -> Q8Config:
 
 
 def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
-    """int32 elements of the GEMV's split-K workspace (0 without split-K)."""
-    cfg = config or gemv_config(n, k)
-    return split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    """int32 elements of the GEMV's split-K workspace (0 without split-K); without a config, enough for
+    the dp4a GEMV too (STRATA_Q8_DECODE), whose split-K views take counters from the start and
+    partials from the end of the same buffer."""
+    if config is not None:
+        return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
+    from strata.kernels.quant import dp4a
+
+    cfg = gemv_config(n, k)
+    dp4a_numel = dp4a.workspace_numel(n, k) if k % 64 == 0 else 0
+    return max(split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS), dp4a_numel)
+
+
+def _decode_kernel() -> str:
+    choice = ENV.Q8_DECODE.get()
+    if choice not in ("dequant", "dp4a"):
+        raise ValueError(f"STRATA_Q8_DECODE={choice!r}: expected 'dequant' or 'dp4a'")
+    return choice
 
 
 def fp32_gemv_config(n: int, k: int) -> Q8Config:
     """M ≤ 16 with fp32 x (a correctness path: weights dequantized to fp32, IEEE dot, no split-K): the
-    widest tile (BLOCK_N 64, then 32, then 16) that still gives about one program per SM; BLOCK_K
-    256; 64 weight values per thread; as many stages as fit SMEM_BUDGET."""
+    widest tile (BLOCK_N 64, then 32, then 16) that still gives about one program per SM (64 where N
+    is too small for any to); BLOCK_K 256; 64 weight values per thread; as many stages as fit
+    SMEM_BUDGET."""
     block_n = 64 if _cdiv(n, 64) >= NUM_SMS else 32 if _cdiv(n, 32) >= 0.9 * NUM_SMS else 16
+    if n < 2048:  # no tile size fills the GPU: the widest (fewest programs; the CPU tests interpret them)
+        block_n = 64
     block_k = _block_k(k, 256)
     num_warps = 8 if block_n * block_k > 8192 else 4
     stage_bytes = block_n * block_k + block_n * block_k // 16 + block_k * GEMV_MAX_ROWS * 2
@@ -370,6 +388,10 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     on = use_pdl(x)
     fp32_dot = x.dtype == torch.float32 or not x.is_cuda
     common = dict(FP32_DOT=fp32_dot, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if gemv and x.dtype != torch.float32 and config is None and k % 64 == 0 and _decode_kernel() == "dp4a":
+        from strata.kernels.quant import dp4a
+
+        return dp4a.q8_gemv_dp4a(x, qs, d, out, workspace=workspace)
     if gemv:
         counters = partials = out  # placeholders, untouched without split-K
         if cfg.split_k > 1:

@@ -1,0 +1,234 @@
+"""Decode GEMV on packed int8 dot products (`dp4a`) for GGUF Q8_0 weights: no tensor cores, no
+padding of x to 16 MMA columns, no per-weight conversion.
+
+Why. The dequantizing GEMVs spend ~5 instructions per weight on the H200 (int8 -> fp32 -> scale ->
+bf16, then an MMA whose x side is padded to 16 columns) and reach 0.8-1.7 TB/s of Q8_0 bytes; an
+int8-MMA variant with x quantized in every program did not do better (docs/QUANTIZATION.md). This
+kernel is llama.cpp's MMVQ shape in Triton: x is quantized per 32 values to int8 (`quantize_groups`),
+four int8 pairs multiply-add in one `dp4a` (inline PTX), a 32-value group's exact int32 sum is scaled
+once by d_w · dx. At batch 1 that is ~0.6 instructions per weight; each further row of x adds ~0.4.
+
+Semantics (`gemv_dp4a_ref`): per row of x and run of 32 values along K, amax = max |x| (fp32),
+dx = amax / 127, q = round_half_even(x · (127 / amax)) (each a correctly rounded fp32 operation; a zero
+run has dx = q = 0); out[m, n] = Σ_groups (Σ_j w_q[j] · q[j]) · d_w · dx, the inner sums exact. The
+kernel adds a step's groups by a fixed pairwise tree (each addition of two terms, so the bits do not
+depend on how Triton lays the tile out) and the steps in K order; split-K partials are summed in split
+order (`strata.kernels.splitk`). Each row of x is quantized and reduced alone, so a row's result does
+not depend on M or on the other rows, from run to run.
+
+The interpreter (TRITON_INTERPRET=1, the only way the kernel runs on CPU tensors) cannot run inline
+PTX: there `dp4a` is emulated with shifts and integer multiplies, which give the same integers.
+
+STATUS: built and checked in the interpreter and by compiling for sm_90; not yet timed on a GPU, so
+`q8_0.matmul` does not use it unless STRATA_Q8_DECODE=dp4a.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.kernels.pdl import pdl_prologue
+from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+GROUP = 32
+NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Dp4aConfig:
+    block_n: int  # weight rows per program, a power of two
+    block_k: int  # values per step: 64, 128 or 256 (2-8 groups of 32), dividing K
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemv_config(n: int, k: int) -> Dp4aConfig:
+    """64 rows x 256 values per step (16 KB of quants, 32 registers of them per thread at 4 warps) and
+    split-K to about three programs per SM, each split >= 2 steps. Untimed."""
+    block_k = next(b for b in (256, 128, 64) if k % b == 0)
+    tiles, steps = -(-n // 64), k // block_k
+    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, 8))
+    return Dp4aConfig(64, block_k, split)
+
+
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
+    cfg = config or gemv_config(n, k)
+    return split_k_numel(n, cfg.block_n, cfg.split_k, MAX_ROWS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Definition
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) -> (q int8 [M, K], dx fp32 [M, K/32]), the definition above."""
+    m, k = x.shape
+    v = x.float().view(m, k // GROUP, GROUP)
+    amax = v.abs().amax(-1)
+    c127 = torch.full_like(amax, 127.0)
+    # Tensor / tensor: one correctly rounded division (torch computes `127.0 / t` as 127 · (1 / t)).
+    inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
+    q = torch.round(v * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(m, k), amax / c127
+
+
+def _pairwise(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis (a power of two) by the kernel's tree: element 2i + (2i+1), repeatedly."""
+    while t.shape[-1] > 1:
+        t = t[..., 0::2] + t[..., 1::2]
+    return t[..., 0]
+
+
+def gemv_dp4a_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, block_k: int) -> torch.Tensor:
+    """fp32 [M, N]: the kernel's result before its rounding to x's dtype, with its summation order
+    (steps of `block_k` values in K order, groups in a step by the pairwise tree; no split-K)."""
+    n, k = qs.shape
+    xq, dx = quantize_ref(x)
+    groups = k // GROUP
+    # Integer sums of at most 32 · 127² are exact in fp32.
+    sums = torch.einsum("mgj,ngj->mng", xq.view(-1, groups, GROUP).float(), qs.view(n, groups, GROUP).float())
+    terms = sums * d.float()[None] * dx[:, None, :]  # [M, N, groups]
+    steps = _pairwise(terms.view(terms.shape[0], n, k // block_k, block_k // GROUP))  # [M, N, steps]
+    acc = torch.zeros(steps.shape[:2], dtype=torch.float32, device=x.device)
+    for s in range(steps.shape[-1]):
+        acc = acc + steps[..., s]
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+
+
+@jit
+def _dp4a(a, b, EMULATE: tl.constexpr):
+    """Σ over the four byte lanes of int32 words a and b of a.byte · b.byte (signed)."""
+    if EMULATE:
+        total = ((a << 24) >> 24) * ((b << 24) >> 24)
+        total += ((a << 16) >> 24) * ((b << 16) >> 24)
+        total += ((a << 8) >> 24) * ((b << 8) >> 24)
+        total += (a >> 24) * (b >> 24)
+        return total
+    else:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@jit
+def _pairwise_sum(t, G: tl.constexpr):
+    """Sum over the last axis of t [R, G] (G in 2, 4, 8) by adding element pairs (2i, 2i + 1) level by
+    level: every addition has two operands, so the bits do not depend on the layout Triton picks."""
+    R: tl.constexpr = t.shape[0]
+    if G == 8:
+        t = tl.sum(tl.reshape(t, (R, 4, 2)), axis=2)
+    if G >= 4:
+        t = tl.sum(tl.reshape(t, (R, 2, 2)), axis=2)
+    t = tl.sum(tl.reshape(t, (R, 1, 2)), axis=2)
+    return tl.reshape(t, (R,))
+
+
+@jit
+def _quantize_row(xv):
+    """xv fp32 [G, 32] -> (int32 words [G, 8] of the int8 quants, four per word in memory order; dx
+    fp32 [G]): `quantize_ref` element for element."""
+    G: tl.constexpr = xv.shape[0]
+    amax = tl.max(tl.abs(xv), axis=1)
+    inv = tl.where(amax > 0, tl.div_rn(tl.full((G,), 127.0, tl.float32), amax), 0.0)
+    v = xv * inv[:, None]
+    # Adding and subtracting 1.5 · 2²³ rounds |v| < 2²² to the nearest integer, ties to even. No FMA can
+    # fuse into it: v is a finished product before the addition.
+    q = ((v + 12582912.0) - 12582912.0).to(tl.int32)
+    lanes = tl.reshape(q & 255, (G, 8, 4))
+    shifts = tl.arange(0, 4) * 8
+    words = tl.sum(lanes << shifts[None, None, :], axis=2)  # disjoint bytes: the sum is their OR
+    return words, tl.div_rn(amax, tl.full((G,), 127.0, tl.float32))
+
+
+@jit(do_not_specialize=["m"])
+def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
+                         k_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    G: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    k_blocks = k // BLOCK_K
+    kb_begin = split * k_blocks // SPLIT_K
+    kb_end = (split + 1) * k_blocks // SPLIT_K
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tile * BLOCK_N + offs_n
+    w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
+    g = tl.arange(0, G)
+    word = tl.arange(0, 8)
+    j = tl.arange(0, 32)
+    rows = tl.arange(0, BLOCK_M)
+    k0 = kb_begin * BLOCK_K
+    w_ptrs = qw_ptr + w_rows[:, None, None] * (k // 4) + (k0 // 4 + g * 8)[None, :, None] + word[None, None, :]
+    d_ptrs = d_ptr + w_rows[:, None] * k_groups + (k0 // 32 + g)[None, :]
+    x_ptrs = x_ptr + (k0 + g * 32)[:, None] + j[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(kb_begin, kb_end):
+        wq = tl.load(w_ptrs)  # int32 [BLOCK_N, G, 8]: 32 quants of a group in 8 words
+        dw = tl.load(d_ptrs).to(tl.float32)  # [BLOCK_N, G]
+        for r in tl.static_range(BLOCK_M):
+            xv = tl.load(x_ptrs + r * x_stride, mask=r < m, other=0.0).to(tl.float32)  # [G, 32]
+            xw, dx = _quantize_row(xv)
+            isum = tl.sum(_dp4a(wq, xw[None, :, :], EMULATE), axis=2)  # [BLOCK_N, G], exact int32
+            term = isum.to(tl.float32) * dw * dx[None, :]
+            step = _pairwise_sum(term, G)  # [BLOCK_N]
+            acc = tl.where(rows[None, :] == r, acc + step[:, None], acc)
+        w_ptrs += BLOCK_K // 4
+        d_ptrs += G
+        x_ptrs += BLOCK_K
+    row_ok = rows < m
+    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
+    out_ok = (cols < n)[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
+                                     SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def q8_gemv_dp4a(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor | None = None, *,
+                 workspace: torch.Tensor | None = None, config: Dp4aConfig | None = None) -> torch.Tensor:
+    """x [M ≤ 16, K] (16-bit or fp32, contiguous rows) @ Q8_0 planes (qs int8 [N, K], d fp16 [N, K/32])
+    -> [M, N] in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates."""
+    from strata.kernels import use_pdl
+
+    n, k = qs.shape
+    m = x.shape[0]
+    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or x.stride(1) != 1 or k % 64:
+        raise ValueError(f"q8_gemv_dp4a: x [{m}, {x.shape[1]}] for K={k} (M in 1..{MAX_ROWS}, K % 64 == 0)")
+    cfg = config or gemv_config(n, k)
+    if cfg.block_k not in (64, 128, 256) or k % cfg.block_k or not 1 <= cfg.split_k <= k // cfg.block_k:
+        raise ValueError(f"invalid {cfg} for K={k}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    counters = partials = out  # placeholders, untouched without split-K
+    if cfg.split_k > 1:
+        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, MAX_ROWS, x.device)
+    on = use_pdl(x)
+    _q8_gemv_dp4a_kernel[(-(-n // cfg.block_n) * cfg.split_k,)](
+        x, x.stride(0), qs.view(torch.int32), d, out, out.stride(0), partials, counters, m, n, k, k // GROUP,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,124 @@
+"""The packed-int8 (dp4a) Q8_0 decode GEMV (strata/kernels/quant/dp4a.py) against its definition.
+
+CPU: the kernel in Triton's interpreter (dp4a emulated with shifts) at small shapes with forced
+configurations: split-K with uneven shares, partial row tiles, M from 1 to 16, fp32 and bf16 x, a row
+stride wider than K. GPU (`pytest -m gpu`): the 8B shapes, bitwise batch invariance, CUDA-graph replay.
+
+Tolerances: against `gemv_dp4a_ref` (the same quantization, integer sums and summation order; no
+split-K there) 2e-6 relative for fp32 x, where only split-K's partial sums differ, and 1e-2 of the
+largest output for bf16 x (one rounding of the result to bf16 may flip by an ulp); against the fp32
+product with the unquantized x, 1.5e-2 relative Frobenius: x rounded to 8 bits per run of 32 values
+errs by up to half a step of amax/127, ~5e-3 RMS relative for normal x.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.env import ENV, overridden
+from strata.kernels.quant import dp4a, q8_0
+from strata.kernels.quant.dp4a import Dp4aConfig
+
+pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def planes_of(n, k, seed, device="cpu"):
+    return q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed)).to(device))
+
+
+def make_x(m, k, dtype, seed, device="cpu", pad=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k + pad, generator=gen, device=device).to(dtype)
+    x[0, :32] = 0.0  # a zero run: dx 0
+    return x[:, :k]
+
+
+def check(got, x, planes, cfg):
+    qs, d = planes["qs"], planes["d"]
+    ref = dp4a.gemv_dp4a_ref(x, qs, d, cfg.block_k)
+    exact = F.linear(x.float(), q8_0.dequantize(planes, *qs.shape))
+    assert got.dtype == x.dtype and torch.isfinite(got).all()
+    if x.dtype == torch.float32:
+        assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-6
+    else:
+        assert ((got.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+    assert ((got.float() - exact).norm() / exact.norm()).item() <= 1.5e-2
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+@pytest.mark.parametrize("n,k,m,cfg,dtype", [
+    (96, 256, 1, None, torch.bfloat16),
+    (40, 512, 3, Dp4aConfig(32, 128, split_k=3), torch.float32),  # 4 steps over 3 splits, a partial row tile
+    (40, 512, 2, Dp4aConfig(32, 128, split_k=3), torch.bfloat16),
+    (64, 1024, 5, Dp4aConfig(64, 256, split_k=2), torch.float32),
+    (48, 256, 16, Dp4aConfig(16, 64, split_k=4), torch.float32),  # one step per split, every row of x
+])
+def test_matches_definition(n, k, m, cfg, dtype):
+    planes = planes_of(n, k, seed_of("w", n, k))
+    x = make_x(m, k, dtype, seed_of("x", n, k, m), pad=8)
+    cfg = cfg or dp4a.gemv_config(n, k)
+    ws = torch.zeros(max(1, dp4a.workspace_numel(n, k, cfg)), dtype=torch.int32)
+    for _ in range(2):  # the counters are back at zero: a second call through the workspace agrees
+        got = dp4a.q8_gemv_dp4a(x, planes["qs"], planes["d"], workspace=ws, config=cfg)
+        check(got, x, planes, cfg)
+    assert not ws.any() or cfg.split_k > 1 and not ws[: -(-n // cfg.block_n)].any()
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+def test_rows_do_not_depend_on_the_batch():
+    n, k = 40, 256
+    planes = planes_of(n, k, 3)
+    x = make_x(8, k, torch.float32, 4)
+    full = dp4a.q8_gemv_dp4a(x, planes["qs"], planes["d"])
+    for m in (1, 3):
+        assert torch.equal(dp4a.q8_gemv_dp4a(x[:m].contiguous(), planes["qs"], planes["d"]), full[:m])
+
+
+def test_q8_0_matmul_takes_it_when_switched(monkeypatch):
+    n, k = 40, 256
+    planes = planes_of(n, k, 5)
+    x = make_x(2, k, torch.bfloat16, 6)
+    calls = []
+    real = dp4a.q8_gemv_dp4a
+    monkeypatch.setattr(dp4a, "q8_gemv_dp4a", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with overridden(ENV.Q8_DECODE, "dp4a"):
+        got = q8_0.matmul_triton(x, planes, n, k)
+    assert calls and torch.equal(got, real(x, planes["qs"], planes["d"]))
+    q8_0.matmul_triton(x, planes, n, k)  # the default: the dequantizing GEMV
+    assert len(calls) == 1
+    with overridden(ENV.Q8_DECODE, "fast"), pytest.raises(ValueError):
+        q8_0.matmul_triton(x, planes, n, k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
+def test_gpu_shapes_batch_invariance_and_graph(n, k):
+    planes = planes_of(n, k, seed_of("gpu", n, k), "cuda")
+    x = make_x(16, k, torch.bfloat16, seed_of("gx", n, k), "cuda")
+    cfg = dp4a.gemv_config(n, k)
+    ws = torch.zeros(max(1, dp4a.workspace_numel(n, k)), dtype=torch.int32, device="cuda")
+    full = dp4a.q8_gemv_dp4a(x, planes["qs"], planes["d"], workspace=ws)
+    check(full, x, planes, cfg)
+    for m in (1, 3, 8):
+        assert torch.equal(dp4a.q8_gemv_dp4a(x[:m].contiguous(), planes["qs"], planes["d"], workspace=ws), full[:m])
+    out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+    x1 = x[:1].contiguous()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dp4a.q8_gemv_dp4a(x1, planes["qs"], planes["d"], out, workspace=ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, full[:1])
