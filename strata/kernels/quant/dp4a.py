@@ -232,3 +232,48 @@ def q8_gemv_dp4a(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.
         EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-benchmark (CUDA): python -m strata.kernels.quant.dp4a — against the dequantizing Q8_0 GEMV
+
+
+def sweep(shapes=((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)), ms=(1, 8)) -> None:
+    """Per shape and M: the dequantizing GEMV's µs, then the five fastest dp4a configurations' (weight
+    copies cycled past L2, so every call reads HBM)."""
+    from strata.kernels.quant import q8_0
+    from strata.kernels.timing import time_us
+
+    for n, k in shapes:
+        planes = q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed=n + k)).cuda())
+        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (150 << 20) // (n * k)))]
+        qbytes = n * k * 34 // 32
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            ws = torch.zeros(q8_0.gemv_workspace_numel(n, k) + 1, dtype=torch.int32, device="cuda")
+            base = time_us([lambda p=p: q8_0.matmul_triton(x, p, n, k, out, workspace=ws) for p in copies], runs=30)
+            results = []
+            for block_n in (32, 64, 128):
+                for block_k in (128, 256):
+                    for split in (1, 2, 4, 8):
+                        for warps in (4, 8):
+                            cfg = Dp4aConfig(block_n, block_k, split, warps)
+                            if split > max(1, k // block_k // 2):
+                                continue
+                            wsd = torch.zeros(max(1, workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
+                            t = time_us([lambda p=p: q8_gemv_dp4a(x, p["qs"], p["d"], out, workspace=wsd, config=cfg)
+                                         for p in copies], runs=30)
+                            results.append((t, cfg))
+            results.sort(key=lambda r: r[0])
+            print(f"{n}x{k} M={m}: dequant {base:7.2f} us {qbytes / base / 1e3:5.0f} GB/s", flush=True)
+            for t, cfg in results[:5]:
+                print(f"   dp4a {t:7.2f} us {qbytes / t / 1e3:5.0f} GB/s  {cfg}", flush=True)
+        del copies, planes
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("the dp4a micro-benchmark needs a CUDA device")
+    sweep()
