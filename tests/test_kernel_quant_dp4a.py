@@ -1,4 +1,5 @@
-"""The packed-int8 (dp4a) Q8_0 decode GEMV (strata/kernels/quant/dp4a.py) against its definition.
+"""The packed-int8 (dp4a) decode GEMVs for Q8_0 (strata/kernels/quant/dp4a.py) and Q4_K
+(q4_k_dp4a.py) against their definitions.
 
 CPU: the kernel in Triton's interpreter (dp4a emulated with shifts) at small shapes with forced
 configurations: split-K with uneven shares, partial row tiles, M from 1 to 16, fp32 and bf16 x, a row
@@ -20,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.env import ENV, overridden
-from strata.kernels.quant import dp4a, q8_0
+from strata.kernels.quant import dp4a, q4_k, q8_0
+from strata.kernels.quant import q4_k_dp4a as q4d
 from strata.kernels.quant.dp4a import Dp4aConfig
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
@@ -122,3 +124,59 @@ def test_gpu_shapes_batch_invariance_and_graph(n, k):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, full[:1])
+
+
+def q4k_planes(n, k, seed, device="cpu"):
+    return q4_k.repack(torch.from_numpy(q4_k.random_raw(n, k, seed)).to(device))
+
+
+def check_q4k(got, x, planes, n, k, cfg, fp32_tol=2e-6):
+    ref = q4d.gemv_q4k_dp4a_ref(x, planes, n, k, cfg.block_k)
+    exact = F.linear(x.float(), q4_k.dequantize(planes, n, k))
+    assert got.dtype == x.dtype and torch.isfinite(got).all()
+    tol = fp32_tol if x.dtype == torch.float32 else 1e-2
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() <= tol
+    assert ((got.float() - exact).norm() / exact.norm()).item() <= 1.5e-2
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+@pytest.mark.parametrize("n,k,m,cfg,dtype", [
+    (64, 256, 1, None, torch.bfloat16),
+    (40, 512, 3, Dp4aConfig(32, 128, split_k=3), torch.float32),  # 2 pairs per step, a partial row tile
+    (48, 512, 2, Dp4aConfig(16, 64, split_k=4), torch.float32),  # one pair per step
+    (32, 1024, 5, Dp4aConfig(32, 256, split_k=2), torch.float32),
+])
+def test_q4k_matches_definition(n, k, m, cfg, dtype):
+    planes = q4k_planes(n, k, seed_of("w4", n, k))
+    x = make_x(m, k, dtype, seed_of("x4", n, k, m), pad=8)
+    cfg = cfg or q4d.gemv_config(n, k)
+    ws = torch.zeros(max(1, q4d.workspace_numel(n, k, cfg)), dtype=torch.int32)
+    for _ in range(2):
+        check_q4k(q4d.q4k_gemv_dp4a(x, planes, n, k, workspace=ws, config=cfg), x, planes, n, k, cfg)
+    assert not ws[: -(-n // cfg.block_n)].any()
+
+
+def test_q4k_matmul_takes_it_when_switched():
+    n, k = 32, 256
+    planes = q4k_planes(n, k, 7)
+    x = make_x(2, k, torch.bfloat16, 8)
+    with overridden(ENV.Q4K_DECODE, "dp4a"):
+        got = q4_k.matmul(x, planes, n, k)
+    assert torch.equal(got, q4d.q4k_gemv_dp4a(x, planes, n, k))
+    assert not torch.equal(q4_k.matmul(x, planes, n, k), got)  # the default dequantizes instead
+    with overridden(ENV.Q4K_DECODE, "fast"), pytest.raises(ValueError):
+        q4_k.matmul(x, planes, n, k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
+def test_gpu_q4k_shapes_and_batch_invariance(n, k):
+    planes = q4k_planes(n, k, seed_of("gpu4", n, k), "cuda")
+    x = make_x(8, k, torch.bfloat16, seed_of("gx4", n, k), "cuda")
+    cfg = q4d.gemv_config(n, k)
+    ws = torch.zeros(max(1, q4d.workspace_numel(n, k)), dtype=torch.int32, device="cuda")
+    full = q4d.q4k_gemv_dp4a(x, planes, n, k, workspace=ws)
+    check_q4k(full, x, planes, n, k, cfg)
+    for m in (1, 3):
+        assert torch.equal(q4d.q4k_gemv_dp4a(x[:m].contiguous(), planes, n, k, workspace=ws), full[:m])

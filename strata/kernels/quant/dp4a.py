@@ -130,14 +130,15 @@ def _dp4a(a, b, EMULATE: tl.constexpr):
 
 @jit
 def _pairwise_sum(t, G: tl.constexpr):
-    """Sum over the last axis of t [R, G] (G in 2, 4, 8) by adding element pairs (2i, 2i + 1) level by
-    level: every addition has two operands, so the bits do not depend on the layout Triton picks."""
+    """Sum over the last axis of t [R, G] (G in 1, 2, 4, 8) by adding element pairs (2i, 2i + 1) level
+    by level: every addition has two operands, so the bits do not depend on the layout Triton picks."""
     R: tl.constexpr = t.shape[0]
     if G == 8:
         t = tl.sum(tl.reshape(t, (R, 4, 2)), axis=2)
     if G >= 4:
         t = tl.sum(tl.reshape(t, (R, 2, 2)), axis=2)
-    t = tl.sum(tl.reshape(t, (R, 1, 2)), axis=2)
+    if G >= 2:
+        t = tl.sum(tl.reshape(t, (R, 1, 2)), axis=2)
     return tl.reshape(t, (R,))
 
 

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata.env import ENV
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
@@ -359,9 +360,22 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
-    """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials."""
-    cfg = config or gemv_config(n, k)
-    return split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
+    without a config, enough for the dp4a GEMV too (STRATA_Q4K_DECODE; its views take counters from
+    the start and partials from the end of the same buffer)."""
+    if config is not None:
+        return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
+    from strata.kernels.quant import q4_k_dp4a
+
+    cfg = gemv_config(n, k)
+    return max(split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS), q4_k_dp4a.workspace_numel(n, k))
+
+
+def _decode_kernel() -> str:
+    choice = ENV.Q4K_DECODE.get()
+    if choice not in ("dequant", "dp4a"):
+        raise ValueError(f"STRATA_Q4K_DECODE={choice!r}: expected 'dequant' or 'dp4a'")
+    return choice
 
 
 def _check_block_k(block_k: int, k: int) -> None:
@@ -448,6 +462,11 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
         _check_call(x, planes, n, k, out, allocate=False)
         return matmul_ref(x, planes, n, k, out)
     if x.shape[0] <= GEMV_MAX_ROWS:
+        if _decode_kernel() == "dp4a" and x.dtype != torch.float32:
+            from strata.kernels.quant.q4_k_dp4a import q4k_gemv_dp4a
+
+            _check_call(x, planes, n, k, out, allocate=False)
+            return q4k_gemv_dp4a(x, planes, n, k, out, workspace=workspace)
         return gemv_q4k(x, planes, n, k, out, workspace=workspace)
     return gemm_q4k(x, planes, n, k, out)
 

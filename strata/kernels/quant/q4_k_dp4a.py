@@ -1,0 +1,230 @@
+"""Decode GEMV on packed int8 dot products for GGUF Q4_K weights (the Q8_0 one's shape, `dp4a.py`).
+
+The dequantizing Q4_K GEMV costs ~8 instructions per weight (nibble extraction, fp32 dequantization,
+bf16 packing, MMA operand shuffles) and reaches 519-779 GB/s of Q4_K bytes on the H200. Here a word
+of 8 nibbles becomes two words of four int8 quants with one AND and one shift + AND, and each feeds a
+`dp4a` against x quantized per 32 values (`dp4a.quantize_ref`; Q4_K's 32-value sub-blocks line up
+with x's runs). With value = d·sc·q − dmin·m per sub-block, a sub-block's dot with x is
+
+    d·sc·dx·Σ q·xq − dmin·m·dx·Σ xq        (the sums exact in int32)
+
+the second sum once per row and run of x, as llama.cpp's q8_1 activations carry it.
+
+Semantics (`gemv_q4k_dp4a_ref`): per 64-value pair of sub-blocks (2p: the low nibbles, 2p + 1: the
+high ones) the term is d·(sc_lo·dx_lo·S_lo + sc_hi·dx_hi·S_hi) − dmin·(m_lo·dx_lo·X_lo + m_hi·dx_hi·X_hi)
+in fp32 in that order (the GPU may fuse a multiply and an add into an FMA: the GPU tests use a
+tolerance); a step's pairs are added by the pairwise tree, steps in K order, split-K partials in split
+order. Each row of x is quantized and reduced alone: a row's result does not depend on the others.
+
+STATUS: built and checked in the interpreter and by compiling for sm_90; not yet timed on a GPU, so
+`q4_k.matmul` does not use it unless STRATA_Q4K_DECODE=dp4a.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.pdl import pdl_prologue
+from strata.kernels.quant.dp4a import MAX_ROWS, NUM_SMS, Dp4aConfig, _dp4a, _pairwise_sum, _quantize_row, quantize_ref
+from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+def gemv_config(n: int, k: int) -> Dp4aConfig:
+    """64 rows x 256 values per step (8 KB of nibbles) and split-K to about three programs per SM, each
+    split >= 2 steps. Untimed."""
+    block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64
+    tiles, steps = -(-n // 64), k // block_k
+    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, 8))
+    return Dp4aConfig(64, block_k, split)
+
+
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
+    cfg = config or gemv_config(n, k)
+    return split_k_numel(n, cfg.block_n, cfg.split_k, MAX_ROWS)
+
+
+def _parts(planes: dict[str, torch.Tensor], n: int, k: int):
+    """Per 64-value pair p: quants lo/hi [N, K/64, 32] (sub-blocks 2p, 2p + 1), the four 6-bit fields
+    and the pair's super-block d and dmin, all fp32 (exact)."""
+    qs = planes["qs"].view(n, k // 64, 32)
+    fields = planes["scales"].view(n, k // 64, 4).float()
+    d_dmin = planes["d_dmin"].view(n, k // 256, 2).float().repeat_interleave(4, dim=1)
+    return (qs & 15).float(), (qs >> 4).float(), fields, d_dmin[..., 0], d_dmin[..., 1]
+
+
+def gemv_q4k_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
+                      block_k: int) -> torch.Tensor:
+    """fp32 [M, N], the kernel's result before its rounding to x's dtype (no split-K, no FMA)."""
+    m = x.shape[0]
+    q_lo, q_hi, f, d, dmin = _parts(planes, n, k)
+    xq, dx = quantize_ref(x)
+    xq = xq.view(m, k // 64, 2, 32).float()
+    dx = dx.view(m, k // 64, 2)
+    xs = xq.sum(-1)  # [M, K/64, 2], exact
+    # Integer sums of at most 32 · 15 · 127 are exact in fp32.
+    s_lo = torch.einsum("mpj,npj->mnp", xq[:, :, 0], q_lo)
+    s_hi = torch.einsum("mpj,npj->mnp", xq[:, :, 1], q_hi)
+    dx_lo, dx_hi = dx[:, None, :, 0], dx[:, None, :, 1]
+    xs_lo, xs_hi = xs[:, None, :, 0], xs[:, None, :, 1]
+    a = f[None, :, :, 0] * dx_lo * s_lo
+    b = f[None, :, :, 1] * dx_hi * s_hi
+    c = f[None, :, :, 2] * dx_lo * xs_lo
+    e = f[None, :, :, 3] * dx_hi * xs_hi
+    terms = d[None] * (a + b) - dmin[None] * (c + e)  # [M, N, K/64]
+    pairs = block_k // 64
+    steps = terms.view(m, n, k // block_k, pairs)
+    while steps.shape[-1] > 1:
+        steps = steps[..., 0::2] + steps[..., 1::2]
+    steps = steps[..., 0]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    for s in range(steps.shape[-1]):
+        acc = acc + steps[..., s]
+    return acc
+
+
+@jit
+def _half_lo(v):
+    """The fp16 in the low 16 bits of an int32 -> fp32."""
+    return v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@jit(do_not_specialize=["m"])
+def _q4k_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, sw_ptr, dw_ptr, out_ptr, out_stride, partial_ptr, counter_ptr,
+                          m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    G: tl.constexpr = BLOCK_K // 32
+    P: tl.constexpr = BLOCK_K // 64
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    k_blocks = k // BLOCK_K
+    kb_begin = split * k_blocks // SPLIT_K
+    kb_end = (split + 1) * k_blocks // SPLIT_K
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tile * BLOCK_N + offs_n
+    w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
+    p = tl.arange(0, P)
+    word = tl.arange(0, 8)
+    g = tl.arange(0, G)
+    j = tl.arange(0, 32)
+    rows = tl.arange(0, BLOCK_M)
+    ones = tl.full((G, 8), 0x01010101, tl.int32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(kb_begin, kb_end):
+        pair = kb * P + p  # the step's 64-value pairs
+        qw = tl.load(qw_ptr + w_rows[:, None, None] * (k // 8) + (pair * 8)[None, :, None] + word[None, None, :])
+        q_lo = qw & 0x0F0F0F0F  # int32 [BLOCK_N, P, 8]: four quants of sub-block 2p per word
+        q_hi = (qw >> 4) & 0x0F0F0F0F  # ... and of sub-block 2p + 1
+        fields = tl.load(sw_ptr + w_rows[:, None] * (k // 64) + pair[None, :])  # sc_lo, sc_hi, m_lo, m_hi bytes
+        sc_lo = (fields & 255).to(tl.float32)
+        sc_hi = ((fields >> 8) & 255).to(tl.float32)
+        m_lo = ((fields >> 16) & 255).to(tl.float32)
+        m_hi = ((fields >> 24) & 255).to(tl.float32)
+        d_dmin = tl.load(dw_ptr + w_rows[:, None] * (k // 256) + (pair // 4)[None, :])
+        d = _half_lo(d_dmin)
+        dmin = _half_lo(d_dmin >> 16)
+        for r in tl.static_range(BLOCK_M):
+            xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=r < m,
+                         other=0.0).to(tl.float32)  # [G, 32]
+            xw, dx = _quantize_row(xv)  # words [G, 8], dx [G]
+            xs = tl.sum(_dp4a(xw, ones, EMULATE), axis=1)  # [G]: Σ xq of each run
+            xw_lo, xw_hi = tl.split(tl.permute(tl.reshape(xw, (P, 2, 8)), (0, 2, 1)))  # [P, 8] each
+            dx_lo, dx_hi = tl.split(tl.reshape(dx, (P, 2)))
+            xs_lo, xs_hi = tl.split(tl.reshape(xs.to(tl.float32), (P, 2)))
+            s_lo = tl.sum(_dp4a(q_lo, xw_lo[None, :, :], EMULATE), axis=2).to(tl.float32)  # [BLOCK_N, P]
+            s_hi = tl.sum(_dp4a(q_hi, xw_hi[None, :, :], EMULATE), axis=2).to(tl.float32)
+            a = sc_lo * dx_lo[None, :] * s_lo
+            b = sc_hi * dx_hi[None, :] * s_hi
+            c = m_lo * dx_lo[None, :] * xs_lo[None, :]
+            e = m_hi * dx_hi[None, :] * xs_hi[None, :]
+            term = d * (a + b) - dmin * (c + e)
+            step = _pairwise_sum(term, P)
+            acc = tl.where(rows[None, :] == r, acc + step[:, None], acc)
+    row_ok = rows < m
+    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
+    out_ok = (cols < n)[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
+                                     SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def q4k_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
+                  *, workspace: torch.Tensor | None = None, config: Dp4aConfig | None = None) -> torch.Tensor:
+    """x [M ≤ 16, K] (contiguous rows) @ Q4_K planes -> [M, N] in x's dtype. Split-K uses `workspace`
+    (zeroed int32 of >= `workspace_numel`) or allocates one."""
+    from strata.kernels import use_pdl
+
+    m = x.shape[0]
+    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or x.stride(1) != 1 or k % 256:
+        raise ValueError(f"q4k_gemv_dp4a: x [{m}, {x.shape[1]}] for K={k} (M in 1..{MAX_ROWS}, K % 256 == 0)")
+    cfg = config or gemv_config(n, k)
+    if cfg.block_k not in (64, 128, 256) or not 1 <= cfg.split_k <= k // cfg.block_k:
+        raise ValueError(f"invalid {cfg} for K={k}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    counters = partials = out  # placeholders, untouched without split-K
+    if cfg.split_k > 1:
+        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, MAX_ROWS, x.device)
+    on = use_pdl(x)
+    _q4k_gemv_dp4a_kernel[(-(-n // cfg.block_n) * cfg.split_k,)](
+        x, x.stride(0), planes["qs"].view(torch.int32), planes["scales"].view(torch.int32),
+        planes["d_dmin"].view(torch.int32), out, out.stride(0), partials, counters, m, n, k,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def sweep(shapes=((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)), ms=(1, 8)) -> None:
+    """Per shape and M (CUDA): the dequantizing Q4_K GEMV's µs, then the five fastest dp4a
+    configurations' (weight copies cycled past L2)."""
+    from strata.kernels.quant import q4_k
+    from strata.kernels.timing import time_us
+
+    for n, k in shapes:
+        planes = q4_k.repack(torch.from_numpy(q4_k.random_raw(n, k, seed=n + k)).cuda())
+        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (300 << 20) // (n * k)))]
+        qbytes = n * k * 144 // 256
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            ws = torch.zeros(q4_k.gemv_workspace_numel(n, k) + 1, dtype=torch.int32, device="cuda")
+            base = time_us([lambda p=p: q4_k.gemv_q4k(x, p, n, k, out, workspace=ws) for p in copies], runs=30)
+            results = []
+            for block_n in (32, 64, 128):
+                for block_k in (128, 256):
+                    for split in (1, 2, 4, 8):
+                        for warps in (4, 8):
+                            cfg = Dp4aConfig(block_n, block_k, split, warps)
+                            if split > max(1, k // block_k // 2):
+                                continue
+                            wsd = torch.zeros(max(1, workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
+                            t = time_us([lambda p=p: q4k_gemv_dp4a(x, p, n, k, out, workspace=wsd, config=cfg)
+                                         for p in copies], runs=30)
+                            results.append((t, cfg))
+            results.sort(key=lambda r: r[0])
+            print(f"Q4_K {n}x{k} M={m}: dequant {base:7.2f} us {qbytes / base / 1e3:5.0f} GB/s", flush=True)
+            for t, cfg in results[:5]:
+                print(f"   dp4a {t:7.2f} us {qbytes / t / 1e3:5.0f} GB/s  {cfg}", flush=True)
+        del copies, planes
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("the Q4_K dp4a micro-benchmark needs a CUDA device")
+    sweep()
