@@ -26,6 +26,8 @@ Kernels.
   (`QWeight` keeps one per weight) or allocated per call. M is not specialised on and the
   tile never depends on M, so every M ≤ 16 runs one binary and a row's result is bit-identical
   whatever else is in the batch, and from run to run.
+- M ≤ 16 with STRATA_Q8_DECODE=dp4a: the packed-int8 GEMV of `dp4a.py` instead (x quantized per 32
+  values; off by default until timed on the GPU).
 - M > 16 (prompt reads): a tiled GEMM over (BLOCK_M, BLOCK_N) output tiles in grouped order (a
   group of M tiles shares each weight tile through L2); each weight tile is dequantized in registers
   the same way and fed transposed to tl.dot with the x tile.
