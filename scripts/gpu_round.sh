@@ -68,8 +68,8 @@ step() {  # name, seconds, command...
       s2-tests) step s2-tests 300 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernel_kv_dequant.py tests/test_gpu_graphs.py -k "attention or splits or dequant or int8 or bf16_agreement" ;;
       dp4a-sweep) TAIL=80 step dp4a-sweep 400 python3 -m strata.kernels.quant.dp4a
         TAIL=80 step q4k-dp4a-sweep 400 python3 -m strata.kernels.quant.q4_k_dp4a ;;
-      quant-dp4a) STRATA_Q8_DECODE=dp4a STRATA_Q4K_DECODE=dp4a step quant-dp4a 200 $B quant --shape qwen3-8b \
-        --formats Q8_0,Q4_K --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
+      quant-dp4a) STRATA_Q8_DECODE=dp4a STRATA_Q4K_DECODE=dp4a STRATA_IQ3S_DECODE=dp4a step quant-dp4a 200 $B quant \
+        --shape qwen3-8b --formats Q8_0,Q4_K,IQ3_S --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
       quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py ;;
       quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S} --out $R/quant_qwen3-8b_cuda.json ;;

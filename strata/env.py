@@ -55,6 +55,9 @@ class _Env:
                        "Q8_0 decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores) or "
                        "'dp4a' (x quantized per 32 values, packed int8 dot products; strata/kernels/quant/dp4a.py, "
                        "not yet timed on a GPU)")
+    IQ3S_DECODE = Switch("STRATA_IQ3S_DECODE", str, "dequant",
+                         "IQ3_S decode GEMV (M <= 16): 'dequant' (weights to bf16, tensor cores) or 'dp4a' (packed "
+                         "int8 dot products; strata/kernels/quant/iq3_s_dp4a.py, not yet timed on a GPU)")
     Q4K_DECODE = Switch("STRATA_Q4K_DECODE", str, "dequant",
                         "Q4_K decode GEMV (M <= 16): 'dequant' (weights to bf16, tensor cores) or 'dp4a' (packed "
                         "int8 dot products; strata/kernels/quant/q4_k_dp4a.py, not yet timed on a GPU)")

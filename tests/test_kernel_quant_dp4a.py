@@ -1,5 +1,5 @@
-"""The packed-int8 (dp4a) decode GEMVs for Q8_0 (strata/kernels/quant/dp4a.py) and Q4_K
-(q4_k_dp4a.py) against their definitions.
+"""The packed-int8 (dp4a) decode GEMVs for Q8_0 (strata/kernels/quant/dp4a.py), Q4_K (q4_k_dp4a.py)
+and IQ3_S (iq3_s_dp4a.py) against their definitions.
 
 CPU: the kernel in Triton's interpreter (dp4a emulated with shifts) at small shapes with forced
 configurations: split-K with uneven shares, partial row tiles, M from 1 to 16, fp32 and bf16 x, a row
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.env import ENV, overridden
-from strata.kernels.quant import dp4a, q4_k, q8_0
+from strata.kernels.quant import dp4a, iq3_s, q4_k, q8_0
+from strata.kernels.quant import iq3_s_dp4a as iqd
 from strata.kernels.quant import q4_k_dp4a as q4d
 from strata.kernels.quant.dp4a import Dp4aConfig
 
@@ -180,3 +181,51 @@ def test_gpu_q4k_shapes_and_batch_invariance(n, k):
     check_q4k(full, x, planes, n, k, cfg)
     for m in (1, 3):
         assert torch.equal(q4d.q4k_gemv_dp4a(x[:m].contiguous(), planes, n, k, workspace=ws), full[:m])
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+@pytest.mark.parametrize("n,k,m,cfg,dtype", [
+    (64, 256, 1, None, torch.bfloat16),
+    (40, 512, 3, Dp4aConfig(32, 128, split_k=3), torch.float32),  # half super-blocks, a partial row tile
+    (48, 512, 2, Dp4aConfig(16, 64, split_k=4), torch.float32),  # two sub-blocks per step
+])
+def test_iq3s_matches_definition(n, k, m, cfg, dtype):
+    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("w3", n, k))))
+    grid = iq3_s.grid_table(torch.device("cpu"))
+    x = make_x(m, k, dtype, seed_of("x3", n, k, m), pad=8)
+    cfg = cfg or iqd.gemv_config(n, k)
+    ws = torch.zeros(max(1, iqd.workspace_numel(n, k, cfg)), dtype=torch.int32)
+    for _ in range(2):
+        got = iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg)
+        ref = iqd.gemv_iq3s_dp4a_ref(x, planes, grid, n, k, cfg.block_k)
+        exact = F.linear(x.float(), iq3_s.dequantize(planes, n, k))
+        tol = 2e-6 if dtype == torch.float32 else 1e-2
+        assert ((got.float() - ref).abs().max() / ref.abs().max()).item() <= tol
+        assert ((got.float() - exact).norm() / exact.norm()).item() <= 1.5e-2
+    assert not ws[: -(-n // cfg.block_n)].any()
+
+
+def test_iq3s_matmul_takes_it_when_switched():
+    n, k = 32, 256
+    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, 9)))
+    x = make_x(2, k, torch.bfloat16, 10)
+    with overridden(ENV.IQ3S_DECODE, "dp4a"):
+        got = iq3_s.matmul(x, planes, n, k)
+    assert torch.equal(got, iqd.iq3s_gemv_dp4a(x, planes, iq3_s.grid_table(x.device), n, k))
+    with overridden(ENV.IQ3S_DECODE, "fast"), pytest.raises(ValueError):
+        iq3_s.matmul(x, planes, n, k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
+def test_gpu_iq3s_shapes_and_batch_invariance(n, k):
+    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("gpu3", n, k))).cuda())
+    grid = iq3_s.grid_table(torch.device("cuda"))
+    x = make_x(8, k, torch.bfloat16, seed_of("gx3", n, k), "cuda")
+    full = iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=planes.get("workspace"))
+    ref = iqd.gemv_iq3s_dp4a_ref(x, planes, grid, n, k)
+    assert ((full.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+    for m in (1, 3):
+        assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k,
+                                             workspace=planes.get("workspace")), full[:m])

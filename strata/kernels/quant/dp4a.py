@@ -87,11 +87,17 @@ def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(m, k), amax / c127
 
 
-def _pairwise(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last axis (a power of two) by the kernel's tree: element 2i + (2i+1), repeatedly."""
-    while t.shape[-1] > 1:
-        t = t[..., 0::2] + t[..., 1::2]
-    return t[..., 0]
+def accumulate_ref(terms: torch.Tensor, per_step: int) -> torch.Tensor:
+    """terms [M, N, T] fp32 (one per group along K) -> [M, N] in the kernels' order: each step's
+    `per_step` terms by the pairwise tree (element 2i + (2i+1), level by level), steps in K order."""
+    m, n, t = terms.shape
+    steps = terms.view(m, n, t // per_step, per_step)
+    while steps.shape[-1] > 1:
+        steps = steps[..., 0::2] + steps[..., 1::2]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=terms.device)
+    for s in range(steps.shape[2]):
+        acc = acc + steps[:, :, s, 0]
+    return acc
 
 
 def gemv_dp4a_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -102,12 +108,7 @@ def gemv_dp4a_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, block_k: i
     groups = k // GROUP
     # Integer sums of at most 32 · 127² are exact in fp32.
     sums = torch.einsum("mgj,ngj->mng", xq.view(-1, groups, GROUP).float(), qs.view(n, groups, GROUP).float())
-    terms = sums * d.float()[None] * dx[:, None, :]  # [M, N, groups]
-    steps = _pairwise(terms.view(terms.shape[0], n, k // block_k, block_k // GROUP))  # [M, N, steps]
-    acc = torch.zeros(steps.shape[:2], dtype=torch.float32, device=x.device)
-    for s in range(steps.shape[-1]):
-        acc = acc + steps[..., s]
-    return acc
+    return accumulate_ref(sums * d.float()[None] * dx[:, None, :], block_k // GROUP)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ x: IEEE fp32 dot); the result is rounded once to x's dtype.
   strata/kernels/gemv.py), so every M ≤ 16 runs one binary and a row's result does not depend on
   the others. Optional deterministic split-K: the last program of a column tile to arrive (atomic
   ticket) sums the fp32 partials in split order and resets the ticket.
+- M ≤ 16 with STRATA_IQ3S_DECODE=dp4a: the packed-int8 GEMV of `iq3_s_dp4a.py` instead (off by
+  default until timed on the GPU).
 - M > 16 (prompt reads): a tiled GEMM, x tiles [BLOCK_M, BLOCK_K] times dequantized weight tiles
   (each weight tile is dequantized once per BLOCK_M rows of x, so BLOCK_M is large).
 Configurations are functions of (N, K) (and, for the GEMM, x's dtype and M ≤ 128 or not) only, chosen by reasoning for
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata.env import ENV
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
@@ -84,6 +87,13 @@ def _grid_words() -> torch.Tensor:
 GRID_WORDS = _grid_words()  # CPU; `grid_table` puts it on a device
 
 
+def _decode_kernel() -> str:
+    choice = ENV.IQ3S_DECODE.get()
+    if choice not in ("dequant", "dp4a"):
+        raise ValueError(f"STRATA_IQ3S_DECODE={choice!r}: expected 'dequant' or 'dp4a'")
+    return choice
+
+
 @lru_cache(maxsize=16)
 def grid_table(device: torch.device) -> torch.Tensor:
     """The grid on `device` (made once per device; `repack` makes it, so never first under capture)."""
@@ -111,9 +121,14 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
         "scales": field(106, 110).view(n, k // 64),
         "d": field(0, 2).view(torch.float16).view(n, k // 256),
     }
+    from strata.kernels.quant import iq3_s_dp4a
+
     cfg = gemv_config(n, k)
-    if cfg.split_k > 1:
-        planes["workspace"] = torch.zeros(workspace_numel(n, cfg), dtype=torch.int32, device=raw.device)
+    numel = workspace_numel(n, cfg) if cfg.split_k > 1 else 0
+    if _decode_kernel() == "dp4a":  # room for its split-K too: counters at the start, partials at the end
+        numel = max(numel, iq3_s_dp4a.workspace_numel(n, k))
+    if numel:
+        planes["workspace"] = torch.zeros(numel, dtype=torch.int32, device=raw.device)
     grid_table(raw.device)
     return planes
 
@@ -390,6 +405,11 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
         _gemm_kernel[grid](x, x.stride(0), *weights, out, out.stride(0), m, n, k, BLOCK_M=cfg.block_m,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, **common)
         return out
+    if config is None and x.dtype != torch.float32 and _decode_kernel() == "dp4a":
+        from strata.kernels.quant.iq3_s_dp4a import iq3s_gemv_dp4a
+
+        ws = workspace if workspace is not None else planes.get("workspace")
+        return iq3s_gemv_dp4a(x, planes, grid_table(x.device), n, k, out, workspace=ws)
     tiles = _cdiv(n, cfg.block_n)
     counters = partials = out  # placeholders: never touched without split-K
     if cfg.split_k > 1:

@@ -361,14 +361,17 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
-    without a config, enough for the dp4a GEMV too (STRATA_Q4K_DECODE; its views take counters from
-    the start and partials from the end of the same buffer)."""
+    without a config and with STRATA_Q4K_DECODE=dp4a, enough for the dp4a GEMV too (its views take
+    counters from the start and partials from the end of the same buffer)."""
     if config is not None:
         return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
-    from strata.kernels.quant import q4_k_dp4a
-
     cfg = gemv_config(n, k)
-    return max(split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS), q4_k_dp4a.workspace_numel(n, k))
+    numel = split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    if _decode_kernel() == "dp4a":
+        from strata.kernels.quant import q4_k_dp4a
+
+        numel = max(numel, q4_k_dp4a.workspace_numel(n, k))
+    return numel
 
 
 def _decode_kernel() -> str:

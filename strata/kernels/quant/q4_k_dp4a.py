@@ -25,7 +25,16 @@ from __future__ import annotations
 import torch
 
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.quant.dp4a import MAX_ROWS, NUM_SMS, Dp4aConfig, _dp4a, _pairwise_sum, _quantize_row, quantize_ref
+from strata.kernels.quant.dp4a import (
+    MAX_ROWS,
+    NUM_SMS,
+    Dp4aConfig,
+    _dp4a,
+    _pairwise_sum,
+    _quantize_row,
+    accumulate_ref,
+    quantize_ref,
+)
 from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
 
 try:
@@ -80,16 +89,7 @@ def gemv_q4k_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, 
     b = f[None, :, :, 1] * dx_hi * s_hi
     c = f[None, :, :, 2] * dx_lo * xs_lo
     e = f[None, :, :, 3] * dx_hi * xs_hi
-    terms = d[None] * (a + b) - dmin[None] * (c + e)  # [M, N, K/64]
-    pairs = block_k // 64
-    steps = terms.view(m, n, k // block_k, pairs)
-    while steps.shape[-1] > 1:
-        steps = steps[..., 0::2] + steps[..., 1::2]
-    steps = steps[..., 0]
-    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    for s in range(steps.shape[-1]):
-        acc = acc + steps[..., s]
-    return acc
+    return accumulate_ref(d[None] * (a + b) - dmin[None] * (c + e), block_k // 64)
 
 
 @jit

@@ -131,16 +131,18 @@ def gemv_config(n: int, k: int) -> Q8Config:
 
 
 def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
-    """int32 elements of the GEMV's split-K workspace (0 without split-K); without a config, enough for
-    the dp4a GEMV too (STRATA_Q8_DECODE), whose split-K views take counters from the start and
-    partials from the end of the same buffer."""
+    """int32 elements of the GEMV's split-K workspace (0 without split-K); without a config and with
+    STRATA_Q8_DECODE=dp4a, enough for the dp4a GEMV too (its split-K views take counters from the
+    start and partials from the end of the same buffer)."""
     if config is not None:
         return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
-    from strata.kernels.quant import dp4a
-
     cfg = gemv_config(n, k)
-    dp4a_numel = dp4a.workspace_numel(n, k) if k % 64 == 0 else 0
-    return max(split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS), dp4a_numel)
+    numel = split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    if _decode_kernel() == "dp4a" and k % 64 == 0:
+        from strata.kernels.quant import dp4a
+
+        numel = max(numel, dp4a.workspace_numel(n, k))
+    return numel
 
 
 def _decode_kernel() -> str:

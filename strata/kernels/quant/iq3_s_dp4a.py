@@ -1,0 +1,168 @@
+"""Decode GEMV on packed int8 dot products for GGUF IQ3_S weights (the Q8_0 one's shape, `dp4a.py`).
+
+The dequantizing IQ3_S GEMV spends ~12-15 instructions per weight (grid gather, sign, fp32
+dequantization, bf16 packing, MMA operand moves) and decodes at 74 tok/s at 8B shapes on the H200.
+Here a grid word already holds its four magnitudes (odd integers 1-15) as bytes, so it goes to
+`dp4a` as it is once its signs are applied lane by lane: with the four sign bits spread to a byte
+mask `m` (0x01 per negative lane), (word ^ 0xFF·m) + m negates exactly those lanes (255 − g + 1 = 256 − g
+never carries into the next lane for g ≥ 1). Per 32-value sub-block the exact int32 sum against x's
+int8 quants (`dp4a.quantize_ref`) is scaled once by d·(1 + 2·scale)·dx.
+
+Semantics (`gemv_iq3s_dp4a_ref`): term = (d·(1 + 2·scale)) · dx · S per sub-block (fp32, in that order;
+the first product is exact), a step's sub-blocks added by the pairwise tree, steps in K order,
+split-K partials in split order. A row's result does not depend on the other rows.
+
+STATUS: built and checked in the interpreter and by compiling for sm_90; not yet timed on a GPU, so
+`iq3_s.matmul` does not use it unless STRATA_IQ3S_DECODE=dp4a.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.pdl import pdl_prologue
+from strata.kernels.quant.dp4a import (
+    MAX_ROWS,
+    NUM_SMS,
+    Dp4aConfig,
+    _dp4a,
+    _pairwise_sum,
+    _quantize_row,
+    accumulate_ref,
+    quantize_ref,
+)
+from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+def gemv_config(n: int, k: int) -> Dp4aConfig:
+    """64 rows x 256 values (one super-block) per step and split-K to about three programs per SM,
+    each split >= 2 steps. Untimed."""
+    tiles, steps = -(-n // 64), k // 256
+    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, 8))
+    return Dp4aConfig(64, 256, split)
+
+
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
+    cfg = config or gemv_config(n, k)
+    return split_k_numel(n, cfg.block_n, cfg.split_k, MAX_ROWS)
+
+
+def _signed_quants(planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int):
+    """(int values in ±{1, 3, ..., 15} as fp32 [N, K], d·(1 + 2·scale) fp32 [N, K/32]), exact."""
+    qs, qh, signs = planes["qs"].long(), planes["qh"].long(), planes["signs"]
+    device = qs.device
+    high = ((qh.view(n, k // 32, 1) >> torch.arange(8, device=device)) & 1).view(n, k // 4)
+    mags = (grid[qs | (high << 8)].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
+    negative = (signs.view(n, k // 32, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+    values = mags.view(n, k // 32, 32).float() * (1 - 2 * negative).float()
+    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
+    db = planes["d"].float().repeat_interleave(8, dim=1) * (1 + 2 * scale).float()
+    return values, db
+
+
+def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int,
+                       block_k: int = 256) -> torch.Tensor:
+    """fp32 [M, N], the kernel's result before its rounding to x's dtype (no split-K)."""
+    m = x.shape[0]
+    values, db = _signed_quants(planes, grid, n, k)
+    xq, dx = quantize_ref(x)
+    # Integer sums of at most 32 · 15 · 127 are exact in fp32.
+    sums = torch.einsum("mgj,ngj->mng", xq.view(m, k // 32, 32).float(), values)
+    return accumulate_ref(db[None] * dx[:, None, :] * sums, block_k // 32)
+
+
+@jit
+def _lane_mask(bits):
+    """Four sign bits (int32 in 0..15) -> 0x01 in each byte lane whose bit is set."""
+    return (bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)
+
+
+@jit(do_not_specialize=["m"])
+def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr,
+                           out_stride, partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                           EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    G: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    k_blocks = k // BLOCK_K
+    kb_begin = split * k_blocks // SPLIT_K
+    kb_end = (split + 1) * k_blocks // SPLIT_K
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tile * BLOCK_N + offs_n
+    w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
+    g = tl.arange(0, G)
+    word = tl.arange(0, 8)
+    j = tl.arange(0, 32)
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(kb_begin, kb_end):
+        sub = kb * G + g  # the step's 32-value sub-blocks
+        idx = tl.load(qs_ptr + w_rows[:, None, None] * (k // 4) + (sub * 8)[None, :, None]
+                      + word[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 8]: a grid index per 4 values
+        qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [BLOCK_N, G]
+        idx |= ((qh[:, :, None] >> word[None, None, :]) & 1) << 8
+        mags = tl.load(grid_ptr + idx)  # four magnitudes per word, one per byte lane
+        bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
+        lanes = _lane_mask((bits[:, :, None] >> (word * 4)[None, None, :]) & 15)
+        wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
+        sc = tl.load(scales_ptr + w_rows[:, None] * (k // 64) + (sub // 2)[None, :]).to(tl.int32)
+        sc = (sc >> ((sub % 2) * 4)[None, :]) & 15
+        d = tl.load(d_ptr + w_rows[:, None] * (k // 256) + (sub // 8)[None, :]).to(tl.float32)
+        db = d * (1 + 2 * sc).to(tl.float32)  # [BLOCK_N, G], exact
+        for r in tl.static_range(BLOCK_M):
+            xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=r < m,
+                         other=0.0).to(tl.float32)  # [G, 32]
+            xw, dx = _quantize_row(xv)
+            s = tl.sum(_dp4a(wq, xw[None, :, :], EMULATE), axis=2).to(tl.float32)  # [BLOCK_N, G], exact
+            step = _pairwise_sum(db * dx[None, :] * s, G)
+            acc = tl.where(rows[None, :] == r, acc + step[:, None], acc)
+    row_ok = rows < m
+    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
+    out_ok = (cols < n)[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
+                                     SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int,
+                   out: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
+                   config: Dp4aConfig | None = None) -> torch.Tensor:
+    """x [M ≤ 16, K] (contiguous rows) @ IQ3_S planes (`grid`: iq3_s.grid_table on x's device) -> [M, N]
+    in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one."""
+    from strata.kernels import use_pdl
+
+    m = x.shape[0]
+    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or x.stride(1) != 1 or k % 256:
+        raise ValueError(f"iq3s_gemv_dp4a: x [{m}, {x.shape[1]}] for K={k} (M in 1..{MAX_ROWS}, K % 256 == 0)")
+    cfg = config or gemv_config(n, k)
+    if cfg.block_k not in (64, 128, 256) or not 1 <= cfg.split_k <= k // cfg.block_k:
+        raise ValueError(f"invalid {cfg} for K={k}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    counters = partials = out  # placeholders, untouched without split-K
+    if cfg.split_k > 1:
+        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, MAX_ROWS, x.device)
+    on = use_pdl(x)
+    _iq3s_gemv_dp4a_kernel[(-(-n // cfg.block_n) * cfg.split_k,)](
+        x, x.stride(0), planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid, out,
+        out.stride(0), partials, counters, m, n, k, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
