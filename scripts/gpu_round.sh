@@ -67,7 +67,8 @@ step() {  # name, seconds, command...
       sweep-prefill) step sweep-prefill 240 python3 scripts/sweep_attention.py --only prefill --prefill-configs "64,128,4,4;64,128,4,3;64,256,8,2;64,256,8,3;128,256,8,2" ;;
       s2-tests) step s2-tests 300 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernel_kv_dequant.py tests/test_gpu_graphs.py -k "attention or splits or dequant or int8 or bf16_agreement" ;;
       dp4a-sweep) TAIL=80 step dp4a-sweep 400 python3 -m strata.kernels.quant.dp4a
-        TAIL=80 step q4k-dp4a-sweep 400 python3 -m strata.kernels.quant.q4_k_dp4a ;;
+        TAIL=80 step q4k-dp4a-sweep 400 python3 -m strata.kernels.quant.q4_k_dp4a
+        TAIL=80 step iq3s-dp4a-sweep 400 python3 -m strata.kernels.quant.iq3_s_dp4a ;;
       quant-dp4a) STRATA_Q8_DECODE=dp4a STRATA_Q4K_DECODE=dp4a STRATA_IQ3S_DECODE=dp4a step quant-dp4a 200 $B quant \
         --shape qwen3-8b --formats Q8_0,Q4_K,IQ3_S --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;

@@ -46,6 +46,32 @@ def split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row
     return last, total
 
 
+@jit
+def split_k_range(k_steps, SPLIT_K: tl.constexpr):
+    """(tile, split, first K step, end K step) of this program in a grid of column tiles × SPLIT_K:
+    split s covers steps [s · k_steps / SPLIT_K, (s + 1) · k_steps / SPLIT_K)."""
+    pid = tl.program_id(0)
+    split = pid % SPLIT_K
+    return pid // SPLIT_K, split, split * k_steps // SPLIT_K, (split + 1) * k_steps // SPLIT_K
+
+
+@jit
+def split_k_store(acc, out_ptr, out_stride, partial_ptr, counter_ptr, tile, split, cols, rows, n, m,
+                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores acc [BLOCK_N, BLOCK_M] (weight rows `cols` × x rows `rows`) as out[rows, cols] in out's
+    dtype: at once without split-K, else the sum of the splits' partials by the last program to arrive."""
+    row_ok = rows < m
+    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
+    out_ok = (cols < n)[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, cols - tile * BLOCK_N,
+                                     row_ok, SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
 # ---- the host side: one workspace layout for every kernel that uses split_k_reduce ---------------
 
 def split_k_parts(n: int, block_n: int, split_k: int, block_m: int) -> tuple[int, int]:

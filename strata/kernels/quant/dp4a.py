@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store, split_k_views
 
 try:
     import triton
@@ -57,13 +57,18 @@ class Dp4aConfig:
     num_stages: int = 3
 
 
-def gemv_config(n: int, k: int) -> Dp4aConfig:
-    """64 rows x 256 values per step (16 KB of quants, 32 registers of them per thread at 4 warps) and
-    split-K to about three programs per SM, each split >= 2 steps. Untimed."""
-    block_k = next(b for b in (256, 128, 64) if k % b == 0)
+def config_for(n: int, k: int, block_ks=(256, 128, 64)) -> Dp4aConfig:
+    """64 rows per program, the first of `block_ks` dividing K per step, split-K to about three programs
+    per SM with each split >= 2 steps (at most 8). Untimed: the sweeps (`sweep`) measure the others."""
+    block_k = next(b for b in block_ks if k % b == 0)
     tiles, steps = -(-n // 64), k // block_k
     split = max(1, min(3 * NUM_SMS // tiles, steps // 2, 8))
     return Dp4aConfig(64, block_k, split)
+
+
+def gemv_config(n: int, k: int) -> Dp4aConfig:
+    """Q8_0: 64 rows x 256 values per step (16 KB of quants, 32 registers of them per thread)."""
+    return config_for(n, k)
 
 
 def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
@@ -162,18 +167,12 @@ def _quantize_row(xv):
 
 @jit(do_not_specialize=["m"])
 def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
-                         k_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     G: tl.constexpr = BLOCK_K // 32
-    pid = tl.program_id(0)
-    tile = pid // SPLIT_K
-    split = pid % SPLIT_K
-    k_blocks = k // BLOCK_K
-    kb_begin = split * k_blocks // SPLIT_K
-    kb_end = (split + 1) * k_blocks // SPLIT_K
-    offs_n = tl.arange(0, BLOCK_N)
-    cols = tile * BLOCK_N + offs_n
+    tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
     g = tl.arange(0, G)
     word = tl.arange(0, 8)
@@ -181,7 +180,7 @@ def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, pa
     rows = tl.arange(0, BLOCK_M)
     k0 = kb_begin * BLOCK_K
     w_ptrs = qw_ptr + w_rows[:, None, None] * (k // 4) + (k0 // 4 + g * 8)[None, :, None] + word[None, None, :]
-    d_ptrs = d_ptr + w_rows[:, None] * k_groups + (k0 // 32 + g)[None, :]
+    d_ptrs = d_ptr + w_rows[:, None] * (k // 32) + (k0 // 32 + g)[None, :]
     x_ptrs = x_ptr + (k0 + g * 32)[:, None] + j[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(kb_begin, kb_end):
@@ -197,29 +196,22 @@ def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, pa
         w_ptrs += BLOCK_K // 4
         d_ptrs += G
         x_ptrs += BLOCK_K
-    row_ok = rows < m
-    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
-    out_ok = (cols < n)[:, None] & row_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-    else:
-        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
-                                     SPLIT_K, BLOCK_M, BLOCK_N)
-        if last:
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+    split_k_store(acc, out_ptr, out_stride, partial_ptr, counter_ptr, tile, split, cols, rows, n, m,
+                  SPLIT_K, BLOCK_M, BLOCK_N)
 
 
-def q8_gemv_dp4a(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor | None = None, *,
-                 workspace: torch.Tensor | None = None, config: Dp4aConfig | None = None) -> torch.Tensor:
-    """x [M ≤ 16, K] (16-bit or fp32, contiguous rows) @ Q8_0 planes (qs int8 [N, K], d fp16 [N, K/32])
-    -> [M, N] in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates."""
+def launch(kernel, x: torch.Tensor, weights: tuple, n: int, k: int, out: torch.Tensor | None,
+           workspace: torch.Tensor | None, cfg: Dp4aConfig, k_multiple: int) -> torch.Tensor:
+    """Checks x [M ≤ 16, K] (contiguous rows, K a multiple of `k_multiple`) and the configuration, makes
+    `out` when None, takes the split-K views of `workspace` (zeroed int32; None allocates one) and runs
+    a dp4a GEMV kernel of this family: (x, x_stride, *weights, out, out_stride, partials, counters, m, n,
+    k) and the constexprs BLOCK_M/N/K, SPLIT_K, EMULATE, USE_PDL."""
     from strata.kernels import use_pdl
 
-    n, k = qs.shape
     m = x.shape[0]
-    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or x.stride(1) != 1 or k % 64:
-        raise ValueError(f"q8_gemv_dp4a: x [{m}, {x.shape[1]}] for K={k} (M in 1..{MAX_ROWS}, K % 64 == 0)")
-    cfg = config or gemv_config(n, k)
+    if not 1 <= m <= MAX_ROWS or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or k % k_multiple:
+        raise ValueError(f"dp4a GEMV: x {tuple(x.shape)} for K={k} (M in 1..{MAX_ROWS}, contiguous rows, "
+                         f"K % {k_multiple} == 0)")
     if cfg.block_k not in (64, 128, 256) or k % cfg.block_k or not 1 <= cfg.split_k <= k // cfg.block_k:
         raise ValueError(f"invalid {cfg} for K={k}")
     if out is None:
@@ -228,33 +220,46 @@ def q8_gemv_dp4a(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.
     if cfg.split_k > 1:
         counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, MAX_ROWS, x.device)
     on = use_pdl(x)
-    _q8_gemv_dp4a_kernel[(-(-n // cfg.block_n) * cfg.split_k,)](
-        x, x.stride(0), qs.view(torch.int32), d, out, out.stride(0), partials, counters, m, n, k, k // GROUP,
+    kernel[(-(-n // cfg.block_n) * cfg.split_k,)](
+        x, x.stride(0), *weights, out, out.stride(0), partials, counters, m, n, k,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def q8_gemv_dp4a(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor | None = None, *,
+                 workspace: torch.Tensor | None = None, config: Dp4aConfig | None = None) -> torch.Tensor:
+    """x [M ≤ 16, K] (16-bit or fp32, contiguous rows) @ Q8_0 planes (qs int8 [N, K], d fp16 [N, K/32])
+    -> [M, N] in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates."""
+    n, k = qs.shape
+    return launch(_q8_gemv_dp4a_kernel, x, (qs.view(torch.int32), d), n, k, out, workspace,
+                  config or gemv_config(n, k), 64)
 
 
 # ----------------------------------------------------------------------------------------------
 # Micro-benchmark (CUDA): python -m strata.kernels.quant.dp4a — against the dequantizing Q8_0 GEMV
 
 
-def sweep(shapes=((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)), ms=(1, 8)) -> None:
-    """Per shape and M: the dequantizing GEMV's µs, then the five fastest dp4a configurations' (weight
-    copies cycled past L2, so every call reads HBM)."""
-    from strata.kernels.quant import q8_0
+SWEEP_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+
+
+def sweep_against(name: str, make_planes, dequant_call, dp4a_call, workspace_fn, bytes_per_value: float,
+                  shapes=SWEEP_SHAPES, ms=(1, 8)) -> None:
+    """Per shape and M (CUDA): the dequantizing GEMV's µs (`dequant_call(x, planes, n, k, out, ws)`,
+    ws a workspace of `workspace_fn(n, k, None)` elements), then the five fastest dp4a configurations'
+    (`dp4a_call(x, planes, n, k, out, ws, cfg)`, ws of `workspace_fn(n, k, cfg)`), weight copies cycled
+    past L2 so every call reads HBM."""
     from strata.kernels.timing import time_us
 
     for n, k in shapes:
-        planes = q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed=n + k)).cuda())
-        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (150 << 20) // (n * k)))]
-        qbytes = n * k * 34 // 32
+        planes = make_planes(n, k)
+        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (300 << 20) // (n * k)))]
+        qbytes = n * k * bytes_per_value
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            ws = torch.zeros(q8_0.gemv_workspace_numel(n, k) + 1, dtype=torch.int32, device="cuda")
-            base = time_us([lambda p=p: q8_0.matmul_triton(x, p, n, k, out, workspace=ws) for p in copies], runs=30)
+            base_ws = torch.zeros(max(1, workspace_fn(n, k, None)), dtype=torch.int32, device="cuda")
+            base = time_us([lambda p=p: dequant_call(x, p, n, k, out, base_ws) for p in copies], runs=30)
             results = []
             for block_n in (32, 64, 128):
                 for block_k in (128, 256):
@@ -263,16 +268,25 @@ def sweep(shapes=((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)), ms=
                             cfg = Dp4aConfig(block_n, block_k, split, warps)
                             if split > max(1, k // block_k // 2):
                                 continue
-                            wsd = torch.zeros(max(1, workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
-                            t = time_us([lambda p=p: q8_gemv_dp4a(x, p["qs"], p["d"], out, workspace=wsd, config=cfg)
-                                         for p in copies], runs=30)
-                            results.append((t, cfg))
+                            ws = torch.zeros(max(1, workspace_fn(n, k, cfg)), dtype=torch.int32, device="cuda")
+                            results.append((time_us([lambda p=p: dp4a_call(x, p, n, k, out, ws, cfg) for p in copies],
+                                                    runs=30), cfg))
             results.sort(key=lambda r: r[0])
-            print(f"{n}x{k} M={m}: dequant {base:7.2f} us {qbytes / base / 1e3:5.0f} GB/s", flush=True)
+            print(f"{name} {n}x{k} M={m}: dequant {base:7.2f} us {qbytes / base / 1e3:5.0f} GB/s", flush=True)
             for t, cfg in results[:5]:
                 print(f"   dp4a {t:7.2f} us {qbytes / t / 1e3:5.0f} GB/s  {cfg}", flush=True)
         del copies, planes
         torch.cuda.empty_cache()
+
+
+def sweep() -> None:
+    from strata.kernels.quant import q8_0
+
+    sweep_against("Q8_0", lambda n, k: q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed=n + k)).cuda()),
+                  lambda x, p, n, k, out, ws: q8_0.matmul_triton(x, p, n, k, out, workspace=ws),
+                  lambda x, p, n, k, out, ws, cfg: q8_gemv_dp4a(x, p["qs"], p["d"], out, workspace=ws, config=cfg),
+                  lambda n, k, cfg: q8_0.gemv_workspace_numel(n, k) if cfg is None else workspace_numel(n, k, cfg),
+                  34 / 32)
 
 
 if __name__ == "__main__":

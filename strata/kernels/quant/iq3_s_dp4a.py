@@ -23,15 +23,17 @@ import torch
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     MAX_ROWS,
-    NUM_SMS,
     Dp4aConfig,
     _dp4a,
     _pairwise_sum,
     _quantize_row,
     accumulate_ref,
+    config_for,
+    launch,
     quantize_ref,
+    sweep_against,
 )
-from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store
 
 try:
     import triton
@@ -45,11 +47,8 @@ except ImportError:  # CPU-only installs: the reference works, the kernel is nev
 
 
 def gemv_config(n: int, k: int) -> Dp4aConfig:
-    """64 rows x 256 values (one super-block) per step and split-K to about three programs per SM,
-    each split >= 2 steps. Untimed."""
-    tiles, steps = -(-n // 64), k // 256
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, 8))
-    return Dp4aConfig(64, 256, split)
+    """64 rows x 256 values (one super-block) per step, split-K to about three programs per SM."""
+    return config_for(n, k, block_ks=(256,))
 
 
 def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
@@ -94,14 +93,8 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
                            EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     G: tl.constexpr = BLOCK_K // 32
-    pid = tl.program_id(0)
-    tile = pid // SPLIT_K
-    split = pid % SPLIT_K
-    k_blocks = k // BLOCK_K
-    kb_begin = split * k_blocks // SPLIT_K
-    kb_end = (split + 1) * k_blocks // SPLIT_K
-    offs_n = tl.arange(0, BLOCK_N)
-    cols = tile * BLOCK_N + offs_n
+    tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
     g = tl.arange(0, G)
     word = tl.arange(0, 8)
@@ -129,16 +122,8 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
             s = tl.sum(_dp4a(wq, xw[None, :, :], EMULATE), axis=2).to(tl.float32)  # [BLOCK_N, G], exact
             step = _pairwise_sum(db * dx[None, :] * s, G)
             acc = tl.where(rows[None, :] == r, acc + step[:, None], acc)
-    row_ok = rows < m
-    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
-    out_ok = (cols < n)[:, None] & row_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-    else:
-        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
-                                     SPLIT_K, BLOCK_M, BLOCK_N)
-        if last:
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+    split_k_store(acc, out_ptr, out_stride, partial_ptr, counter_ptr, tile, split, cols, rows, n, m,
+                  SPLIT_K, BLOCK_M, BLOCK_N)
 
 
 def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int,
@@ -146,23 +131,22 @@ def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch
                    config: Dp4aConfig | None = None) -> torch.Tensor:
     """x [M ≤ 16, K] (contiguous rows) @ IQ3_S planes (`grid`: iq3_s.grid_table on x's device) -> [M, N]
     in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one."""
-    from strata.kernels import use_pdl
+    weights = (planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid)
+    return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)
 
-    m = x.shape[0]
-    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or x.stride(1) != 1 or k % 256:
-        raise ValueError(f"iq3s_gemv_dp4a: x [{m}, {x.shape[1]}] for K={k} (M in 1..{MAX_ROWS}, K % 256 == 0)")
-    cfg = config or gemv_config(n, k)
-    if cfg.block_k not in (64, 128, 256) or not 1 <= cfg.split_k <= k // cfg.block_k:
-        raise ValueError(f"invalid {cfg} for K={k}")
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    counters = partials = out  # placeholders, untouched without split-K
-    if cfg.split_k > 1:
-        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, MAX_ROWS, x.device)
-    on = use_pdl(x)
-    _iq3s_gemv_dp4a_kernel[(-(-n // cfg.block_n) * cfg.split_k,)](
-        x, x.stride(0), planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid, out,
-        out.stride(0), partials, counters, m, n, k, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+
+def sweep() -> None:
+    """The dequantizing IQ3_S GEMV against the dp4a configurations (CUDA)."""
+    from strata.kernels.quant import iq3_s
+
+    grid = iq3_s.grid_table(torch.device("cuda"))
+    sweep_against("IQ3_S", lambda n, k: iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed=n + k)).cuda()),
+                  lambda x, p, n, k, out, ws: iq3_s.matmul(x, p, n, k, out),
+                  lambda x, p, n, k, out, ws, cfg: iq3s_gemv_dp4a(x, p, grid, n, k, out, workspace=ws, config=cfg),
+                  lambda n, k, cfg: 1 if cfg is None else workspace_numel(n, k, cfg), 110 / 256)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("the IQ3_S dp4a micro-benchmark needs a CUDA device")
+    sweep()

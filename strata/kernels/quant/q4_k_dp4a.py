@@ -27,15 +27,17 @@ import torch
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     MAX_ROWS,
-    NUM_SMS,
     Dp4aConfig,
     _dp4a,
     _pairwise_sum,
     _quantize_row,
     accumulate_ref,
+    config_for,
+    launch,
     quantize_ref,
+    sweep_against,
 )
-from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store
 
 try:
     import triton
@@ -49,12 +51,8 @@ except ImportError:  # CPU-only installs: the reference works, the kernel is nev
 
 
 def gemv_config(n: int, k: int) -> Dp4aConfig:
-    """64 rows x 256 values per step (8 KB of nibbles) and split-K to about three programs per SM, each
-    split >= 2 steps. Untimed."""
-    block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64
-    tiles, steps = -(-n // 64), k // block_k
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, 8))
-    return Dp4aConfig(64, block_k, split)
+    """64 rows x 256 values per step (8 KB of nibbles), split-K to about three programs per SM."""
+    return config_for(n, k)
 
 
 def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
@@ -105,14 +103,8 @@ def _q4k_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, sw_ptr, dw_ptr, out_ptr, out_
     pdl_prologue(USE_PDL)
     G: tl.constexpr = BLOCK_K // 32
     P: tl.constexpr = BLOCK_K // 64
-    pid = tl.program_id(0)
-    tile = pid // SPLIT_K
-    split = pid % SPLIT_K
-    k_blocks = k // BLOCK_K
-    kb_begin = split * k_blocks // SPLIT_K
-    kb_end = (split + 1) * k_blocks // SPLIT_K
-    offs_n = tl.arange(0, BLOCK_N)
-    cols = tile * BLOCK_N + offs_n
+    tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
     p = tl.arange(0, P)
     word = tl.arange(0, 8)
@@ -151,77 +143,27 @@ def _q4k_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, sw_ptr, dw_ptr, out_ptr, out_
             term = d * (a + b) - dmin * (c + e)
             step = _pairwise_sum(term, P)
             acc = tl.where(rows[None, :] == r, acc + step[:, None], acc)
-    row_ok = rows < m
-    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
-    out_ok = (cols < n)[:, None] & row_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-    else:
-        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
-                                     SPLIT_K, BLOCK_M, BLOCK_N)
-        if last:
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+    split_k_store(acc, out_ptr, out_stride, partial_ptr, counter_ptr, tile, split, cols, rows, n, m,
+                  SPLIT_K, BLOCK_M, BLOCK_N)
 
 
 def q4k_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
                   *, workspace: torch.Tensor | None = None, config: Dp4aConfig | None = None) -> torch.Tensor:
     """x [M ≤ 16, K] (contiguous rows) @ Q4_K planes -> [M, N] in x's dtype. Split-K uses `workspace`
     (zeroed int32 of >= `workspace_numel`) or allocates one."""
-    from strata.kernels import use_pdl
-
-    m = x.shape[0]
-    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or x.stride(1) != 1 or k % 256:
-        raise ValueError(f"q4k_gemv_dp4a: x [{m}, {x.shape[1]}] for K={k} (M in 1..{MAX_ROWS}, K % 256 == 0)")
-    cfg = config or gemv_config(n, k)
-    if cfg.block_k not in (64, 128, 256) or not 1 <= cfg.split_k <= k // cfg.block_k:
-        raise ValueError(f"invalid {cfg} for K={k}")
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    counters = partials = out  # placeholders, untouched without split-K
-    if cfg.split_k > 1:
-        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, MAX_ROWS, x.device)
-    on = use_pdl(x)
-    _q4k_gemv_dp4a_kernel[(-(-n // cfg.block_n) * cfg.split_k,)](
-        x, x.stride(0), planes["qs"].view(torch.int32), planes["scales"].view(torch.int32),
-        planes["d_dmin"].view(torch.int32), out, out.stride(0), partials, counters, m, n, k,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        EMULATE=not x.is_cuda, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    weights = (planes["qs"].view(torch.int32), planes["scales"].view(torch.int32), planes["d_dmin"].view(torch.int32))
+    return launch(_q4k_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)
 
 
-def sweep(shapes=((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)), ms=(1, 8)) -> None:
-    """Per shape and M (CUDA): the dequantizing Q4_K GEMV's µs, then the five fastest dp4a
-    configurations' (weight copies cycled past L2)."""
+def sweep() -> None:
+    """The dequantizing Q4_K GEMV against the dp4a configurations (CUDA)."""
     from strata.kernels.quant import q4_k
-    from strata.kernels.timing import time_us
 
-    for n, k in shapes:
-        planes = q4_k.repack(torch.from_numpy(q4_k.random_raw(n, k, seed=n + k)).cuda())
-        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (300 << 20) // (n * k)))]
-        qbytes = n * k * 144 // 256
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            ws = torch.zeros(q4_k.gemv_workspace_numel(n, k) + 1, dtype=torch.int32, device="cuda")
-            base = time_us([lambda p=p: q4_k.gemv_q4k(x, p, n, k, out, workspace=ws) for p in copies], runs=30)
-            results = []
-            for block_n in (32, 64, 128):
-                for block_k in (128, 256):
-                    for split in (1, 2, 4, 8):
-                        for warps in (4, 8):
-                            cfg = Dp4aConfig(block_n, block_k, split, warps)
-                            if split > max(1, k // block_k // 2):
-                                continue
-                            wsd = torch.zeros(max(1, workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
-                            t = time_us([lambda p=p: q4k_gemv_dp4a(x, p, n, k, out, workspace=wsd, config=cfg)
-                                         for p in copies], runs=30)
-                            results.append((t, cfg))
-            results.sort(key=lambda r: r[0])
-            print(f"Q4_K {n}x{k} M={m}: dequant {base:7.2f} us {qbytes / base / 1e3:5.0f} GB/s", flush=True)
-            for t, cfg in results[:5]:
-                print(f"   dp4a {t:7.2f} us {qbytes / t / 1e3:5.0f} GB/s  {cfg}", flush=True)
-        del copies, planes
-        torch.cuda.empty_cache()
+    sweep_against("Q4_K", lambda n, k: q4_k.repack(torch.from_numpy(q4_k.random_raw(n, k, seed=n + k)).cuda()),
+                  lambda x, p, n, k, out, ws: q4_k.gemv_q4k(x, p, n, k, out, workspace=ws),
+                  lambda x, p, n, k, out, ws, cfg: q4k_gemv_dp4a(x, p, n, k, out, workspace=ws, config=cfg),
+                  lambda n, k, cfg: q4_k.gemv_workspace_numel(n, k) if cfg is None else workspace_numel(n, k, cfg),
+                  144 / 256)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from strata.env import ENV
 from strata.kernels import kernels_run, use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store, split_k_views
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 
@@ -271,12 +271,7 @@ def _q8_gemv_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, partial
                     SPLIT_K: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // 32
-    pid = tl.program_id(0)
-    tile = pid // SPLIT_K
-    split = pid % SPLIT_K
-    k_blocks = k // BLOCK_K
-    kb_begin = split * k_blocks // SPLIT_K
-    kb_end = (split + 1) * k_blocks // SPLIT_K
+    tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
     offs_n = tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     offs_k = kb_begin * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -297,16 +292,8 @@ def _q8_gemv_kernel(x_ptr, x_stride, qs_ptr, d_ptr, out_ptr, out_stride, partial
         q_ptrs += BLOCK_K
         d_ptrs += GROUPS
         xt_ptrs += BLOCK_K
-    cols = tile * BLOCK_N + offs_n
-    out_ptrs = out_ptr + rows[None, :] * out_stride + cols[:, None]
-    out_ok = (cols < n)[:, None] & row_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-    else:
-        last, total = split_k_reduce(acc, partial_ptr, counter_ptr, tile, split, rows, offs_n, row_ok,
-                                     SPLIT_K, BLOCK_M, BLOCK_N)
-        if last:
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+    split_k_store(acc, out_ptr, out_stride, partial_ptr, counter_ptr, tile, split, tile * BLOCK_N + offs_n, rows,
+                  n, m, SPLIT_K, BLOCK_M, BLOCK_N)
 
 
 @jit
