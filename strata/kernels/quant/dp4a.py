@@ -71,9 +71,21 @@ def gemv_config(n: int, k: int) -> Dp4aConfig:
     return config_for(n, k)
 
 
-def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
-    cfg = config or gemv_config(n, k)
+def workspace_for(cfg: Dp4aConfig, n: int) -> int:
+    """int32 elements of a dp4a GEMV's split-K workspace for N rows under `cfg` (0 without split-K)."""
     return split_k_numel(n, cfg.block_n, cfg.split_k, MAX_ROWS)
+
+
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
+    return workspace_for(config or gemv_config(n, k), n)
+
+
+def decode_kernel(switch) -> str:
+    """The decode GEMV a format's STRATA_*_DECODE switch names: 'dequant' or 'dp4a'."""
+    choice = switch.get()
+    if choice not in ("dequant", "dp4a"):
+        raise ValueError(f"{switch.name}={choice!r}: expected 'dequant' or 'dp4a'")
+    return choice
 
 
 # ----------------------------------------------------------------------------------------------

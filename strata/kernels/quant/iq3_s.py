@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.env import ENV
-from strata.kernels import kernels_run, use_pdl, use_triton
+from strata.kernels.quant.dp4a import decode_kernel
+from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
@@ -88,10 +89,7 @@ GRID_WORDS = _grid_words()  # CPU; `grid_table` puts it on a device
 
 
 def _decode_kernel() -> str:
-    choice = ENV.IQ3S_DECODE.get()
-    if choice not in ("dequant", "dp4a"):
-        raise ValueError(f"STRATA_IQ3S_DECODE={choice!r}: expected 'dequant' or 'dp4a'")
-    return choice
+    return decode_kernel(ENV.IQ3S_DECODE)
 
 
 @lru_cache(maxsize=16)

@@ -22,7 +22,6 @@ import torch
 
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
-    MAX_ROWS,
     Dp4aConfig,
     _dp4a,
     _pairwise_sum,
@@ -32,8 +31,9 @@ from strata.kernels.quant.dp4a import (
     launch,
     quantize_ref,
     sweep_against,
+    workspace_for,
 )
-from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store
+from strata.kernels.splitk import split_k_range, split_k_store
 
 try:
     import triton
@@ -52,8 +52,7 @@ def gemv_config(n: int, k: int) -> Dp4aConfig:
 
 
 def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
-    cfg = config or gemv_config(n, k)
-    return split_k_numel(n, cfg.block_n, cfg.split_k, MAX_ROWS)
+    return workspace_for(config or gemv_config(n, k), n)
 
 
 def _signed_quants(planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int):

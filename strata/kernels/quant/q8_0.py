@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.env import ENV
-from strata.kernels import kernels_run, use_pdl, use_triton
+from strata.kernels.quant.dp4a import decode_kernel
+from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store, split_k_views
 from strata.kernels.timing import time_us
@@ -146,10 +147,7 @@ def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
 
 
 def _decode_kernel() -> str:
-    choice = ENV.Q8_DECODE.get()
-    if choice not in ("dequant", "dp4a"):
-        raise ValueError(f"STRATA_Q8_DECODE={choice!r}: expected 'dequant' or 'dp4a'")
-    return choice
+    return decode_kernel(ENV.Q8_DECODE)
 
 
 def fp32_gemv_config(n: int, k: int) -> Q8Config:

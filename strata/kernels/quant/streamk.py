@@ -56,7 +56,7 @@ from functools import lru_cache
 
 import torch
 
-from strata.kernels import kernels_run, use_pdl, use_triton
+from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.q8_0 import (SUPPORTED_DTYPES, Q8Config, _block_k, _cdiv, _check_planes, check_config,
                                        matmul_ref, q8_tile_product)
