@@ -66,7 +66,7 @@ def check(got, x, planes, cfg):
     (40, 512, 3, Dp4aConfig(32, 128, split_k=3), torch.float32),  # 4 steps over 3 splits, a partial row tile
     (40, 512, 2, Dp4aConfig(32, 128, split_k=3), torch.bfloat16),
     (64, 1024, 5, Dp4aConfig(64, 256, split_k=2), torch.float32),
-    (48, 256, 16, Dp4aConfig(16, 64, split_k=4), torch.float32),  # one step per split, every row of x
+    (16, 256, 16, Dp4aConfig(16, 64, split_k=4), torch.float32),  # one step per split, every row of x
 ])
 def test_matches_definition(n, k, m, cfg, dtype):
     planes = planes_of(n, k, seed_of("w", n, k))
@@ -144,7 +144,7 @@ def check_q4k(got, x, planes, n, k, cfg, fp32_tol=2e-6):
 @pytest.mark.parametrize("n,k,m,cfg,dtype", [
     (64, 256, 1, None, torch.bfloat16),
     (40, 512, 3, Dp4aConfig(32, 128, split_k=3), torch.float32),  # 2 pairs per step, a partial row tile
-    (48, 512, 2, Dp4aConfig(16, 64, split_k=4), torch.float32),  # one pair per step
+    (16, 512, 2, Dp4aConfig(16, 64, split_k=4), torch.float32),  # one pair per step
     (32, 1024, 5, Dp4aConfig(32, 256, split_k=2), torch.float32),
 ])
 def test_q4k_matches_definition(n, k, m, cfg, dtype):
@@ -187,7 +187,7 @@ def test_gpu_q4k_shapes_and_batch_invariance(n, k):
 @pytest.mark.parametrize("n,k,m,cfg,dtype", [
     (64, 256, 1, None, torch.bfloat16),
     (40, 512, 3, Dp4aConfig(32, 128, split_k=3), torch.float32),  # half super-blocks, a partial row tile
-    (48, 512, 2, Dp4aConfig(16, 64, split_k=4), torch.float32),  # two sub-blocks per step
+    (16, 512, 2, Dp4aConfig(16, 64, split_k=4), torch.float32),  # two sub-blocks per step
 ])
 def test_iq3s_matches_definition(n, k, m, cfg, dtype):
     planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("w3", n, k))))
