@@ -334,3 +334,24 @@ def test_gpu_speed_report(gpu_weights):
             print(f"Q8_0 {n}x{k} M={m}: stream-K {sk:8.2f} us {flop / sk:6.1f} TFLOP/s | "
                   f"tiled {tiled:8.2f} us {flop / tiled:6.1f} TFLOP/s | x{tiled / sk:.2f}")
     assert ctx.grows == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_packed_model_shares_one_reserved_context():
+    """CausalLM.pack gives every Q8_0 weight of a model one context with the largest fix-up reserved, so
+    a read in the stream-K range allocates nothing."""
+    from strata.bench.random_model import random_model
+    from strata.kernels.quant import STREAMK_ROWS, QWeight
+
+    model = random_model("tiny-256", torch.device("cuda"), torch.bfloat16, quant="Q8_0").model
+    weights = [q for m in model.modules() for q in vars(m).values() if isinstance(q, QWeight)]
+    contexts = {id(q.context) for q in weights}
+    assert weights and len(contexts) == 1 and weights[0].context is not None
+    ctx = weights[0].context
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ctx.pool_bytes >= QMatmulContext.largest_fixup(sms)
+    grows = ctx.grows
+    x = torch.randn(STREAMK_ROWS[0], weights[0].k, device="cuda", dtype=torch.bfloat16)
+    weights[0].matmul(x)
+    assert ctx.grows == grows

@@ -74,3 +74,28 @@ def test_take_quantized_mixed_stack_falls_back_to_floats():
         fmt, raw = raws[id(m)]
         assert not m.weight.is_meta and m.weight.dtype == torch.float32
         assert np.array_equal(m.weight.detach().numpy(), gguf_dequantize(raw.numpy(), QT[fmt]))
+
+
+def test_q8_0_reads_in_the_stream_k_range_use_the_context(monkeypatch):
+    """With a context, a Q8_0 read of STREAMK_ROWS rows runs the stream-K GEMM through it (fix-ups in
+    its pool); shorter and longer reads, fp32 x and the other formats keep their kernels."""
+    from strata.kernels.quant import STREAMK_ROWS, q8_0, streamk
+
+    n, k = 40, 256
+    w = QWeight.from_raw("Q8_0", _raw("Q8_0", n, k, 3), n, k)
+    ctx = streamk.QMatmulContext("cpu")
+    w.context = ctx
+    calls = []
+    real = streamk.q8_0_matmul_streamk
+    monkeypatch.setattr(streamk, "q8_0_matmul_streamk", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    lo, hi = STREAMK_ROWS
+    for m, dtype, expect in [(lo, torch.bfloat16, True), (lo - 1, torch.bfloat16, False), (hi + 1, torch.bfloat16, False),
+                             (lo, torch.float32, False)]:
+        x = torch.randn(m, k).to(dtype)
+        got = w.matmul(x)
+        assert (calls[-1:] == [m]) == expect, (m, dtype)
+        calls.clear()
+        if expect:  # the same product as the tiled GEMM up to the fp32 summation order
+            tiled = q8_0.matmul(x, w.planes, n, k)
+            assert ((got.float() - tiled.float()).norm() / tiled.float().norm()).item() < 1e-2
+    assert ctx.grows <= 1

@@ -90,6 +90,21 @@ class CausalLM(nn.Module):
             self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.model.embed_tokens.weight.device)
             for m in packed:
                 m.gemv_ws = self.gemv_ws
+            self._share_read_context()
+
+    def _share_read_context(self) -> None:
+        """One stream-K scratch context for the model's Q8_0 weights, its largest fix-up reserved now so
+        no read allocates (`QMatmulContext.reserve_fixup`)."""
+        from strata.kernels.quant.streamk import QMatmulContext
+
+        weights = [q for m in self.modules() for q in vars(m).values() if isinstance(q, QWeight) and q.ggml_type == "Q8_0"]
+        if not weights:
+            return
+        device = weights[0].device
+        ctx = QMatmulContext(device)
+        ctx.reserve_fixup(QMatmulContext.largest_fixup(torch.cuda.get_device_properties(device).multi_processor_count))
+        for q in weights:
+            q.context = ctx
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [N] → final hidden states [N, hidden] (after the final norm)."""

@@ -21,6 +21,11 @@ import torch
 
 _MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s"}
 FORMATS = tuple(_MODULES)
+# Reads whose row count falls here run Q8_0's stream-K GEMM when the weight has a context. On the H200
+# it beat the tiled GEMM at 512 rows (1.00-1.49x over the 8B shapes) and lost at 4,096 (0.94-0.98x;
+# tests/test_kernel_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token
+# chunk, to be refined by a sweep between those two points.
+STREAMK_ROWS = (256, 1024)
 
 
 def format_module(ggml_type: str) -> ModuleType:
@@ -41,6 +46,9 @@ class QWeight:
     # The split-K workspace of a format whose decode kernel takes one (`gemv_workspace_numel`), made
     # once here so no call allocates; like the planes, one weight's calls must not run on two streams.
     workspace: torch.Tensor | None = None
+    # The read GEMMs' scratch (`streamk.QMatmulContext`), shared by a model's weights (CausalLM.pack
+    # sets it on CUDA): with it, Q8_0 reads of STREAMK_ROWS rows run the stream-K GEMM.
+    context: object | None = None
 
     @classmethod
     def from_raw(cls, ggml_type: str, raw: torch.Tensor, n: int, k: int) -> "QWeight":
@@ -69,6 +77,11 @@ class QWeight:
         return self.module.dequantize(self.planes, self.n, self.k)
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if (self.context is not None and self.ggml_type == "Q8_0" and x.dim() == 2
+                and STREAMK_ROWS[0] <= x.shape[0] <= STREAMK_ROWS[1] and x.dtype != torch.float32):
+            from strata.kernels.quant.streamk import q8_0_matmul_streamk
+
+            return q8_0_matmul_streamk(x, self.planes, self.n, self.k, self.context, out)
         if self.workspace is not None:
             return self.module.matmul(x, self.planes, self.n, self.k, out, workspace=self.workspace)
         return self.module.matmul(x, self.planes, self.n, self.k, out)
