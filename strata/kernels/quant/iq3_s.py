@@ -131,18 +131,23 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     return planes
 
 
-def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+def signed_quants(planes: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grid magnitude times sign, ±{1, 3, ..., 15} as fp32 [N, K/32, 32]; d · (1 + 2 · scale) fp32
+    [N, K/32]): the two exact factors of every weight."""
     qs, qh, signs = planes["qs"].long(), planes["qh"].long(), planes["signs"]
     device = qs.device
-    bit8 = torch.arange(8, device=device)
-    high = ((qh.view(n, k // 32, 1) >> bit8) & 1).view(n, k // 4)
-    index = qs | (high << 8)
-    mags = (grid_table(device)[index].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
-    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
-    db = planes["d"].float().repeat_interleave(8, dim=1) * (1 + 2 * scale).float()  # [N, K/32], exact
+    high = ((qh.view(n, k // 32, 1) >> torch.arange(8, device=device)) & 1).view(n, k // 4)
+    mags = (grid_table(device)[qs | (high << 8)].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
     negative = (signs.view(n, k // 32, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
-    sign = 1.0 - 2.0 * negative.float()  # a multiplication, as gguf's, so zero weights keep gguf's sign
-    return ((db.view(n, k // 32, 1) * mags.float().view(n, k // 32, 32)) * sign).view(n, k)
+    # The sign is a multiplication, as gguf's, so a zero d keeps gguf's sign of zero.
+    values = mags.float().view(n, k // 32, 32) * (1.0 - 2.0 * negative.float())
+    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
+    return values, planes["d"].float().repeat_interleave(8, dim=1) * (1 + 2 * scale).float()
+
+
+def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    values, db = signed_quants(planes, n, k)
+    return (db.view(n, k // 32, 1) * values).view(n, k)  # products of small integers and an fp16: exact
 
 
 def random_raw(n: int, k: int, seed: int) -> np.ndarray:

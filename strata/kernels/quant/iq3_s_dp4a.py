@@ -55,24 +55,13 @@ def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
     return workspace_for(config or gemv_config(n, k), n)
 
 
-def _signed_quants(planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int):
-    """(int values in ±{1, 3, ..., 15} as fp32 [N, K], d·(1 + 2·scale) fp32 [N, K/32]), exact."""
-    qs, qh, signs = planes["qs"].long(), planes["qh"].long(), planes["signs"]
-    device = qs.device
-    high = ((qh.view(n, k // 32, 1) >> torch.arange(8, device=device)) & 1).view(n, k // 4)
-    mags = (grid[qs | (high << 8)].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
-    negative = (signs.view(n, k // 32, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
-    values = mags.view(n, k // 32, 32).float() * (1 - 2 * negative).float()
-    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
-    db = planes["d"].float().repeat_interleave(8, dim=1) * (1 + 2 * scale).float()
-    return values, db
-
-
-def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int,
+def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
                        block_k: int = 256) -> torch.Tensor:
     """fp32 [M, N], the kernel's result before its rounding to x's dtype (no split-K)."""
+    from strata.kernels.quant.iq3_s import signed_quants
+
     m = x.shape[0]
-    values, db = _signed_quants(planes, grid, n, k)
+    values, db = signed_quants(planes, n, k)
     xq, dx = quantize_ref(x)
     # Integer sums of at most 32 · 15 · 127 are exact in fp32.
     sums = torch.einsum("mgj,ngj->mng", xq.view(m, k // 32, 32).float(), values)

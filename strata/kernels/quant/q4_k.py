@@ -136,16 +136,24 @@ def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
             raise ValueError(f"Q4_K plane {name!r}: expected contiguous {dtype} {shape}, got {got}")
 
 
-def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
-    """fp32 [N, K], equal bit for bit to gguf.quants.dequantize(raw, Q4_K)."""
+def pair_fields(planes: dict[str, torch.Tensor], n: int, k: int):
+    """Per 64-value pair of sub-blocks, all fp32 and exact: quants [N, K/64, 2, 32] (the low nibbles'
+    sub-block, then the high ones'), the fields [N, K/64, 4] (scale lo, scale hi, min lo, min hi) and
+    the super-block's d and dmin [N, K/64] each."""
     _check_planes(planes, n, k)
     qs = planes["qs"].view(n, k // 64, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).view(n, k // 32, 32).float()
-    fields = planes["scales"].view(n, k // 64, 4)
-    d_dmin = planes["d_dmin"].view(n, k // 256, 2).float().repeat_interleave(SUB_BLOCKS, dim=1)
-    scale = d_dmin[:, :, 0] * fields[:, :, 0:2].reshape(n, k // 32).float()
-    offset = d_dmin[:, :, 1] * fields[:, :, 2:4].reshape(n, k // 32).float()
-    return (scale[:, :, None] * q - offset[:, :, None]).view(n, k)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).float()
+    fields = planes["scales"].view(n, k // 64, 4).float()
+    d_dmin = planes["d_dmin"].view(n, k // 256, 2).float().repeat_interleave(4, dim=1)
+    return q, fields, d_dmin[..., 0], d_dmin[..., 1]
+
+
+def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """fp32 [N, K], equal bit for bit to gguf.quants.dequantize(raw, Q4_K)."""
+    q, fields, d, dmin = pair_fields(planes, n, k)
+    scale = d[..., None] * fields[..., 0:2]  # [N, K/64, 2]: one per sub-block
+    offset = dmin[..., None] * fields[..., 2:4]
+    return (scale[..., None] * q - offset[..., None]).view(n, k)
 
 
 def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,

@@ -59,20 +59,14 @@ def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
     return workspace_for(config or gemv_config(n, k), n)
 
 
-def _parts(planes: dict[str, torch.Tensor], n: int, k: int):
-    """Per 64-value pair p: quants lo/hi [N, K/64, 32] (sub-blocks 2p, 2p + 1), the four 6-bit fields
-    and the pair's super-block d and dmin, all fp32 (exact)."""
-    qs = planes["qs"].view(n, k // 64, 32)
-    fields = planes["scales"].view(n, k // 64, 4).float()
-    d_dmin = planes["d_dmin"].view(n, k // 256, 2).float().repeat_interleave(4, dim=1)
-    return (qs & 15).float(), (qs >> 4).float(), fields, d_dmin[..., 0], d_dmin[..., 1]
-
-
 def gemv_q4k_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
                       block_k: int) -> torch.Tensor:
     """fp32 [M, N], the kernel's result before its rounding to x's dtype (no split-K, no FMA)."""
+    from strata.kernels.quant.q4_k import pair_fields
+
     m = x.shape[0]
-    q_lo, q_hi, f, d, dmin = _parts(planes, n, k)
+    q, f, d, dmin = pair_fields(planes, n, k)
+    q_lo, q_hi = q[:, :, 0], q[:, :, 1]
     xq, dx = quantize_ref(x)
     xq = xq.view(m, k // 64, 2, 32).float()
     dx = dx.view(m, k // 64, 2)
