@@ -73,7 +73,6 @@ except ImportError:  # CPU-only installs: dequantize and the reference work, the
 GGML_TYPE = "Q4_K"
 BLOCK_VALUES = 256
 BLOCK_BYTES = 144
-SUB_BLOCKS = 8  # of 32 values each
 
 GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
 NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
