@@ -199,7 +199,9 @@ def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, pa
         wq = tl.load(w_ptrs)  # int32 [BLOCK_N, G, 8]: 32 quants of a group in 8 words
         dw = tl.load(d_ptrs).to(tl.float32)  # [BLOCK_N, G]
         for r in tl.static_range(BLOCK_M):
-            xv = tl.load(x_ptrs + r * x_stride, mask=r < m, other=0.0).to(tl.float32)  # [G, 32]
+            # A tensor mask, not the scalar `r < m`: triton 3.9's interpreter rejects a scalar mask.
+            in_batch = tl.full((G, 32), r, tl.int32) < m
+            xv = tl.load(x_ptrs + r * x_stride, mask=in_batch, other=0.0).to(tl.float32)  # [G, 32]
             xw, dx = _quantize_row(xv)
             isum = tl.sum(_dp4a(wq, xw[None, :, :], EMULATE), axis=2)  # [BLOCK_N, G], exact int32
             term = isum.to(tl.float32) * dw * dx[None, :]

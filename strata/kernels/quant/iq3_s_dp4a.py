@@ -104,7 +104,8 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
         d = tl.load(d_ptr + w_rows[:, None] * (k // 256) + (sub // 8)[None, :]).to(tl.float32)
         db = d * (1 + 2 * sc).to(tl.float32)  # [BLOCK_N, G], exact
         for r in tl.static_range(BLOCK_M):
-            xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=r < m,
+            in_batch = tl.full((G, 32), r, tl.int32) < m
+            xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=in_batch,
                          other=0.0).to(tl.float32)  # [G, 32]
             xw, dx = _quantize_row(xv)
             s = tl.sum(_dp4a(wq, xw[None, :, :], EMULATE), axis=2).to(tl.float32)  # [BLOCK_N, G], exact

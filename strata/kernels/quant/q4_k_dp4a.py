@@ -120,7 +120,8 @@ def _q4k_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, sw_ptr, dw_ptr, out_ptr, out_
         d = _half_lo(d_dmin)
         dmin = _half_lo(d_dmin >> 16)
         for r in tl.static_range(BLOCK_M):
-            xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=r < m,
+            in_batch = tl.full((G, 32), r, tl.int32) < m
+            xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=in_batch,
                          other=0.0).to(tl.float32)  # [G, 32]
             xw, dx = _quantize_row(xv)  # words [G, 8], dx [G]
             xs = tl.sum(_dp4a(xw, ones, EMULATE), axis=1)  # [G]: Σ xq of each run
