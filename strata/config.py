@@ -57,6 +57,17 @@ class RopeConfig:
         )
 
 
+def _layer_types(d: dict[str, Any]) -> tuple[str, ...]:
+    """qwen3_next's layer kinds: `layer_types` as stored, else every `full_attention_interval`-th
+    layer full attention (HF's default of 4), the others linear."""
+    if d.get("layer_types"):
+        return tuple(d["layer_types"])
+    if d.get("model_type") != "qwen3_next":
+        return ()
+    every = int(d.get("full_attention_interval") or 4)
+    return tuple("full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(int(d["num_hidden_layers"])))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -89,6 +100,15 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # Multi-token prediction layers stored after the decoder layers (DeepSeek-V3 / GLM-4.5 layout).
     num_nextn_predict_layers: int = 0
+    # Hybrid models (qwen3_next): per layer "full_attention" or "linear_attention" (Gated DeltaNet);
+    # empty means every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0  # qwen3_next's one gated shared expert
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -99,6 +119,18 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layer_is_linear(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention: their per-sequence state replaces a K/V cache."""
+        return any(self.layer_is_linear(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        return sum(not self.layer_is_linear(i) for i in range(self.num_hidden_layers))
 
     def layer_is_moe(self, i: int) -> bool:
         if not self.is_moe or i in self.mlp_only_layers or i < self.first_k_dense_replace:
@@ -133,7 +165,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", False)),
                 # qwen3 always normalises q/k per head; glm4_moe says so in `use_qk_norm`.
-                use_qk_norm=bool(d.get("use_qk_norm", mt in ("qwen3", "qwen3_moe"))),
+                use_qk_norm=bool(d.get("use_qk_norm", mt in ("qwen3", "qwen3_moe", "qwen3_next"))),
                 num_experts=num_experts,
                 num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
                 moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
@@ -146,7 +178,14 @@ class ModelConfig:
                 first_k_dense_replace=int(d.get("first_k_dense_replace") or 0),
                 decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
                 mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-                num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+                num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0),
+                layer_types=_layer_types(d),
+                linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim") or 4),
+                linear_key_head_dim=int(d.get("linear_key_head_dim") or 0),
+                linear_value_head_dim=int(d.get("linear_value_head_dim") or 0),
+                linear_num_key_heads=int(d.get("linear_num_key_heads") or 0),
+                linear_num_value_heads=int(d.get("linear_num_value_heads") or 0),
+                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

@@ -25,6 +25,13 @@ ARCH_CONFIGS: dict[str, dict] = {
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         num_nextn_predict_layers=1, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
     ),
+    "qwen3_next": dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[2],
+    ),
 }
 
 

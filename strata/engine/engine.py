@@ -18,6 +18,8 @@ A request that stops on a token has had one more step computed for it; that step
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import logging
 import time
@@ -85,6 +87,22 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
     return cfg.ctx * cfg.parallel
 
 
+def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
+    """What a hybrid (linear-attention) model runs without yet, each with the reason logged: a cached
+    prefix has K/V but no saved linear state to resume from; the state of rejected drafts cannot be
+    rolled back yet; decode graphs do not cover the state updates yet."""
+    if cfg.spec:
+        raise ValueError(f"{mc.model_type}: --spec is not supported yet for hybrid (linear-attention) models")
+    changes = {}
+    if cfg.prefix_cache:
+        log.info("prefix cache off: %s keeps linear-attention state per sequence, not per block", mc.model_type)
+        changes["prefix_cache"] = False
+    if cfg.cuda_graph and torch.device(cfg.resolved_device).type == "cuda":
+        log.info("CUDA graphs off: the linear-attention layers of %s run eagerly for now", mc.model_type)
+        changes["cuda_graph"] = False
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
 def _grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler | None:
     """The compiler of this model's grammars (structured output), or None without a tokenizer."""
     if tokenizer is None:
@@ -116,10 +134,18 @@ class LLMEngine:
         self.eos_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
 
         mc = self.model_config
+        if mc.is_hybrid:
+            cfg = self.cfg = _hybrid_limits(cfg, mc)
         layers = self.model.num_attention_layers
         per_token = kv_bytes_per_token(layers, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
         drafter_bytes = (cfg.parallel * self.max_model_len * mc.hidden_size * dtype.itemsize
                          if cfg.spec and not MTPDrafter.split_mode() else 0)
+        # Hybrid models: one linear-attention state per slot (+1: a graph's padding rows), allocated now.
+        self.states = self.model.new_states(cfg.parallel + 1, self.device, dtype) if mc.is_hybrid else None
+        if self.states is not None:
+            log.info("linear-attention state pool: %d slots x %.1f MiB (%d linear layers; K/V for %d layers)",
+                     cfg.parallel + 1, self.states.nbytes / (cfg.parallel + 1) / 2**20,
+                     mc.num_hidden_layers - mc.num_full_attention_layers, layers)
         tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes)
         num_blocks = max(tokens // cfg.block_size, 2) + 1  # +1: block 0 is the padding block
         self.pool = make_pool(cfg.kv, layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
@@ -140,7 +166,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
                                   seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
-                                  grammar=self.grammar_compiler)
+                                  grammar=self.grammar_compiler, states=self.states)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:

@@ -16,7 +16,30 @@ import torch
 import torch.nn.functional as F
 
 
+class RecurrentStates(ABC):
+    """Where the linear-attention layers (hybrid models) keep each sequence's fixed-size state.
+
+    Rules every implementation follows:
+    - `spans` lists the step's sequences in row order: (first row, rows, state index, fresh). Host ints,
+      set before the forward like the attention layout. `fresh`: the sequence starts at position 0, so
+      its state is read as zeros (whatever the slot held before).
+    - `index` holds the spans' state indices on the device ([sequences], long) for batched updates.
+    - `conv(layer)` [states, C, K-1] and `recurrent(layer)` [states, H, Dk, Dv] (fp32) are read and
+      written in place by linear layer `layer` (counted among linear layers only)."""
+
+    spans: list[tuple[int, int, int, bool]]
+    index: torch.Tensor
+
+    @abstractmethod
+    def conv(self, layer: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def recurrent(self, layer: int) -> torch.Tensor: ...
+
+
 class AttentionBackend(ABC):
+    states: RecurrentStates | None = None  # set where the model has linear-attention layers
+
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 

@@ -8,12 +8,14 @@ from strata.config import ConfigError, ModelConfig
 from strata.models.glm4_moe import Glm4MoeForCausalLM
 from strata.models.qwen3 import Qwen3ForCausalLM
 from strata.models.qwen3_moe import Qwen3MoeForCausalLM
+from strata.models.qwen3_next import Qwen3NextForCausalLM
 from strata.models.transformer import CausalLM
 
 ARCHITECTURES: dict[str, Callable[..., CausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 

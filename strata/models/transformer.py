@@ -22,24 +22,27 @@ from strata.models.mtp import MTPLayer
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_mtp: bool):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool, layer_cls: type = DecoderLayer, norm_cls: type = RMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layers: list[nn.Module] = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        layers: list[nn.Module] = [layer_cls(cfg, i) for i in range(cfg.num_hidden_layers)]
         if with_mtp:
             # MTP layers sit after the decoder layers, as GLM-4.5 / DeepSeek-V3 checkpoints store them.
             n = cfg.num_hidden_layers
             layers += [MTPLayer(cfg, n + j) for j in range(cfg.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
+    decoder_layer: type = DecoderLayer  # an architecture's block and final norm, when not the common ones
+    final_norm: type = RMSNorm
+
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
-        self.model = DecoderModel(cfg, with_mtp)
+        self.model = DecoderModel(cfg, with_mtp, self.decoder_layer, self.final_norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
         self.gemv_ws: torch.Tensor | None = None  # set by pack() on CUDA: the GEMV kernels' workspace

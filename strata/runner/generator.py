@@ -94,11 +94,15 @@ class Generator:
         self.device, self.dtype = torch.device(device), dtype
         cfg = model.config
         self.cache = ContiguousKV(model.num_attention_layers, ctx, cfg.num_key_value_heads, cfg.head_dim, self.device, dtype)
+        if cfg.is_hybrid:
+            self.cache.states = model.new_states(1, self.device, dtype)
 
     @torch.inference_mode()
     def _forward_last(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         n = ids.shape[0]
         self.cache.step(start, n)
+        if self.cache.states is not None:
+            self.cache.states.set_spans([(0, n, 0, start == 0)])
         positions = torch.arange(start, start + n, device=self.device)
         hidden = self.model(ids, positions, self.cache)
         return self.model.compute_logits(hidden[-1:])[0]

@@ -33,6 +33,7 @@ from strata.engine.types import MAX_TOP_LOGPROBS
 from strata.grammar import GrammarCompiler, GrammarMatcher
 from strata.kernels.token_mask import apply_token_mask
 from strata.kvcache.pool import KVPool
+from strata.models.attention import RecurrentStates
 from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
 from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
@@ -94,7 +95,8 @@ class _Graph:
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
                  max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
-                 cuda_graph: bool = True, grammar: GrammarCompiler | None = None):
+                 cuda_graph: bool = True, grammar: GrammarCompiler | None = None, states: RecurrentStates | None = None):
+        """`states`: the linear-attention state pool of a hybrid model, indexed by request slot."""
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
@@ -104,6 +106,7 @@ class ModelRunner:
         self.attn = make_attention(pool, model.config, max_seqs=s, max_rows=t,
                                    max_split_rows=max_seqs * self.rows_per_seq, device=self.device,
                                    dtype=model.model.embed_tokens.weight.dtype, max_context=max_model_len)
+        self.attn.states = states
         cuda = self.device.type == "cuda"
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
         self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
@@ -374,6 +377,9 @@ class ModelRunner:
             self.attn.plan_dequant(ctx)
         else:
             self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
+        if self.attn.states is not None:
+            self.attn.states.set_spans([(row_starts[i], ch.num_tokens, ch.request.slot, ch.start == 0)
+                                        for i, ch in enumerate(chunks)])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
         step = LaunchedStep(chunks, hidden, row_starts, picks, spans)
         if not step.picks:
