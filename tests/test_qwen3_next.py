@@ -162,6 +162,108 @@ def test_preemption_recomputes_the_state(next_model):
     assert e.scheduler.preemptions_total >= 1
 
 
-def test_spec_is_refused_with_a_reason(next_model):
-    with pytest.raises(ValueError, match="--spec"):
-        _engine(next_model[0], spec=2)
+# ---- the MTP head and speculation ------------------------------------------------------------------
+
+def _zc_rms(x, w, eps=1e-6):
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_model_dirs, tmp_path_factory):
+    """The tiny checkpoint plus random `mtp.*` tensors and `num_nextn_predict_layers: 1`, as Qwen3-Next
+    checkpoints store the draft head (HF's class drops it on save)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from strata.models.registry import build_model
+
+    src, hf = tiny_model_dirs["qwen3_next"]
+    out = tmp_path_factory.mktemp("next_mtp")
+    conf = json.load(open(f"{src}/config.json"))
+    conf["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(conf))
+    torch.manual_seed(4)
+    donor = build_model(ModelConfig.from_hf(conf), with_mtp=True)
+    mtp_sd = {k: v for k, v in donor.state_dict().items() if k.startswith("mtp.")}
+    for k, v in mtp_sd.items():
+        v.copy_(0.1 * torch.randn_like(v) if k.endswith("norm.weight") else 0.05 * torch.randn_like(v))
+    tensors = load_file(f"{src}/model.safetensors")
+    save_file({**tensors, **mtp_sd}, str(out / "model.safetensors"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes(open(f"{src}/{f}", "rb").read())
+    return str(out), hf, tensors, mtp_sd
+
+
+def test_mtp_head_matches_its_formula(mtp_dir):
+    """fc([norm_e(embed(t_{i+1})); norm_h(h_i)]) → HF's full-attention block → norm → lm_head."""
+    from test_models import _fuse_experts
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    from strata.loaders import load_model
+    from strata.models.attention import CausalBatch
+
+    path, hf, tensors, sd = mtp_dir
+    lm = load_model(path)
+    assert lm.has_mtp and len(lm.model.mtp_layers) == 1 and lm.model.num_attention_layers == 2
+    t = 20
+    ids = torch.randint(0, hf.config.vocab_size, (t + 1,))
+    pos = torch.arange(t)
+    with torch.no_grad():
+        h_main = hf.model(ids[None, :t]).last_hidden_state[0]
+        _, ours = lm.model.mtp_forward(h_main, ids[1:], pos, CausalBatch(1, t))
+        emb = tensors["model.embed_tokens.weight"][ids[1:]]
+        x = torch.cat([_zc_rms(emb, sd["mtp.pre_fc_norm_embedding.weight"]),
+                       _zc_rms(h_main, sd["mtp.pre_fc_norm_hidden.weight"])], -1) @ sd["mtp.fc.weight"].T
+        hf.config.layer_types = list(hf.config.layer_types) + ["full_attention"]
+        n = hf.config.num_hidden_layers
+        block = Qwen3NextDecoderLayer(hf.config, layer_idx=n).eval()
+        p = "mtp.layers.0."
+        block.load_state_dict(_fuse_experts({k[len(p):]: v for k, v in sd.items() if k.startswith(p)}), strict=True)
+        hf.config.layer_types = hf.config.layer_types[:n]
+        cos_sin = hf.model.rotary_emb(x[None], pos[None])
+        mask = torch.full((t, t), -torch.inf).triu(1)[None, None]
+        y = block(x[None], position_embeddings=cos_sin, attention_mask=mask, position_ids=pos[None])
+        y = y[0] if isinstance(y, tuple) else y
+        ref = _zc_rms(y[0], sd["mtp.norm.weight"]) @ tensors["lm_head.weight"].T
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("kw", [dict(spec=2), dict(spec=3, parallel=3, chunk_size=16, max_num_batched_tokens=64)])
+def test_speculation_output_equals_plain(mtp_dir, next_model, monkeypatch, kw):
+    """Drafts from an oracle that knows the plain output, right or wrong by a fixed pattern: all
+    accepted, only the first, or none. A linear layer's state then goes back to the row of the last
+    accepted draft (or stays), and the output must still be the plain greedy one."""
+    from strata.spec import drafter as drafter_mod
+
+    path = mtp_dir[0]
+    _, prompts, refs = next_model
+    expected = {tuple(p): r for p, r in zip(prompts, refs)}
+    depth: dict[str, tuple[int, int]] = {}
+
+    def oracle(self, reqs, rows, logits, top, top_p):
+        out = []
+        for r in reqs:
+            done = len(r.output_ids)
+            prev = depth.get(r.request_id)
+            d = prev[1] + 1 if prev and prev[0] == done else 0
+            depth[r.request_id] = (done, d)
+            ref = expected[tuple(r.prompt_ids)]
+            tok = ref[done + d] if done + d < len(ref) else 0
+            right = done % 3 == 0 or (done % 3 == 1 and d == 0)
+            out.append((tok if right else (tok + 1) % logits.shape[-1], 1.0, None))
+        return out
+
+    monkeypatch.setattr(drafter_mod.MTPDrafter, "_picks", oracle)
+    e = _engine(path, **{"parallel": 2, **kw})
+    assert _run(e, prompts) == refs
+    st = e.stats().spec
+    assert 0 < st["drafts_accepted"] < st["drafts_proposed"]
+
+
+def test_speculation_with_the_random_head_equals_plain(mtp_dir, next_model):
+    path = mtp_dir[0]
+    _, prompts, refs = next_model
+    assert _run(_engine(path, parallel=4, spec=2), prompts) == refs

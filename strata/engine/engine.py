@@ -89,10 +89,8 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
 
 def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
     """What a hybrid (linear-attention) model runs without yet, each with the reason logged: a cached
-    prefix has K/V but no saved linear state to resume from; the state of rejected drafts cannot be
-    rolled back yet; decode graphs do not cover the state updates yet."""
-    if cfg.spec:
-        raise ValueError(f"{mc.model_type}: --spec is not supported yet for hybrid (linear-attention) models")
+    prefix has K/V but no saved linear state to resume from; decode graphs do not cover the state
+    updates yet."""
     changes = {}
     if cfg.prefix_cache:
         log.info("prefix cache off: %s keeps linear-attention state per sequence, not per block", mc.model_type)
@@ -141,7 +139,8 @@ class LLMEngine:
         drafter_bytes = (cfg.parallel * self.max_model_len * mc.hidden_size * dtype.itemsize
                          if cfg.spec and not MTPDrafter.split_mode() else 0)
         # Hybrid models: one linear-attention state per slot (+1: a graph's padding rows), allocated now.
-        self.states = self.model.new_states(cfg.parallel + 1, self.device, dtype) if mc.is_hybrid else None
+        self.states = (self.model.new_states(cfg.parallel + 1, self.device, dtype, verify_rows=1 + cfg.spec if cfg.spec else 0)
+                       if mc.is_hybrid else None)
         if self.states is not None:
             log.info("linear-attention state pool: %d slots x %.1f MiB (%d linear layers; K/V for %d layers)",
                      cfg.parallel + 1, self.states.nbytes / (cfg.parallel + 1) / 2**20,

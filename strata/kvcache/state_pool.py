@@ -16,23 +16,32 @@ from strata.models.attention import RecurrentStates
 
 
 class StatePool(RecurrentStates):
+    """`verify_rows` > 0 (speculation: 1 + the most drafts) also reserves each state's copy after every
+    row of a verification chunk, so a rejected draft's update can be undone by `restore`."""
+
     def __init__(self, num_layers: int, num_states: int, conv_channels: int, conv_kernel: int, heads: int,
-                 key_dim: int, value_dim: int, device, conv_dtype: torch.dtype):
+                 key_dim: int, value_dim: int, device, conv_dtype: torch.dtype, verify_rows: int = 0):
         self.device = torch.device(device)
-        self.conv_states = torch.zeros(num_layers, num_states, conv_channels, conv_kernel - 1, dtype=conv_dtype,
-                                       device=self.device)
-        self.recurrent_states = torch.zeros(num_layers, num_states, heads, key_dim, value_dim, dtype=torch.float32,
-                                            device=self.device)
+        conv_shape = (conv_channels, conv_kernel - 1)
+        rec_shape = (heads, key_dim, value_dim)
+        self.conv_states = torch.zeros(num_layers, num_states, *conv_shape, dtype=conv_dtype, device=self.device)
+        self.recurrent_states = torch.zeros(num_layers, num_states, *rec_shape, dtype=torch.float32, device=self.device)
+        rows = max(verify_rows, 0)
+        self.conv_after = torch.zeros(num_layers, num_states if rows else 0, rows, *conv_shape, dtype=conv_dtype,
+                                      device=self.device)
+        self.recurrent_after = torch.zeros(num_layers, num_states if rows else 0, rows, *rec_shape,
+                                           dtype=torch.float32, device=self.device)
         self._index = torch.zeros(num_states, dtype=torch.long, device=self.device)
-        self.spans: list[tuple[int, int, int, bool]] = []
+        self.spans: list[tuple[int, int, int, bool, bool]] = []
         self.index = self._index[:0]
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, num_states: int, device, dtype: torch.dtype) -> "StatePool":
+    def for_model(cls, cfg: ModelConfig, num_states: int, device, dtype: torch.dtype,
+                  verify_rows: int = 0) -> "StatePool":
         layers = sum(cfg.layer_is_linear(i) for i in range(cfg.num_hidden_layers))
         channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         return cls(layers, num_states, channels, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
-                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, device, dtype)
+                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, device, dtype, verify_rows)
 
     @staticmethod
     def bytes_per_state(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -45,10 +54,17 @@ class StatePool(RecurrentStates):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv_states, self.recurrent_states))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.conv_states, self.recurrent_states, self.conv_after, self.recurrent_after))
 
-    def set_spans(self, spans: list[tuple[int, int, int, bool]]) -> None:
-        """The next step's sequences: (first row, rows, state index, fresh), in row order."""
+    def restore(self, state: int, row: int) -> None:
+        """Back to the state after row `row` of the sequence's last verification chunk (its last
+        accepted draft), in every linear layer."""
+        self.conv_states[:, state] = self.conv_after[:, state, row]
+        self.recurrent_states[:, state] = self.recurrent_after[:, state, row]
+
+    def set_spans(self, spans: list[tuple[int, int, int, bool, bool]]) -> None:
+        """The next step's sequences: (first row, rows, state index, fresh, keep), in row order."""
         self.spans = spans
         n = len(spans)
         self._index[:n].copy_(torch.tensor([s[2] for s in spans], dtype=torch.long), non_blocking=True)
@@ -59,3 +75,9 @@ class StatePool(RecurrentStates):
 
     def recurrent(self, layer: int) -> torch.Tensor:
         return self.recurrent_states[layer]
+
+    def conv_rows(self, layer: int) -> torch.Tensor:
+        return self.conv_after[layer]
+
+    def recurrent_rows(self, layer: int) -> torch.Tensor:
+        return self.recurrent_after[layer]

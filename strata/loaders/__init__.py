@@ -21,7 +21,8 @@ from strata.config import ConfigError, ModelConfig
 from strata.env import ENV
 from strata.loaders.base import Checkpoint, LoadError
 from strata.models.layers import rope_inv_freq
-from strata.models.registry import build_model
+from strata.models.mtp import MTPLayer
+from strata.models.registry import build_model, model_class
 from strata.models.transformer import CausalLM
 
 log = logging.getLogger("strata")
@@ -73,7 +74,7 @@ class _Progress:
 
 
 def _mtp_prefix(cfg: ModelConfig) -> str:
-    return f"model.layers.{cfg.num_hidden_layers}."
+    return model_class(cfg).mtp_checkpoint_prefix or f"model.layers.{cfg.num_hidden_layers}."
 
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -127,6 +128,8 @@ def _pack(model: CausalLM, device: torch.device) -> None:
 def _optional_mtp_copies(model: CausalLM, names: set[str]) -> None:
     """GLM-4.5 stores the MTP layer's own embedding and head; give the modules slots for them."""
     for layer in model.mtp_layers:
+        if not isinstance(layer, MTPLayer):
+            continue  # a layout without optional copies
         prefix = f"model.layers.{layer.self_attn.layer_idx}."
         cfg = model.config
         with torch.device("meta"):

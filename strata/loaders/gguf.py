@@ -128,6 +128,32 @@ def tensor_to_torch(t: ReaderTensor, expert: int | None = None) -> torch.Tensor:
     return torch.from_numpy(dequantize(data, qtype))
 
 
+def _undo(how: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The inverse of the llama.cpp converter's transform `how` (`names.UNDO`, `names.JOINED_TENSORS`)
+    on the tensor read, or on the GGUF tensors it is joined from (`parts`)."""
+    x = parts[0]
+    if how == "minus_one":
+        # Exact in fp32: the model's 1 + w then gives back the stored value bit for bit.
+        return x.float() - 1
+    if how == "log_neg":
+        return torch.log(-x.float())
+    if how == "unsqueeze_1":
+        return x.unsqueeze(1)
+    if how == "qkvz":
+        # q|k|v + z → HF's rows per key head: its q, its k, then the v and z of its value heads.
+        gate = parts[1]
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        q, k, v = x.split([hk * dk, hk * dk, x.shape[0] - 2 * hk * dk])
+        dtype = torch.promote_types(x.dtype, gate.dtype)
+        per_head = [t.to(dtype).reshape(hk, -1, x.shape[1]) for t in (q, k, v, gate)]
+        return torch.cat(per_head, dim=1).reshape(-1, x.shape[1])
+    raise ValueError(f"unknown GGUF tensor transform {how!r}")
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
 def _fail_list(path: str, what: str, names: list[str]) -> LoadError:
     more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
     return LoadError(path, f"{what}: {', '.join(names[:3])}{more}")
@@ -160,7 +186,7 @@ def read_gguf(path: str) -> Checkpoint:
 
     mtp_prefix = f"blk.{cfg.num_hidden_layers}."
     with_mtp = cfg.num_nextn_predict_layers > 0 and any(n.startswith(mtp_prefix) for n in tensors)
-    expected, optional = expected_tensors(arch, cfg, with_mtp)
+    expected, optional = expected_tensors(arch, cfg, with_mtp, tensors)
     extra = sorted(n for n in tensors if n not in expected and n not in IGNORED_TENSORS)
     if extra:
         raise _fail_list(path, "unexpected tensors", extra)
@@ -169,7 +195,10 @@ def read_gguf(path: str) -> Checkpoint:
         raise _fail_list(path, "missing tensors", missing)
     for n, t in tensors.items():
         if n in expected and shapes[n] != expected[n]:
-            raise LoadError(path, f"shape mismatch for {n}: file has {shapes[n]}, config implies {expected[n]}")
+            # Older llama.cpp converters squeezed every tensor ([1, H] → [H]); read those in full shape.
+            if _squeezed(shapes[n]) != _squeezed(expected[n]):
+                raise LoadError(path, f"shape mismatch for {n}: file has {shapes[n]}, config implies {expected[n]}")
+            shapes[n] = expected[n]
         if not _dequantizable(t.tensor_type):
             raise LoadError(path, f"tensor {n} has unsupported type {t.tensor_type.name}")
 
@@ -181,21 +210,32 @@ def read_gguf(path: str) -> Checkpoint:
         n_experts = shapes[n][0] if len(shapes[n]) == 3 else 0
         for hf, ref in gguf_to_hf(arch, n, n_experts) or ():
             where[hf] = ref
-            hf_shapes[hf] = shapes[n][1:] if ref.expert is not None else shapes[n]
+            shape = shapes[n][1:] if ref.expert is not None else shapes[n]
+            if ref.undo is not None:
+                parts = [torch.empty(shape if g == n else shapes[g], device="meta") for g in (n, *ref.more)]
+                shape = tuple(_undo(ref.undo, parts, cfg).shape)
+            hf_shapes[hf] = shape
+
+    def read(name: str, expert: int | None) -> torch.Tensor:
+        try:
+            x = tensor_to_torch(tensors[name], expert)
+        except (ValueError, OSError) as e:
+            raise LoadError(path, f"cannot read tensor {name} ({e})") from None
+        want = shapes[name][1:] if expert is not None else shapes[name]
+        return x if tuple(x.shape) == want else x.reshape(want)
 
     def get(name: str) -> torch.Tensor:
         ref = where[name]
-        try:
-            return tensor_to_torch(tensors[ref.gguf_name], ref.expert)
-        except (ValueError, OSError) as e:
-            raise LoadError(path, f"cannot read tensor {ref.gguf_name} ({e})") from None
+        parts = [read(g, ref.expert) for g in (ref.gguf_name, *ref.more)]
+        return parts[0] if ref.undo is None else _undo(ref.undo, parts, cfg)
 
     def raw(name: str) -> tuple[str, torch.Tensor] | None:
         from strata.kernels.quant import FORMATS
 
         ref = where[name]
         t = tensors[ref.gguf_name]
-        if ref.expert is not None or len(shapes[ref.gguf_name]) != 2 or t.tensor_type.name not in FORMATS:
+        if ref.expert is not None or ref.undo is not None or ref.more or len(shapes[ref.gguf_name]) != 2 \
+                or _np_shape(t) != shapes[ref.gguf_name] or t.tensor_type.name not in FORMATS:
             return None
         # A copy: the mapping is read-only. Rows of blocks, as the file stores them.
         return t.tensor_type.name, torch.from_numpy(np.array(t.data, dtype=np.uint8))

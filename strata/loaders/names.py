@@ -4,16 +4,20 @@ GGUF names follow llama.cpp (`gguf.constants.TENSOR_NAMES`); HF names are the `t
 names, which are also Strata's parameter names. llama.cpp stores the routed experts of a layer stacked
 in one tensor (`blk.N.ffn_gate_exps.weight`, numpy shape [E, I, H]); HF names each expert's matrix
 (`model.layers.N.mlp.experts.{e}.gate_proj.weight`, [I, H]), which is index e of the stack.
+
+A few tensors are stored transformed by llama.cpp's converter (Qwen3-Next: norms offset by one, A_log
+as -exp(A_log), the conv kernel squeezed, in_proj_qkvz regrouped into q|k|v and z); their `TensorRef`
+names the inverse (`undo`), which `strata.loaders.gguf` applies when the tensor is read.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 # GGUF `general.architecture` → HF `model_type`.
-ARCH_TO_MODEL_TYPE = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe"}
+ARCH_TO_MODEL_TYPE = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe", "qwen3next": "qwen3_next"}
 MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}
 
 GLOBAL_TENSORS = {
@@ -61,6 +65,45 @@ STACKED_EXPERTS = {
     "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
+# Qwen3-Next's one sigmoid-gated shared expert (HF: singular `shared_expert`, and its gate [1, H]).
+_GATED_SHARED_EXPERT = {
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# Qwen3-Next's Gated DeltaNet layers. llama.cpp renames `dt_bias` to `dt_proj.bias` (hence `ssm_dt.bias`)
+# and names `A_log` `ssm_a`, without a suffix. `ssm_in` is HF's in_proj_qkvz as is, in files from
+# converters before the q|k|v / z split (JOINED_TENSORS).
+_GATED_DELTA_NET = {
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+# One HF tensor read from several GGUF tensors: arch → {first GGUF suffix: (HF suffix, the other GGUF
+# suffixes, undo)}. Current converters split Qwen3-Next's in_proj_qkvz (rows grouped per key head: q,
+# k, v, z) into the conv input q|k|v (every head's q, then every k, then every v) and z.
+JOINED_TENSORS: dict[str, dict[str, tuple[str, tuple[str, ...], str]]] = {
+    "qwen3next": {"attn_qkv.weight": ("linear_attn.in_proj_qkvz.weight", ("attn_gate.weight",), "qkvz")},
+}
+# HF name (a global name, or the suffix after `model.layers.N.`) → the inverse of llama.cpp's transform
+# (implemented in strata.loaders.gguf). The Qwen3-Next converter adds 1 to every zero-centred norm (all
+# but linear_attn.norm), stores -exp(A_log) and squeezes the conv kernel [C, 1, K] to [C, K].
+UNDO: dict[str, dict[str, str]] = {
+    "qwen3next": {
+        "model.norm.weight": "minus_one",
+        "input_layernorm.weight": "minus_one",
+        "post_attention_layernorm.weight": "minus_one",
+        "self_attn.q_norm.weight": "minus_one",
+        "self_attn.k_norm.weight": "minus_one",
+        "linear_attn.A_log": "log_neg",
+        "linear_attn.conv1d.weight": "unsqueeze_1",
+    },
+}
 
 # Per architecture: block tensor suffix → HF suffix (without the `model.layers.N.` prefix).
 BLOCK_TENSORS: dict[str, dict[str, str]] = {
@@ -77,8 +120,17 @@ BLOCK_TENSORS: dict[str, dict[str, str]] = {
         **_SCORE_BIAS,
         **_NEXTN,
     },
+    # Dense blocks stand for HF's `mlp_only_layers`, as in Qwen3-MoE files.
+    "qwen3next": {
+        **_ATTENTION,
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        **_GATED_DELTA_NET,
+        **_DENSE_MLP,
+        **_ROUTER,
+        **_GATED_SHARED_EXPERT,
+    },
 }
-ARCH_HAS_EXPERTS = {"qwen3": False, "qwen3moe": True, "glm4moe": True}
+ARCH_HAS_EXPERTS = {"qwen3": False, "qwen3moe": True, "glm4moe": True, "qwen3next": True}
 # Computed from the config, never loaded.
 IGNORED_TENSORS = {"rope_freqs.weight"}
 
@@ -89,24 +141,36 @@ _HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Where an HF tensor lives in a GGUF file: a tensor, or index `expert` of a stacked tensor."""
+    """Where an HF tensor lives in a GGUF file: a tensor, or index `expert` of a stacked tensor; with
+    `more`, further GGUF tensors it is joined from, and with `undo`, the inverse transform to apply."""
 
     gguf_name: str
     expert: int | None = None
+    more: tuple[str, ...] = ()
+    undo: str | None = None
 
 
 def gguf_to_hf(arch: str, name: str, n_experts: int) -> list[tuple[str, TensorRef]] | None:
-    """HF names held by GGUF tensor `name` (several for a stack of experts); None if unknown."""
+    """HF names held by GGUF tensor `name` (several for a stack of experts, none for the second part
+    of a joined tensor); None if unknown."""
+    undo = UNDO.get(arch, {})
     if name in GLOBAL_TENSORS:
-        return [(GLOBAL_TENSORS[name], TensorRef(name))]
+        hf = GLOBAL_TENSORS[name]
+        return [(hf, TensorRef(name, undo=undo.get(hf)))]
     m = _BLOCK_RE.match(name)
     if m is None:
         return None
     layer, suffix = m.group(1), m.group(2)
     prefix = f"model.layers.{layer}."
+    joined = JOINED_TENSORS.get(arch, {})
+    if suffix in joined:
+        hf, rest, how = joined[suffix]
+        return [(prefix + hf, TensorRef(name, more=tuple(f"blk.{layer}.{r}" for r in rest), undo=how))]
+    if any(suffix in rest for _, rest, _ in joined.values()):
+        return []
     hf = BLOCK_TENSORS[arch].get(suffix)
     if hf is not None:
-        return [(prefix + hf, TensorRef(name))]
+        return [(prefix + hf, TensorRef(name, undo=undo.get(hf)))]
     if ARCH_HAS_EXPERTS[arch] and suffix in STACKED_EXPERTS:
         template = STACKED_EXPERTS[suffix]
         return [(prefix + template.format(e=e), TensorRef(name, e)) for e in range(n_experts)]
@@ -114,17 +178,22 @@ def gguf_to_hf(arch: str, name: str, n_experts: int) -> list[tuple[str, TensorRe
 
 
 def hf_to_gguf(arch: str, name: str) -> TensorRef | None:
-    """The GGUF tensor (and expert index) that holds HF tensor `name`; None if it has no GGUF name."""
+    """The GGUF tensor (and expert index) that holds HF tensor `name`, as current llama.cpp converters
+    write it; None if it has no GGUF name."""
+    undo = UNDO.get(arch, {})
     for g, h in GLOBAL_TENSORS.items():
         if h == name:
-            return TensorRef(g)
+            return TensorRef(g, undo=undo.get(h))
     m = _HF_BLOCK_RE.match(name)
     if m is None:
         return None
     layer, suffix = m.group(1), m.group(2)
+    for g, (h, rest, how) in JOINED_TENSORS.get(arch, {}).items():
+        if h == suffix:
+            return TensorRef(f"blk.{layer}.{g}", more=tuple(f"blk.{layer}.{r}" for r in rest), undo=how)
     for g, h in BLOCK_TENSORS[arch].items():
         if h == suffix:
-            return TensorRef(f"blk.{layer}.{g}")
+            return TensorRef(f"blk.{layer}.{g}", undo=undo.get(h))
     e = _HF_EXPERT_RE.match(suffix)
     if e is not None and ARCH_HAS_EXPERTS[arch]:
         kind = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[e.group(2)]
@@ -153,9 +222,10 @@ CONFIG_KEYS: dict[str, str] = {
     "nextn_predict_layers": "num_nextn_predict_layers",
 }
 # HF spells the routed expert count differently per family.
-EXPERT_COUNT_KEY = {"qwen3moe": "num_experts", "glm4moe": "n_routed_experts"}
-# llama.cpp always renormalises Qwen3-MoE's top-k weights; GLM reads `expert_weights_norm` (default off).
-DEFAULT_NORM_TOPK = {"qwen3moe": True, "glm4moe": False}
+EXPERT_COUNT_KEY = {"qwen3moe": "num_experts", "glm4moe": "n_routed_experts", "qwen3next": "num_experts"}
+# llama.cpp always renormalises Qwen3-MoE's and Qwen3-Next's top-k weights; GLM reads `expert_weights_norm`
+# (default off).
+DEFAULT_NORM_TOPK = {"qwen3moe": True, "glm4moe": False, "qwen3next": True}
 
 
 class MetadataError(ValueError):
@@ -218,9 +288,12 @@ def config_from_metadata(arch: str, meta: dict[str, Any], tensor_shapes: dict[st
     if arch in EXPERT_COUNT_KEY:
         cfg[EXPERT_COUNT_KEY[arch]] = int(get("expert_count", 0))
         cfg.setdefault("norm_topk_prob", DEFAULT_NORM_TOPK[arch])
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen3next"):
             dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate.weight" in tensor_shapes]
             cfg.update(decoder_sparse_step=1, mlp_only_layers=dense)
+    if arch == "qwen3next":
+        cfg.update(_hybrid_config(get, meta.get(f"{arch}.attention.recurrent_layers"), cfg["num_hidden_layers"],
+                                  tensor_shapes))
     if "vocab_size" not in cfg:
         if "token_embd.weight" not in tensor_shapes:
             raise MetadataError("missing tensor token_embd.weight (and no vocab_size in the metadata)")
@@ -235,11 +308,82 @@ def config_from_metadata(arch: str, meta: dict[str, Any], tensor_shapes: dict[st
     return cfg
 
 
-def expected_tensors(arch: str, cfg: Any, with_mtp: bool) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def _hybrid_config(get: Any, recurrent: Any, n_layers: int, tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Qwen3-Next's Gated DeltaNet sizes and layer kinds, as llama.cpp reads them: ssm.state_size is the
+    key head size, ssm.group_count the key heads, ssm.time_step_rank the value heads, ssm.inner_size
+    all value heads' width; `attention.recurrent_layers` (one flag per layer) or else every
+    `full_attention_interval`-th layer (default 4) is full attention."""
+    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size")
+    kernel, dk, hk, hv, inner = (get(k) for k in keys)
+    for k, v in zip(keys, (kernel, dk, hk, hv, inner)):
+        if v is None:
+            raise MetadataError(f"metadata key qwen3next.{k} is missing")
+    hk, hv, inner = int(hk), int(hv), int(inner)
+    if not hk or hv % hk or inner % hv:
+        raise MetadataError(f"{hv} value heads of total width {inner} do not split over {hk} key heads")
+    if recurrent is None:
+        every = int(get("full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(n_layers)]
+    elif not isinstance(recurrent, list):
+        recurrent = [recurrent] * n_layers
+    if len(recurrent) < n_layers:
+        raise MetadataError(f"attention.recurrent_layers has {len(recurrent)} entries for {n_layers} layers")
+    out = {
+        "linear_conv_kernel_dim": int(kernel),
+        "linear_key_head_dim": int(dk),
+        "linear_num_key_heads": hk,
+        "linear_num_value_heads": hv,
+        "linear_value_head_dim": inner // hv,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:n_layers]],
+    }
+    shared = get("expert_shared_feed_forward_length")
+    if shared is None:  # llama.cpp falls back to the shared expert's tensor
+        moe = next((i for i in range(n_layers) if f"blk.{i}.ffn_gate_shexp.weight" in tensor_shapes), None)
+        shared = 0 if moe is None else tensor_shapes[f"blk.{moe}.ffn_gate_shexp.weight"][0]
+    out["shared_expert_intermediate_size"] = int(shared)
+    return out
+
+
+def _hybrid_mixer(b: str, i: int, cfg: Any, present: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next block i's token mixer: gated full attention (q_proj yields q and its gate) or Gated
+    DeltaNet, whose in_proj_qkvz is `ssm_in` in older files and q|k|v + z in current ones."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    if not cfg.layer_is_linear(i):
+        q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        return {
+            b + "attn_q.weight": (2 * q, h),
+            b + "attn_k.weight": (kv, h),
+            b + "attn_v.weight": (kv, h),
+            b + "attn_output.weight": (h, q),
+            b + "attn_q_norm.weight": (hd,),
+            b + "attn_k_norm.weight": (hd,),
+        }
+    hv = cfg.linear_num_value_heads
+    kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, hv * cfg.linear_value_head_dim
+    out = {
+        b + "ssm_ba.weight": (2 * hv, h),
+        b + "ssm_conv1d.weight": (2 * kd + vd, cfg.linear_conv_kernel_dim),
+        b + "ssm_a": (hv,),
+        b + "ssm_dt.bias": (hv,),
+        b + "ssm_norm.weight": (cfg.linear_value_head_dim,),
+        b + "ssm_out.weight": (h, vd),
+    }
+    if b + "ssm_in.weight" in present:
+        out[b + "ssm_in.weight"] = (2 * kd + 2 * vd, h)
+    else:
+        out.update({b + "attn_qkv.weight": (2 * kd + vd, h), b + "attn_gate.weight": (vd, h)})
+    return out
+
+
+def expected_tensors(arch: str, cfg: Any, with_mtp: bool,
+                     present: Collection[str] = ()) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """(GGUF name → numpy shape for every tensor the model needs, names that may be absent).
 
-    `cfg` is a `strata.config.ModelConfig`. Numpy shapes are GGUF dims reversed (torch order).
+    `cfg` is a `strata.config.ModelConfig`; `present`, the file's tensor names, picks between a
+    layer's alternative layouts. Numpy shapes are GGUF dims reversed (torch order).
     """
+    if arch == "qwen3next":
+        with_mtp = False  # Strata has no Qwen3-Next MTP layer: such blocks are unexpected tensors
     h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     out: dict[str, tuple[int, ...]] = {
@@ -251,19 +395,21 @@ def expected_tensors(arch: str, cfg: Any, with_mtp: bool) -> tuple[dict[str, tup
     n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
     for i in range(n_layers):
         b = f"blk.{i}."
-        post_norm = "post_attention_norm.weight" if arch == "glm4moe" else "ffn_norm.weight"
-        out.update({
-            b + "attn_norm.weight": (h,),
-            b + post_norm: (h,),
-            b + "attn_q.weight": (q, h),
-            b + "attn_k.weight": (kv, h),
-            b + "attn_v.weight": (kv, h),
-            b + "attn_output.weight": (h, q),
-        })
-        if cfg.attention_bias:
-            out.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
-        if cfg.use_qk_norm:
-            out.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+        post_norm = "post_attention_norm.weight" if arch in ("glm4moe", "qwen3next") else "ffn_norm.weight"
+        out.update({b + "attn_norm.weight": (h,), b + post_norm: (h,)})
+        if arch == "qwen3next":
+            out.update(_hybrid_mixer(b, i, cfg, present))
+        else:
+            out.update({
+                b + "attn_q.weight": (q, h),
+                b + "attn_k.weight": (kv, h),
+                b + "attn_v.weight": (kv, h),
+                b + "attn_output.weight": (h, q),
+            })
+            if cfg.attention_bias:
+                out.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+            if cfg.use_qk_norm:
+                out.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
         if cfg.layer_is_moe(i):
             e, mi = cfg.num_experts, cfg.moe_intermediate_size
             out.update({
@@ -278,6 +424,14 @@ def expected_tensors(arch: str, cfg: Any, with_mtp: bool) -> tuple[dict[str, tup
                     b + "ffn_gate_shexp.weight": (si, h),
                     b + "ffn_up_shexp.weight": (si, h),
                     b + "ffn_down_shexp.weight": (h, si),
+                })
+            if arch == "qwen3next":
+                si = cfg.shared_expert_intermediate_size
+                out.update({
+                    b + "ffn_gate_shexp.weight": (si, h),
+                    b + "ffn_up_shexp.weight": (si, h),
+                    b + "ffn_down_shexp.weight": (h, si),
+                    b + "ffn_gate_inp_shexp.weight": (1, h),
                 })
             if cfg.scoring == "sigmoid":
                 out[b + "exp_probs_b.bias"] = (e,)

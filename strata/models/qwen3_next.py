@@ -97,7 +97,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]  # [C, K]
         conv_st, rec_st = states.conv(self.linear_idx), states.recurrent(self.linear_idx)
         spans = states.spans
-        if len(spans) == x.shape[0] and not any(fresh for *_, fresh in spans):
+        if len(spans) == x.shape[0] and not any(fresh for _, _, _, fresh, _ in spans):
             # Decode: one token per sequence, every state updated in one batched step.
             idx = states.index
             conv_out, conv_new = causal_conv1d_step_ref(mixed, weight, conv_st.index_select(0, idx))
@@ -107,14 +107,41 @@ class GatedDeltaNet(nn.Module):
             rec_st.index_copy_(0, idx, rec_new)
         else:
             o = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
-            for r0, n, slot, fresh in spans:
+            for r0, n, slot, fresh, keep in spans:
                 rows = slice(r0, r0 + n)
-                conv_out, conv_st[slot] = causal_conv1d_ref(mixed[rows], weight, None if fresh else conv_st[slot])
+                past = None if fresh else conv_st[slot]
+                conv_out, window = causal_conv1d_ref(mixed[rows], weight, past)
+                if keep:
+                    self._keep_windows(states, slot, mixed[rows], past)
+                conv_st[slot] = window
                 q, k, v = self._heads(conv_out)
-                o[rows], rec_st[slot] = gated_delta_chunked_ref(q, k, v, g[rows], beta[rows],
-                                                                None if fresh else rec_st[slot])
+                s0 = None if fresh else rec_st[slot]
+                if keep:
+                    o[rows], rec_st[slot] = self._verify(states, slot, q, k, v, g[rows], beta[rows], s0)
+                else:
+                    o[rows], rec_st[slot] = gated_delta_chunked_ref(q, k, v, g[rows], beta[rows], s0)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(x.shape[0], -1)
         return linear(o, self.out_proj.weight)
+
+    def _keep_windows(self, states: RecurrentStates, slot: int, x: torch.Tensor, past: torch.Tensor | None) -> None:
+        """The conv window after each row of a verification chunk: the K-1 inputs ending at it."""
+        width = self.conv1d.weight.shape[-1] - 1
+        before = x.new_zeros(x.shape[1], width) if past is None else past.to(x.dtype)
+        full = torch.cat([before, x.t()], dim=1)
+        rows = states.conv_rows(self.linear_idx)
+        for t in range(x.shape[0]):
+            rows[slot, t] = full[:, t + 1 : t + 1 + width]
+
+    def _verify(self, states: RecurrentStates, slot: int, q, k, v, g, beta, s0: torch.Tensor | None):
+        """A verification chunk token by token, the recurrent state after each row kept."""
+        rows = states.recurrent_rows(self.linear_idx)
+        s = torch.zeros(1, *rows.shape[2:], device=v.device) if s0 is None else s0[None]
+        outs = []
+        for t in range(v.shape[0]):
+            o, s = gated_delta_step_ref(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
+            rows[slot, t] = s[0]
+            outs.append(o)
+        return torch.cat(outs), s[0]
 
 
 class GatedAttention(nn.Module):
@@ -155,14 +182,20 @@ class SharedGatedMoE(MoE):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """Layer `layer_idx` of the stack; an MTP layer (`mtp_depth` given) is full attention with its K/V
+    after the stack's, and MoE when the model is."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, mtp_depth: int | None = None):
         super().__init__()
         before = [cfg.layer_is_linear(i) for i in range(layer_idx)]
-        if cfg.layer_is_linear(layer_idx):
+        if mtp_depth is not None:
+            self.self_attn = GatedAttention(cfg, cfg.num_full_attention_layers + mtp_depth)
+        elif cfg.layer_is_linear(layer_idx):
             self.linear_attn = GatedDeltaNet(cfg, sum(before))
         else:
             self.self_attn = GatedAttention(cfg, len(before) - sum(before))
-        self.mlp = SharedGatedMoE(cfg) if cfg.layer_is_moe(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        moe = cfg.is_moe if mtp_depth is not None else cfg.layer_is_moe(layer_idx)
+        self.mlp = SharedGatedMoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -178,32 +211,70 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class Qwen3NextMTP(nn.Module):
+    """The draft head as Qwen3-Next checkpoints store it (`mtp.*`), for the main model's hidden state
+    h_i at position i and the token t_{i+1}:
+
+        x  = fc([pre_fc_norm_embedding(embed(t_{i+1})); pre_fc_norm_hidden(h_i)])
+        h' = norm(layers[d](x))          (full attention with its own K/V, MoE)
+        logits = lm_head(h')             → distribution of t_{i+2}
+
+    The next depth chains h' (already normed) with the drafted token, as the published servers do."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, cfg.num_hidden_layers + d, mtp_depth=d)
+                                    for d in range(cfg.num_nextn_predict_layers))
+        self.norm = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
+
+
 class Qwen3NextForCausalLM(CausalLM):
     decoder_layer = HybridDecoderLayer
     final_norm = ZeroCentredRMSNorm
+    mtp_checkpoint_prefix = "mtp."
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
-        if with_mtp:
-            raise ValueError("qwen3_next: the MTP layer is not supported yet")
         super().__init__(cfg.replace(use_qk_norm=True, scoring="softmax", n_shared_experts=0), with_mtp=False)
+        self.mtp = Qwen3NextMTP(self.config) if with_mtp and cfg.num_nextn_predict_layers > 0 else None
+
+    @property
+    def mtp_layers(self) -> list[nn.Module]:
+        return list(self.mtp.layers) if self.mtp is not None else []
 
     @property
     def num_attention_layers(self) -> int:
-        return self.config.num_full_attention_layers
+        return self.config.num_full_attention_layers + len(self.mtp_layers)
 
-    def new_states(self, num_states: int, device=None, dtype: torch.dtype | None = None) -> RecurrentStates:
-        """A state pool for `num_states` sequences (the engine sizes it by slots)."""
+    def new_states(self, num_states: int, device=None, dtype: torch.dtype | None = None,
+                   verify_rows: int = 0) -> RecurrentStates:
+        """A state pool for `num_states` sequences (the engine sizes it by slots); `verify_rows`: see
+        `StatePool`."""
         from strata.kvcache.state_pool import StatePool
 
         w = self.model.embed_tokens.weight
-        return StatePool.for_model(self.config, num_states, device or w.device, dtype or w.dtype)
+        return StatePool.for_model(self.config, num_states, device or w.device, dtype or w.dtype, verify_rows)
+
+    def mtp_hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                   depth: int = 0) -> torch.Tensor:
+        m = self.mtp
+        emb = m.pre_fc_norm_embedding(self.model.embed_tokens(next_ids))
+        x = linear(torch.cat([emb, m.pre_fc_norm_hidden(hidden)], dim=-1), m.fc.weight)
+        out, residual = m.layers[depth].forward_fused(x, None, self.rope(positions, x.dtype), attn)
+        return m.norm.add_forward(out, residual)[0]
+
+    def mtp_logits(self, h: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return linear(h, self.head_weight, None, self.gemv_ws).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         if attn.states is None and isinstance(attn, CausalBatch):
             # Whole texts from their start: a scratch state per sequence.
             attn.states = self.new_states(attn.batch, input_ids.device)
             t = attn.seqlen
-            attn.states.set_spans([(i * t, t, i, True) for i in range(attn.batch)])
+            attn.states.set_spans([(i * t, t, i, True, False) for i in range(attn.batch)])
         if attn.states is None:
             raise ValueError("qwen3_next needs an attention backend that carries linear-attention states")
         return super().forward(input_ids, positions, attn)

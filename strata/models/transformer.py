@@ -37,6 +37,7 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     decoder_layer: type = DecoderLayer  # an architecture's block and final norm, when not the common ones
     final_norm: type = RMSNorm
+    mtp_checkpoint_prefix: str | None = None  # where the checkpoint keeps MTP tensors: None, after the layers
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()

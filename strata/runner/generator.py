@@ -102,7 +102,7 @@ class Generator:
         n = ids.shape[0]
         self.cache.step(start, n)
         if self.cache.states is not None:
-            self.cache.states.set_spans([(0, n, 0, start == 0)])
+            self.cache.states.set_spans([(0, n, 0, start == 0, False)])
         positions = torch.arange(start, start + n, device=self.device)
         hidden = self.model(ids, positions, self.cache)
         return self.model.compute_logits(hidden[-1:])[0]

@@ -378,7 +378,7 @@ class ModelRunner:
         else:
             self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
         if self.attn.states is not None:
-            self.attn.states.set_spans([(row_starts[i], ch.num_tokens, ch.request.slot, ch.start == 0)
+            self.attn.states.set_spans([(row_starts[i], ch.num_tokens, ch.request.slot, ch.start == 0, bool(ch.drafts))
                                         for i, ch in enumerate(chunks)])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
         step = LaunchedStep(chunks, hidden, row_starts, picks, spans)
@@ -534,6 +534,13 @@ class ModelRunner:
             rows = torch.arange(r0, r0 + len(toks), device=logits.device)
             lp = logits[rows, idx] - step.lse[rows]
             out[req.request_id] = Sampled(toks, lp.tolist(), self._top_of(req.request_id, top, r0, len(toks)))
+        if self.attn.states is not None:
+            # A linear layer's state has taken every row in; go back to the last accepted one.
+            for i in step.picks:
+                ch = step.chunks[i]
+                taken = len(out[ch.request.request_id].tokens) - 1
+                if ch.drafts and taken < len(ch.drafts):
+                    self.attn.states.restore(ch.request.slot, taken)
         return out
 
     def _top_of(self, request_id: str, top, r0: int, n: int) -> list[list[tuple[int, float]]] | None:
