@@ -84,8 +84,8 @@ def _check_common(res: dict, hf: bool) -> None:
     assert ("hf_init_s" in res) == hf
 
 
-@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
-@pytest.mark.parametrize("hf", [False, True])
+@pytest.mark.parametrize("shape,hf", [("tiny", False), ("tiny", True), ("tiny-moe", False), ("tiny-moe", True),
+                                      ("tiny-next", False)])
 def test_read(tmp_path, shape, hf):
     out = tmp_path / "read.json"
     argv = ["bench", "read", "--shape", shape, "--lengths", "24,40", "--chunks", "8,32", "--device", "cpu",
@@ -100,8 +100,8 @@ def test_read(tmp_path, shape, hf):
         assert _finite_positive(r["hf_tok_s"]) and _finite_positive(r["hf_mfu"]) if hf else r.get("hf_tok_s") is None
 
 
-@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
-@pytest.mark.parametrize("hf", [False, True])
+@pytest.mark.parametrize("shape,hf", [("tiny", False), ("tiny", True), ("tiny-moe", False), ("tiny-moe", True),
+                                      ("tiny-next", False)])
 def test_decode(tmp_path, shape, hf):
     out = tmp_path / "decode.json"
     argv = ["bench", "decode", "--shape", shape, "--batch", "1,2", "--prompt", "8", "--tokens", "4",

@@ -267,3 +267,15 @@ def test_speculation_with_the_random_head_equals_plain(mtp_dir, next_model):
     path = mtp_dir[0]
     _, prompts, refs = next_model
     assert _run(_engine(path, parallel=4, spec=2), prompts) == refs
+
+
+def test_80b_shape_counts():
+    """The bench shape holds Qwen3-Next-80B-A3B's published size, and its per-slot state is what the
+    layers need: 36 linear layers x (conv window 8192 x 3 in bf16 + 32 x 128 x 128 fp32)."""
+    from strata.bench import roofline
+    from strata.bench.random_model import shape_config
+
+    cfg = shape_config("qwen3-next-80b-a3b")
+    assert 79e9 < roofline.total_params(cfg) < 81e9
+    assert cfg.num_full_attention_layers == 12
+    assert StatePool.bytes_per_state(cfg, torch.bfloat16) == 36 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)

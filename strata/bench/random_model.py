@@ -29,6 +29,14 @@ _QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interm
                  num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                  max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False)
 
+_QWEN3_NEXT_80B = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                       linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4,
+                       num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512, norm_topk_prob=True, partial_rotary_factor=0.25,
+                       max_position_embeddings=262144, rope_theta=10000000.0, tie_word_embeddings=False)
+
 # HF config.json spellings (what `ModelConfig.from_hf` and `AutoConfig.for_model` both read).
 SHAPES: dict[str, dict] = {
     "qwen3-8b": _QWEN3_8B,
@@ -41,6 +49,16 @@ SHAPES: dict[str, dict] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                           max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
+    # Qwen3-Next-80B-A3B's published config; 48 layers need ~160 GB in bf16, so the `-36l` shape keeps
+    # as many as fit one H200 (the layers repeat: per-layer speed is the same).
+    "qwen3-next-80b-a3b": _QWEN3_NEXT_80B,
+    "qwen3-next-80b-a3b-36l": {**_QWEN3_NEXT_80B, "num_hidden_layers": 36},
+    "tiny-next": dict(model_type="qwen3_next", vocab_size=512, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True,
+                      partial_rotary_factor=0.25, max_position_embeddings=4096),
     "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
     # Every K a multiple of 256, as the 256-value super-blocks of Q4_K / IQ3_S need.

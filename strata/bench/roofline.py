@@ -21,16 +21,35 @@ from strata.config import ModelConfig
 from strata.kvcache.pool import kv_bytes_per_token
 
 
-def attention_params(cfg: ModelConfig) -> int:
-    """q, k, v, o projections (+ biases) and the per-head q/k norms of one layer."""
+def attention_params(cfg: ModelConfig, layer: int = 0) -> int:
+    """The token mixer of `layer`: q, k, v, o projections (+ biases) and the per-head q/k norms (a hybrid
+    model's full attention also projects a per-head output gate), or a linear-attention layer's."""
+    if cfg.layer_is_linear(layer):
+        return linear_attention_params(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    n = h * q + 2 * h * kv + q * h
+    gate = q if cfg.is_hybrid else 0
+    n = h * (q + gate) + 2 * h * kv + q * h
     if cfg.attention_bias:
-        n += q + 2 * kv
+        n += q + gate + 2 * kv + (h if cfg.is_hybrid else 0)
     if cfg.use_qk_norm:
         n += 2 * d
     return n
+
+
+def linear_attention_params(cfg: ModelConfig) -> int:
+    """A Gated DeltaNet layer: q|k|v|z and b|a projections, the depthwise conv, per-head decay
+    parameters, the gated norm and the output projection."""
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, hv * cfg.linear_value_head_dim
+    conv = (2 * kd + vd) * cfg.linear_conv_kernel_dim
+    return h * (2 * kd + 2 * vd) + h * 2 * hv + conv + 2 * hv + cfg.linear_value_head_dim + vd * h
+
+
+def linear_attention_flops(cfg: ModelConfig) -> float:
+    """Per token and linear layer, the delta rule's state work: decay, S^T k, the rank-1 update and
+    S^T q over the [Dk, Dv] state of each value head (~8 flops per state element)."""
+    return 8.0 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
 
 
 def expert_params(cfg: ModelConfig) -> int:
@@ -52,6 +71,8 @@ def _mlp_params(cfg: ModelConfig, layer: int, experts: float) -> float:
         return 3 * h * cfg.intermediate_size
     router = cfg.num_experts * h
     shared = 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts
+    if cfg.shared_expert_intermediate_size:  # qwen3_next: one shared expert and its sigmoid gate
+        shared += 3 * h * cfg.shared_expert_intermediate_size + h
     return router + shared + experts * expert_params(cfg)
 
 
@@ -60,7 +81,7 @@ def total_params(cfg: ModelConfig) -> int:
     h, v = cfg.hidden_size, cfg.vocab_size
     n = v * h + h + (0 if cfg.tie_word_embeddings else v * h)
     for i in range(cfg.num_hidden_layers):
-        n += attention_params(cfg) + 2 * h + int(_mlp_params(cfg, i, cfg.num_experts))
+        n += attention_params(cfg, i) + 2 * h + int(_mlp_params(cfg, i, cfg.num_experts))
     return n
 
 
@@ -72,7 +93,7 @@ def weight_bytes_per_step(cfg: ModelConfig, batch: int, itemsize: int) -> float:
     experts = expected_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
     params = h + v * h + (0 if cfg.tie_word_embeddings else batch * h)
     for i in range(cfg.num_hidden_layers):
-        params += attention_params(cfg) + 2 * h + _mlp_params(cfg, i, experts)
+        params += attention_params(cfg, i) + 2 * h + _mlp_params(cfg, i, experts)
     fp32_bias = 4 * cfg.num_experts * sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)) \
         if cfg.scoring == "sigmoid" else 0  # the routing correction bias stays fp32
     return params * itemsize + fp32_bias
@@ -80,7 +101,7 @@ def weight_bytes_per_step(cfg: ModelConfig, batch: int, itemsize: int) -> float:
 
 def kv_bytes_per_step(cfg: ModelConfig, batch: int, context: float, kv: str, dtype: torch.dtype) -> float:
     """K/V bytes one decode step reads: `batch` sequences of `context` tokens each."""
-    per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv, dtype)
+    per_token = kv_bytes_per_token(cfg.num_full_attention_layers, cfg.num_key_value_heads, cfg.head_dim, kv, dtype)
     return batch * context * per_token
 
 
@@ -89,14 +110,18 @@ def active_params_per_token(cfg: ModelConfig) -> int:
     the head runs only at sampled rows): attention, dense MLPs, router + top-k + shared experts."""
     n = 0
     for i in range(cfg.num_hidden_layers):
-        n += attention_params(cfg) - (2 * cfg.head_dim if cfg.use_qk_norm else 0)
+        norms = 2 * cfg.head_dim if cfg.use_qk_norm and not cfg.layer_is_linear(i) else 0
+        n += attention_params(cfg, i) - norms
         n += int(_mlp_params(cfg, i, cfg.num_experts_per_tok))
     return n
 
 
 def causal_attention_flops(cfg: ModelConfig, length: int) -> float:
-    """QK^T and PV over a causal prompt of `length`: 4·L²·Hq·D per layer, halved by the mask."""
-    return cfg.num_hidden_layers * 4 * length * length / 2 * cfg.num_attention_heads * cfg.head_dim
+    """QK^T and PV over a causal prompt of `length`: 4·L²·Hq·D per full-attention layer, halved by the
+    mask; a linear-attention layer's state work is linear in L."""
+    linear = cfg.num_hidden_layers - cfg.num_full_attention_layers
+    return (cfg.num_full_attention_layers * 4 * length * length / 2 * cfg.num_attention_heads * cfg.head_dim
+            + linear * length * linear_attention_flops(cfg))
 
 
 def read_flops(cfg: ModelConfig, tokens: int, logit_rows: int = 1) -> float:
