@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # bf16 logits vs HF fp32, max relative error over seeds 0-3, measured on the H200: qwen3 8.5e-3,
 # qwen3_moe 2.6e-2, glm4_moe 7.3e-2 (bf16 rounding flips near-tied expert choices, most often under
 # GLM's sigmoid routing with a 2.5x routed scale). Limits are about twice the measurement.
-BF16_REL_TOL = {"qwen3": 2e-2, "qwen3_moe": 5e-2, "glm4_moe": 1.5e-1}
+# qwen3_next: not measured yet (its first GPU run prints it); the qwen3_moe limit until then.
+BF16_REL_TOL = {"qwen3": 2e-2, "qwen3_moe": 5e-2, "glm4_moe": 1.5e-1, "qwen3_next": 5e-2}
 # bf16 greedy decoding may flip near-tied argmaxes; fraction of the 32 tokens before the first flip.
 BF16_MIN_PREFIX_AGREEMENT = 0.25
 
