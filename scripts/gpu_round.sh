@@ -10,8 +10,13 @@ OUT=${OUT:-gpu_out}
 R=$OUT/r
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 STRATA_NO_PROGRESS=1
+# fla-core (and its einops) stay off the common path: transformers' qwen3_next swaps its CPU reference
+# for fla-core whenever it can import it, which would break every HF comparison. The `fla` steps add it.
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    $(ls .whl/*.whl | grep -v -e fla_core -e einops) || exit 1
+  ls .whl/fla_core*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/fla .whl/fla_core*.whl .whl/einops*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -105,6 +110,14 @@ step() {  # name, seconds, command...
       http) step http 200 $B decode --batch 1 --no-hf --http --repeats 1 --out $R/http_qwen3-8b_cuda.json ;;
       spec) step spec 400 $B spec --repeats 4 --out $R/spec_cuda.json ;;
       kv) step kv 200 $B kv --out $R/kv_int8_cuda.json ;;
+      # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
+      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py -k "next" ;;
+      fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 $T tests/test_kernel_gated_delta_fla.py ;;
+      next-read) for k in ref fla; do PYTHONPATH=/tmp/fla:$PYTHONPATH STRATA_GDN_KERNEL=$k step next-read-$k 300 \
+          $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
+          --out $R/read_qwen3-next-80b-a3b-36l_${k}_cuda.json; done ;;
+      next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
+          --out $R/decode_qwen3-next-80b-a3b-36l_cuda.json ;;
       *) echo "unknown step $s" ;;
     esac
   done

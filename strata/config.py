@@ -61,7 +61,10 @@ def _layer_types(d: dict[str, Any]) -> tuple[str, ...]:
     """qwen3_next's layer kinds: `layer_types` as stored, else every `full_attention_interval`-th
     layer full attention (HF's default of 4), the others linear."""
     if d.get("layer_types"):
-        return tuple(d["layer_types"])
+        kinds = tuple(d["layer_types"])
+        # transformers 5 writes an all-"full_attention" list for plain models (and sliding-window kinds):
+        # only a list with linear layers describes a hybrid.
+        return kinds if "linear_attention" in kinds else ()
     if d.get("model_type") != "qwen3_next":
         return ()
     every = int(d.get("full_attention_interval") or 4)

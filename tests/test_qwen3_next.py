@@ -61,6 +61,22 @@ def test_delta_rule_matches_hf_reference():
     torch.testing.assert_close(state, ref_state[0], rtol=1e-5, atol=1e-5)
 
 
+def test_varlen_equals_one_call_per_sequence():
+    from strata.kernels.gated_delta import gated_delta_varlen
+
+    lengths = [5, 70, 1]
+    q, k, v, g, b, _ = _inputs(sum(lengths), seed=11)
+    states = torch.stack([torch.zeros(3, 16, 8), 0.3 * torch.randn(3, 16, 8), 0.3 * torch.randn(3, 16, 8)])
+    out, finals = gated_delta_varlen(q, k, v, g, b, lengths, states)
+    r0 = 0
+    for i, n in enumerate(lengths):
+        o, s = gated_delta_chunked_ref(q[r0 : r0 + n], k[r0 : r0 + n], v[r0 : r0 + n], g[r0 : r0 + n], b[r0 : r0 + n],
+                                       states[i])
+        torch.testing.assert_close(out[r0 : r0 + n], o)
+        torch.testing.assert_close(finals[i], s)
+        r0 += n
+
+
 def test_conv_in_pieces_and_steps_equals_whole():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(30, 12, generator=g), torch.randn(12, 4, generator=g)

@@ -18,6 +18,10 @@ with G_i = g_1 + ... + g_i inside the chunk and S_0 the state before it, unrolli
 
 (T is unit lower triangular: one triangular solve per chunk). Everything runs in fp32, as the
 published kernels do; outputs return in the inputs' dtype.
+
+`gated_delta_varlen` runs many sequences' chunks in one call: the reference loops over them; on CUDA
+with STRATA_GDN_KERNEL=fla it is one launch of `fla-core`'s chunked kernel (the maintained Triton
+implementation, cu_seqlens-batched), not yet the default: it is to be checked and timed on the GPU.
 """
 
 from __future__ import annotations
@@ -96,3 +100,34 @@ def gated_delta_chunked_ref(q, k, v, g, beta, state: torch.Tensor | None, chunk:
         last = cum[:, -1:]
         s = last.exp()[:, :, None] * s + (kc * (last - cum).exp()[:, :, None]).transpose(1, 2) @ w
     return out.transpose(0, 1).to(v.dtype), s
+
+
+def use_fla(t: torch.Tensor) -> bool:
+    """Whether `gated_delta_varlen` goes through fla-core: on CUDA when STRATA_GDN_KERNEL=fla."""
+    from strata.env import ENV
+
+    choice = ENV.GDN_KERNEL.get()
+    if choice not in ("ref", "fla"):
+        raise ValueError(f"STRATA_GDN_KERNEL must be 'ref' or 'fla', got {choice!r}")
+    return choice == "fla" and t.is_cuda
+
+
+def gated_delta_varlen(q, k, v, g, beta, lengths: list[int], states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences laid out one after another: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H] with T =
+    sum(lengths); states [N, H, Dk, Dv] fp32, each sequence's state before its tokens. Returns
+    (o [T, H, Dv], the states after each sequence's last token [N, H, Dk, Dv] fp32)."""
+    if use_fla(v):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        cu = torch.tensor([0] + lengths, device=v.device).cumsum(0)
+        o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g.float()[None], beta[None], initial_state=states,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        return o[0], final.float()
+    outs, finals, r0 = [], [], 0
+    for i, n in enumerate(lengths):
+        o, s = gated_delta_chunked_ref(q[r0 : r0 + n], k[r0 : r0 + n], v[r0 : r0 + n], g[r0 : r0 + n],
+                                       beta[r0 : r0 + n], states[i])
+        outs.append(o)
+        finals.append(s)
+        r0 += n
+    return torch.cat(outs), torch.stack(finals)

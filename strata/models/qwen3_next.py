@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.config import ModelConfig
-from strata.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_step_ref, gated_delta_chunked_ref,
-                                        gated_delta_step_ref)
+from strata.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_step_ref, gated_delta_step_ref,
+                                        gated_delta_varlen)
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
 from strata.models.layers import MLP, MoE, RMSNorm, RopeInputs, apply_rotary, linear
 from strata.models.transformer import CausalLM
@@ -106,22 +106,40 @@ class GatedDeltaNet(nn.Module):
             o, rec_new = gated_delta_step_ref(q, k, v, g, beta, rec_st.index_select(0, idx))
             rec_st.index_copy_(0, idx, rec_new)
         else:
-            o = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
-            for r0, n, slot, fresh, keep in spans:
-                rows = slice(r0, r0 + n)
-                past = None if fresh else conv_st[slot]
-                conv_out, window = causal_conv1d_ref(mixed[rows], weight, past)
-                if keep:
-                    self._keep_windows(states, slot, mixed[rows], past)
-                conv_st[slot] = window
-                q, k, v = self._heads(conv_out)
-                s0 = None if fresh else rec_st[slot]
-                if keep:
-                    o[rows], rec_st[slot] = self._verify(states, slot, q, k, v, g[rows], beta[rows], s0)
-                else:
-                    o[rows], rec_st[slot] = gated_delta_chunked_ref(q, k, v, g[rows], beta[rows], s0)
+            o = self._reads(states, mixed, g, beta, weight)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(x.shape[0], -1)
         return linear(o, self.out_proj.weight)
+
+    def _reads(self, states: RecurrentStates, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               weight: torch.Tensor) -> torch.Tensor:
+        """Steps with prompt chunks: the conv per sequence, then the delta rule over every plain
+        sequence in one varlen call; verification chunks (`keep`) token by token."""
+        conv_st, rec_st = states.conv(self.linear_idx), states.recurrent(self.linear_idx)
+        conv_out = torch.empty_like(mixed)
+        for r0, n, slot, fresh, keep in states.spans:
+            past = None if fresh else conv_st[slot]
+            conv_out[r0 : r0 + n], window = causal_conv1d_ref(mixed[r0 : r0 + n], weight, past)
+            if keep:
+                self._keep_windows(states, slot, mixed[r0 : r0 + n], past)
+            conv_st[slot] = window
+        q, k, v = self._heads(conv_out)
+        o = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
+        plain = [sp for sp in states.spans if not sp[4]]
+        if plain:
+            rows = (slice(None) if len(plain) == len(states.spans) else
+                    torch.cat([torch.arange(r0, r0 + n, device=mixed.device) for r0, n, *_ in plain]))
+            zeros = rec_st.new_zeros(rec_st.shape[1:])
+            init = torch.stack([zeros if fresh else rec_st[slot] for _, _, slot, fresh, _ in plain])
+            o[rows], final = gated_delta_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                [n for _, n, *_ in plain], init)
+            for i, (_, _, slot, _, _) in enumerate(plain):
+                rec_st[slot] = final[i]
+        for r0, n, slot, fresh, keep in states.spans:
+            if keep:
+                rows = slice(r0, r0 + n)
+                o[rows], rec_st[slot] = self._verify(states, slot, q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                     None if fresh else rec_st[slot])
+        return o
 
     def _keep_windows(self, states: RecurrentStates, slot: int, x: torch.Tensor, past: torch.Tensor | None) -> None:
         """The conv window after each row of a verification chunk: the K-1 inputs ending at it."""
