@@ -35,6 +35,13 @@ takes it from the device), which is only allowed where nothing on the host needs
 (no drafts, no repetition penalty) and the request cannot finish by length on it. A run-ahead chunk
 of a request that finishes on its in-flight token (EOS, a stop string, an abort) is computed and
 dropped: update() skips requests that are no longer running.
+
+Lanes (`read_lane`, the engine's concurrent read): reads and decodes are scheduled apart, so a read
+step can be in flight on its own stage for as long as it takes while decode steps come and go.
+`schedule("decode")` admits, preempts and schedules decodes only; `schedule("read")` admits and
+schedules reads only, with the same token budget and give-way rules. A request's chunk in flight on
+one lane keeps it off the other until its update() (and no run-ahead crosses lanes): a read that
+samples hands its request to the decode lane with everything it read kept.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ class SchedulerConfig:
     prefix_cache: bool = False  # reuse cached full blocks of earlier requests (see the module docstring)
     prefix_salt: str = ""  # what else the K/V depend on (model, dtype, KV storage): part of every key
     prefix_with_mtp: bool = False  # keys take the next token; blocks are registered by cache_blocks() only
+    read_lane: bool = False  # reads scheduled apart from decodes: schedule("read") / schedule("decode")
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
@@ -163,7 +171,8 @@ class Scheduler:
         self._running: list[Request] = []  # admission order: the last one is the preemption victim
         self._free_slots = list(range(config.parallel))
         self._finished_on_add: list[Request] = []
-        self._last_step: set[str] = set()  # requests that got tokens in the previous step
+        self._last_step: dict[str, set[str]] = {}  # per lane: requests that got tokens in its previous step
+        self._lane_of: dict[str, str] = {}  # request id -> the lane its in-flight chunk is on
         self._next_group = 0  # batch groups: whose turn to decode is next
         self._held: dict[str, int] = {}  # long reads: steps held back in a row (starvation guard)
         self._in_flight: dict[str, ScheduledChunk] = {}  # scheduled, not yet updated: the latest chunk
@@ -250,13 +259,17 @@ class Scheduler:
         return self.allocator.capacity
 
     def got_tokens_last_step(self, request_id: str) -> bool:
-        """Whether the latest schedule() gave the request tokens (or its previous step is still in flight)."""
-        return request_id in self._last_step
+        """Whether the latest schedule() of a lane gave the request tokens (or its previous step is still in
+        flight)."""
+        return any(request_id in ids for ids in self._last_step.values())
 
     # ---------------------------------------------------------------- one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lane: str = "all") -> SchedulerOutput:
+        """The next step: decodes and reads ("all"), or with `read_lane` one lane's ("decode", "read")."""
         cfg = self.config
+        if lane not in (("decode", "read") if cfg.read_lane else ("all",)):
+            raise ValueError(f"lane {lane!r} with read_lane={cfg.read_lane}")
         step = _Step()
         step.finished.extend(self._finished_on_add)
         self._finished_on_add.clear()
@@ -270,14 +283,15 @@ class Scheduler:
         # Where each schedulable request's next chunk starts (after its in-flight chunk, if any).
         nexts = {r.request_id: n for r in self._running if (n := self._next_start(r)) is not None}
 
-        for req in self._decode_group(nexts):
+        for req in self._decode_group(nexts) if lane != "read" else ():
             if step.tokens >= cfg.max_num_batched_tokens:
                 break
             if req.status is RequestStatus.RUNNING:
                 self._schedule_decode(req, step, *nexts[req.request_id])
 
         readers = sorted((r for r in self._running if r.request_id in nexts and self._uncomputed(r, nexts) > 1),
-                         key=self._arrival_of)
+                         key=self._arrival_of) if lane != "decode" else []
+        last_step = self._last_step.get(lane, set())
         newest = self._arrival_of(readers[-1]) if readers else -1
         deferred: list[Request] = []
         for req in readers:
@@ -298,7 +312,7 @@ class Scheduler:
             if any(
                 self._arrival_of(o) > self._arrival_of(req) and o.request_id in step.chunks for o in readers
             ):
-                if req.request_id in self._last_step:
+                if req.request_id in last_step:
                     req.give_ways += 1
                     self.give_ways_total += 1
                 self._held[req.request_id] = self._held.get(req.request_id, 0) + 1
@@ -307,8 +321,9 @@ class Scheduler:
             self._schedule_read(req, step, nexts[req.request_id][0])
 
         # A read in flight from the previous step still counts as having read last.
-        self._last_step = set(step.chunks) | self._in_flight.keys()
+        self._last_step[lane] = set(step.chunks) | {r for r, ln in self._lane_of.items() if ln == lane}
         self._in_flight.update(step.chunks)
+        self._lane_of.update(dict.fromkeys(step.chunks, lane))
         return SchedulerOutput(list(step.chunks.values()), step.preempted, step.finished)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -322,6 +337,7 @@ class Scheduler:
             req = chunk.request
             if self._in_flight.get(req.request_id) is chunk:  # else a run-ahead chunk followed it
                 del self._in_flight[req.request_id]
+                self._lane_of.pop(req.request_id, None)
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted by the engine since schedule()
             if chunk.start != req.num_computed_tokens:
@@ -449,7 +465,8 @@ class Scheduler:
         ahead = self._in_flight.get(req.request_id)
         if ahead is None:
             return req.num_computed_tokens, 0
-        if not self.config.run_ahead or ahead.drafts or req.request_id in self._preempt_next:
+        if (not self.config.run_ahead or ahead.drafts or req.request_id in self._preempt_next
+                or self._lane_of.get(req.request_id) == "read"):
             return None
         if not ahead.sample:
             return ahead.end, 0
@@ -579,7 +596,9 @@ class Scheduler:
         req.finish_time = self._now()
         del self._requests[req.request_id]
         del self._arrival[req.request_id]
-        self._last_step.discard(req.request_id)
+        for ids in self._last_step.values():
+            ids.discard(req.request_id)
         self._held.pop(req.request_id, None)
         self._in_flight.pop(req.request_id, None)
+        self._lane_of.pop(req.request_id, None)
         self._preempt_next.discard(req.request_id)
