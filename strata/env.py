@@ -39,11 +39,14 @@ class _Env:
     SPLIT_MTP_BATCH = Switch("STRATA_SPLIT_MTP_BATCH", _bool, False,
                              "compute the MTP layer's prompt K/V batched, chunk by chunk, during the prompt read")
     PIPED_CONCURRENT = Switch("STRATA_PIPED_CONCURRENT", _bool, False,
-                              "run a prompt read concurrently with decoding on a second stream (issue 11: reserved, "
-                              "not built yet; setting it changes nothing)")
+                              "run prompt reads as their own stage beside decoding: a worker thread, on CUDA its own "
+                              "low-priority stream (docs/CONCURRENT_READ.md)")
     PIPED_CONCURRENT_SMB = Switch("STRATA_PIPED_CONCURRENT_SMB", _bool, False,
-                                  "allow STRATA_SPLIT_MTP_BATCH beside STRATA_PIPED_CONCURRENT (issue 11: reserved, "
-                                  "not built yet)")
+                                  "let STRATA_SPLIT_MTP_BATCH run beside STRATA_PIPED_CONCURRENT: the read stage writes "
+                                  "the draft K/V itself, its stream-K pool grown before each read")
+    ALLOC_GUARD = Switch("STRATA_ALLOC_GUARD", _bool, False,
+                         "test mode of the concurrent read: fail when the read stage's upload ring or stream-K pool, "
+                         "the KV pool or the CUDA caching allocator grows during a read step")
     PDL = Switch("STRATA_PDL", _bool, True,
                  "launch Triton kernels with programmatic dependent launch on sm_90+ (a kernel's launch "
                  "overlaps its predecessor's tail; each kernel waits for it before touching memory)")

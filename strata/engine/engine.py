@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from strata.config import EngineConfig
+from strata.engine.concurrent import ConcurrentReadSetup
+from strata.env import ENV
 from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
                                  EngineStats, RateWindow, SlotSnapshot)
 from strata.grammar import GrammarCompiler, GrammarError
@@ -36,6 +38,7 @@ from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.loaders import LoadedModel, load_model
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import LaunchedStep, ModelRunner
+from strata.runner.read_stage import AllocationGuard, ReadStage
 from strata.sched.request import Request
 from strata.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from strata.spec.drafter import MTPDrafter
@@ -145,6 +148,9 @@ class LLMEngine:
             log.info("linear-attention state pool: %d slots x %.1f MiB (%d linear layers; K/V for %d layers)",
                      cfg.parallel + 1, self.states.nbytes / (cfg.parallel + 1) / 2**20,
                      mc.num_hidden_layers - mc.num_full_attention_layers, layers)
+        self.concurrent = ConcurrentReadSetup.from_env(
+            model_reason="hybrid models keep one linear-attention layout per runner" if mc.is_hybrid else None)
+        self.concurrent.log_decision()
         tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes)
         num_blocks = max(tokens // cfg.block_size, 2) + 1  # +1: block 0 is the padding block
         self.pool = make_pool(cfg.kv, layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
@@ -158,7 +164,8 @@ class LLMEngine:
                             max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec,
                             batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps,
                             run_ahead=bool(cfg.async_scheduling), prefix_cache=cfg.prefix_cache,
-                            prefix_salt=f"{self.model_name}|{dtype}|{cfg.kv}", prefix_with_mtp=bool(cfg.spec)),
+                            prefix_salt=f"{self.model_name}|{dtype}|{cfg.kv}", prefix_with_mtp=bool(cfg.spec),
+                            read_lane=self.concurrent.enabled),
             self.allocator,
         )
         self.grammar_compiler = _grammar_compiler(self.tokenizer, mc.vocab_size)
@@ -176,6 +183,17 @@ class LLMEngine:
                                       chunk_size=cfg.chunk_size, device=self.device, dtype=dtype,
                                       seed_of=lambda req: self.runner.sampler(req).seed,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens, cuda_graph=cfg.cuda_graph)
+        self.read_stage = None
+        if self.concurrent.enabled:
+            self.read_stage = ReadStage(self.runner, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                        max_seqs=cfg.parallel, max_model_len=self.max_model_len, drafter=self.drafter,
+                                        split_mtp_batch=self.concurrent.split_mtp_batch_reserved)
+            self.read_stage.reserve()
+            if self.device.type == "cuda" or ENV.ALLOC_GUARD.get():
+                self.read_stage.warm_up()
+            log.info("read stage: %.1f MiB of region and scratch twins, %d B upload ring",
+                     self.read_stage.region_bytes / 2**20, self.read_stage.up_ring.nbytes)
+        self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and ENV.ALLOC_GUARD.get() else None
         # Last: every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
         if self.drafter:
@@ -184,6 +202,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.pipelined = (cfg.batch_groups > 1 and cfg.overlap) or bool(cfg.async_scheduling)
         self.in_flight: _Launched | None = None
+        self.pending_events: list[EngineEvent] = []  # produced outside step() (an abort waiting for a read)
         self.started = time.monotonic()
         self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
@@ -206,6 +225,7 @@ class LLMEngine:
         # Without a tokenizer (token-id-only checkpoints, benchmarks) events carry ids and no text.
         detok = Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])) if self.tokenizer else None
         self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
+        self.runner.sampler(r)  # its seed, in arrival order, whichever stage samples it first
         if req.top_logprobs:
             self.runner.want_top_logprobs(req.request_id, req.top_logprobs)
         if matcher is not None:
@@ -224,32 +244,76 @@ class LLMEngine:
             raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> EngineEvent | None:
+        stage = self.read_stage
+        if stage is not None and stage.busy and any(c.request.request_id == request_id for c in stage.current.chunks):
+            # Its blocks are being written on the read's stream: free them only once that is done.
+            self.pending_events += self._read_lane(block=True, next_read=False)
         r = self.requests.get(request_id)
         if r is None or not self.scheduler.abort(request_id):
             return None
         return self._finish_event(r, "abort", (), "")
 
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.pending_events)
+
+    def close(self) -> None:
+        """Stop the read stage's worker (the concurrent read), if any."""
+        if self.read_stage is not None:
+            self.read_stage.close()
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineEvent]:
+        reads, self.pending_events = self.pending_events, []
+        if self.read_stage is not None:
+            reads += self._read_lane(block=False)
         launched = self._launch()
         if not self.pipelined:
-            return self._complete(launched) if launched else []
-        previous, self.in_flight = self.in_flight, launched
-        return self._complete(previous) if previous else []
+            done = self._complete(launched) if launched else []
+        else:
+            previous, self.in_flight = self.in_flight, launched
+            done = self._complete(previous) if previous else []
+            launched = launched or previous
+        if launched is None and self.read_stage is not None and self.read_stage.busy:
+            reads += self._read_lane(block=True)  # nothing to decode: wait for the read
+        return reads + done
 
     def _launch(self) -> _Launched | None:
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule("decode" if self.read_stage else "all")
         if not out.chunks and not out.finished:
             return None
         return _Launched(out, self.runner.launch(out.chunks))
 
+    def _read_lane(self, block: bool, next_read: bool = True) -> list[EngineEvent]:
+        """The concurrent read: take the read stage's finished step, then give it the next one."""
+        stage, events = self.read_stage, []
+        res = stage.poll(block)
+        if res is not None:
+            if self.alloc_guard is not None:
+                self.alloc_guard.check()
+            if res.hidden is not None and res.hidden.is_cuda:
+                # The drafter may still copy from it on this thread's stream after the stage moves on.
+                res.hidden.record_stream(torch.cuda.current_stream(res.hidden.device))
+            events = self._apply(res.out, res.sampled, res.hidden, res.row_starts, res.draft_kv)
+        if next_read and not stage.busy:
+            out = self.scheduler.schedule("read")
+            if out.chunks:
+                stage.reserve()  # nothing in flight on the stage
+                if self.alloc_guard is not None:
+                    self.alloc_guard.start()
+                stage.submit(out)
+            elif out.finished or out.preempted:
+                events += self._apply(out, {}, None, [])
+        return events
+
     def _complete(self, launched: _Launched) -> list[EngineEvent]:
-        out = launched.out
         sampled = (self.runner.collect(launched.step, self.drafter.draft_probs if self.drafter else None)
                    if launched.step else {})
+        return self._apply(launched.out, sampled, self.runner.hidden, self.runner.row_starts)
+
+    def _apply(self, out: SchedulerOutput, sampled, hidden, row_starts, kv_written: dict[str, int] | None = None
+               ) -> list[EngineEvent]:
+        """A step's results into the scheduler, the drafter and events (`kv_written`: MTP K/V the read
+        stage wrote, per request)."""
         # An overlapped step may come back for requests aborted since it was launched: drop them.
         sampled = {rid: s for rid, s in sampled.items() if rid in self.requests}
         self.prompt_tokens_total += sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
@@ -260,8 +324,9 @@ class LLMEngine:
             for r in out.preempted:
                 self.drafter.reset(r.request_id)
             live = [i for i, c in enumerate(out.chunks) if c.request.request_id in self.requests]
-            self.drafter.after_step([out.chunks[i] for i in live], self.runner.hidden,
-                                    [self.runner.row_starts[i] for i in live], sampled)
+            if live:
+                self.drafter.after_step([out.chunks[i] for i in live], hidden, [row_starts[i] for i in live], sampled,
+                                        kv_written)
             for i in live:  # blocks whose MTP K/V are now written too may join the prefix cache
                 r = out.chunks[i].request
                 self.scheduler.cache_blocks(r, self.drafter.mtp_upto.get(r.request_id, 0))

@@ -28,6 +28,7 @@ from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import triton_available, use_triton
 from strata.kernels.quant import QWeight
+from strata.kernels.scratch import scratch
 from strata.models.attention import AttentionBackend
 
 log = logging.getLogger("strata")
@@ -42,6 +43,7 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor
     if isinstance(weight, QWeight):
         y = weight.matmul(x)
         return y if bias is None else y + bias
+    workspace = scratch(workspace)
     if (workspace is not None and x.dim() == 2 and use_triton(x) and x.stride(-1) == 1 and weight.is_contiguous()
             and weight.dtype == x.dtype and k_gemv.gemv_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)):
         return k_gemv.gemv_triton(x, weight, bias, workspace=workspace)
@@ -315,7 +317,7 @@ class Router(nn.Module):
                 and not (weight.requires_grad and torch.is_grad_enabled())):
             return k_route.router_decode(x, weight, scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm,
                                          n_group=self.n_group, topk_group=self.topk_group,
-                                         bias=self.e_score_correction_bias, scale=self.scale, workspace=self.route_ws)
+                                         bias=self.e_score_correction_bias, scale=self.scale, workspace=scratch(self.route_ws))
         logits = F.linear(x.float(), weight)
         if self.scoring == "softmax":
             probs = logits.softmax(dim=-1)
@@ -515,7 +517,7 @@ class MoE(nn.Module):
         n, k = ids.shape
         # Pairs stably sorted by expert and the group ends, with no host sync (not bincount: on CUDA it
         # reads the ids' max on the host). Two launches on CUDA, argsort + searchsorted elsewhere.
-        order, offs = k_sort.sort_tokens(ids, self.num_experts, workspace=self.sort_ws)
+        order, offs = k_sort.sort_tokens(ids, self.num_experts, workspace=scratch(self.sort_ws))
         xs = x[order // k]
         h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)

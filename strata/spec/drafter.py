@@ -88,7 +88,10 @@ class MTPDrafter:
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def after_step(self, chunks, hidden: torch.Tensor, row_starts: list[int], sampled: dict) -> None:
+    def after_step(self, chunks, hidden: torch.Tensor, row_starts: list[int], sampled: dict,
+                   kv_written: dict[str, int] | None = None) -> None:
+        """`kv_written`: request id -> positions whose MTP K/V the concurrent read's stage already wrote
+        (STRATA_SPLIT_MTP_BATCH beside it): those read chunks need nothing more here."""
         rows_h: list[list[int]] = []  # per sequence, its rows in `hidden`
         seqs = []  # (request, first position, next-token ids, wants drafts)
         for i, ch in enumerate(chunks):
@@ -101,7 +104,9 @@ class MTPDrafter:
                 done = req.prefix_hit
             self.mtp_upto[rid] = done
             if not ch.sample:  # a read chunk that does not reach the end of the prompt
-                if self.split:
+                if kv_written and rid in kv_written:
+                    self.mtp_upto[rid] = kv_written[rid]
+                elif self.split:
                     rows_h.append(list(range(r0, r0 + ch.num_tokens)))
                     seqs.append((req, s, req.token_ids(s + 1, s + ch.num_tokens + 1), False))
                 else:

@@ -77,13 +77,15 @@ class QWeight:
         return self.module.dequantize(self.planes, self.n, self.k)
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        from strata.kernels.scratch import scratch
+
         if (self.context is not None and self.ggml_type == "Q8_0" and x.dim() == 2
                 and STREAMK_ROWS[0] <= x.shape[0] <= STREAMK_ROWS[1] and x.dtype != torch.float32):
             from strata.kernels.quant.streamk import q8_0_matmul_streamk
 
-            return q8_0_matmul_streamk(x, self.planes, self.n, self.k, self.context, out)
+            return q8_0_matmul_streamk(x, self.planes, self.n, self.k, scratch(self.context), out)
         if self.workspace is not None:
-            return self.module.matmul(x, self.planes, self.n, self.k, out, workspace=self.workspace)
+            return self.module.matmul(x, self.planes, self.n, self.k, out, workspace=scratch(self.workspace))
         return self.module.matmul(x, self.planes, self.n, self.k, out)
 
 

@@ -1,0 +1,256 @@
+"""The concurrent read (STRATA_PIPED_CONCURRENT=1): prompt reads run as their own stage beside the
+decode loop, so a decoding slot's steps never wait for a read chunk.
+
+The stage has a worker thread, on CUDA its own stream of lower priority, and its own `ModelRunner`
+(eager: reads never replay graphs) over the same model and KV pool: its static input buffers are the
+stage's scratch `region`, allocated once. The engine's scheduler hands it one read step at a time
+(`Scheduler.schedule("read")`); the worker runs the forward, samples where a read ends (the request's
+first token) and waits for its own stream only, then reports; the engine applies the result and hands
+the request to the decode lane, with nothing read again.
+
+Nothing allocates on the read's path:
+- the per-step inputs live in the runner's static buffers (the region);
+- the small uploads (attention bounds, logit rows) go through `up_ring`, a pinned host ring with a
+  device mirror, whose capacity `reserve_uploads` sets before each read (`UPLOAD_BYTES_PER_TOKEN`
+  per token of the largest step);
+- the kernels' shared scratch (split-K counters, token-sort counters, the stream-K pool) has twins
+  made at start-up and installed for the worker (`strata.kernels.scratch`), so the two stages never
+  share one;
+- activations come from torch's caching allocator on the read's stream, which a first read of the
+  largest step fills; `AllocationGuard` fails when anything grows after that.
+
+With STRATA_SPLIT_MTP_BATCH=1 and STRATA_PIPED_CONCURRENT_SMB=1 the stage also writes the MTP layer's
+prompt K/V for each chunk on its stream (`Prefill.draft_kv`, its own MTP call buffers), reserving the
+stream-K pool of its twin context first (`Prefill.reserve_draft_kv`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.kernels import scratch as k_scratch
+from strata.runner.model_runner import ModelRunner, Sampled
+from strata.runner.transfer import UpRing
+
+log = logging.getLogger("strata")
+
+UPLOAD_BYTES_PER_TOKEN = 32  # reserve_uploads: T x K x 4 bytes with K = 8 int32 words per token
+
+
+@dataclass
+class ReadResult:
+    out: object  # the SchedulerOutput the step ran
+    sampled: dict[str, Sampled] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None
+    row_starts: list[int] = field(default_factory=list)
+    draft_kv: dict[str, int] = field(default_factory=dict)  # request id -> positions with MTP K/V written
+    error: BaseException | None = None
+
+
+class Prefill:
+    """The read stage's MTP prompt K/V (STRATA_SPLIT_MTP_BATCH beside the concurrent read): one call of
+    the MTP layer over each read chunk's rows, from the stage's own MTP call buffers."""
+
+    def __init__(self, drafter, *, max_rows: int, max_seqs: int, max_model_len: int, device, dtype):
+        from strata.runner.attention_backends import make_attention
+        from strata.spec.mtp_step import MTPStep
+
+        model, pool = drafter.model, drafter.pool
+        self.attn = make_attention(pool, model.config, max_seqs=max_seqs + 1, max_rows=max_rows, max_split_rows=max_seqs,
+                                   device=device, dtype=dtype, max_context=max_model_len)
+        self.step = MTPStep(model, pool, self.attn, max_seqs=max_seqs, max_rows=max_rows, rows_per_seq=1,
+                            max_model_len=max_model_len, device=device, dtype=dtype, cuda_graph=False)
+        self.contexts: list = []  # the stage's stream-K contexts, grown by reserve_draft_kv
+
+    def reserve_draft_kv(self) -> None:
+        """Grow the stage's stream-K pools to the largest fix-up (one 128 x 128 fp32 tile per SM)."""
+        from strata.kernels.quant.streamk import QMatmulContext
+
+        for ctx in self.contexts:
+            sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if ctx.device.type == "cuda" else 1
+            ctx.reserve_fixup(QMatmulContext.largest_fixup(sms))
+
+    def draft_kv(self, chunks, hidden: torch.Tensor, row_starts: list[int]) -> dict[str, int]:
+        """MTP K/V for the rows of read chunks that do not end their prompt (the last chunk's are
+        written by the drafter with the first drafts). Returns request id -> positions written."""
+        seqs = [(i, ch) for i, ch in enumerate(chunks) if not ch.sample]
+        if not seqs:
+            return {}
+        rows = [r for i, ch in seqs for r in range(row_starts[i], row_starts[i] + ch.num_tokens)]
+        self.step.stage_rows(hidden, rows)
+        reqs = [ch.request for _, ch in seqs]
+        starts = [ch.start for _, ch in seqs]
+        lens = [ch.num_tokens for _, ch in seqs]
+        nxt = [t for _, ch in seqs for t in ch.request.token_ids(ch.start + 1, ch.start + ch.num_tokens + 1)]
+        self.step.run(reqs, starts, lens, nxt)
+        return {ch.request.request_id: ch.end for _, ch in seqs}
+
+
+class ReadStage:
+    def __init__(self, main: ModelRunner, *, max_num_batched_tokens: int, max_seqs: int, max_model_len: int,
+                 drafter=None, split_mtp_batch: bool = False):
+        self.main, self.device = main, main.device
+        model = main.model
+        dtype = model.model.embed_tokens.weight.dtype
+        self.runner = ModelRunner(model, main.pool, max_num_batched_tokens=max_num_batched_tokens, max_seqs=max_seqs,
+                                  max_model_len=max_model_len, device=self.device, seed=main.seed, max_drafts=0,
+                                  cuda_graph=False, grammar=main.grammar)
+        # One sampler, grammar state and alternatives request per request, whichever stage samples it.
+        self.runner.sampler = main.sampler
+        self.runner.matchers = main.matchers
+        self.runner.top_logprobs = main.top_logprobs
+        self.max_tokens = max_num_batched_tokens
+        self.up_ring = UpRing(self.device)
+        self.twins = k_scratch.make_twins(k_scratch.model_scratch(model))
+        self.prefill = None
+        if drafter is not None and split_mtp_batch:
+            self.prefill = Prefill(drafter, max_rows=max_num_batched_tokens, max_seqs=max_seqs,
+                                   max_model_len=max_model_len, device=self.device, dtype=dtype)
+            from strata.kernels.quant.streamk import QMatmulContext
+
+            self.prefill.contexts = [t for t in self.twins.values() if isinstance(t, QMatmulContext)]
+        cuda = self.device.type == "cuda"
+        # Lowest priority the device offers (a larger number): decode kernels get the SMs first.
+        self.stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[0]) if cuda else None
+        self.jobs: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self.current = None  # the SchedulerOutput being read, until its result is taken
+        self.reads_total = 0
+        self.worker = threading.Thread(target=self._work, name="strata-read", daemon=True)
+        self.worker.start()
+
+    @property
+    def region_bytes(self) -> int:
+        """The stage's preallocated input buffers (its runner's static tensors) and scratch twins."""
+        r = self.runner
+        tensors = [r.h_ids, r.h_pos, r.h_slots, r.h_tables, r.h_meta, r.d_ids, r.d_pos, r.d_slots, r.d_tables,
+                   *r.h_greedy, *r.h_logprob, *r.h_top_ids, *r.h_top_lp]
+        return sum(t.numel() * t.element_size() for t in tensors) + k_scratch.twin_bytes(self.twins)
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def reserve(self) -> None:
+        """Before a read, with nothing in flight: room for the largest step's uploads (and, beside the
+        batched draft K/V, the stage's stream-K pool)."""
+        self.up_ring.reserve_uploads(self.max_tokens * UPLOAD_BYTES_PER_TOKEN)
+        if self.prefill is not None:
+            self.prefill.reserve_draft_kv()
+
+    def warm_up(self) -> None:
+        """One read step of the largest size through the stage, on its stream, so torch's caching
+        allocator holds the read's activations before the first real read. Its request reads token 0
+        into the padding block (block 0, whose K/V nobody reads) and samples greedily (no seed used);
+        its uploads go through a ring of their own, so this ring's reservation is what later reads get."""
+        from strata.params import SamplingParams
+        from strata.sched.request import Request
+        from strata.sched.scheduler import ScheduledChunk, SchedulerOutput
+
+        n = self.max_tokens
+        req = Request("__read_warm_up__", [0] * n, SamplingParams(max_tokens=1), slot=0)
+        req.block_ids = [0] * -(-n // self.runner.pool.block_size)
+        ring, self.up_ring = self.up_ring, UpRing(self.device, n * UPLOAD_BYTES_PER_TOKEN)
+        try:
+            self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, True)]))
+            self.poll(block=True)
+        finally:
+            self.up_ring = ring
+            self.reads_total = 0
+
+    def submit(self, out) -> None:
+        if self.current is not None:
+            raise RuntimeError("the read stage runs one step at a time")
+        self.current = out
+        self.jobs.put(out)
+
+    def poll(self, block: bool = False) -> ReadResult | None:
+        """The finished step's result, or None while it runs (block: wait for it)."""
+        if self.current is None:
+            return None
+        try:
+            res = self.results.get(block=block)
+        except queue.Empty:
+            return None
+        self.current = None
+        if res.error is not None:
+            raise res.error
+        self.reads_total += 1
+        return res
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.worker.join(timeout=10)
+
+    def _work(self) -> None:
+        stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with stream, k_scratch.use(self.twins), torch.inference_mode():
+            while True:
+                out = self.jobs.get()
+                if out is None:
+                    return
+                res = ReadResult(out)
+                try:
+                    with self.up_ring.installed():
+                        self._read(out, res)
+                except BaseException as e:  # handed to the engine's thread, which raises it
+                    res.error = e
+                self.results.put(res)
+
+    def _read(self, out, res: ReadResult) -> None:
+        self.up_ring.reset()
+        step = self.runner.launch(out.chunks)
+        if step is not None:
+            res.sampled = self.runner.collect(step)
+            res.hidden, res.row_starts = self.runner.hidden, self.runner.row_starts
+            if self.prefill is not None:
+                res.draft_kv = self.prefill.draft_kv(out.chunks, res.hidden, res.row_starts)
+        if self.stream is not None:
+            self.stream.synchronize()  # its K/V are written before a decode step may read them
+
+
+class AllocationGrowth(RuntimeError):
+    pass
+
+
+class AllocationGuard:
+    """STRATA_ALLOC_GUARD: around every read step (`start` before it is submitted, `check` when it is
+    back), fail if the upload ring, a stream-K pool of the stage, the KV pool or (CUDA) torch's
+    caching allocator grew. The main loop keeps running meanwhile: its steps must not grow them either."""
+
+    def __init__(self, stage: ReadStage, pool):
+        self.stage, self.pool = stage, pool
+        self.before: dict[str, int] | None = None
+
+    def snapshot(self) -> dict[str, int]:
+        from strata.kernels.quant.streamk import QMatmulContext
+
+        st = self.stage
+        snap = {"up_ring_bytes": st.up_ring.nbytes, "up_ring_grows": st.up_ring.grows,
+                "kv_pool_bytes": sum(t.numel() * t.element_size() for t in vars(self.pool).values()
+                                     if isinstance(t, torch.Tensor)),
+                "region_bytes": st.region_bytes}
+        for i, ctx in enumerate(t for t in st.twins.values() if isinstance(t, QMatmulContext)):
+            snap[f"streamk_pool_{i}_bytes"], snap[f"streamk_pool_{i}_grows"] = ctx.pool_bytes, ctx.grows
+        if st.device.type == "cuda":
+            snap["cuda_reserved_bytes"] = torch.cuda.memory_reserved(st.device)
+        return snap
+
+    def start(self) -> None:
+        self.before = self.snapshot()
+
+    def check(self) -> None:
+        if self.before is None:
+            return
+        after = self.snapshot()
+        grew = {k: (self.before[k], v) for k, v in after.items() if v > self.before.get(k, v)}
+        self.before = None
+        if grew:
+            raise AllocationGrowth("allocation during a concurrent read: " +
+                                   ", ".join(f"{k} {a} -> {b}" for k, (a, b) in grew.items()))

@@ -1,0 +1,118 @@
+"""The concurrent read (STRATA_PIPED_CONCURRENT, STRATA_SPLIT_MTP_BATCH, STRATA_PIPED_CONCURRENT_SMB) on
+the embedded model, fp32, CPU: the switches' decision and log lines, greedy output identical with the
+read on its own stage and off (through a give-way, a hand-off, speculation in both draft-K/V modes), an
+abort during a read, and the allocation guard, which fails when the reservation is removed."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from strata.config import EngineConfig
+from strata.engine.concurrent import OFF_BESIDE_SPLIT, SMB_ON, ConcurrentReadSetup
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.params import SamplingParams
+from strata.runner.read_stage import AllocationGrowth, ReadStage
+
+FILLER = open(__file__.replace("tests/test_batch_read.py", "strata/assets/default-model/README.md")).read() * 4
+SWITCHES = ("STRATA_PIPED_CONCURRENT", "STRATA_SPLIT_MTP_BATCH", "STRATA_PIPED_CONCURRENT_SMB")
+
+
+def _set(monkeypatch, piped=False, split=False, smb=False, guard=False):
+    for name, on in zip(SWITCHES + ("STRATA_ALLOC_GUARD",), (piped, split, smb, guard)):
+        monkeypatch.setenv(name, "1" if on else "0")
+
+
+@pytest.mark.parametrize("piped,split,smb,enabled,reserved,off", [
+    (False, False, False, False, False, None),
+    (False, True, True, False, False, None),
+    (True, False, False, True, False, None),
+    (True, False, True, True, False, None),
+    (True, True, False, False, False, OFF_BESIDE_SPLIT),
+    (True, True, True, True, True, None),
+])
+def test_the_switches_decide(monkeypatch, caplog, piped, split, smb, enabled, reserved, off):
+    _set(monkeypatch, piped, split, smb)
+    setup = ConcurrentReadSetup.from_env()
+    assert (setup.enabled, setup.split_mtp_batch_reserved, setup.concurrent_read_off()) == (enabled, reserved, off)
+    with caplog.at_level(logging.INFO, logger="strata"):
+        setup.log_decision()
+    assert (OFF_BESIDE_SPLIT in caplog.text) == (off == OFF_BESIDE_SPLIT)
+    assert (SMB_ON in caplog.text) == reserved
+    hybrid = ConcurrentReadSetup.from_env(model_reason="a reason")
+    assert not hybrid.enabled and (hybrid.concurrent_read_off() is not None) == piped
+
+
+def _engine(**kw) -> LLMEngine:
+    base = dict(device="cpu", ctx=4096, parallel=3, chunk_size=64, max_num_batched_tokens=128)
+    return LLMEngine(EngineConfig(**{**base, **kw}), progress=False)
+
+
+def _req(rid, ids, n):
+    return EngineRequest(rid, tuple(ids), SamplingParams(max_tokens=n, ignore_eos=True), time.monotonic())
+
+
+def _scenario(e: LLMEngine):
+    """A decoding slot, then a 1500-token read beside it, then a short request during the read."""
+    tok = e.tokenizer
+    e.add_request(_req("dec", tok.encode("To be, or not to be:"), 40))
+    out, order, steps = {}, [], 0
+    while e.has_work() or steps < 3:
+        if steps == 2:
+            e.add_request(_req("long", tok.encode(FILLER)[:1500], 8))
+        if steps == 6:
+            e.add_request(_req("short", tok.encode("It is a truth universally"), 8))
+        for ev in e.step():
+            out.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason:
+                order.append(ev.request_id)
+        steps += 1
+    return out, order
+
+
+@pytest.mark.parametrize("kw,split", [({}, False), (dict(spec=2), False), (dict(spec=2), True)])
+def test_greedy_output_identical_on_and_off(monkeypatch, kw, split):
+    _set(monkeypatch, split=split)
+    plain = _engine(**kw)
+    want, _ = _scenario(plain)
+    _set(monkeypatch, piped=True, split=split, smb=split, guard=True)
+    e = _engine(**kw)
+    assert isinstance(e.read_stage, ReadStage) and (e.read_stage.prefill is not None) == split
+    got, order = _scenario(e)
+    assert got == want
+    assert order.index("short") < order.index("long")  # it did not wait for the long read
+    assert e.scheduler.give_ways_total >= 1 and e.read_stage.reads_total >= 1500 // 64
+    if kw:
+        # The same draft K/V (the stage's own MTP calls with SPLIT_MTP_BATCH), so the same drafts.
+        st, st_plain = e.stats().spec, plain.stats().spec
+        assert st["drafts_proposed"] > 0
+        assert (st["drafts_proposed"], st["drafts_accepted"]) == (st_plain["drafts_proposed"], st_plain["drafts_accepted"])
+    e.close()
+
+
+def test_abort_during_a_read_frees_its_blocks_after_the_step(monkeypatch):
+    _set(monkeypatch, piped=True)
+    e = _engine()
+    e.add_request(_req("long", e.tokenizer.encode(FILLER)[:1500], 8))
+    for _ in range(3):
+        e.step()
+    assert e.read_stage.busy
+    ev = e.abort("long")
+    assert ev is not None and ev.finish_reason == "abort"
+    assert not e.read_stage.busy and e.allocator.num_used == 0
+    e.add_request(_req("next", e.tokenizer.encode("In the beginning"), 4))
+    assert len([t for evs in e.run_to_completion().values() for x in evs for t in x.token_ids]) == 4
+    e.close()
+
+
+def test_the_guard_fails_without_the_reservation(monkeypatch):
+    """With `reserve()` a no-op the upload ring starts at 16 bytes and grows during the first read."""
+    _set(monkeypatch, piped=True, guard=True)
+    monkeypatch.setattr(ReadStage, "reserve", lambda self: None)
+    e = _engine()
+    with pytest.raises(AllocationGrowth, match="up_ring"):
+        _scenario(e)
+    e.close()
