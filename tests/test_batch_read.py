@@ -116,3 +116,61 @@ def test_the_guard_fails_without_the_reservation(monkeypatch):
     with pytest.raises(AllocationGrowth, match="up_ring"):
         _scenario(e)
     e.close()
+
+
+# ---- on the device ------------------------------------------------------------------------------------
+
+def _gpu_reads_beside_decoding(e: LLMEngine, lengths, vocab: int):
+    """Reads of `lengths` one after another, each beside a decoding slot; returns each read's tokens."""
+    import random
+
+    rng = random.Random(0)
+    outs = []
+    for i, n in enumerate(lengths):
+        e.add_request(_req(f"dec{i}", [rng.randrange(vocab) for _ in range(16)], 64))
+        e.add_request(_req(f"read{i}", [rng.randrange(vocab) for _ in range(n)], 4))
+        got = e.run_to_completion()
+        outs.append([t for ev in got[f"read{i}"] for t in ev.token_ids])
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_reads_beside_decoding_allocate_nothing(monkeypatch):
+    """Qwen3-8B shapes, bf16: 8K-64K reads beside a decoding slot with all three switches and the guard
+    on (AllocationGrowth on any growth), the same tokens as with the concurrent read off."""
+    import torch
+
+    from strata.bench.random_model import random_model
+
+    loaded = random_model("qwen3-8b", "cuda", torch.bfloat16)
+    lengths = [8192, 16384, 32768, 65536]
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", ctx=65536 + 64, parallel=2, chunk_size=2048,
+                       max_num_batched_tokens=2048, kv_size=2 * (65536 + 128))
+    _set(monkeypatch, piped=True, split=True, smb=True, guard=True)
+    e = LLMEngine(cfg, progress=False, loaded=loaded)
+    got = _gpu_reads_beside_decoding(e, lengths, loaded.config.vocab_size)
+    print(f"concurrent reads: {e.read_stage.reads_total} steps, region {e.read_stage.region_bytes / 2**20:.1f} MiB, "
+          f"up_ring {e.read_stage.up_ring.nbytes} B (high water {e.read_stage.up_ring.high_water} B)")
+    e.close()
+    del e
+    _set(monkeypatch)
+    e = LLMEngine(cfg, progress=False, loaded=loaded)
+    want = _gpu_reads_beside_decoding(e, lengths, loaded.config.vocab_size)
+    same = sum(a == b for a, b in zip(got, want))
+    print(f"reads with the same first tokens on and off: {same}/{len(lengths)} (bf16: batch shapes differ)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_embedded_model_with_speculation_identical(monkeypatch):
+    """The embedded model on CUDA in fp32 with --spec 2 and all three switches: the same output and the
+    same drafts as without the concurrent read, and nothing grows."""
+    kw = dict(device="cuda", dtype="float32", spec=2)
+    _set(monkeypatch, split=True)
+    want, _ = _scenario(_engine(**kw))
+    _set(monkeypatch, piped=True, split=True, smb=True, guard=True)
+    e = _engine(**kw)
+    got, order = _scenario(e)
+    assert got == want and order.index("short") < order.index("long")
+    e.close()
