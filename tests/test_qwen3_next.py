@@ -154,6 +154,16 @@ def test_engine_batched_and_chunked_match_hf(next_model):
     assert _run(_engine(path, parallel=4, batch_groups=2, overlap=True), prompts) == refs
 
 
+def test_concurrent_read_matches_hf(next_model, monkeypatch):
+    """Reads on their own stage (STRATA_PIPED_CONCURRENT): its runner has its own view of the states."""
+    path, prompts, refs = next_model
+    monkeypatch.setenv("STRATA_PIPED_CONCURRENT", "1")
+    e = _engine(path, parallel=3, chunk_size=16, max_num_batched_tokens=32)
+    assert e.read_stage is not None and e.read_stage.runner.attn.states is not e.runner.attn.states
+    assert _run(e, prompts) == refs
+    e.close()
+
+
 def test_give_way_keeps_the_long_output(next_model):
     path, prompts, refs = next_model
     e = _engine(path, parallel=2, chunk_size=32, max_num_batched_tokens=48)

@@ -108,6 +108,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.close()
 
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:

@@ -148,8 +148,7 @@ class LLMEngine:
             log.info("linear-attention state pool: %d slots x %.1f MiB (%d linear layers; K/V for %d layers)",
                      cfg.parallel + 1, self.states.nbytes / (cfg.parallel + 1) / 2**20,
                      mc.num_hidden_layers - mc.num_full_attention_layers, layers)
-        self.concurrent = ConcurrentReadSetup.from_env(
-            model_reason="hybrid models keep one linear-attention layout per runner" if mc.is_hybrid else None)
+        self.concurrent = ConcurrentReadSetup.from_env()
         self.concurrent.log_decision()
         tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes)
         num_blocks = max(tokens // cfg.block_size, 2) + 1  # +1: block 0 is the padding block

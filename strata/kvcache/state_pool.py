@@ -9,6 +9,8 @@ clearing when it changes hands, and a preempted request that is read again recom
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from strata.config import ModelConfig
@@ -62,6 +64,14 @@ class StatePool(RecurrentStates):
         accepted draft), in every linear layer."""
         self.conv_states[:, state] = self.conv_after[:, state, row]
         self.recurrent_states[:, state] = self.recurrent_after[:, state, row]
+
+    def view(self) -> "StatePool":
+        """The same states with a step layout of its own: for a second runner (the concurrent read's
+        stage), whose sequences are never the first runner's."""
+        other = copy.copy(self)
+        other._index = torch.zeros_like(self._index)
+        other.spans, other.index = [], other._index[:0]
+        return other
 
     def set_spans(self, spans: list[tuple[int, int, int, bool, bool]]) -> None:
         """The next step's sequences: (first row, rows, state index, fresh, keep), in row order."""

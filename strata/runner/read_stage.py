@@ -100,7 +100,8 @@ class ReadStage:
         dtype = model.model.embed_tokens.weight.dtype
         self.runner = ModelRunner(model, main.pool, max_num_batched_tokens=max_num_batched_tokens, max_seqs=max_seqs,
                                   max_model_len=max_model_len, device=self.device, seed=main.seed, max_drafts=0,
-                                  cuda_graph=False, grammar=main.grammar)
+                                  cuda_graph=False, grammar=main.grammar,
+                                  states=main.attn.states.view() if main.attn.states is not None else None)
         # One sampler, grammar state and alternatives request per request, whichever stage samples it.
         self.runner.sampler = main.sampler
         self.runner.matchers = main.matchers
