@@ -13,7 +13,7 @@ import torch
 from strata.bench import roofline
 from strata.bench.http_arm import percentile, summarize
 from strata.bench.random_model import SHAPES, random_model, shape_config
-from strata.bench.throughput import _check_context, _draw, _room_for_reads, default_out, engine_config
+from strata.bench.throughput import check_context, _draw, room_for_reads, default_out, engine_config
 from strata.cli import main
 from strata.config import EngineConfig
 from strata.models.registry import build_model
@@ -173,12 +173,12 @@ def test_draw_skips_missing_hf_bars():
 
 def test_reads_may_fill_the_context():
     loaded = random_model("tiny", "cpu", torch.float32)  # max_position_embeddings 4096
-    assert _room_for_reads(loaded, 4000) is loaded
-    roomy = _room_for_reads(loaded, 4096 + 8)  # a 4096-token read
+    assert room_for_reads(loaded, 4000) is loaded
+    roomy = room_for_reads(loaded, 4096 + 8)  # a 4096-token read
     assert roomy.config.max_position_embeddings == 4104 and roomy.model is loaded.model
-    _check_context(shape_config("qwen3-8b-128k"), 131072, "qwen3-8b-128k")
+    check_context(shape_config("qwen3-8b-128k"), 131072, "qwen3-8b-128k")
     with pytest.raises(ValueError, match="qwen3-8b-128k"):
-        _check_context(shape_config("qwen3-8b"), 131072, "qwen3-8b")
+        check_context(shape_config("qwen3-8b"), 131072, "qwen3-8b")
 
 
 def test_server_streams_token_id_prompts_one_chunk_per_token_urllib():

@@ -33,9 +33,9 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from strata.bench.http_arm import percentile
-from strata.bench.random_model import SHAPES, random_model, shape_config
+from strata.bench.random_model import SHAPES, random_model
 from strata.bench.results import print_tables, save, summary_table
-from strata.bench.throughput import _check_context, _room_for_reads, build_engine, default_out, engine_config
+from strata.bench.throughput import check_context, room_for_reads, build_engine, default_out, engine_config
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
@@ -49,6 +49,7 @@ IDLE_SKIP = 4  # decode events before the idle timing starts (the slot's own rea
 SHORT_TOKENS = 32  # the give-way scenario's short prompt
 DEC_PROMPT_TOKENS = 16
 GPU_GIVEWAY_TOKENS = 65536
+DEFAULT_LENGTHS = (4096, 32768, 131072)
 
 ARMS = {
     "concurrent": ((ENV.PIPED_CONCURRENT, "1"), (ENV.SPLIT_MTP_BATCH, "0"), (ENV.PIPED_CONCURRENT_SMB, "0"),
@@ -111,7 +112,6 @@ class Trace:
         self.events: dict[str, list[tuple[float, int]]] = {}  # request id -> (time, tokens) per event
         self.tokens: dict[str, list[int]] = {}
         self.first: dict[str, float] = {}
-        self.finished: dict[str, object] = {}
         self.read_id, self.read_len, self.read_points = None, 0, []  # (time, prompt tokens read)
 
     def watch(self, rid: str, prompt_len: int, t: float) -> None:
@@ -125,8 +125,6 @@ class Trace:
                 self.events.setdefault(ev.request_id, []).append((t, len(ev.token_ids)))
                 self.tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
                 self.first.setdefault(ev.request_id, t)
-            if ev.finish_reason:
-                self.finished[ev.request_id] = ev
         if self.read_id is not None:
             r = self.eng.requests.get(self.read_id)
             read = min(r.num_computed_tokens, self.read_len) if r is not None else self.read_len
@@ -297,7 +295,7 @@ def run_arm(args, arm: str, pair: int, loaded, device: torch.device, prompts: di
         eng, startup = build_engine(cfg, loaded)
         try:
             if eng.read_stage is None:
-                raise RuntimeError(f"arm {arm}: the engine did not start its read stage")
+                raise ValueError(f"arm {arm}: no read stage ({eng.concurrent.concurrent_read_off()})")
             meter = eng.alloc_guard = GrowthMeter(eng.read_stage, eng.pool)
             warm = prompts[min(prompts)][: 2 * args.chunk + 1]
             read_alone(eng, warm, f"p{pair}-warm-alone", 1)
@@ -318,10 +316,12 @@ def run_arm(args, arm: str, pair: int, loaded, device: torch.device, prompts: di
                   f"{gw['short_ttft_idle_s'] * 1e3:.1f} ms), give-ways {gw['give_ways']}", flush=True)
             alloc = meter.take()
             spec = eng.stats().spec
+            draft_kv_on_stage = eng.read_stage.prefill is not None
         finally:
             eng.close()
     info = {"pair": pair, "arm": arm, "env": {sw.name: v for sw, v in ARMS[arm]}, "startup_s": startup,
-            "async_scheduling": eng.cfg.async_scheduling, "cuda_graph": eng.cfg.cuda_graph, "lengths": rows,
+            "async_scheduling": eng.cfg.async_scheduling, "cuda_graph": eng.cfg.cuda_graph,
+            "draft_kv_on_read_stage": draft_kv_on_stage, "lengths": rows,
             "giveway": gw, "alloc": alloc, "alloc_warmup": warmup_alloc,
             "spec": {k: spec[k] for k in ("drafts_proposed", "drafts_accepted", "acceptance")} if spec else None}
     del eng
@@ -374,8 +374,11 @@ def _headline(runs: list[dict], lengths: list[int], needle_out: dict | None) -> 
         "reads_measured": sum(r["alloc"]["reads"] for r in runs),
         "drafts_accepted": sum(s["drafts_accepted"] for s in specs) if specs else None,
         "drafts_proposed": sum(s["drafts_proposed"] for s in specs) if specs else None,
+        "acceptance": _ratio(sum(s["drafts_accepted"] for s in specs), sum(s["drafts_proposed"] for s in specs))
+        if specs else None,
         "needle_correct": needle_out["correct"] if needle_out else 0,
         "needle_total": needle_out["total"] if needle_out else 0,
+        "needle_alone_correct": needle_out["alone_correct"] if needle_out else 0,
         "by_length": by_length,
     }
 
@@ -388,8 +391,8 @@ def outputs_identical(runs: list[dict]) -> bool:
 
 
 def summarize(runs: list[dict], lengths: list[int], needle_by_arm: dict | None) -> dict:
-    needle_all = ({"correct": sum(v["correct"] for v in needle_by_arm.values()),
-                   "total": sum(v["total"] for v in needle_by_arm.values())} if needle_by_arm else None)
+    needle_all = ({k: sum(v[k] for v in needle_by_arm.values()) for k in ("correct", "total", "alone_correct")}
+                  if needle_by_arm else None)
     by_arm = {arm: _headline([r for r in runs if r["arm"] == arm], lengths, (needle_by_arm or {}).get(arm))
               for arm in ARMS}
     return {**_headline(runs, lengths, needle_all), "outputs_identical": outputs_identical(runs),
@@ -426,12 +429,15 @@ def run(args) -> int:
     if args.spec and not loaded.has_mtp:
         raise ValueError(f"--spec needs a model with an MTP head; {name} has none (try --model default)")
     mc = loaded.config
-    lengths = sorted(set(args.lengths))
-    _check_context(mc, max(lengths), name)
+    lengths = sorted(set(args.lengths or [n for n in DEFAULT_LENGTHS if n <= mc.max_position_embeddings]
+                         or [mc.max_position_embeddings // 2]))
+    if not args.lengths and max(DEFAULT_LENGTHS) > max(lengths):
+        print(f"reads of {lengths} tokens: {name} has {mc.max_position_embeddings} positions", flush=True)
+    check_context(mc, max(lengths), name)
     giveway = min(args.giveway_tokens or (GPU_GIVEWAY_TOKENS if device.type == "cuda" else max(lengths)),
                   mc.max_position_embeddings - 1)
     ctx = max(max(lengths), giveway) + 8
-    loaded = _room_for_reads(loaded, ctx)
+    loaded = room_for_reads(loaded, ctx)
     prompts = {n: _prompt_ids(loaded, n, args.seed + n) for n in lengths}
     dec_ids = _prompt_ids(loaded, DEC_PROMPT_TOKENS, args.seed + 1)[::-1]
     short_ids = _prompt_ids(loaded, SHORT_TOKENS, args.seed + 2)[::-1]
@@ -532,7 +538,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--kv", default="auto", choices=["auto", "bf16", "int8"], help="KV cache storage")
-    p.add_argument("--lengths", type=_int_list, default=[4096, 32768, 131072], help="prompt tokens of the reads")
+    p.add_argument("--lengths", type=_int_list, default=None,
+                   help=f"prompt tokens of the reads (default: those of {DEFAULT_LENGTHS} within the model's context)")
     p.add_argument("--pairs", type=int, default=3, help="interleaved pairs of arms, a fresh engine per arm")
     p.add_argument("--chunk", type=int, default=None, help="read chunk (default: the engine's, 2048 on CUDA)")
     p.add_argument("--spec", type=int, default=0, help="MTP drafts per step (a model with an MTP head)")

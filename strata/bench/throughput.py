@@ -81,13 +81,13 @@ def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _check_context(mc: ModelConfig, positions: int, shape: str) -> None:
+def check_context(mc: ModelConfig, positions: int, shape: str) -> None:
     if positions > mc.max_position_embeddings:
         raise ValueError(f"{positions} positions do not fit shape {shape!r} (max_position_embeddings "
                          f"{mc.max_position_embeddings}); qwen3-8b-128k reads up to 131072 tokens")
 
 
-def _room_for_reads(loaded: LoadedModel, ctx: int) -> LoadedModel:
+def room_for_reads(loaded: LoadedModel, ctx: int) -> LoadedModel:
     """The model with the engine's context limit raised to `ctx` where it is short of it. A read of L
     tokens computes positions 0..L-1 only, but the engine also counts room for the token it samples
     (which this benchmark never feeds back), so a prompt of exactly max_position_embeddings tokens
@@ -118,11 +118,11 @@ def _strata_read(args, device, dtype, ceilings, info) -> list[dict]:
     chunks = args.chunks or [args.chunk]
     lengths = args.lengths
     mc = shape_config(args.shape)
-    _check_context(mc, max(lengths), args.shape)
+    check_context(mc, max(lengths), args.shape)
     prompts = _prompts(mc.vocab_size, lengths, args.seed)
     loaded, info["model_init_s"] = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed), device)
     ctx = max(lengths) + 8
-    loaded = _room_for_reads(loaded, ctx)
+    loaded = room_for_reads(loaded, ctx)
     rows = []
     for chunk in chunks:
         eng, startup = build_engine(engine_config(args, device, ctx, 1, chunk), loaded)
@@ -203,7 +203,7 @@ def _decode_once(eng: LLMEngine, prompts: list[list[int]], params: SamplingParam
 def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
     mc = shape_config(args.shape)
     ctx = args.prompt + args.tokens + 8
-    _check_context(mc, args.prompt + args.tokens, args.shape)
+    check_context(mc, args.prompt + args.tokens, args.shape)
     loaded, info["model_init_s"] = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed), device)
     grammar = getattr(args, "grammar", None)
     if grammar and not getattr(args, "tokenizer", None):
