@@ -218,6 +218,9 @@ class EngineConfig:
     # GGUF Q8_0 / Q4_K / IQ3_S linear weights stay quantized on the device (their Triton kernels) instead
     # of being expanded to the model dtype at load. Off until the kernels are measured on the GPU.
     keep_quantized: bool = False
+    # Quantize an HF checkpoint's attention and dense-MLP projections at load: None or "fp8" (e4m3 with
+    # a scale per output channel, activations per token; torch._scaled_mm, the H200's FP8 tensor cores).
+    quantize: str | None = None
     kv_size: int | None = None  # KV capacity in tokens; None: from free memory (CUDA), ctx x parallel (CPU)
     gpu_memory_utilization: float = 0.9  # share of the GPU's free memory the KV pool may take
     block_size: int = 16  # tokens per KV block
@@ -240,6 +243,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
             raise ValueError(f"kv must be auto, bf16 or int8, not {self.kv!r}")
+        if self.quantize not in (None, "fp8"):
+            raise ValueError(f"quantize must be fp8 (or unset), not {self.quantize!r}")
         for name in ("ctx", "parallel", "block_size", "chunk_size", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

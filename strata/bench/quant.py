@@ -21,7 +21,7 @@ from strata.bench.random_model import SHAPES, random_model, shape_config, timed
 from strata.bench.results import print_tables, save, summary_table
 from strata.bench.throughput import _decode_once, _free, _prompts, build_engine, engine_config
 from strata.engine.types import EngineRequest
-from strata.kernels.quant import FORMATS, QWeight
+from strata.kernels.quant import FORMATS, QWeight, quantize_fp8
 from strata.params import SamplingParams
 
 QUANT_ATTRS = ("qkv_q", "o_q", "gate_up_q", "down_q", "lm_head_q")
@@ -47,8 +47,13 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def _arm(args, fmt: str, device: torch.device, dtype: torch.dtype, copy_bps: float | None) -> dict:
     mc = shape_config(args.shape)
+    gguf = fmt not in ("bf16", "FP8")
     loaded, init_s = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed,
-                                                quant=None if fmt == "bf16" else fmt), device)
+                                                quant=fmt if gguf else None), device)
+    if fmt == "FP8":  # made at load from the float weights, as `--quantize fp8` does
+        quantize_fp8(loaded.model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     total, emb = weight_bytes(loaded.model)
     row = {"format": fmt, "weights_gib": total / 2**30, "model_init_s": init_s}
     ctx = max(args.prompt + args.tokens, args.read_tokens) + 8
@@ -107,21 +112,22 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("quant", help="quantized weights (Q8_0 / Q4_K / IQ3_S) against bf16: memory, decode, read")
+    p = sub.add_parser("quant", help="quantized weights (Q8_0 / Q4_K / IQ3_S / FP8) against bf16: memory, decode, read")
     _add_args(p)
 
 
 def _formats(s: str) -> list[str]:
     out = [f.strip() for f in s.split(",") if f.strip()]
-    bad = [f for f in out if f != "bf16" and f not in FORMATS]
+    bad = [f for f in out if f not in ("bf16", "FP8") and f not in FORMATS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown format(s) {bad}; choose from bf16, {', '.join(FORMATS)}")
+        raise argparse.ArgumentTypeError(f"unknown format(s) {bad}; choose from bf16, {', '.join(FORMATS)}, FP8")
     return out
 
 
 def _add_args(p) -> None:
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    p.add_argument("--formats", type=_formats, default=["bf16", *FORMATS], help="comma-separated: bf16,Q8_0,Q4_K,IQ3_S")
+    p.add_argument("--formats", type=_formats, default=["bf16", *FORMATS, "FP8"],
+                   help="comma-separated: bf16,Q8_0,Q4_K,IQ3_S,FP8")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--prompt", type=int, default=512)

@@ -128,7 +128,7 @@ class LLMEngine:
         dtype = cfg.torch_dtype
         if loaded is None:
             loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=progress,
-                                keep_quantized=cfg.keep_quantized)
+                                keep_quantized=cfg.keep_quantized, quantize=cfg.quantize)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = cfg.model or "strata-default"
         self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)

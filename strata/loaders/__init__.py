@@ -78,7 +78,8 @@ def _mtp_prefix(cfg: ModelConfig) -> str:
 
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: bool = True, pack_experts: bool = True, keep_quantized: bool = False) -> LoadedModel:
+               progress: bool = True, pack_experts: bool = True, keep_quantized: bool = False,
+               quantize: str | None = None) -> LoadedModel:
     """`pack_experts=False` keeps projections unstacked and MoE layers on the reference loop path (e.g.
     to copy weights out for training). `keep_quantized`: see the module docstring (needs packing)."""
     path = os.fspath(path or default_model_path())
@@ -97,7 +98,19 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
     _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable)
     if pack_experts:
         _pack(model, torch.device(device))
-    if quantizable:
+    if quantize == "fp8":
+        if ckpt.raw is not None and keep_quantized:
+            raise LoadError(path, "--quantize fp8 makes FP8 from float weights: not with --keep-quantized")
+        if not pack_experts:
+            raise LoadError(path, "--quantize fp8 needs the packed projections")
+        from strata.kernels.quant import quantize_fp8
+
+        quantize_fp8(model)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the float projections just dropped
+    elif quantize is not None:
+        raise LoadError(path, f"unknown --quantize {quantize!r} (fp8)")
+    if quantizable or quantize:
         _log_quantized(model)
     model.eval()
     return LoadedModel(model=model, config=cfg, tokenizer=ckpt.tokenizer, path=path, has_mtp=with_mtp)

@@ -19,8 +19,8 @@ from types import ModuleType
 
 import torch
 
-_MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s"}
-FORMATS = tuple(_MODULES)
+_MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s", "FP8": "fp8"}
+FORMATS = ("Q8_0", "Q4_K", "IQ3_S")  # GGUF types kept quantized; FP8 is made at load (`quantize_fp8`)
 # Reads whose row count falls here run Q8_0's stream-K GEMM when the weight has a context. On the H200
 # it beat the tiled GEMM at 512 rows (1.00-1.49x over the 8B shapes) and lost at 4,096 (0.94-0.98x;
 # tests/test_kernel_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token
@@ -29,7 +29,7 @@ STREAMK_ROWS = (256, 1024)
 
 
 def format_module(ggml_type: str) -> ModuleType:
-    """The kernel module of a GGUF type name ("Q8_0", "Q4_K", "IQ3_S")."""
+    """The kernel module of a GGUF type name ("Q8_0", "Q4_K", "IQ3_S"), or of "FP8" (`--quantize fp8`)."""
     if ggml_type not in _MODULES:
         raise ValueError(f"no quantized kernels for {ggml_type} (kept quantized: {', '.join(FORMATS)})")
     return importlib.import_module(f"strata.kernels.quant.{_MODULES[ggml_type]}")
@@ -105,3 +105,34 @@ def random_blocks(ggml_type: str, n: int, k: int, generator: torch.Generator, de
         scale = torch.empty(n, blocks, 1, device=device, dtype=torch.float16).uniform_(1e-4, 3e-4, generator=generator)
         raw[:, :, off : off + 2] = scale.view(torch.uint8)
     return raw.view(n, blocks * mod.BLOCK_BYTES)
+
+
+def quantize_fp8(model: torch.nn.Module) -> int:
+    """`--quantize fp8`: the attention and dense-MLP projections of a loaded, packed model become FP8
+    `QWeight`s (e4m3, a scale per output channel; MoE experts, norms, embeddings and the LM head stay as
+    they are). Their float weights are dropped (left on the meta device). Returns weights converted."""
+    from strata.models.layers import MLP, Attention, MoE
+
+    experts = {id(e) for m in model.modules() if isinstance(m, MoE) for e in m.experts}
+    done = 0
+
+    def fp8(w: torch.Tensor) -> QWeight:
+        return QWeight.from_raw("FP8", w.detach(), w.shape[0], w.shape[1])
+
+    def drop(*linears: torch.nn.Module) -> None:
+        for lin in linears:
+            lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, device="meta", dtype=lin.weight.dtype),
+                                            requires_grad=False)
+
+    for m in model.modules():
+        if isinstance(m, Attention) and m.qkv_weight is not None:
+            m.qkv_q, m.o_q = fp8(m.qkv_weight), fp8(m.o_proj.weight)
+            m.qkv_weight = None
+            drop(m.q_proj, m.k_proj, m.v_proj, m.o_proj)
+            done += 2
+        elif isinstance(m, MLP) and id(m) not in experts and m.gate_up_weight is not None:
+            m.gate_up_q, m.down_q = fp8(m.gate_up_weight), fp8(m.down_proj.weight)
+            m.gate_up_weight = None
+            drop(m.gate_proj, m.up_proj, m.down_proj)
+            done += 2
+    return done
