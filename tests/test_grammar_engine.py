@@ -1,7 +1,8 @@
 """Grammars through the engine (CPU, the embedded model; JSON schemas under speculation are
 tested through the server, tests/test_api_structured.py): the mask path of eager steps, verification
 rows under speculation (drafts the grammar rejects are cut) and async scheduling (a constrained
-request never runs ahead) all give the greedy output of plain stepping, and it matches its grammar."""
+request runs ahead, its rows sampled in a second stage once the matcher has seen the token before
+them) all give the greedy output of plain stepping, and it matches its grammar."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def test_masked_output_is_the_same_stepped_plainly_speculated_and_run_ahead():
         results.append(run(e, specs))
         if e.drafter is not None:
             assert e.drafter.total.as_dict()["drafts_proposed"] > 0
+        if kw.get("async_scheduling"):
+            assert e.runner.two_stage_steps >= 5  # the constrained requests ran ahead
         assert not e.runner.matchers  # dropped with their requests
     assert results[0] == results[1] == results[2]
     out = results[0]
@@ -63,3 +66,19 @@ def test_grammar_requests_need_a_compilable_grammar():
     # ignore_eos does not let a finished grammar run on.
     done = run(e, {"o": GrammarSpec.json_object()}, ignore_eos=True)["o"]
     assert done[1] == "stop" and isinstance(json.loads(done[0]), dict)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_two_stage_graphs_give_the_plain_output():
+    """On CUDA with graphs (fp32): constrained requests run ahead through the forward graph and the
+    head graph of their bucket, and answer as stepping synchronously does."""
+    specs = {"object": GrammarSpec.json_object(), "code": GrammarSpec.regex(PATTERN), "free": None}
+    results = []
+    for kw in ({"async_scheduling": False}, {"async_scheduling": True}):
+        e = LLMEngine(EngineConfig(device="cuda", dtype="float32", ctx=512, parallel=3, **kw), progress=False)
+        assert all(g.forward is not None and g.head is not None for g in e.runner.graphs.values())
+        results.append(run(e, specs))
+        if kw["async_scheduling"]:
+            assert e.runner.two_stage_steps >= 5
+    assert results[0] == results[1]

@@ -164,7 +164,7 @@ class LLMEngine:
                             batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps,
                             run_ahead=bool(cfg.async_scheduling), prefix_cache=cfg.prefix_cache,
                             prefix_salt=f"{self.model_name}|{dtype}|{cfg.kv}", prefix_with_mtp=bool(cfg.spec),
-                            read_lane=self.concurrent.enabled),
+                            read_lane=self.concurrent.enabled, run_ahead_grammar=True),
             self.allocator,
         )
         self.grammar_compiler = _grammar_compiler(self.tokenizer, mc.vocab_size)
@@ -271,6 +271,8 @@ class LLMEngine:
         else:
             previous, self.in_flight = self.in_flight, launched
             done = self._complete(previous) if previous else []
+            if launched is not None and launched.step is not None:
+                self.runner.launch_head(launched.step)  # a grammar run-ahead step samples now
             launched = launched or previous
         if launched is None and self.read_stage is not None and self.read_stage.busy:
             reads += self._read_lane(block=True)  # nothing to decode: wait for the read

@@ -19,6 +19,13 @@ host by the request's matcher before launch (all ones for requests without a gra
 the other inputs, and applied to the logits (`apply_token_mask`) before any pick: inside the graph
 body, so graphs replay unchanged, and in eager steps that have a constrained row. A verification
 row j of a constrained request gets the mask after its drafts[:j].
+
+Two stages for run-ahead under a grammar: a constrained request's run-ahead chunk samples after a
+token the host has not seen yet, so its mask cannot be filled at launch. Such a step launches its
+forward only (`LaunchedStep.head_pending`; with graphs, the bucket's forward graph); once the engine
+has collected the previous step and advanced the matchers, `launch_head` fills and uploads the masks
+and runs the rest (logits, mask, picks; the bucket's head graph, which reads the forward graph's
+hidden states). The host's mask work and its wait for the previous step overlap the forward.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class LaunchedStep:
     out: int = 0  # which pinned output buffer
     ready: torch.cuda.Event | None = None
     top_k: int = 0  # alternatives per picked row in the pinned top buffers (0: none asked for)
+    head_pending: bool = False  # forward only so far: `ModelRunner.launch_head` samples (grammar run-ahead)
+    graph: "_Graph | None" = None  # the bucket whose forward graph ran (two-stage steps)
 
 
 @dataclass
@@ -90,6 +99,11 @@ class _Graph:
     best: torch.Tensor
     best_lp: torch.Tensor
     lse: torch.Tensor
+    # Two-stage steps (grammar run-ahead): the forward alone, and the head over its hidden states.
+    forward: torch.cuda.CUDAGraph | None = None
+    forward_hidden: torch.Tensor | None = None
+    head: torch.cuda.CUDAGraph | None = None
+    head_outputs: tuple[torch.Tensor, ...] = ()  # logits, best, best_lp, lse
 
 
 class ModelRunner:
@@ -153,6 +167,7 @@ class ModelRunner:
             self.np_mask = self.h_mask.numpy()
             self.d_mask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         self.next_out = 0
+        self.two_stage_steps = 0  # steps sampled by launch_head (tests and benchmarks read it)
         self.samplers: dict[str, Sampler] = {}
         self.seed, self.sampled_requests = seed, 0
         # Sampled rows are drawn on the device from counter-based noise (seed, draw index): no host
@@ -324,7 +339,13 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 hidden, logits, best, best_lp, lse = self._graph_body(rows)
-            self.graphs[b] = _Graph(graph, b, rows, hidden, logits, best, best_lp, lse)
+            g = self.graphs[b] = _Graph(graph, b, rows, hidden, logits, best, best_lp, lse)
+            if self.grammar is not None:
+                g.forward, g.head = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.forward, pool=pool, stream=stream):
+                    g.forward_hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
+                with torch.cuda.graph(g.head, pool=pool, stream=stream):
+                    g.head_outputs = self._head_body(g.forward_hidden)
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
         log.info("captured %d CUDA graphs (up to %d sequences x %d rows) in %.1fs", len(buckets), buckets[0], q, took)
@@ -332,13 +353,16 @@ class ModelRunner:
 
     def _graph_body(self, rows: int):
         hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
+        return hidden, *self._head_body(hidden)
+
+    def _head_body(self, hidden: torch.Tensor):
         logits = self.model.compute_logits(hidden)
         if self.d_mask is not None:  # all ones for unconstrained rows: one read of the mask, no writes
-            apply_token_mask(logits, self.d_mask[:rows])
+            apply_token_mask(logits, self.d_mask[: hidden.shape[0]])
         best = logits.argmax(-1)
         lse = torch.logsumexp(logits, -1)
         best_lp = logits.gather(1, best[:, None])[:, 0] - lse
-        return hidden, logits, best, best_lp, lse
+        return logits, best, best_lp, lse
 
     # ---- steps -------------------------------------------------------------------------------------
     def execute(self, chunks, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
@@ -359,9 +383,13 @@ class ModelRunner:
         for i in range(1, r):
             row_starts[i] = row_starts[i - 1] + lens[i - 1]
         g = self._graph_for(chunks)
+        # A constrained run-ahead row's mask needs the token still being computed: sample it later.
+        defer = bool(self.matchers) and any(ch.pending and ch.request.request_id in self.matchers for ch in chunks)
         if g is not None:
+            spans = [(row_starts[i], ch.num_tokens) for i, ch in enumerate(chunks)]
+            if defer:
+                return self._launch_forward_graph(g, chunks, n, r, row_starts, spans)
             if self.grammar is not None:
-                spans = [(row_starts[i], ch.num_tokens) for i, ch in enumerate(chunks)]
                 self._fill_masks(chunks, list(range(r)), spans)
             return self._launch_graph(g, chunks, n, r, row_starts)
         picks = [i for i, ch in enumerate(chunks) if ch.sample]
@@ -369,7 +397,9 @@ class ModelRunner:
         for i in picks:
             spans.append((m, len(chunks[i].drafts) + 1))
             m += len(chunks[i].drafts) + 1
-        masked = self.grammar is not None and self._fill_masks(chunks, picks, spans)
+        masked = self.grammar is not None and not defer and self._fill_masks(chunks, picks, spans)
+        if defer:
+            self.mask_rows = 0  # filled and uploaded by launch_head
         self._upload(n, r)
         if self.attn.meta is not None:
             ctx = [s + k for s, k in zip(starts, lens)]
@@ -381,9 +411,33 @@ class ModelRunner:
             self.attn.states.set_spans([(row_starts[i], ch.num_tokens, ch.request.slot, ch.start == 0, bool(ch.drafts))
                                         for i, ch in enumerate(chunks)])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
-        step = LaunchedStep(chunks, hidden, row_starts, picks, spans)
-        if not step.picks:
+        step = LaunchedStep(chunks, hidden, row_starts, picks, spans, head_pending=defer and bool(picks))
+        if not step.picks or step.head_pending:
             return step
+        return self._head_eager(step, masked)
+
+    @torch.inference_mode()
+    def launch_head(self, step: LaunchedStep) -> None:
+        """The second stage of a two-stage step: fill and upload its masks (the matchers have seen the
+        previous step's tokens now), then logits, masks and picks, as a one-stage launch would."""
+        if not step.head_pending:
+            return
+        step.head_pending = False
+        self.two_stage_steps += 1
+        masked = self._fill_masks(step.chunks, step.picks, step.spans)
+        if self.mask_rows:
+            self.d_mask[: self.mask_rows].copy_(self.h_mask[: self.mask_rows], non_blocking=True)
+            if self.copied is not None:
+                self.copied.record()  # the next fill of the host mask waits for this copy too
+        g = step.graph
+        if g is None:
+            self._head_eager(step, masked)
+            return
+        g.head.replay()
+        self._picks_from(step, g, *g.head_outputs)
+
+    def _head_eager(self, step: LaunchedStep, masked: bool) -> LaunchedStep:
+        chunks, row_starts, hidden = step.chunks, step.row_starts, step.hidden
         rows = []
         for i in step.picks:
             ch = chunks[i]
@@ -461,14 +515,29 @@ class ModelRunner:
         hidden.copy_(g.hidden[:n])
         step = LaunchedStep(chunks, hidden, row_starts, list(range(r)),
                             [(row_starts[i], ch.num_tokens) for i, ch in enumerate(chunks)])
+        self._picks_from(step, g, g.logits, g.best, g.best_lp, g.lse)
+        return step
+
+    def _launch_forward_graph(self, g: _Graph, chunks, n: int, r: int, row_starts: list[int],
+                              spans: list[tuple[int, int]]) -> LaunchedStep:
+        self.mask_rows = 0  # filled and uploaded by launch_head
+        self._pad(n, r, g)
+        self._upload(g.rows, g.seqs)
+        g.forward.replay()
+        hidden = self.hidden_out[self.next_out][:n]
+        hidden.copy_(g.forward_hidden[:n])
+        return LaunchedStep(chunks, hidden, row_starts, list(range(r)), spans, head_pending=True, graph=g)
+
+    def _picks_from(self, step: LaunchedStep, g: _Graph, logits, best, best_lp, lse) -> None:
+        """A replayed graph's picks towards the host (after the replay and outside the graph: its
+        outputs stay valid until the next replay)."""
+        n, chunks = len(step.hidden), step.chunks
         if any(ch.drafts and not ch.request.params.greedy for ch in chunks):
             # Sampled drafts are verified on the host from the logits, which the next replay overwrites.
-            step.logits, step.lse = g.logits[:n].clone(), g.lse[:n].clone()
-        drawn = self._draw(g.logits[:n], chunks)
-        # After the replay and outside the graph: the graph's logits stay valid until the next replay.
-        top = self._top(g.logits[:n], g.lse[:n], chunks, drawn[2] if drawn else None)
-        self._send_picks(step, *(drawn[:2] if drawn else (g.best[:n], g.best_lp[:n])), n, top)
-        return step
+            step.logits, step.lse = logits[:n].clone(), lse[:n].clone()
+        drawn = self._draw(logits[:n], chunks)
+        top = self._top(logits[:n], lse[:n], chunks, drawn[2] if drawn else None)
+        self._send_picks(step, *(drawn[:2] if drawn else (best[:n], best_lp[:n])), n, top)
 
     def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int,
                     top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
@@ -504,6 +573,8 @@ class ModelRunner:
         self.hidden, self.row_starts = step.hidden, step.row_starts
         if not step.picks:
             return {}
+        if step.head_pending:
+            raise RuntimeError("a two-stage step is collected before launch_head")
         if step.ready is not None:
             step.ready.synchronize()
         m = sum(k for _, k in step.spans)

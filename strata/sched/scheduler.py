@@ -74,6 +74,7 @@ class SchedulerConfig:
     prefix_salt: str = ""  # what else the K/V depend on (model, dtype, KV storage): part of every key
     prefix_with_mtp: bool = False  # keys take the next token; blocks are registered by cache_blocks() only
     read_lane: bool = False  # reads scheduled apart from decodes: schedule("read") / schedule("decode")
+    run_ahead_grammar: bool = False  # constrained requests run ahead too (the runner samples them in two stages)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
@@ -472,7 +473,7 @@ class Scheduler:
             return ahead.end, 0
         # The in-flight step appends one token: the run-ahead decode reads it and samples the next,
         # which needs room under both length limits (else the request finishes on the first one).
-        if (req.params.repetition_penalty != 1.0 or req.params.grammar is not None
+        if (req.params.repetition_penalty != 1.0 or (req.params.grammar is not None and not self.config.run_ahead_grammar)
                 or len(req.output_ids) + 2 > req.params.max_tokens
                 or req.num_tokens + 2 > self.config.max_model_len):
             return None
