@@ -41,6 +41,7 @@ import torch
 
 from strata.kernels import use_triton
 from strata.params import SamplingParams
+from strata.runner.transfer import to_device
 
 try:
     import triton
@@ -400,10 +401,8 @@ class DeviceSampler:
 
 # ---- functional forms, for speculative verification ---------------------------------------------------
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    if device.type == "cuda":  # pinned and asynchronous: a pageable upload would wait for the device
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    # Pinned and asynchronous (a pageable upload would wait for the device); a stage's UpRing if any.
+    return to_device(torch.from_numpy(a), device, torch.from_numpy(a[:0]).dtype)
 
 
 def _packed(rows: Sequence[RowParams], vocab: int, device: torch.device):
