@@ -312,10 +312,12 @@ def test_80b_shape_counts():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_matches_hf(next_model):
-    """The serving engine on CUDA (eager: graphs are off for hybrid models) in fp32 equals HF; in bf16
-    its agreement with HF fp32 is printed."""
+    """The serving engine on CUDA in fp32 equals HF, its decode steps replaying graphs that update the
+    linear-attention states of the slots they name; in bf16 its agreement with HF fp32 is printed."""
     path, prompts, refs = next_model
-    assert _run(_engine(path, device="cuda", dtype="float32", parallel=4), prompts) == refs
+    e = _engine(path, device="cuda", dtype="float32", parallel=4)
+    assert e.runner.graphs
+    assert _run(e, prompts) == refs
     got = _run(_engine(path, device="cuda", dtype="bfloat16", parallel=4), prompts)
     same = sum(a == b for g, r in zip(got, refs) for a, b in zip(g, r))
     print(f"qwen3_next cuda bf16 engine: {same}/{sum(map(len, refs))} tokens equal HF fp32")

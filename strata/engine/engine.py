@@ -92,14 +92,14 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
 
 def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
     """What a hybrid (linear-attention) model runs without yet, each with the reason logged: a cached
-    prefix has K/V but no saved linear state to resume from; decode graphs do not cover the state
-    updates yet."""
+    prefix has K/V but no saved linear state to resume from; verification steps keep every row's state
+    token by token, which the decode graphs (one row per sequence) do not."""
     changes = {}
     if cfg.prefix_cache:
         log.info("prefix cache off: %s keeps linear-attention state per sequence, not per block", mc.model_type)
         changes["prefix_cache"] = False
-    if cfg.cuda_graph and torch.device(cfg.resolved_device).type == "cuda":
-        log.info("CUDA graphs off: the linear-attention layers of %s run eagerly for now", mc.model_type)
+    if cfg.spec and cfg.cuda_graph and torch.device(cfg.resolved_device).type == "cuda":
+        log.info("CUDA graphs off with --spec: verification rows of %s keep their states eagerly", mc.model_type)
         changes["cuda_graph"] = False
     return dataclasses.replace(cfg, **changes) if changes else cfg
 

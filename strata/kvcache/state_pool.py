@@ -22,7 +22,8 @@ class StatePool(RecurrentStates):
     row of a verification chunk, so a rejected draft's update can be undone by `restore`."""
 
     def __init__(self, num_layers: int, num_states: int, conv_channels: int, conv_kernel: int, heads: int,
-                 key_dim: int, value_dim: int, device, conv_dtype: torch.dtype, verify_rows: int = 0):
+                 key_dim: int, value_dim: int, device, conv_dtype: torch.dtype, verify_rows: int = 0,
+                 max_rows: int = 0):
         self.device = torch.device(device)
         conv_shape = (conv_channels, conv_kernel - 1)
         rec_shape = (heads, key_dim, value_dim)
@@ -33,17 +34,24 @@ class StatePool(RecurrentStates):
                                       device=self.device)
         self.recurrent_after = torch.zeros(num_layers, num_states if rows else 0, rows, *rec_shape,
                                            dtype=torch.float32, device=self.device)
-        self._index = torch.zeros(num_states, dtype=torch.long, device=self.device)
+        self.max_rows = max_rows or num_states
+        self._new_layout()
+
+    def _new_layout(self) -> None:
+        """The step layout's buffers: `_index` on the device (what a decode graph reads), staged through
+        a pinned host copy so setting it never waits for the device."""
+        self._index = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
+        self.h_index = torch.zeros(self.max_rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.spans: list[tuple[int, int, int, bool, bool]] = []
         self.index = self._index[:0]
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_states: int, device, dtype: torch.dtype,
-                  verify_rows: int = 0) -> "StatePool":
+                  verify_rows: int = 0, max_rows: int = 0) -> "StatePool":
         layers = sum(cfg.layer_is_linear(i) for i in range(cfg.num_hidden_layers))
         channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         return cls(layers, num_states, channels, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
-                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, device, dtype, verify_rows)
+                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, device, dtype, verify_rows, max_rows)
 
     @staticmethod
     def bytes_per_state(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -69,15 +77,15 @@ class StatePool(RecurrentStates):
         """The same states with a step layout of its own: for a second runner (the concurrent read's
         stage), whose sequences are never the first runner's."""
         other = copy.copy(self)
-        other._index = torch.zeros_like(self._index)
-        other.spans, other.index = [], other._index[:0]
+        other._new_layout()
         return other
 
     def set_spans(self, spans: list[tuple[int, int, int, bool, bool]]) -> None:
         """The next step's sequences: (first row, rows, state index, fresh, keep), in row order."""
         self.spans = spans
         n = len(spans)
-        self._index[:n].copy_(torch.tensor([s[2] for s in spans], dtype=torch.long), non_blocking=True)
+        self.h_index.numpy()[:n] = [s[2] for s in spans]
+        self._index[:n].copy_(self.h_index[:n], non_blocking=True)
         self.index = self._index[:n]
 
     def conv(self, layer: int) -> torch.Tensor:

@@ -268,13 +268,14 @@ class Qwen3NextForCausalLM(CausalLM):
         return self.config.num_full_attention_layers + len(self.mtp_layers)
 
     def new_states(self, num_states: int, device=None, dtype: torch.dtype | None = None,
-                   verify_rows: int = 0) -> RecurrentStates:
+                   verify_rows: int = 0, max_rows: int = 0) -> RecurrentStates:
         """A state pool for `num_states` sequences (the engine sizes it by slots); `verify_rows`: see
-        `StatePool`."""
+        `StatePool`; `max_rows`: the most sequences (and graph rows) one step lays out."""
         from strata.kvcache.state_pool import StatePool
 
         w = self.model.embed_tokens.weight
-        return StatePool.for_model(self.config, num_states, device or w.device, dtype or w.dtype, verify_rows)
+        return StatePool.for_model(self.config, num_states, device or w.device, dtype or w.dtype, verify_rows,
+                                   max_rows)
 
     def mtp_hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                    depth: int = 0) -> torch.Tensor:

@@ -291,19 +291,26 @@ class ModelRunner:
         for ch in chunks:
             if not ch.sample or ch.num_tokens != len(ch.drafts) + 1 or ch.num_tokens > self.rows_per_seq:
                 return None
+            if self.attn.states is not None and ch.start == 0:
+                return None  # a fresh linear-attention state: the graphs read each slot's state
         for b in sorted(self.graphs):
             if b >= len(chunks):
                 return self.graphs[b]
         return None
 
-    def _pad(self, rows: int, seqs: int, g: _Graph) -> None:
+    def _pad(self, rows: int, seqs: int, g: _Graph, chunks=()) -> None:
         """Padding rows read token 0 at position 0 and write their K/V into slot 0 (the padding block);
-        padding sequences have no rows and no context, so attention skips them."""
+        padding sequences have no rows and no context, so attention skips them. With linear-attention
+        states (one row per sequence: graphs are captured so only without drafts) padding rows update
+        the spare state after the slots'."""
         self.np_ids[rows : g.rows] = 0
         self.np_pos[rows : g.rows] = 0
         self.np_slots[rows : g.rows] = 0
         self.np_meta[:, seqs : g.seqs] = 0
         self.np_meta[0, seqs : g.seqs] = rows
+        if self.attn.states is not None:
+            slots = [ch.request.slot for ch in chunks] + [self.max_seqs] * (g.rows - rows)
+            self.attn.states.set_spans([(i, 1, slot, False, False) for i, slot in enumerate(slots)])
 
     @torch.inference_mode()
     def capture_graphs(self) -> float:
@@ -329,6 +336,8 @@ class ModelRunner:
             self.h_meta[0, :b] = torch.arange(0, rows, q, dtype=torch.int32)
             self.h_meta[1, :b] = q
             self.h_meta[2, :b] = q
+            if self.attn.states is not None:  # every row a decode of the spare state
+                self.attn.states.set_spans([(i, 1, self.max_seqs, False, False) for i in range(rows)])
             self._upload(rows, b)
             self.attn.set_layout(self.d_slots[:rows], self.d_tables[:b], b, q, self.max_model_len)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -400,6 +409,9 @@ class ModelRunner:
         masked = self.grammar is not None and not defer and self._fill_masks(chunks, picks, spans)
         if defer:
             self.mask_rows = 0  # filled and uploaded by launch_head
+        if self.attn.states is not None:  # before the upload, whose event covers the layout's copy too
+            self.attn.states.set_spans([(row_starts[i], ch.num_tokens, ch.request.slot, ch.start == 0, bool(ch.drafts))
+                                        for i, ch in enumerate(chunks)])
         self._upload(n, r)
         if self.attn.meta is not None:
             ctx = [s + k for s, k in zip(starts, lens)]
@@ -407,9 +419,6 @@ class ModelRunner:
             self.attn.plan_dequant(ctx)
         else:
             self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
-        if self.attn.states is not None:
-            self.attn.states.set_spans([(row_starts[i], ch.num_tokens, ch.request.slot, ch.start == 0, bool(ch.drafts))
-                                        for i, ch in enumerate(chunks)])
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
         step = LaunchedStep(chunks, hidden, row_starts, picks, spans, head_pending=defer and bool(picks))
         if not step.picks or step.head_pending:
@@ -507,7 +516,7 @@ class ModelRunner:
         return ids, values, k
 
     def _launch_graph(self, g: _Graph, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
-        self._pad(n, r, g)
+        self._pad(n, r, g, chunks)
         self._upload(g.rows, g.seqs)
         g.graph.replay()
         out = self.next_out
@@ -521,7 +530,7 @@ class ModelRunner:
     def _launch_forward_graph(self, g: _Graph, chunks, n: int, r: int, row_starts: list[int],
                               spans: list[tuple[int, int]]) -> LaunchedStep:
         self.mask_rows = 0  # filled and uploaded by launch_head
-        self._pad(n, r, g)
+        self._pad(n, r, g, chunks)
         self._upload(g.rows, g.seqs)
         g.forward.replay()
         hidden = self.hidden_out[self.next_out][:n]
