@@ -174,3 +174,29 @@ def test_cuda_embedded_model_with_speculation_identical(monkeypatch):
     got, order = _scenario(e)
     assert got == want and order.index("short") < order.index("long")
     e.close()
+
+
+def test_through_the_server(monkeypatch, tmp_path):
+    """`strata serve` with STRATA_PIPED_CONCURRENT=1: a short request overtakes a long read through the
+    OpenAI API, and the long answer is the one it gets alone."""
+    import openai
+
+    from serving import running_server
+    from test_server_scenarios import SHORT, complete, long_then_short
+
+    _set(monkeypatch, piped=True, guard=True)
+    config = {"device": "cpu", "parallel": 2, "ctx": 4096, "chunk_size": 128, "max_num_batched_tokens": 128,
+              "log_level": "info", "prefix_cache": False}
+    with running_server(tmp_path, config) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        from strata.loaders import default_model_path
+        from strata.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_hf_dir(default_model_path())
+        long_prompt = tok.decode(tok.encode(FILLER)[:3000])
+        solo = complete(client, long_prompt)
+        order, text, give_ways = long_then_short(base, client, long_prompt)
+        assert complete(client, SHORT, 4)
+    log = (tmp_path / "server.log").read_text()
+    assert "concurrent read on" in log, log[-2000:]
+    assert order == ["short", "long"] and give_ways >= 1 and text == solo
