@@ -113,7 +113,7 @@ step() {  # name, seconds, command...
       concurrent-tests) step concurrent-tests 400 $T tests/test_batch_read.py ;;
       concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --out $R/concurrent_qwen3-8b_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
-      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py -k "next" ;;
+      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py -k "next or causal" ;;
       fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 $T tests/test_kernel_gated_delta_fla.py ;;
       next-read) for k in ref fla; do PYTHONPATH=/tmp/fla:$PYTHONPATH STRATA_GDN_KERNEL=$k step next-read-$k 300 \
           $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.config import ModelConfig
-from strata.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_step_ref, gated_delta_step_ref,
-                                        gated_delta_varlen)
+from strata.kernels.causal_conv import causal_conv1d_varlen
+from strata.kernels.gated_delta import causal_conv1d_step_ref, gated_delta_step_ref, gated_delta_varlen
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
 from strata.models.layers import MLP, MoE, RMSNorm, RopeInputs, apply_rotary, linear
 from strata.models.transformer import CausalLM
@@ -115,13 +115,10 @@ class GatedDeltaNet(nn.Module):
         """Steps with prompt chunks: the conv per sequence, then the delta rule over every plain
         sequence in one varlen call; verification chunks (`keep`) token by token."""
         conv_st, rec_st = states.conv(self.linear_idx), states.recurrent(self.linear_idx)
-        conv_out = torch.empty_like(mixed)
         for r0, n, slot, fresh, keep in states.spans:
-            past = None if fresh else conv_st[slot]
-            conv_out[r0 : r0 + n], window = causal_conv1d_ref(mixed[r0 : r0 + n], weight, past)
-            if keep:
-                self._keep_windows(states, slot, mixed[r0 : r0 + n], past)
-            conv_st[slot] = window
+            if keep:  # before the conv replaces the window
+                self._keep_windows(states, slot, mixed[r0 : r0 + n], None if fresh else conv_st[slot])
+        conv_out = causal_conv1d_varlen(mixed, weight, conv_st, [sp[:4] for sp in states.spans])
         q, k, v = self._heads(conv_out)
         o = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
         plain = [sp for sp in states.spans if not sp[4]]
