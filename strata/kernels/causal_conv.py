@@ -118,7 +118,9 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, states: t
     for i, col in enumerate(cols):
         host[i, : len(col)] = torch.tensor(col, dtype=torch.int32)
     if meta is None:
-        meta = host.to(x.device)
+        from strata.runner.transfer import to_device  # pinned: a pageable upload would wait for the device
+
+        meta = to_device(host, x.device, torch.int32)
     else:
         meta[:, :width].copy_(host, non_blocking=True)
     out = torch.empty_like(x)

@@ -119,9 +119,13 @@ def gated_delta_varlen(q, k, v, g, beta, lengths: list[int], states: torch.Tenso
     if use_fla(v):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        cu = torch.tensor([0] + lengths, device=v.device).cumsum(0)
+        from strata.runner.transfer import to_device  # pinned: a pageable upload would wait for the device
+
+        cu_cpu = torch.tensor([0] + lengths).cumsum(0)
+        # The host copy too, so the kernel's chunk bookkeeping reads no device tensor back.
         o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g.float()[None], beta[None], initial_state=states,
-                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          cu_seqlens=to_device(cu_cpu, v.device), cu_seqlens_cpu=cu_cpu)
         return o[0], final.float()
     outs, finals, r0 = [], [], 0
     for i, n in enumerate(lengths):
