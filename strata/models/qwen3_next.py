@@ -112,8 +112,9 @@ class GatedDeltaNet(nn.Module):
 
     def _reads(self, states: RecurrentStates, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                weight: torch.Tensor) -> torch.Tensor:
-        """Steps with prompt chunks: the conv per sequence, then the delta rule over every plain
-        sequence in one varlen call; verification chunks (`keep`) token by token."""
+        """Steps with prompt chunks: the conv over every sequence in one varlen call, then the delta
+        rule likewise over the plain ones; verification chunks (`keep`) token by token, their states
+        after each row kept."""
         conv_st, rec_st = states.conv(self.linear_idx), states.recurrent(self.linear_idx)
         for r0, n, slot, fresh, keep in states.spans:
             if keep:  # before the conv replaces the window
