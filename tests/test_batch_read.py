@@ -197,6 +197,9 @@ def test_through_the_server(monkeypatch, tmp_path):
         solo = complete(client, long_prompt)
         order, text, give_ways = long_then_short(base, client, long_prompt)
         assert complete(client, SHORT, 4)
+        from test_server_scenarios import metric
+
+        assert metric(base, "strata_read_stage_steps_total") >= 3000 // 128
     log = (tmp_path / "server.log").read_text()
     assert "concurrent read on" in log, log[-2000:]
     assert order == ["short", "long"] and give_ways >= 1 and text == solo

@@ -125,3 +125,4 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     prefix_cache_cached_tokens_total: int = 0
+    read_stage_steps_total: int = 0  # read steps run on the concurrent read's stage (STRATA_PIPED_CONCURRENT)

@@ -62,6 +62,8 @@ class EngineCollector(Collector):
         yield _counter("strata_requests_finished_total", "Requests finished (any reason).", s.requests_finished_total)
         yield _counter("strata_give_ways_total", "Times a prompt read gave way to decoding.", s.give_ways_total)
         yield _counter("strata_preemptions_total", "Requests preempted for KV cache space.", s.preemptions_total)
+        yield _counter("strata_read_stage_steps_total", "Prompt read steps run beside decoding on the read stage.",
+                       s.read_stage_steps_total)
         yield _counter("strata_prefix_cache_queries_total", "Requests that looked up the prefix cache.",
                        s.prefix_cache_queries_total)
         yield _counter("strata_prefix_cache_hits_total", "Requests that reused at least one cached KV block.",
