@@ -64,11 +64,12 @@ def test_bench_quant_rows(tmp_path):
     """Each format's random model loads as QWeights, decodes and reads; quantized weights take fewer
     bytes than the float model's (the CPU runs the kernels in Triton's interpreter)."""
     out = tmp_path / "quant.json"
-    assert main(["bench", "quant", "--shape", "tiny-256", "--formats", "bf16,Q8_0", "--device", "cpu", "--prompt", "4",
-                 "--tokens", "2", "--read-tokens", "16", "--chunk", "16", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["bench", "quant", "--shape", "tiny-256", "--formats", "bf16,Q8_0,FP8", "--device", "cpu", "--prompt",
+                 "4", "--tokens", "2", "--read-tokens", "16", "--chunk", "16", "--repeats", "1", "--out", str(out)]) == 0
     rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"bf16", "Q8_0"}
+    assert set(rows) == {"bf16", "Q8_0", "FP8"}
     assert rows["Q8_0"]["weights_gib"] < rows["bf16"]["weights_gib"]
+    assert rows["FP8"]["weights_gib"] < rows["bf16"]["weights_gib"]
     assert all(r["decode_b1_tok_s"] > 0 and r["read_16_tok_s"] > 0 for r in rows.values())
     assert rows["bf16"]["decode_vs_bf16"] == 1.0
 
@@ -76,8 +77,10 @@ def test_bench_quant_rows(tmp_path):
 def test_bench_quant_kl_orders_formats(tmp_path):
     """Q8_0 moves the embedded model's next-token distributions less than Q4_K, and neither not at all."""
     out = tmp_path / "kl.json"
-    assert main(["bench", "quant-kl", "--formats", "Q8_0,Q4_K", "--tokens", "256", "--ctx", "128",
+    assert main(["bench", "quant-kl", "--formats", "Q8_0,Q4_K,FP8", "--tokens", "256", "--ctx", "128",
                  "--out", str(out)]) == 0
     rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
     assert 0 < rows["Q8_0"]["kld"] < rows["Q4_K"]["kld"] < 0.5
     assert rows["Q8_0"]["same_top"] > 0.9 and rows["Q8_0"]["tokens"] == 256
+    # FP8 (weights and activations) touches the embedded model's attention and dense MLP only.
+    assert 0 < rows["FP8"]["kld"] < 0.05 and 0 < rows["FP8"]["quantized_share"] < 1

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.bench.results import print_tables, save, summary_table
-from strata.kernels.quant import FORMATS, QWeight, format_module
+from strata.kernels.quant import FORMATS, QWeight, format_module, quantize_fp8
 from strata.loaders import default_model_path, load_model
 from strata.models.attention import CausalBatch
 from strata.models.layers import Router
@@ -56,6 +56,16 @@ def quantize_linears(model: nn.Module, ggml_type: str) -> tuple[int, int]:
         if isinstance(m, Router):
             left += m.weight.numel()
     return done, left
+
+
+def fp8_linears(model: nn.Module) -> tuple[int, int]:
+    """`--quantize fp8` itself (activations quantized per token too, not only the weights): returns
+    (quantized parameters, linear parameters left in float), as `quantize_linears` counts them."""
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    total += sum(m.weight.numel() for m in model.modules() if isinstance(m, Router))
+    quantize_fp8(model)
+    done = sum(q.n * q.k for m in model.modules() for q in vars(m).values() if isinstance(q, QWeight))
+    return done, total - done
 
 
 @torch.no_grad()
@@ -108,7 +118,7 @@ def run(args) -> int:
     rows = []
     for fmt in args.formats:
         model = copy.deepcopy(loaded.model)
-        done, left = quantize_linears(model, fmt)
+        done, left = fp8_linears(model) if fmt == "FP8" else quantize_linears(model, fmt)
         row = {"format": fmt, **compare(ref, model, windows), "quantized_share": done / max(done + left, 1)}
         rows.append(row)
         print(f"{fmt:6s}: KLD {row['kld']:.6f}, same top {row['same_top']:.4f}, PPL ratio {row['ppl_ratio']:.4f}, "
@@ -141,7 +151,7 @@ def _add_args(p) -> None:
 
     p.add_argument("--model", default=None, help="model path (default: the embedded model)")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random model at this shape instead")
-    p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=list(FORMATS))
+    p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=[*FORMATS, "FP8"])
     p.add_argument("--text", default=None, help="text to score (default: the embedded model's README)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)
