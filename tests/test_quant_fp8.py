@@ -63,6 +63,21 @@ def test_load_with_fp8_keeps_the_model_close(tiny_model_dirs):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
 
 
+def test_moe_experts_in_fp8_stay_close(tiny_model_dirs):
+    """Experts in e4m3 through the grouped path (on the CPU its reference loop over experts)."""
+    path, _ = tiny_model_dirs["qwen3_moe"]
+    plain = load_model(path)
+    lm = load_model(path, quantize="fp8")
+    moe = lm.model.model.layers[0].mlp
+    assert moe.fp8 is not None and moe.fp8[0].dtype == torch.float8_e4m3fn and moe.w13 is None
+    assert moe.experts[0].gate_proj.weight.is_meta
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = plain.model.model.layers[0].mlp(x), moe(x)
+    err = ((a - b).abs().max() / a.abs().max()).item()
+    assert 0 < err < 0.08, err
+
+
 def test_engine_serves_fp8(tiny_model_dirs):
     path, _ = tiny_model_dirs["qwen3_moe"]  # MoE experts stay float; attention and dense MLP go FP8
     e = LLMEngine(EngineConfig(model=path, device="cpu", quantize="fp8"), progress=False)
@@ -84,4 +99,21 @@ def test_cuda_scaled_mm_matches_the_reference(m):
     exact = x.float() @ w.t()
     err = ((got - exact).abs().max() / exact.abs().max()).item()
     print(f"fp8 _scaled_mm m={m}: max relative error {err:.2e}")
+    assert err < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grouped_experts_match_the_reference():
+    """torch._scaled_grouped_mm over tokens sorted by expert, against the per-expert reference."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, n, k = 8, 1536, 2048
+    w, scale = fp8.quantize_experts(0.02 * torch.randn(e, n, k, generator=g, device="cuda"))
+    counts = [0, 5, 17, 1, 0, 64, 3, 9]
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    xs = torch.randn(sum(counts), k, generator=g, device="cuda").to(torch.bfloat16)
+    got = fp8.grouped_matmul(xs, w, scale, offs).float()
+    ref = fp8.grouped_matmul_ref(xs.float(), w, scale, offs)
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    print(f"fp8 grouped experts: max relative error {err:.2e}")
     assert err < 0.05

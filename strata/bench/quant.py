@@ -41,6 +41,8 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
             q = getattr(m, attr, None)
             if isinstance(q, QWeight):
                 total += q.nbytes
+        for t in getattr(m, "fp8", None) or ():  # MoE experts in e4m3 (`quantize_fp8`)
+            total += t.numel() * t.element_size()
     emb = model.model.embed_tokens.weight
     return total, emb.numel() * emb.element_size()
 

@@ -65,6 +65,7 @@ def fp8_linears(model: nn.Module) -> tuple[int, int]:
     total += sum(m.weight.numel() for m in model.modules() if isinstance(m, Router))
     quantize_fp8(model)
     done = sum(q.n * q.k for m in model.modules() for q in vars(m).values() if isinstance(q, QWeight))
+    done += sum(m.fp8[0].numel() + m.fp8[2].numel() for m in model.modules() if getattr(m, "fp8", None))
     return done, total - done
 
 

@@ -431,6 +431,8 @@ class MoE(nn.Module):
         self.register_buffer("w13", None, persistent=False)  # [E, 2*I, H]: gate rows, then up rows
         self.register_buffer("w2", None, persistent=False)  # [E, H, I]
         self.sort_ws: torch.Tensor | None = None  # the token sort's counters (CUDA), set by pack_experts()
+        # --quantize fp8: (w13, its scales, w2, its scales) in e4m3 instead of w13 / w2 (`quantize_fp8`).
+        self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
     def pack_experts(self) -> str:
@@ -472,8 +474,10 @@ class MoE(nn.Module):
         w, ids, _ = self.gate(x)
         if self.keep_routing:
             self.last_expert_ids = ids.detach()
+        if self.fp8 is not None:
+            out = self._grouped(x, w, ids)
         # The dtype test is on host metadata (no sync): under autocast x may differ from the weights.
-        if (self.decode_kernel and x.dtype == self.w13.dtype and use_triton(x)
+        elif (self.decode_kernel and x.dtype == self.w13.dtype and use_triton(x)
                 and k_moe.moe_decode_supported(x.shape[0], ids.shape[1], x.shape[1], self.w2.shape[2], x.dtype)):
             out = k_moe.moe_experts_decode_triton(x, ids, w, self.w13, self.w2)
         elif self.path == "grouped" and x.dtype == self.w13.dtype:
@@ -519,8 +523,15 @@ class MoE(nn.Module):
         # reads the ids' max on the host). Two launches on CUDA, argsort + searchsorted elsewhere.
         order, offs = k_sort.sort_tokens(ids, self.num_experts, workspace=scratch(self.sort_ws))
         xs = x[order // k]
-        h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)
+        if self.fp8 is not None:  # --quantize fp8: the experts in e4m3 (strata.kernels.quant.fp8)
+            from strata.kernels.quant import fp8
+
+            w13, s13, w2, s2 = self.fp8
+            h13 = fp8.grouped_matmul(xs, w13, s13, offs)
+            y = fp8.grouped_matmul(silu_mul(h13), w2, s2, offs)
+        else:
+            h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)
         # As the loop: fp32 routing weights, each expert's contribution rounded to x.dtype.
         y = (y * w.reshape(-1)[order, None]).to(x.dtype)
         # Back to (token, k) order and a plain sum over k: no atomics, so the result is deterministic.

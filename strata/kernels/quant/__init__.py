@@ -109,8 +109,10 @@ def random_blocks(ggml_type: str, n: int, k: int, generator: torch.Generator, de
 
 def quantize_fp8(model: torch.nn.Module) -> int:
     """`--quantize fp8`: the attention and dense-MLP projections of a loaded, packed model become FP8
-    `QWeight`s (e4m3, a scale per output channel; MoE experts, norms, embeddings and the LM head stay as
-    they are). Their float weights are dropped (left on the meta device). Returns weights converted."""
+    `QWeight`s and its MoE experts' stacked weights e4m3 (a scale per output channel; routers, norms,
+    embeddings and the LM head stay as they are). Their float weights are dropped (left on the meta
+    device). Returns the weights (stacks) converted."""
+    from strata.kernels.quant import fp8 as fp8_format
     from strata.models.layers import MLP, Attention, MoE
 
     experts = {id(e) for m in model.modules() if isinstance(m, MoE) for e in m.experts}
@@ -134,5 +136,11 @@ def quantize_fp8(model: torch.nn.Module) -> int:
             m.gate_up_q, m.down_q = fp8(m.gate_up_weight), fp8(m.down_proj.weight)
             m.gate_up_weight = None
             drop(m.gate_proj, m.up_proj, m.down_proj)
+            done += 2
+        elif isinstance(m, MoE) and m.w13 is not None:
+            m.fp8 = (*fp8_format.quantize_experts(m.w13), *fp8_format.quantize_experts(m.w2))
+            m.w13 = m.w2 = None
+            m.decode_kernel = False
+            drop(*(lin for e in m.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)))
             done += 2
     return done

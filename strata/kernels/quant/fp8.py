@@ -8,6 +8,10 @@ concatenate as blocks do), which `repack` quantizes per row on the device.
 `matmul` quantizes x per row too (dynamic, e4m3, scale = amax / 448) and runs `torch._scaled_mm` with
 row-wise scales: the H200's FP8 tensor cores through cuBLASLt, the maintained path, at half the weight
 bytes of bf16. fp32 x on CUDA (correctness runs) takes the reference: dequantize, then matmul.
+
+MoE experts (`quantize_experts`, `grouped_matmul`): each expert's [N, K] weight per output channel
+likewise, and the tokens sorted by expert go through `torch._scaled_grouped_mm` on CUDA (one launch for
+all experts, no host sync); elsewhere a loop over the experts' row ranges (the reference).
 """
 
 from __future__ import annotations
@@ -70,3 +74,31 @@ def random_raw(n: int, k: int, seed: int):
     """A dense random weight (the format's raw input) for tests: N(0, 0.02) in fp32."""
     g = torch.Generator().manual_seed(seed)
     return (0.02 * torch.randn(n, k, generator=g)).numpy()
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] → (e4m3 [E, N, K], fp32 scale [E, N])."""
+    e, n, k = w.shape
+    q, scale = _quantize_rows(w.reshape(e * n, k))
+    return q.view(e, n, k), scale.view(e, n)
+
+
+def grouped_matmul(xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of xs [M, K] sorted by expert (`offs` [E]: each expert's end row, int32) times their expert's
+    weight: [M, N] in xs's dtype."""
+    xq, xs_scale = _quantize_rows(xs)
+    if xs.is_cuda and xs.dtype != torch.float32:
+        return torch._scaled_grouped_mm(xq, w.transpose(-2, -1), xs_scale, scale, offs=offs, out_dtype=xs.dtype)
+    return grouped_matmul_ref(xs, w, scale, offs)
+
+
+def grouped_matmul_ref(xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = xs.new_empty(xs.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            planes = {"w": w[e], "scale": scale[e]}
+            out[start:end] = matmul(xs[start:end], planes, w.shape[1], w.shape[2]) if not xs.is_cuda else \
+                matmul_ref(xs[start:end], planes, w.shape[1], w.shape[2])
+        start = end
+    return out
