@@ -78,6 +78,7 @@ step() {  # name, seconds, command...
         --shape qwen3-8b --formats Q8_0,Q4_K,IQ3_S --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
       quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py ;;
+      quant-moe) step quant-moe 300 $B quant --shape qwen3-30b-a3b --formats bf16,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
       quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
