@@ -38,7 +38,7 @@ step() {  # name, seconds, command...
     case $s in
       # The whole -m gpu suite takes longer than one device call: two halves, each under 10 minutes.
       gpu-kernels) step gpu-kernels 560 $T tests/test_kernel_*.py tests/test_kernels_*.py tests/test_device_sampling.py --durations=10 ;;
-      gpu-engine) step gpu-engine 560 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_moe_packed.py tests/test_api_logprobs_n.py --durations=10 ;;
+      gpu-engine) step gpu-engine 560 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_moe_packed.py tests/test_api_logprobs_n.py tests/test_quant_fp8.py tests/test_grammar_engine.py --durations=10 ;;
       gpu-all) step gpu-all ${GPU_ALL_S:-900} $T tests/ --durations=20 --continue-on-collection-errors ;;
       peer-build)  # llama.cpp (../shared/tools/llamacpp; carry .peer) and the quantized GGUFs, in the background
         mkdir -p /tmp/llama /tmp/peer && tar xJf .peer/llama.tar.xz -C /tmp/llama
