@@ -259,7 +259,8 @@ def test_mtp_head_matches_its_formula(mtp_dir):
     assert err < 1e-4, err
 
 
-@pytest.mark.parametrize("kw", [dict(spec=2), dict(spec=3, parallel=3, chunk_size=16, max_num_batched_tokens=64)])
+@pytest.mark.parametrize("kw", [dict(spec=2), dict(spec=3, parallel=3, chunk_size=16, max_num_batched_tokens=64),
+                                dict(spec=2, concurrent=True)])
 def test_speculation_output_equals_plain(mtp_dir, next_model, monkeypatch, kw):
     """Drafts from an oracle that knows the plain output, right or wrong by a fixed pattern: all
     accepted, only the first, or none. A linear layer's state then goes back to the row of the last
@@ -285,6 +286,9 @@ def test_speculation_output_equals_plain(mtp_dir, next_model, monkeypatch, kw):
         return out
 
     monkeypatch.setattr(drafter_mod.MTPDrafter, "_picks", oracle)
+    kw = dict(kw)
+    if kw.pop("concurrent", False):  # reads on their own stage, drafts verified on the decode lane
+        monkeypatch.setenv("STRATA_PIPED_CONCURRENT", "1")
     e = _engine(path, **{"parallel": 2, **kw})
     assert _run(e, prompts) == refs
     st = e.stats().spec
