@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
+from strata.transfer import to_device  # pinned: a pageable upload would wait for the device
 
 try:
     import triton
@@ -118,8 +119,6 @@ def causal_conv1d_varlen_triton(x: torch.Tensor, weight: torch.Tensor, states: t
     for i, col in enumerate(cols):
         host[i, : len(col)] = torch.tensor(col, dtype=torch.int32)
     if meta is None:
-        from strata.runner.transfer import to_device  # pinned: a pageable upload would wait for the device
-
         meta = to_device(host, x.device, torch.int32)
     else:
         meta[:, :width].copy_(host, non_blocking=True)

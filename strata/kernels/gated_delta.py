@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.transfer import to_device  # pinned: a pageable upload would wait for the device
+
 CHUNK = 64  # tokens per chunk of the chunked form
 
 
@@ -118,8 +120,6 @@ def gated_delta_varlen(q, k, v, g, beta, lengths: list[int], states: torch.Tenso
     (o [T, H, Dv], the states after each sequence's last token [N, H, Dk, Dv] fp32)."""
     if use_fla(v):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        from strata.runner.transfer import to_device  # pinned: a pageable upload would wait for the device
 
         cu_cpu = torch.tensor([0] + lengths).cumsum(0)
         # The host copy too, so the kernel's chunk bookkeeping reads no device tensor back.

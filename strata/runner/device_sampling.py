@@ -41,7 +41,7 @@ import torch
 
 from strata.kernels import use_triton
 from strata.params import SamplingParams
-from strata.runner.transfer import to_device
+from strata.transfer import to_device
 
 try:
     import triton

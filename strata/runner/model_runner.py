@@ -45,8 +45,8 @@ from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
 from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
 from strata.runner.sampling import Sampler, apply_repetition_penalty, filtered_probs
-from strata.runner.transfer import to_device
 from strata.spec.verify import verify_greedy, verify_sampled
+from strata.transfer import to_device
 
 log = logging.getLogger("strata")
 

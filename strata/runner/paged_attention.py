@@ -12,7 +12,7 @@ import torch
 
 from strata.kvcache.pool import KVPool
 from strata.models.attention import AttentionBackend, sdpa
-from strata.runner.transfer import to_device
+from strata.transfer import to_device
 
 
 class PagedAttention(AttentionBackend):

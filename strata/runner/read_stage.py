@@ -36,7 +36,7 @@ import torch
 
 from strata.kernels import scratch as k_scratch
 from strata.runner.model_runner import ModelRunner, Sampled
-from strata.runner.transfer import UpRing
+from strata.transfer import UpRing
 
 log = logging.getLogger("strata")
 

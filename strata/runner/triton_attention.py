@@ -22,7 +22,7 @@ from strata.kernels import kv_dequant as k_dequant
 from strata.kernels import kv_store as k_store
 from strata.kvcache.pool import Int8Pool, KVPool
 from strata.models.attention import AttentionBackend
-from strata.runner.transfer import to_device
+from strata.transfer import to_device
 
 MAX_SPLITS = 32
 # Over an int8 pool, steps with at least this many query rows in one sequence attend over a dequantized
