@@ -154,7 +154,7 @@ class ReadStage:
         from strata.sched.request import Request
         from strata.sched.scheduler import ScheduledChunk, SchedulerOutput
 
-        n = self.max_tokens
+        n = min(self.max_tokens, self.runner.max_model_len)  # a step never reads past the context
         req = Request("__read_warm_up__", [0] * n, SamplingParams(max_tokens=1), slot=0)
         req.block_ids = [0] * -(-n // self.runner.pool.block_size)
         ring, self.up_ring = self.up_ring, UpRing(self.device, n * UPLOAD_BYTES_PER_TOKEN)
