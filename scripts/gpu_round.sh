@@ -112,7 +112,7 @@ step() {  # name, seconds, command...
       spec) step spec 400 $B spec --repeats 4 --out $R/spec_cuda.json ;;
       kv) step kv 200 $B kv --out $R/kv_int8_cuda.json ;;
       concurrent-tests) step concurrent-tests 400 $T tests/test_batch_read.py ;;
-      concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --out $R/concurrent_qwen3-8b_cuda.json ;;
+      concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --http --out $R/concurrent_qwen3-8b_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
       next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py -k "next or causal" ;;
       fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 $T tests/test_kernel_gated_delta_fla.py ;;

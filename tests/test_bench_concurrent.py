@@ -54,8 +54,11 @@ def _check(res: dict, lengths: list[int]) -> dict:
 
 
 def test_bench_concurrent_random_shape(tmp_path):
-    res = _run(tmp_path, "--shape", "tiny", "--lengths", "512")
+    res = _run(tmp_path, "--shape", "tiny", "--lengths", "512", "--giveway-tokens", "2048", "--http")
     s = _check(res, [512])
+    # The give-way once more through strata serve's path: the short request answered during the read.
+    assert s["serve_short_ttft_s"] > 0 and s["serve_long_ttft_s"] > 0 and s["serve_give_ways"] >= 1
+    assert s["serve_short_finished_first"]
     assert not res["needle"]["run"] and s["needle_total"] == 0  # random weights: no tokenizer
     assert s["drafts_accepted"] is None
     assert res["runs"][1]["env"]["STRATA_PIPED_CONCURRENT_SMB"] == "1"

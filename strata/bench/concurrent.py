@@ -421,6 +421,24 @@ def _prompt_ids(loaded, n: int, seed: int) -> list[int]:
     return torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()
 
 
+def _through_serve(args, loaded, name: str, device: torch.device, giveway_ids: list[int], short_ids: list[int],
+                   ctx: int) -> dict:
+    """The give-way once more through `strata serve`'s path (the `concurrent` arm's switches)."""
+    from strata.bench.concurrent_http import give_way_through_serve
+    from strata.bench.random_model import synthetic_tokenizer, with_tokenizer
+
+    if loaded.tokenizer is None:  # the server checks token-id prompts against a tokenizer's vocabulary
+        loaded = with_tokenizer(loaded, synthetic_tokenizer(loaded.config.vocab_size))
+    cfg = dataclasses.replace(engine_config(args, device, ctx, 2, args.chunk), spec=args.spec, batch_mtp=bool(args.spec))
+    with arm_env("concurrent"):
+        eng, _ = build_engine(cfg, loaded)
+        res = give_way_through_serve(eng, name, giveway_ids, short_ids, started_after=args.chunk)
+    print(f"through strata serve: short ttft {res['serve_short_ttft_s'] * 1e3:.1f} ms during the "
+          f"{len(giveway_ids)}-token read, give-ways {res['serve_give_ways']:.0f}", flush=True)
+    gc.collect()
+    return res
+
+
 def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -444,6 +462,7 @@ def run(args) -> int:
     giveway_ids = _prompt_ids(loaded, giveway, args.seed + 3)
     runs = [run_arm(args, arm, pair, loaded, device, prompts, dec_ids, short_ids, giveway_ids, ctx)
             for pair in range(args.pairs) for arm in ARMS]
+    serve = _through_serve(args, loaded, name, device, giveway_ids, short_ids, ctx) if args.http else None
     needle_by_arm, needle_reason = None, "the model has no tokenizer (random weights): run with --model default"
     if loaded.tokenizer is not None and args.needle_trials:
         needle_by_arm, needle_reason = {arm: needle(args, loaded, device, arm) for arm in ARMS}, None
@@ -460,7 +479,7 @@ def run(args) -> int:
             "spec": args.spec, "giveway_tokens": giveway, "stall_s": STALL_S,
             "arms": {arm: {sw.name: v for sw, v in env} for arm, env in ARMS.items()},
             "runs": runs, "needle": {"run": needle_by_arm is not None, "reason": needle_reason, "by_arm": needle_by_arm},
-            "summary": summarize(runs, lengths, needle_by_arm),
+            "summary": {**summarize(runs, lengths, needle_by_arm), **(serve or {})},
             "args": {k: v for k, v in vars(args).items() if k != "func"}}
     out = args.out or default_out("concurrent", name, args.kv, device)
     if args.no_plot:
@@ -553,4 +572,6 @@ def add_parser(sub) -> None:
     p.add_argument("--no-cuda-graph", action="store_true", help="EngineConfig(cuda_graph=False)")
     p.add_argument("--out", default=None, help="default: bench/results/concurrent_{shape}[_int8]_{device}.json")
     p.add_argument("--no-plot", action="store_true", help="JSON only, no PNG timeline")
+    p.add_argument("--http", action="store_true",
+                   help="also the give-way through strata serve's path (summary: serve_short_ttft_s, ...)")
     p.set_defaults(func=run)
