@@ -122,6 +122,8 @@ def gated_delta_varlen(q, k, v, g, beta, lengths: list[int], states: torch.Tenso
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         cu_cpu = torch.tensor([0] + lengths).cumsum(0)
+        # Its kernels index dense [B, T, H, D] tensors; v and beta arrive as strided views of the projection.
+        q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         # The host copy too, so the kernel's chunk bookkeeping reads no device tensor back.
         o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g.float()[None], beta[None], initial_state=states,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True,
