@@ -37,7 +37,8 @@ from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.loaders import LoadedModel, load_model
 from strata.runner.generator import Detokenizer, StopChecker
-from strata.runner.model_runner import LaunchedStep, ModelRunner
+from strata.runner.model_runner import ModelRunner
+from strata.runner.steps import LaunchedStep
 from strata.runner.read_stage import AllocationGuard, ReadStage
 from strata.sched.request import Request
 from strata.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -45,66 +44,11 @@ from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
 from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
 from strata.runner.sampling import Sampler, apply_repetition_penalty, filtered_probs
+from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, graph_buckets
 from strata.spec.verify import verify_greedy, verify_sampled
 from strata.transfer import to_device
 
 log = logging.getLogger("strata")
-
-GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def graph_buckets(max_seqs: int) -> list[int]:
-    """The batch sizes graphs are captured for, largest first: the buckets below `max_seqs`, and it."""
-    return sorted({b for b in GRAPH_BUCKETS if b < max_seqs} | {max_seqs}, reverse=True)
-
-
-@dataclass
-class Sampled:
-    tokens: list[int]  # one token, or with drafts: the accepted drafts then the target's own token
-    logprobs: list[float]
-    # Per token, when the request asked for alternatives: its row's most likely (token id, logprob),
-    # descending, under the distribution `logprobs` are taken from.
-    top: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward is queued on the device; `ModelRunner.collect` turns it into tokens.
-
-    Each sampling row's pick (its argmax, or its draw from the device sampler) and logprob are already
-    on their way into pinned host memory (`ready` fires when they land), so collecting a step costs one
-    event wait and no device round trip; only sampled drafts are verified on the host."""
-
-    chunks: list
-    hidden: torch.Tensor
-    row_starts: list[int]
-    picks: list[int]  # chunk indices that sample
-    spans: list[tuple[int, int]]  # per pick: first logit row, rows (drafts + 1)
-    logits: torch.Tensor | None = None  # fp32 logits of the picked rows
-    lse: torch.Tensor | None = None  # their log-sum-exp: logprob(t) = logits[t] - lse
-    out: int = 0  # which pinned output buffer
-    ready: torch.cuda.Event | None = None
-    top_k: int = 0  # alternatives per picked row in the pinned top buffers (0: none asked for)
-    head_pending: bool = False  # forward only so far: `ModelRunner.launch_head` samples (grammar run-ahead)
-    graph: "_Graph | None" = None  # the bucket whose forward graph ran (two-stage steps)
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    seqs: int
-    rows: int
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    best: torch.Tensor
-    best_lp: torch.Tensor
-    lse: torch.Tensor
-    # Two-stage steps (grammar run-ahead): the forward alone, and the head over its hidden states.
-    forward: torch.cuda.CUDAGraph | None = None
-    forward_hidden: torch.Tensor | None = None
-    head: torch.cuda.CUDAGraph | None = None
-    head_outputs: tuple[torch.Tensor, ...] = ()  # logits, best, best_lp, lse
-
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
@@ -178,7 +122,7 @@ class ModelRunner:
         self.row_starts: list[int] = []
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
         # the pinned outputs) because the next replay overwrites the graph's own.
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int, BucketGraphs] = {}
         self.use_graphs = cuda and cuda_graph
         self.hidden_out: list[torch.Tensor] = []
 
@@ -285,7 +229,7 @@ class ModelRunner:
             self.copied.record()
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
-    def _graph_for(self, chunks) -> _Graph | None:
+    def _graph_for(self, chunks) -> BucketGraphs | None:
         if not self.graphs or len(chunks) > self.max_seqs:
             return None
         for ch in chunks:
@@ -298,7 +242,7 @@ class ModelRunner:
                 return self.graphs[b]
         return None
 
-    def _pad(self, rows: int, seqs: int, g: _Graph, chunks=()) -> None:
+    def _pad(self, rows: int, seqs: int, g: BucketGraphs, chunks=()) -> None:
         """Padding rows read token 0 at position 0 and write their K/V into slot 0 (the padding block);
         padding sequences have no rows and no context, so attention skips them. With linear-attention
         states (one row per sequence: graphs are captured so only without drafts) padding rows update
@@ -348,7 +292,7 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 hidden, logits, best, best_lp, lse = self._graph_body(rows)
-            g = self.graphs[b] = _Graph(graph, b, rows, hidden, logits, best, best_lp, lse)
+            g = self.graphs[b] = BucketGraphs(graph, b, rows, hidden, logits, best, best_lp, lse)
             if self.grammar is not None:
                 g.forward, g.head = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g.forward, pool=pool, stream=stream):
@@ -515,7 +459,7 @@ class ModelRunner:
             values[r0:r1], ids[r0:r1] = v - torch.logsumexp(x, -1, keepdim=True), i
         return ids, values, k
 
-    def _launch_graph(self, g: _Graph, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
+    def _launch_graph(self, g: BucketGraphs, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
         self._pad(n, r, g, chunks)
         self._upload(g.rows, g.seqs)
         g.graph.replay()
@@ -527,7 +471,7 @@ class ModelRunner:
         self._picks_from(step, g, g.logits, g.best, g.best_lp, g.lse)
         return step
 
-    def _launch_forward_graph(self, g: _Graph, chunks, n: int, r: int, row_starts: list[int],
+    def _launch_forward_graph(self, g: BucketGraphs, chunks, n: int, r: int, row_starts: list[int],
                               spans: list[tuple[int, int]]) -> LaunchedStep:
         self.mask_rows = 0  # filled and uploaded by launch_head
         self._pad(n, r, g, chunks)
@@ -537,7 +481,7 @@ class ModelRunner:
         hidden.copy_(g.forward_hidden[:n])
         return LaunchedStep(chunks, hidden, row_starts, list(range(r)), spans, head_pending=True, graph=g)
 
-    def _picks_from(self, step: LaunchedStep, g: _Graph, logits, best, best_lp, lse) -> None:
+    def _picks_from(self, step: LaunchedStep, g: BucketGraphs, logits, best, best_lp, lse) -> None:
         """A replayed graph's picks towards the host (after the replay and outside the graph: its
         outputs stay valid until the next replay)."""
         n, chunks = len(step.hidden), step.chunks

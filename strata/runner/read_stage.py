@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.kernels import scratch as k_scratch
-from strata.runner.model_runner import ModelRunner, Sampled
+from strata.runner.model_runner import ModelRunner
+from strata.runner.steps import Sampled
 from strata.transfer import UpRing
 
 log = logging.getLogger("strata")

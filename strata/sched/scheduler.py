@@ -50,11 +50,12 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.prefix import PrefixKeys
 from strata.sched.request import FINISH_STATUS, Request, RequestStatus
+from strata.sched.step import PENDING_TOKEN, ScheduledChunk, SchedulerOutput, StepBuilder  # noqa: F401 (PENDING_TOKEN re-exported)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,65 +87,6 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.batch_groups must be within 1..parallel")
         if self.num_blocks < 2:
             raise ValueError("SchedulerConfig.num_blocks must be >= 2 (block 0 is reserved)")
-
-
-PENDING_TOKEN = -1
-
-
-@dataclass(frozen=True, eq=False)
-class ScheduledChunk:
-    """Positions [start, start + num_tokens) of `request`; `sample`: the runner samples from the last."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    sample: bool
-    drafts: tuple[int, ...] = ()  # speculative tokens after the request's last one, to verify
-    pending: int = 0  # 1: the first input is the token the request's in-flight step samples (run-ahead)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Input tokens; a pending one is PENDING_TOKEN (the runner fills it in on the device)."""
-        known = self.request.token_ids(self.start + self.pending, self.end - len(self.drafts))
-        return [PENDING_TOKEN] * self.pending + known + list(self.drafts)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then reads
-    preempted: list[Request] = field(default_factory=list)  # lost their slot and blocks this step
-    finished: list[Request] = field(default_factory=list)  # finished while scheduling (update() returns them too)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-class _Step:
-    """A step being built: chunks keyed by request id so a preempted victim's chunk can be withdrawn."""
-
-    def __init__(self) -> None:
-        self.chunks: dict[str, ScheduledChunk] = {}
-        self.tokens = 0
-        self.preempted: list[Request] = []
-        self.finished: list[Request] = []
-
-    def add(self, chunk: ScheduledChunk) -> None:
-        self.chunks[chunk.request.request_id] = chunk
-        self.tokens += chunk.num_tokens
-
-    def withdraw(self, req: Request) -> None:
-        chunk = self.chunks.pop(req.request_id, None)
-        if chunk is not None:
-            self.tokens -= chunk.num_tokens
 
 
 class Scheduler:
@@ -271,7 +213,7 @@ class Scheduler:
         cfg = self.config
         if lane not in (("decode", "read") if cfg.read_lane else ("all",)):
             raise ValueError(f"lane {lane!r} with read_lane={cfg.read_lane}")
-        step = _Step()
+        step = StepBuilder()
         step.finished.extend(self._finished_on_add)
         self._finished_on_add.clear()
         self._admit()
@@ -484,7 +426,7 @@ class Scheduler:
         start, pending = nexts[req.request_id]
         return req.num_tokens + pending - start
 
-    def _schedule_read(self, req: Request, step: _Step, start: int) -> None:
+    def _schedule_read(self, req: Request, step: StepBuilder, start: int) -> None:
         left = self.config.max_num_batched_tokens - step.tokens
         if req.status is RequestStatus.RUNNING and left > 0:
             self._schedule_chunk(req, min(self.config.chunk_size, req.num_tokens - start, left), step, start=start)
@@ -501,7 +443,7 @@ class Scheduler:
         self._next_group = (g + 1) % g_count
         return [r for r in ready if r.slot % g_count == g]
 
-    def _schedule_decode(self, req: Request, step: _Step, start: int, pending: int) -> None:
+    def _schedule_decode(self, req: Request, step: StepBuilder, start: int, pending: int) -> None:
         """One token, plus the request's drafts when budget, context and max_tokens leave room."""
         if pending:  # run-ahead: no drafts (they would have to follow the pending token)
             self._schedule_chunk(req, 1, step, start=start, pending=pending)
@@ -515,7 +457,7 @@ class Scheduler:
         req.draft_ids = []
         self._schedule_chunk(req, 1 + len(drafts), step, drafts, start=start)
 
-    def _schedule_chunk(self, req: Request, n: int, step: _Step, drafts: tuple[int, ...] = (), *,
+    def _schedule_chunk(self, req: Request, n: int, step: StepBuilder, drafts: tuple[int, ...] = (), *,
                         start: int, pending: int = 0) -> bool:
         if req.request_id in self._preempt_next:
             return False  # marked as a victim in this step (run-ahead): it gets no more work
@@ -527,7 +469,7 @@ class Scheduler:
         step.add(ScheduledChunk(req, start, n, sample, drafts, pending))
         return True
 
-    def _make_room(self, req: Request, num_tokens: int, step: _Step) -> bool:
+    def _make_room(self, req: Request, num_tokens: int, step: StepBuilder) -> bool:
         """Give `req` blocks for `num_tokens` positions, preempting the newest admissions as needed.
 
         If `req` is itself the newest it is the one preempted (False). If it is the only running request
@@ -558,7 +500,7 @@ class Scheduler:
             if victim is req:
                 return False
 
-    def _preempt(self, req: Request, step: _Step) -> None:
+    def _preempt(self, req: Request, step: StepBuilder) -> None:
         """Back to the front of the queue with nothing computed; output_ids are kept for recompute.
 
         A request that holds no blocks yet (admitted but never scheduled; or only its cache hit) lost

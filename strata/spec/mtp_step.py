@@ -29,7 +29,7 @@ import torch
 from strata.kvcache.pool import KVPool
 from strata.models.attention import AttentionBackend
 from strata.models.transformer import CausalLM
-from strata.runner.model_runner import graph_buckets
+from strata.runner.steps import graph_buckets
 
 log = logging.getLogger("strata")
 
