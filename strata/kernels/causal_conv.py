@@ -17,9 +17,9 @@ follows the first on the stream, so the conv reads every old window before any i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
+from strata.kernels.gated_delta import causal_conv1d_ref
 from strata.kernels.pdl import pdl_prologue
 from strata.transfer import to_device  # pinned: a pageable upload would wait for the device
 
@@ -40,14 +40,10 @@ Span = tuple[int, int, int, bool]  # first row, rows, state index, fresh
 def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
                              spans: list[Span]) -> torch.Tensor:
     """x [T, C]; weight [C, K]; states [S, C, K-1] (updated in place). Returns out [T, C]."""
-    c, k = weight.shape
     out = torch.empty_like(x)
     for r0, n, slot, fresh in spans:
-        past = x.new_zeros(c, k - 1) if fresh else states[slot].to(x.dtype)
-        full = torch.cat([past, x[r0 : r0 + n].t()], dim=1)  # [C, K-1+n]
-        y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=c)[0]
-        out[r0 : r0 + n] = F.silu(y.float()).t().to(x.dtype)
-        states[slot] = full[:, -(k - 1):].to(states.dtype)
+        out[r0 : r0 + n], window = causal_conv1d_ref(x[r0 : r0 + n], weight, None if fresh else states[slot])
+        states[slot] = window.to(states.dtype)
     return out
 
 

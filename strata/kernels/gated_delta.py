@@ -48,7 +48,7 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
     past = x.new_zeros(c, k - 1) if state is None else state.to(x.dtype)
     full = torch.cat([past, x.t()], dim=1)  # [C, K-1+n]
     out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=c)[0]  # [C, n]
-    return F.silu(out).t().to(x.dtype), full[:, -(k - 1):]
+    return F.silu(out.float()).t().to(x.dtype), full[:, -(k - 1):]
 
 
 def causal_conv1d_step_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
