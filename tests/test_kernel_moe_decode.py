@@ -27,7 +27,7 @@ from strata.kernels.moe_decode import (
     moe_experts_decode_ref,
     moe_experts_decode_triton,
 )
-from strata.models.layers import MoE
+from strata.models.moe import MoE
 from test_moe_packed import BASE, random_moe
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -168,7 +168,8 @@ def test_gpu_30b_matches_reference_and_batch_invariant(weights_30b):
     w13, w2 = weights_30b
     x, ids, w = routing_30b(1, 16)
     full = moe_experts_decode(x, ids, w, w13, w2, nan_out(16, H, torch.bfloat16, "cuda"))
-    module = SimpleNamespace(num_experts=E, w13=w13, w2=w2)  # all that MoE._grouped reads
+    # What MoE._grouped reads:
+    module = SimpleNamespace(num_experts=E, w13=w13, w2=w2, sort_ws=None, fp8=None, quant=None)
     for t in (1, 4, 16):
         got = moe_experts_decode(x[:t], ids[:t], w[:t], w13, w2)
         ref = moe_experts_decode_ref(x[:t], ids[:t], w[:t], w13, w2)

@@ -223,9 +223,10 @@ def test_gpu_iq3s_shapes_and_batch_invariance(n, k):
     planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("gpu3", n, k))).cuda())
     grid = iq3_s.grid_table(torch.device("cuda"))
     x = make_x(8, k, torch.bfloat16, seed_of("gx3", n, k), "cuda")
-    full = iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=planes.get("workspace"))
+    # Its own workspace: repack sizes planes["workspace"] for the dp4a GEMV only under STRATA_IQ3S_DECODE=dp4a.
+    ws = torch.zeros(max(1, iqd.workspace_numel(n, k)), dtype=torch.int32, device="cuda")
+    full = iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws)
     ref = iqd.gemv_iq3s_dp4a_ref(x, planes, n, k)
     assert ((full.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
     for m in (1, 3):
-        assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k,
-                                             workspace=planes.get("workspace")), full[:m])
+        assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k, workspace=ws), full[:m])

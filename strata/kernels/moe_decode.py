@@ -280,13 +280,14 @@ def bench_moe_decode(device="cuda", tokens=BENCH_TOKENS, runs: int = 50, dtype=t
     from HBM: one copy of the 30B layer's weights (1.2 GB) is far larger than L2."""
     from types import SimpleNamespace
 
-    from strata.models.layers import MoE
+    from strata.models.moe import MoE
 
     e, k, h, inter = (BENCH_SHAPE[n] for n in ("experts", "top_k", "hidden", "inter"))
     gen = torch.Generator(device=device).manual_seed(0)
     w13 = (torch.randn(e, 2 * inter, h, device=device, generator=gen) * h ** -0.5).to(dtype)
     w2 = (torch.randn(e, h, inter, device=device, generator=gen) * inter ** -0.5).to(dtype)
-    module = SimpleNamespace(num_experts=e, w13=w13, w2=w2)  # all that MoE._grouped reads
+    # What MoE._grouped reads:
+    module = SimpleNamespace(num_experts=e, w13=w13, w2=w2, sort_ws=None, fp8=None, quant=None)
     cfg = config or moe_decode_config(h, inter)
     rows = []
     print(f"{'T':>3} | {'gate_up us':>10} {'down us':>8} {'both us':>8} {'TB/s':>5} | {'grouped us':>10} "

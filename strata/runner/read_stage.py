@@ -16,8 +16,9 @@ Nothing allocates on the read's path:
 - the kernels' shared scratch (split-K counters, token-sort counters, the stream-K pool) has twins
   made at start-up and installed for the worker (`strata.kernels.scratch`), so the two stages never
   share one;
-- activations come from torch's caching allocator on the read's stream, which a first read of the
-  largest step fills; `AllocationGuard` fails when anything grows after that.
+- activations come from torch's caching allocator on the read's stream, which warm-up steps of the
+  largest size fill (after the graph captures, which empty the cache); `AllocationGuard` fails when
+  anything grows after that.
 
 With STRATA_SPLIT_MTP_BATCH=1 and STRATA_PIPED_CONCURRENT_SMB=1 the stage also writes the MTP layer's
 prompt K/V for each chunk on its stream (`Prefill.draft_kv`, its own MTP call buffers), reserving the
@@ -42,6 +43,9 @@ from strata.transfer import UpRing
 log = logging.getLogger("strata")
 
 UPLOAD_BYTES_PER_TOKEN = 32  # reserve_uploads: T x K x 4 bytes with K = 8 int32 words per token
+
+
+WARM_UP_MAX_STEPS = 4
 
 
 @dataclass
@@ -101,7 +105,7 @@ class ReadStage:
         dtype = model.model.embed_tokens.weight.dtype
         self.runner = ModelRunner(model, main.pool, max_num_batched_tokens=max_num_batched_tokens, max_seqs=max_seqs,
                                   max_model_len=max_model_len, device=self.device, seed=main.seed, max_drafts=0,
-                                  cuda_graph=False, grammar=main.grammar,
+                                  cuda_graph=False, grammar=main.grammar, batch_invariant=main.batch_invariant,
                                   states=main.attn.states.view() if main.attn.states is not None else None)
         # One sampler, grammar state and alternatives request per request, whichever stage samples it.
         self.runner.sampler = main.sampler
@@ -155,16 +159,32 @@ class ReadStage:
         from strata.sched.request import Request
         from strata.sched.scheduler import ScheduledChunk, SchedulerOutput
 
-        n = min(self.max_tokens, self.runner.max_model_len)  # a step never reads past the context
-        req = Request("__read_warm_up__", [0] * n, SamplingParams(max_tokens=1), slot=0)
-        req.block_ids = [0] * -(-n // self.runner.pool.block_size)
+        # One prompt token past the step, and within the context: a step that does not sample needs the
+        # next token (the MTP layer's input when the stage writes draft K/V).
+        n = min(self.max_tokens, self.runner.max_model_len - 1)
+        req = Request("__read_warm_up__", [0] * (n + 1), SamplingParams(max_tokens=1), slot=0)
+        req.block_ids = [0] * -(-(n + 1) // self.runner.pool.block_size)
         ring, self.up_ring = self.up_ring, UpRing(self.device, n * UPLOAD_BYTES_PER_TOKEN)
+        cuda = self.device.type == "cuda"
         try:
-            self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, True)]))
-            self.poll(block=True)
+            # Steps until the cache stops growing: the runner keeps the last step's hidden states while
+            # the next one runs, so the steady state holds more than one step's activations, and the
+            # allocator's first placements can leave no block large enough for a later one.
+            for i in range(WARM_UP_MAX_STEPS):
+                before = torch.cuda.memory_reserved(self.device) if cuda else 0
+                self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, i % 2 == 1)]))
+                self.poll(block=True)
+                if i >= 1 and (not cuda or torch.cuda.memory_reserved(self.device) == before):
+                    break
         finally:
             self.up_ring = ring
             self.reads_total = 0
+
+    def follow(self, stream) -> None:
+        """The stage's next work waits for what `stream` has queued (the drafter's copies out of this
+        step's hidden states), so blocks the stage frees are reused only after those reads."""
+        if self.stream is not None:
+            self.stream.wait_stream(stream)
 
     def submit(self, out) -> None:
         if self.current is not None:
