@@ -78,7 +78,8 @@ step() {  # name, seconds, command...
         --shape qwen3-8b --formats Q8_0,Q4_K,IQ3_S --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
       quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py ;;
-      quant-moe) step quant-moe 300 $B quant --shape qwen3-30b-a3b --formats bf16,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
+      quant-moe) step quant-moe 400 $B quant --shape qwen3-30b-a3b --formats bf16,Q8_0,IQ3_S,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
+      quant-fp8) step quant-fp8 200 $B quant --shape qwen3-8b --formats bf16,FP8 --out $R/quant_qwen3-8b_fp8_cuda.json ;;
       quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
@@ -113,6 +114,8 @@ step() {  # name, seconds, command...
       kv) step kv 200 $B kv --out $R/kv_int8_cuda.json ;;
       concurrent-tests) step concurrent-tests 400 $T tests/test_batch_read.py ;;
       concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --http --out $R/concurrent_qwen3-8b_cuda.json ;;
+      # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
+      concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
       next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py -k "next or causal" ;;
       fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 $T tests/test_kernel_gated_delta_fla.py ;;
@@ -121,6 +124,14 @@ step() {  # name, seconds, command...
           --out $R/read_qwen3-next-80b-a3b-36l_${k}_cuda.json; done ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
           --out $R/decode_qwen3-next-80b-a3b-36l_cuda.json ;;
+      # Issue 15: the invariant GEMM / attention against their claims, the engine matrix, then the bench.
+      invariant-tests) step invariant-tests 400 $T tests/test_kernel_matmul.py tests/test_kernel_attention_invariant.py \
+          tests/test_batch_invariance.py ;;
+      matmul-sweep) TAIL=80 step matmul-sweep 400 python3 -m strata.kernels.matmul --sweep ;;
+      determinism) for m in off on; do step determinism-$m 500 $B determinism --shape qwen3-8b --clients 64 --parallel 8 \
+          --chunk 512 $([ $m = on ] && echo "--batch-invariant --costs") --out $R/determinism_${m}_cuda.json; done ;;
+      fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py ;;
+      fp8-sweep) TAIL=80 step fp8-sweep 300 python3 -m strata.kernels.quant.fp8 --sweep ;;
       *) echo "unknown step $s" ;;
     esac
   done

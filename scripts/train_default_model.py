@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from strata.config import ModelConfig  # noqa: E402
 from strata.models.attention import CausalBatch  # noqa: E402
-from strata.models.layers import MoE  # noqa: E402
+from strata.models.moe import MoE  # noqa: E402
 from strata.models.registry import build_model  # noqa: E402
 
 MTP_WEIGHT = 0.3

@@ -236,6 +236,9 @@ class EngineConfig:
     batch_groups: int = 1  # slots split into G decode groups stepped in turn (slot % G)
     overlap: bool = True  # with G > 1: launch a group's step before finishing the previous group's
     cuda_graph: bool = True  # replay CUDA graphs for decode and verification steps (CUDA only)
+    # A request's logits do not depend on what else the engine runs (batch, chunking, prefix-cache hits,
+    # speculation): every row is computed alone (issue 15). The CPU, and dense models on CUDA (unmeasured).
+    batch_invariant: bool = False
     # Queue each step before reading the previous one's tokens (decode inputs taken on the device), so
     # the GPU never waits for the host; needs --spec 0 and one batch group. None: on for CUDA.
     async_scheduling: bool | None = None

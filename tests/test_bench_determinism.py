@@ -77,3 +77,15 @@ def test_one_slot_without_the_prefix_cache_is_bitwise_identical(tmp_path):
                  "--max-tokens", "6", "--prompts", "10,90", "--chunk", "32", "--no-prefix-cache", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert (res["altered"], res["logprobs_altered"]) == (0, 0) and res["config"]["prefix_cache"] is False
+
+
+def test_the_batch_invariant_server_gives_bitwise_equal_answers(tmp_path):
+    """Issue 15 end to end on the CPU: the run of the first test (4 clients on 4 slots, chunks of 32,
+    prefix cache on) with --batch-invariant: every answer's logprobs equal its run alone, bitwise."""
+    out = tmp_path / "det_inv.json"
+    assert main(["bench", "determinism", "--device", "cpu", "--dtype", "float32", "--clients", "4", "--parallel", "4",
+                 "--max-tokens", "8", "--prompts", "10,150", "--chunk", "32", "--batch-invariant", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["batch_invariant"] is True and res["peak_in_flight"] >= 2
+    assert res["alone_metrics"]["prefix_cache_hits"] >= 1  # alone reads start after the cached blocks
+    assert (res["altered"], res["logprobs_altered"]) == (0, 0)

@@ -23,7 +23,7 @@ import torch
 
 from strata.kernels import moe_routing as mr
 from strata.kernels import moe_sort as ms
-from strata.models import layers
+from strata.models import moe as moe_module
 from test_moe_packed import BASE, random_moe
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -205,7 +205,7 @@ def test_moe_module_with_kernels_switched_on(router, monkeypatch):
             w_ref, ids_ref, logits_ref = ref.gate(x)
             out_ref = ref._grouped(x, w_ref, ids_ref)
             with monkeypatch.context() as m:
-                for module in (layers, mr, ms):
+                for module in (moe_module, mr, ms):
                     m.setattr(module, "use_triton", lambda _t: True)
                 w, ids, logits = ours.gate(x)
                 out = ours._grouped(x, w, ids)

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from strata.config import ModelConfig
 from strata.loaders import load_model
 from strata.models.attention import CausalBatch
-from strata.models.layers import MoE
+from strata.models.moe import MoE
 from strata.models.registry import build_model
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from strata.bench.http_client import lines_urllib, sse_chunks  # standard library only, like this client
 
 COST_FIELDS = ("decode_b1_cost", "decode_b8_cost", "read_4096_cost", "read_32768_cost")
-COST_NOTE = ("the cost of batch invariance against the fastest non-invariant kernels; null until the "
-             "batch-invariant mode (issue 15, item 1) exists")
+COST_NOTE = ("1 - (tok/s with --batch-invariant) / (tok/s without), same shape, same process, the default "
+             "GPU chunk (2048) for reads; null unless --costs ran")
 METRICS = ("strata_prefix_cache_hits_total", "strata_prefix_cache_cached_tokens_total", "strata_give_ways_total",
            "strata_preemptions_total", "strata_prompt_tokens_total", "strata_generation_tokens_total")
 
@@ -175,13 +175,23 @@ def run(args) -> int:
     from strata.loaders import default_model_path
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, parallel=args.parallel,
-                       chunk_size=args.chunk, prefix_cache=not args.no_prefix_cache)
-    eng = LLMEngine(cfg, progress=False)
+                       chunk_size=args.chunk, prefix_cache=not args.no_prefix_cache, batch_invariant=args.batch_invariant)
     device, dtype = cfg.resolved_device, cfg.resolved_dtype
-    text = open(os.path.join(default_model_path(), "README.md")).read()
     limit = cfg.ctx - args.max_tokens
-    prompts = build_prompts(eng.tokenizer.encode(text), args.prompts, args.clients, limit)
-    model_name = os.path.basename(os.path.normpath(args.model)) if args.model else "default"
+    if args.shape:  # random weights; token ids drawn at random, texts from a tokenizer that names every id
+        from strata.bench.random_model import random_model, shape_config, synthetic_tokenizer
+
+        vocab = shape_config(args.shape).vocab_size
+        loaded = random_model(args.shape, device, getattr(torch, dtype), tokenizer=synthetic_tokenizer(vocab))
+        eng = LLMEngine(cfg, progress=False, loaded=loaded)
+        gen = torch.Generator().manual_seed(0)
+        source = torch.randint(0, vocab, (max(args.prompts) + args.clients + 64,), generator=gen).tolist()
+        model_name = args.shape
+    else:
+        eng = LLMEngine(cfg, progress=False)
+        source = eng.tokenizer.encode(open(os.path.join(default_model_path(), "README.md")).read())
+        model_name = os.path.basename(os.path.normpath(args.model)) if args.model else "default"
+    prompts = build_prompts(source, args.prompts, args.clients, limit)
     bodies = [{"model": model_name, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
                "ignore_eos": True, "logprobs": 0, "stream": True} for ids in prompts]
     resolved = cfg.resolved()
@@ -191,8 +201,12 @@ def run(args) -> int:
         res = _child_client(url, bodies, args.timeout)
     seconds = time.perf_counter() - t0
     rows, altered, lp_altered = tally([len(p) for p in prompts], res["concurrent"], res["alone"])
+    eng.close()
+    del eng
+    costs = measure_costs(args.cost_shape, device, dtype) if args.costs else {k: None for k in COST_FIELDS}
     info = {
-        "bench": "determinism", "model": args.model or "default", "device": device, "dtype": dtype,
+        "bench": "determinism", "model": args.model or args.shape or "default", "device": device, "dtype": dtype,
+        "batch_invariant": args.batch_invariant,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "config": {"clients": args.clients, "parallel": args.parallel, "max_tokens": args.max_tokens,
                    "chunk_size": chunk, "max_num_batched_tokens": resolved.max_num_batched_tokens,
@@ -204,7 +218,7 @@ def run(args) -> int:
         "requests": len(rows), "altered": altered, "logprobs_altered": lp_altered,
         "peak_in_flight": res["peak_in_flight"], "concurrent_metrics": res["concurrent_metrics"],
         "alone_metrics": res["alone_metrics"], "seconds": seconds,
-        **{k: None for k in COST_FIELDS}, "cost_note": COST_NOTE, "per_request": rows,
+        **costs, "cost_shape": args.cost_shape if args.costs else None, "cost_note": COST_NOTE, "per_request": rows,
     }
     out = args.out or f"bench/results/determinism_{device.split(':')[0]}.json"
     save(info, out, _draw)
@@ -218,6 +232,29 @@ def run(args) -> int:
                                         ("first logprob diff", "logprob_divergence", "d"),
                                         ("max |Δ logprob|", "max_abs_logprob_diff", ".3g")], rows)])
     return 0
+
+
+def measure_costs(shape: str, device: str, dtype: str) -> dict:
+    """COST_FIELDS at `shape` (random weights): decode batch 1 and 8, reads of 4K and 32K tokens, each
+    timed with the switch off, then on, through the decode and read benches' own code."""
+    import torch
+
+    from strata.bench import throughput as tp
+
+    common = dict(shape=shape, device=device, dtype=dtype, kv="auto", repeats=1, seed=0, no_hf=True,
+                  no_cuda_graph=False, no_async_scheduling=False, no_ceilings=True, http=False)
+    speeds: dict[tuple, float] = {}
+    for on in (False, True):
+        dec = argparse.Namespace(**common, which="decode", chunk=2048, batch=[1, 8], prompt=512, tokens=64,
+                                 tokenizer=None, grammar=None, batch_invariant=on)
+        for r in tp._strata_decode(dec, torch.device(device), getattr(torch, dtype), None, {}):
+            speeds[("decode", r["batch"], on)] = r["strata_tok_s"]
+        read = argparse.Namespace(**common, which="read", chunk=2048, chunks=None, lengths=[4096, 32768],
+                                  batch_invariant=on)
+        for r in tp._strata_read(read, torch.device(device), getattr(torch, dtype), None, {}):
+            speeds[("read", r["prompt_tokens"], on)] = r["strata_tok_s"]
+    return {f"{kind}_{'b' if kind == 'decode' else ''}{n}_cost": 1.0 - speeds[(kind, n, True)] / speeds[(kind, n, False)]
+            for kind, n in (("decode", 1), ("decode", 8), ("read", 4096), ("read", 32768))}
 
 
 def _draw(plt, info: dict) -> None:
@@ -249,6 +286,11 @@ def add_parser(sub) -> None:
                    help="prompt lengths in tokens, cycled over the clients (client i adds i)")
     p.add_argument("--chunk", type=int, default=64, help="read chunk size, small so reads interleave with decodes")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--shape", default=None, help="random weights at this shape instead of MODEL (e.g. qwen3-8b)")
+    p.add_argument("--batch-invariant", action="store_true", help="the server runs with --batch-invariant")
+    p.add_argument("--costs", action="store_true",
+                   help="also time decode b1/b8 and reads of 4K/32K with the switch off and on (the cost ratios)")
+    p.add_argument("--cost-shape", default="qwen3-8b", help="the shape --costs times (random weights)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the client may take")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)

@@ -1,12 +1,14 @@
 """`strata bench quant`: weights kept quantized (GGUF Q8_0 / Q4_K / IQ3_S) against bf16 (issue 10).
 
 One random model per format at `--shape` (`random_model(..., quant=...)`: the linear weights a GGUF
-load keeps quantized are random valid blocks of the format, made on the device; embeddings and norms
-stay in the model dtype). Per format: the device bytes of all weights (`weights_gib`), batch-1 decode
-(`decode_b1_tok_s`, `--prompt` tokens then `--tokens` new ones, timed after the read), the read of one
-`--read-tokens` prompt (`read_4096_tok_s` by default), and the decode's bandwidth fraction: the bytes a
-step streams (every weight except the embedding table) times steps per second over the measured copy
-rate. The arms run one after another in one process; ratios against the bf16 row are in the JSON.
+load keeps quantized, MoE experts included (`--shape qwen3-30b-a3b`: the grouped kernels of
+`strata.kernels.quant.moe_q`), are random valid blocks of the format, made on the device; embeddings
+and norms stay in the model dtype). Per format: the device bytes of all weights (`weights_gib`),
+batch-1 decode (`decode_b1_tok_s`, `--prompt` tokens then `--tokens` new ones, timed after the read),
+the read of one `--read-tokens` prompt (`read_4096_tok_s` by default), and the decode's bandwidth
+fraction: the bytes a step streams (every weight except the embedding table; for MoE shapes that
+counts every expert, not the few a step reads) times steps per second over the measured copy rate.
+The arms run one after another in one process; ratios against the bf16 row are in the JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.bench.throughput import _decode_once, _free, _prompts, build_engine, engine_config
 from strata.engine.types import EngineRequest
 from strata.kernels.quant import FORMATS, QWeight, quantize_fp8
+from strata.kernels.quant.moe_q import QExpertStack
 from strata.params import SamplingParams
 
 QUANT_ATTRS = ("qkv_q", "o_q", "gate_up_q", "down_q", "lm_head_q")
@@ -43,6 +46,8 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
                 total += q.nbytes
         for t in getattr(m, "fp8", None) or ():  # MoE experts in e4m3 (`quantize_fp8`)
             total += t.numel() * t.element_size()
+        for stack in getattr(m, "quant", None) or ():  # MoE experts kept quantized (`moe_q.QExpertStack`)
+            total += stack.nbytes if isinstance(stack, QExpertStack) else 0
     emb = model.model.embed_tokens.weight
     return total, emb.numel() * emb.element_size()
 

@@ -29,7 +29,7 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.kernels.quant import FORMATS, QWeight, format_module, quantize_fp8
 from strata.loaders import default_model_path, load_model
 from strata.models.attention import CausalBatch
-from strata.models.layers import Router
+from strata.models.moe import Router
 
 
 def quantize_linears(model: nn.Module, ggml_type: str) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from strata import loaders
 from strata.config import ModelConfig
+from strata.kernels.quant import format_module
 from strata.loaders import LoadedModel
 from strata.models.layers import rope_inv_freq
 from strata.models.registry import build_model
@@ -103,8 +104,9 @@ def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, see
                  tokenizer: Tokenizer | None = None, quant: str | None = None) -> LoadedModel:
     """Strata's model for `shape` with random weights on `device` in `dtype`, ready for
     `LLMEngine(cfg, loaded=...)`: packed and in eval mode, as `load_model` leaves it. `quant` (a GGUF
-    type of `strata.kernels.quant`): the linear weights a GGUF load would keep quantized are random
-    blocks of that format instead, as `load_model(keep_quantized=True)` leaves them."""
+    type of `strata.kernels.quant`): the linear weights a GGUF load would keep quantized (MoE experts
+    included) are random blocks of that format instead, as `load_model(keep_quantized=True)` leaves
+    them; weights whose rows are not whole blocks of the format stay float."""
     device = torch.device(device)
     cfg = shape_config(shape)
     with torch.device("meta"):
@@ -117,7 +119,7 @@ def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, see
     for name, p in list(model.named_parameters()):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if name in quantized:
+        if name in quantized and p.shape[1] % format_module(quant).BLOCK_VALUES == 0:
             from strata.kernels.quant import random_blocks
 
             module = model.get_submodule(name.rpartition(".")[0])

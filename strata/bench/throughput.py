@@ -64,6 +64,8 @@ def engine_config(args, device: torch.device, ctx: int, parallel: int, chunk: in
         kw["cuda_graph"] = False
     if getattr(args, "no_async_scheduling", False):
         kw["async_scheduling"] = False
+    if getattr(args, "batch_invariant", False):
+        kw["batch_invariant"] = True
     return EngineConfig(**kw)
 
 
@@ -432,6 +434,7 @@ def add_parsers(sub) -> None:
         p.add_argument("--no-cuda-graph", action="store_true", help="EngineConfig(cuda_graph=False)")
         p.add_argument("--no-async-scheduling", action="store_true", help="EngineConfig(async_scheduling=False)")
         p.add_argument("--no-ceilings", action="store_true", help="skip the copy/GEMM ceilings (fractions null)")
+        p.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
         p.add_argument("--out", default=None, help="default: bench/results/{which}_{shape}[_int8]_{device}.json")
         if which == "read":
             p.add_argument("--lengths", type=_int_list, default=[4096, 32768])

@@ -105,6 +105,18 @@ def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
+def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device) -> None:
+    """What --batch-invariant covers so far (issue 15): the CPU's torch path for dense and MoE models; on
+    CUDA dense models (the invariant GEMM and attention kernels); no linear-attention layers."""
+    if not cfg.batch_invariant:
+        return
+    missing = [what for what, lacking in (
+        ("MoE routing and expert kernels on CUDA", device.type == "cuda" and mc.is_moe),
+        (f"{mc.model_type}'s linear-attention layers", mc.is_hybrid)) if lacking]
+    if missing:
+        raise ValueError("--batch-invariant is not built yet for " + "; ".join(missing))
+
+
 def _grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler | None:
     """The compiler of this model's grammars (structured output), or None without a tokenizer."""
     if tokenizer is None:
@@ -136,6 +148,8 @@ class LLMEngine:
         self.eos_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
 
         mc = self.model_config
+        _check_batch_invariant(cfg, mc, self.device)
+        self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:
             cfg = self.cfg = _hybrid_limits(cfg, mc)
         layers = self.model.num_attention_layers
@@ -172,7 +186,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
                                   seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
-                                  grammar=self.grammar_compiler, states=self.states)
+                                  grammar=self.grammar_compiler, states=self.states,
+                                  batch_invariant=cfg.batch_invariant)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:
@@ -189,15 +204,18 @@ class LLMEngine:
                                         max_seqs=cfg.parallel, max_model_len=self.max_model_len, drafter=self.drafter,
                                         split_mtp_batch=self.concurrent.split_mtp_batch_reserved)
             self.read_stage.reserve()
+        self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and ENV.ALLOC_GUARD.get() else None
+        # Every buffer a graph reads exists now.
+        self.graph_seconds = self.runner.capture_graphs()
+        if self.drafter:
+            self.graph_seconds += self.drafter.capture_graphs()
+        if self.read_stage is not None:
+            # After the captures: torch.cuda.graph empties the caching allocator on entry, which would drop
+            # the read activations the warm-up leaves cached for the stage's stream.
             if self.device.type == "cuda" or ENV.ALLOC_GUARD.get():
                 self.read_stage.warm_up()
             log.info("read stage: %.1f MiB of region and scratch twins, %d B upload ring",
                      self.read_stage.region_bytes / 2**20, self.read_stage.up_ring.nbytes)
-        self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and ENV.ALLOC_GUARD.get() else None
-        # Last: every buffer a graph reads exists now.
-        self.graph_seconds = self.runner.capture_graphs()
-        if self.drafter:
-            self.graph_seconds += self.drafter.capture_graphs()
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.pipelined = (cfg.batch_groups > 1 and cfg.overlap) or bool(cfg.async_scheduling)
@@ -292,10 +310,11 @@ class LLMEngine:
         if res is not None:
             if self.alloc_guard is not None:
                 self.alloc_guard.check()
-            if res.hidden is not None and res.hidden.is_cuda:
-                # The drafter may still copy from it on this thread's stream after the stage moves on.
-                res.hidden.record_stream(torch.cuda.current_stream(res.hidden.device))
             events = self._apply(res.out, res.sampled, res.hidden, res.row_starts, res.draft_kv)
+            if res.hidden is not None and res.hidden.is_cuda:
+                # The drafter may still copy from it on this thread's stream after the stage moves on. Not
+                # record_stream: its blocks would come back late and fragment the stage's cache.
+                stage.follow(torch.cuda.current_stream(res.hidden.device))
         if next_read and not stage.busy:
             out = self.scheduler.schedule("read")
             if out.chunks:

@@ -101,12 +101,25 @@ PREFILL_CONFIG_INT8 = TileConfig(block_m=256, num_warps=8, num_stages=2)
 # dots would not fit 256 x 128 score and accumulator tiles in the registers.
 PREFILL_CONFIG_NARROW = TileConfig(block_m=128, num_warps=4, num_stages=4)
 PREFILL_WIDE_MIN_Q = 1024
+# --batch-invariant (issue 15): one tile shape for every step, so each row's dots run the same MMA
+# instruction whether it is decoded, verified or read in a chunk, and key splits of a fixed length at
+# absolute positions (see the module docstring's last paragraph).
+INVARIANT_CONFIG = TileConfig(block_m=64, num_warps=4, num_stages=2, kv_tile=64)
+INVARIANT_SPLIT_KEYS = 256
+# Heads of 256: a 128-row query tile (64 KiB of bf16) and two stages of 64-key K and V tiles (128 KiB)
+# fit the H200's 227 KiB; the 256 x 128 wide tiles asked for 384 KiB (Qwen3-Next reads, untuned).
+PREFILL_CONFIG_WIDE_HEAD = TileConfig(block_m=128, num_warps=8, num_stages=2)
 
 
 @lru_cache(maxsize=256)
-def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool = False) -> TileConfig:
+def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool = False,
+                  head_dim: int = 128, invariant: bool = False) -> TileConfig:
     """Tile shape for a launch (`fp32`: 4-byte queries); reads the module constants, so a sweep that
-    changes them clears the cache."""
+    changes them clears the cache. Heads wider than 128 (Qwen3-Next's 256) halve what shared memory
+    holds per key: two stages, and prompt-sized steps one warp group over 64-key tiles."""
+    if invariant:
+        cfg = INVARIANT_CONFIG
+        return TileConfig(max(cfg.block_m, triton.next_power_of_2(group)), cfg.num_warps, cfg.num_stages, cfg.kv_tile)
     rows = max_q_len * group
     if rows <= DECODE_MAX_ROWS:
         cfg = DECODE_CONFIG_INT8 if is_int8 else DECODE_CONFIG
@@ -115,9 +128,12 @@ def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool 
     else:
         wide = max_q_len >= PREFILL_WIDE_MIN_Q and not fp32
         cfg = (PREFILL_CONFIG_INT8 if is_int8 else PREFILL_CONFIG) if wide else PREFILL_CONFIG_NARROW
+        if head_dim > 128:
+            cfg = PREFILL_CONFIG_WIDE_HEAD
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
-        kv_tile = PREFILL_KV_TILE if wide and not is_int8 else KV_TILE
-    return TileConfig(block_m, cfg.num_warps, cfg.num_stages, kv_tile)
+        kv_tile = PREFILL_KV_TILE if wide and not is_int8 and head_dim <= 128 else KV_TILE
+    stages = min(cfg.num_stages, 2) if head_dim > 128 else cfg.num_stages
+    return TileConfig(block_m, cfg.num_warps, stages, kv_tile)
 
 
 class SplitWorkspace:
@@ -241,6 +257,25 @@ def _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_ba
 
 
 @triton.jit
+def _attend_kv_range(acc, l_i, m_i, q, pos, kv_lo, full_stop, kv_stop, kv_hi, table_row, k_base, v_base,
+                     ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot, stride_vs_slot, qk_scale,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     IS_INT8: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Key tiles from kv_lo: unmasked below full_stop (visible to every row), masked up to kv_stop."""
+    for start in range(kv_lo, full_stop, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_base,
+                                        ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot,
+                                        stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
+                                        False, IS_INT8, DOT_PREC)
+    for start in range(full_stop, kv_stop, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_base,
+                                        ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot,
+                                        stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
+                                        True, IS_INT8, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows outside the sequence, which are not stored
@@ -250,9 +285,23 @@ def _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, H
 
 
 @triton.jit
+def _merge_running(acc, l_i, m_i, p_acc, p_l, p_m):
+    """The invariant mode's merge of one more split's partial into the running result. The same code
+    merges in registers (a program that walks its splits itself) and from the workspace, and the FMAs
+    are explicit, so both give the same bits. An empty partial (m = -inf, l = 0) changes nothing."""
+    m_new = tl.maximum(m_i, p_m)
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.math.exp2(m_i - m_shift)
+    b = tl.math.exp2(p_m - m_shift)
+    acc = tl.fma(acc, a[:, None], p_acc * b[:, None])
+    l_i = tl.fma(l_i, a, p_l * b)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_parts,
                     stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
-                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, INVARIANT: tl.constexpr):
     """Combines the partial results of splits 0 .. num_parts - 1, in that order. Split 0 holds key 0,
     so every real row has a finite max; a row's split with no visible key adds exp2(-inf) * 0."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -260,6 +309,16 @@ def _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_part
     ll = ws_l_ptr + rows * stride_wm_n + head * stride_wm_h
     wa = ws_acc_ptr + rows[:, None] * stride_wa_n + head[:, None] * stride_wa_h + offs_d[None, :]
     # .cg: written by other SMs during this launch, so read through L2.
+    if INVARIANT:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(0, num_parts):
+            p_m = tl.load(ml + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            p_l = tl.load(ll + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+            p_acc = tl.load(wa + s * stride_wa_s, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc, l_run, m_run = _merge_running(acc, l_run, m_run, p_acc, p_l, p_m)
+        return acc, l_run
     m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in range(0, num_parts):
         m_max = tl.maximum(m_max, tl.load(ml + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
@@ -283,7 +342,7 @@ def _paged_attention_kernel(
     qk_scale, num_q_tiles, num_splits, min_split_keys,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, INVARIANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -300,8 +359,11 @@ def _paged_attention_kernel(
     last_pos = ctx - q_len + tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
     if SPLIT:
         split = tl.program_id(2)
-        active = tl.minimum(num_splits, tl.cdiv(ctx, min_split_keys))
-        split_len = tl.cdiv(tl.cdiv(ctx, active), BLOCK_N) * BLOCK_N
+        if INVARIANT:  # fixed-length splits at absolute positions; the grid has enough of them
+            split_len = min_split_keys
+        else:
+            active = tl.minimum(num_splits, tl.cdiv(ctx, min_split_keys))
+            split_len = tl.cdiv(tl.cdiv(ctx, active), BLOCK_N) * BLOCK_N
         # The splits that start at or before the tile's last position: at most `active`, fewer when
         # rounding split_len up to whole tiles empties the last ones or the tile ends early (causal).
         num_parts = last_pos // split_len + 1
@@ -334,16 +396,24 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for start in range(kv_lo, full_stop, BLOCK_N):
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_base,
-                                        ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot,
-                                        stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
-                                        False, IS_INT8, DOT_PREC)
-    for start in range(full_stop, kv_stop, BLOCK_N):
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, pos, start, kv_hi, table_row, k_base, v_base,
-                                        ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot,
-                                        stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
-                                        True, IS_INT8, DOT_PREC)
+    if INVARIANT and not SPLIT:
+        # One program walks all of its splits and merges them as the workspace merge would.
+        for part in range(0, last_pos // min_split_keys + 1):
+            p_lo = part * min_split_keys
+            p_hi = tl.minimum(p_lo + min_split_keys, ctx)
+            p_stop = tl.minimum(p_hi, last_pos + 1)
+            p_full = p_lo + tl.maximum(tl.minimum(p_stop, first_pos + 1) - p_lo, 0) // BLOCK_N * BLOCK_N
+            p_acc, p_l, p_m = _attend_kv_range(
+                tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+                tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), q, pos, p_lo, p_full, p_stop, p_hi,
+                table_row, k_base, v_base, ks_base, vs_base, stride_k_slot, stride_v_slot, stride_ks_slot,
+                stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE, IS_INT8, DOT_PREC)
+            acc, l_i, m_i = _merge_running(acc, l_i, m_i, p_acc, p_l, p_m)
+    else:
+        acc, l_i, m_i = _attend_kv_range(acc, l_i, m_i, q, pos, kv_lo, full_stop, kv_stop, kv_hi, table_row,
+                                         k_base, v_base, ks_base, vs_base, stride_k_slot, stride_v_slot,
+                                         stride_ks_slot, stride_vs_slot, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
+                                         IS_INT8, DOT_PREC)
 
     if SPLIT:
         if num_parts == 1:
@@ -363,7 +433,7 @@ def _paged_attention_kernel(
                 tl.debug_barrier()  # the acquire (one thread) before any thread's loads of the partials
                 acc, l_i = _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_parts,
                                            stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
-                                           BLOCK_M, HEAD_DIM)
+                                           BLOCK_M, HEAD_DIM, INVARIANT)
                 _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM)
                 tl.store(counter, 0)  # every other split has arrived: nothing else touches it this launch
     else:
@@ -397,7 +467,11 @@ def _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, ou
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
                            max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
-                           workspace: SplitWorkspace | None = None) -> torch.Tensor:
+                           workspace: SplitWorkspace | None = None, invariant: bool = False) -> torch.Tensor:
+    """`invariant` (--batch-invariant): INVARIANT_CONFIG and splits of INVARIANT_SPLIT_KEYS keys. With
+    num_splits > 1 the splits run as programs of their own (the grid needs num_splits >= cdiv(longest
+    context, INVARIANT_SPLIT_KEYS)); with num_splits == 1 each program walks its splits itself. Both
+    give a row the same bits."""
     n, hq, d, hkv, r, is_int8 = _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out,
                                               k_scale, v_scale)
     if d < 16 or d & (d - 1):
@@ -423,7 +497,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
     if r == 0 or n == 0 or max_q_len <= 0:
         return out
     group = hq // hkv
-    cfg = select_config(max_q_len, group, is_int8, q.dtype == torch.float32)
+    cfg = select_config(max_q_len, group, is_int8, q.dtype == torch.float32, d, invariant)
     block_q = cfg.block_m // group
     num_q_tiles = triton.cdiv(max_q_len, block_q)
     ks, vs = (k_scale, v_scale) if is_int8 else (k_cache, v_cache)  # placeholders, never read
@@ -440,9 +514,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
         q, k_cache, v_cache, ks, vs, out, block_tables, q_start, q_len, ctx_len, *ws,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *ks_strides, *vs_strides, out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
-        scale * LOG2E, num_q_tiles, num_splits, MIN_SPLIT_KEYS,
+        scale * LOG2E, num_q_tiles, num_splits, INVARIANT_SPLIT_KEYS if invariant else MIN_SPLIT_KEYS,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.kv_tile, HEAD_DIM=d, BLOCK_SIZE=block_size,
-        IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=on,
+        IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        INVARIANT=invariant, USE_PDL=on,
         launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -1,11 +1,12 @@
 """Model loading: read a checkpoint (HF directory or GGUF file), build the model on the meta device,
 check every tensor's name and shape against it, and assign the weights on the target device.
 
-With `keep_quantized`, a GGUF file's quantized linear weights (attention and dense MLP projections,
-the LM head; formats of `strata.kernels.quant`) go to the device as their raw blocks, parked on their
-`nn.Linear` as `quant_raw`; `CausalLM.pack` turns them into `QWeight`s (q|k|v and gate|up stacked by
-rows of blocks) and the float parameter is never materialised. Embeddings, norms and MoE experts are
-read as floats."""
+With `keep_quantized`, a GGUF file's quantized linear weights (attention and MLP projections, MoE
+experts included, the LM head; formats of `strata.kernels.quant`) go to the device as their raw
+blocks, parked on their `nn.Linear` as `quant_raw`; `CausalLM.pack` turns them into `QWeight`s (q|k|v
+and gate|up stacked by rows of blocks) and each MoE layer's experts into two `QExpertStack`s
+(`strata.kernels.quant.moe_q`: gate|up rows per expert, then the experts stacked); the float
+parameter is never materialised. Embeddings and norms are read as floats."""
 
 from __future__ import annotations
 
@@ -118,13 +119,18 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
 
 def _log_quantized(model: CausalLM) -> None:
     from strata.kernels.quant import QWeight
+    from strata.kernels.quant.moe_q import QExpertStack
 
     kept = [q for m in model.modules() for q in vars(m).values() if isinstance(q, QWeight)]
+    stacks = [s for m in model.modules() for s in getattr(m, "quant", None) or () if isinstance(s, QExpertStack)]
     if kept:
         types = ", ".join(sorted({q.ggml_type for q in kept}))
         log.info("kept %d linear weights quantized (%s): %.1f MiB", len(kept), types,
                  sum(q.nbytes for q in kept) / 2**20)
-    else:
+    if stacks:
+        log.info("kept %d MoE expert stacks quantized (%s): %.1f MiB", len(stacks),
+                 ", ".join(sorted({s.ggml_type for s in stacks})), sum(s.nbytes for s in stacks) / 2**20)
+    if not kept and not stacks:
         log.info("no weight was kept quantized (no Q8_0 / Q4_K / IQ3_S linear weights in this file)")
 
 
@@ -153,15 +159,14 @@ def _optional_mtp_copies(model: CausalLM, names: set[str]) -> None:
 
 
 def _quantizable_linears(model: CausalLM) -> set[str]:
-    """Weight names that may stay quantized: attention and dense-MLP projections, the LM head."""
-    from strata.models.layers import MLP, MoE, Attention
+    """Weight names that may stay quantized: attention and MLP projections (MoE experts' too), the LM head."""
+    from strata.models.layers import MLP, Attention
 
-    experts = {id(e) for m in model.modules() if isinstance(m, MoE) for e in m.experts}
     out = set()
     for name, m in model.named_modules():
         if isinstance(m, Attention):
             out |= {f"{name}.{p}_proj.weight" for p in "qkvo"}
-        elif isinstance(m, MLP) and id(m) not in experts:
+        elif isinstance(m, MLP):
             out |= {f"{name}.{p}_proj.weight" for p in ("gate", "up", "down")}
     if not model.config.tie_word_embeddings:
         out.add("lm_head.weight")

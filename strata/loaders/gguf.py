@@ -3,7 +3,8 @@
 The file is memory-mapped by `gguf.GGUFReader` and tensors are read only when asked for; nothing is
 ever unpickled. F32/F16/BF16 tensors keep their dtype; every quantized type is dequantized to float32
 by `gguf.quants.dequantize` when its tensor is read. Stacked expert tensors are split per expert by
-indexing the stack, so a quantized stack is dequantized one expert at a time.
+indexing the stack, so a quantized stack is dequantized one expert at a time. `raw` hands out the
+blocks themselves (a 2-D weight, or one expert of a stack) for the weights kept quantized.
 """
 
 from __future__ import annotations
@@ -234,11 +235,13 @@ def read_gguf(path: str) -> Checkpoint:
 
         ref = where[name]
         t = tensors[ref.gguf_name]
-        if ref.expert is not None or ref.undo is not None or ref.more or len(shapes[ref.gguf_name]) != 2 \
+        dims = 2 if ref.expert is None else 3  # a 2-D weight, or one expert of a stack
+        if ref.undo is not None or ref.more or len(shapes[ref.gguf_name]) != dims \
                 or _np_shape(t) != shapes[ref.gguf_name] or t.tensor_type.name not in FORMATS:
             return None
         # A copy: the mapping is read-only. Rows of blocks, as the file stores them.
-        return t.tensor_type.name, torch.from_numpy(np.array(t.data, dtype=np.uint8))
+        data = t.data if ref.expert is None else t.data[ref.expert]
+        return t.tensor_type.name, torch.from_numpy(np.array(data, dtype=np.uint8))
 
     tokenizer = None
     if reader.fields.get("tokenizer.ggml.model") is not None:

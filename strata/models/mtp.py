@@ -15,7 +15,8 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.models.attention import AttentionBackend
-from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs, linear
+from strata.models.decoder import DecoderLayer
+from strata.models.layers import RMSNorm, RopeInputs, linear
 
 
 class SharedHead(nn.Module):

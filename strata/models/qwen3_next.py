@@ -19,7 +19,8 @@ from strata.config import ModelConfig
 from strata.kernels.causal_conv import causal_conv1d_varlen
 from strata.kernels.gated_delta import causal_conv1d_step_ref, gated_delta_step_ref, gated_delta_varlen
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
-from strata.models.layers import MLP, MoE, RMSNorm, RopeInputs, apply_rotary, linear
+from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear
+from strata.models.moe import MoE
 from strata.models.transformer import CausalLM
 
 

@@ -17,7 +17,8 @@ from strata.kernels import triton_available
 from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
 from strata.kernels.splitk import shared_split_k_numel
 from strata.kernels.quant import QWeight
-from strata.models.layers import DecoderLayer, RMSNorm, RopeInputs, Rotary, linear, take_quantized
+from strata.models.decoder import DecoderLayer
+from strata.models.layers import RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
 
 
@@ -48,6 +49,14 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg)
         self.gemv_ws: torch.Tensor | None = None  # set by pack() on CUDA: the GEMV kernels' workspace
         self.lm_head_q: QWeight | None = None  # the LM head kept quantized (loader + pack)
+        self.batch_invariant = False  # set_batch_invariant
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """`--batch-invariant`: every module that multiplies rows by a weight computes each row alone
+        (`strata.kernels.invariant`; dense float weights)."""
+        for m in self.modules():
+            if hasattr(m, "batch_invariant"):
+                m.batch_invariant = on
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:
@@ -68,7 +77,8 @@ class CausalLM(nn.Module):
     def pack(self) -> None:
         """Stack q|k|v and gate|up projections (and MoE experts) for fewer, larger GEMMs. Call once the
         weights are on their final device and dtype: moving the module afterwards copies views apart."""
-        from strata.models.layers import MLP, Attention, MoE
+        from strata.models.layers import MLP, Attention
+        from strata.models.moe import MoE
 
         expert_mlps = {id(e) for m in self.modules() if isinstance(m, MoE) for e in m.experts}
         dtype = self.model.embed_tokens.weight.dtype
@@ -120,7 +130,7 @@ class CausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.head_weight, None, self.gemv_ws).float()
+        return linear(hidden, self.head_weight, None, self.gemv_ws, self.batch_invariant).float()
 
     @property
     def head_weight(self) -> "torch.Tensor | QWeight":

@@ -53,8 +53,10 @@ log = logging.getLogger("strata")
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
                  max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
-                 cuda_graph: bool = True, grammar: GrammarCompiler | None = None, states: RecurrentStates | None = None):
-        """`states`: the linear-attention state pool of a hybrid model, indexed by request slot."""
+                 cuda_graph: bool = True, grammar: GrammarCompiler | None = None, states: RecurrentStates | None = None,
+                 batch_invariant: bool = False):
+        """`states`: the linear-attention state pool of a hybrid model, indexed by request slot.
+        `batch_invariant`: the attention backend computes each row alone (issue 15)."""
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
@@ -63,7 +65,9 @@ class ModelRunner:
         t, s = max(max_num_batched_tokens, max_seqs * self.rows_per_seq), max_seqs + 1  # +1: graph padding
         self.attn = make_attention(pool, model.config, max_seqs=s, max_rows=t,
                                    max_split_rows=max_seqs * self.rows_per_seq, device=self.device,
-                                   dtype=model.model.embed_tokens.weight.dtype, max_context=max_model_len)
+                                   dtype=model.model.embed_tokens.weight.dtype, max_context=max_model_len,
+                                   batch_invariant=batch_invariant)
+        self.batch_invariant = batch_invariant
         self.attn.states = states
         cuda = self.device.type == "cuda"
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.kvcache.pool import KVPool
+from strata.kernels import invariant as k_invariant
 from strata.models.attention import AttentionBackend, sdpa
 from strata.transfer import to_device
 
@@ -18,9 +19,10 @@ from strata.transfer import to_device
 class PagedAttention(AttentionBackend):
     meta = None  # no layout tensors for a runner to fill: `prepare` builds the layout (see attention_backends)
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, batch_invariant: bool = False):
         self.pool = pool
         self.slots: torch.Tensor | None = None
+        self.batch_invariant = batch_invariant  # `strata.kernels.invariant.attention` instead of SDPA
 
     def prepare(self, slots: torch.Tensor, starts: list[int], lens: list[int], block_tables: torch.Tensor) -> None:
         """slots [N]: pool slot of each new token; starts/lens: per sequence, the first new position and
@@ -53,6 +55,9 @@ class PagedAttention(AttentionBackend):
         self.pool.write(layer, self.slots, k, v)
         kk, vv = self.pool.gather(layer, self.kv_index, q.dtype)  # [R, L, Hkv, D]
         qq = q[self.q_rows]  # [R, Q, Hq, D]
-        o = sdpa(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=False, mask=self.mask[:, None])
+        if self.batch_invariant:
+            o = k_invariant.attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), self.mask)
+        else:
+            o = sdpa(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=False, mask=self.mask[:, None])
         o = o.transpose(1, 2)  # [R, Q, Hq, D]
         return o.reshape(-1, *o.shape[2:]).index_select(0, self.out_rows)

@@ -32,10 +32,15 @@ DEQUANT_MIN_Q = 128
 
 class TritonPagedAttention(AttentionBackend):
     def __init__(self, pool: KVPool, *, num_q_heads: int, max_seqs: int, max_rows: int, max_split_rows: int,
-                 device: torch.device, dtype: torch.dtype, max_context: int = 0):
+                 device: torch.device, dtype: torch.dtype, max_context: int = 0, batch_invariant: bool = False):
         """max_seqs / max_rows: the most sequences and query rows of one step; max_split_rows: the most
         rows a step may have and still split its keys (decode-sized steps); max_context: the longest
-        context (sizes the dequantized copy an int8 pool's prompt chunks attend over)."""
+        context (sizes the dequantized copy an int8 pool's prompt chunks attend over). batch_invariant:
+        the kernels' invariant mode (`paged_attention_triton(invariant=True)`): decode-sized steps split
+        every context in INVARIANT_SPLIT_KEYS pieces, enough for max_context; larger steps walk their
+        splits in each program; int8 prompt chunks read int8 as decodes do (no dequantized copy)."""
+        self.batch_invariant = batch_invariant
+        self.invariant_splits = -(-max(max_context, 1) // k_attn.INVARIANT_SPLIT_KEYS)
         self.pool, self.device = pool, torch.device(device)
         self.head_dim, self.block_size = pool.head_dim, pool.block_size
         self.scale = 1.0 / math.sqrt(pool.head_dim)
@@ -43,14 +48,15 @@ class TritonPagedAttention(AttentionBackend):
         # q_start, q_len, ctx_len per sequence (one spare entry for a graph's padding).
         self.meta = torch.zeros(3, max_seqs + 1, dtype=torch.int32, device=self.device)
         self.out = torch.zeros(max_rows, num_q_heads, pool.head_dim, dtype=dtype, device=self.device)
-        self.workspace = k_attn.SplitWorkspace(max_split_rows, num_q_heads, pool.head_dim, MAX_SPLITS, self.device)
+        max_splits = max(MAX_SPLITS, self.invariant_splits) if batch_invariant else MAX_SPLITS
+        self.workspace = k_attn.SplitWorkspace(max_split_rows, num_q_heads, pool.head_dim, max_splits, self.device)
         self.max_split_rows = max_split_rows
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.slots: torch.Tensor | None = None
         self.tables: torch.Tensor | None = None
         self.num_seqs = self.max_q_len = self.num_splits = 0
         # The dequantized copy: 2 x max_context positions so a chunk and a few decodes fit beside it.
-        self.dq_tokens = 2 * max_context if self.quantized else 0
+        self.dq_tokens = 2 * max_context if self.quantized and not batch_invariant else 0
         if self.dq_tokens:
             shape = (self.dq_tokens, pool.n_kv, pool.head_dim)
             self.dq_k = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -69,7 +75,8 @@ class TritonPagedAttention(AttentionBackend):
         rows = slots.shape[0]
         splits = 1
         if rows <= self.max_split_rows:
-            splits = k_attn.choose_num_splits(num_seqs, max_q_len, self.pool.n_kv, max_ctx, self.num_sms, MAX_SPLITS)
+            splits = (self.invariant_splits if self.batch_invariant else
+                      k_attn.choose_num_splits(num_seqs, max_q_len, self.pool.n_kv, max_ctx, self.num_sms, MAX_SPLITS))
         self.num_splits = splits
 
     def prepare(self, slots: torch.Tensor, starts: list[int], lens: list[int], block_tables: torch.Tensor) -> None:
@@ -121,5 +128,6 @@ class TritonPagedAttention(AttentionBackend):
         k_attn.paged_attention_triton(
             q, k_cache, v_cache, tables, self.meta[0, :r], self.meta[1, :r], self.meta[2, :r], out,
             block_size=self.block_size, max_q_len=self.max_q_len, scale=self.scale, k_scale=ks, v_scale=vs,
-            num_splits=self.num_splits, workspace=self.workspace if self.num_splits > 1 else None)
+            num_splits=self.num_splits, workspace=self.workspace if self.num_splits > 1 else None,
+            invariant=self.batch_invariant)
         return out

@@ -113,7 +113,8 @@ def quantize_fp8(model: torch.nn.Module) -> int:
     embeddings and the LM head stay as they are). Their float weights are dropped (left on the meta
     device). Returns the weights (stacks) converted."""
     from strata.kernels.quant import fp8 as fp8_format
-    from strata.models.layers import MLP, Attention, MoE
+    from strata.models.layers import MLP, Attention
+    from strata.models.moe import MoE
 
     experts = {id(e) for m in model.modules() if isinstance(m, MoE) for e in m.experts}
     done = 0

@@ -5,9 +5,20 @@ It follows the format-module contract of `strata.kernels.quant` with one differe
 is the dense weight itself ([N, K], any float dtype; BLOCK_VALUES = BLOCK_BYTES = 1 so stacks of rows
 concatenate as blocks do), which `repack` quantizes per row on the device.
 
-`matmul` quantizes x per row too (dynamic, e4m3, scale = amax / 448) and runs `torch._scaled_mm` with
-row-wise scales: the H200's FP8 tensor cores through cuBLASLt, the maintained path, at half the weight
-bytes of bf16. fp32 x on CUDA (correctness runs) takes the reference: dequantize, then matmul.
+`matmul` has two paths, which round differently:
+- Decode (x of 1-16 rows in bf16 / fp16, on CUDA or in the interpreter): weight-only, through the
+  decode GEMV of `strata.kernels.gemv` with its scaled 8-bit weights (`gemv`): x stays in its dtype,
+  each e4m3 weight becomes x's dtype exactly, the products are summed in fp32 and the row's scale
+  multiplies the sum once before the one rounding to x's dtype; so it equals the reference
+  `matmul_ref` up to the fp32 summation order. Batch invariant like the bf16 GEMV (configuration from
+  (N, K) only, `gemv_config`), split-K through `workspace` (`gemv_workspace_numel`: `QWeight` keeps
+  one per weight, so no call allocates).
+- Reads (more rows), and decode where the GEMV does not serve: x quantized per row too (dynamic, e4m3,
+  scale = amax / 448) and `torch._scaled_mm` with row-wise scales, the H200's FP8 tensor cores
+  through cuBLASLt. Its activations lose precision (3 mantissa bits): on random data a row's result
+  is ~3% (root mean square) off the decode path's and the reference's, so the same token's logits
+  differ between a decode step and a read or a step of more than 16 rows.
+fp32 x on CUDA (correctness runs) takes the reference: dequantize, then matmul.
 
 MoE experts (`quantize_experts`, `grouped_matmul`): each expert's [N, K] weight per output channel
 likewise, and the tokens sorted by expert go through `torch._scaled_grouped_mm` on CUDA (one launch for
@@ -16,8 +27,18 @@ all experts, no host sync); elsewhere a loop over the experts' row ranges (the r
 
 from __future__ import annotations
 
+import math
+import statistics
+import sys
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
+
+from strata.kernels import gemv as k_gemv
+from strata.kernels import kernels_run
+from strata.kernels.gemv import GemvConfig
+from strata.kernels.timing import time_us
 
 GGML_TYPE = "FP8"  # Strata's own name: not a GGUF type
 BLOCK_VALUES = 1
@@ -52,11 +73,73 @@ def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
     return y if out is None else out.copy_(y)
 
 
+# Decode GEMV configurations tuned on the device (`python -m strata.kernels.quant.fp8 --sweep`);
+# shapes not listed take `gemv_config`'s rule.
+GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """The decode GEMV's configuration for weight [N, K], a function of (N, K) only (batch invariance):
+    the table's, else the bf16 GEMV's (its grid and split-K, chosen for the H200) with BLOCK_K doubled
+    while every program keeps >= 4 K blocks, so a pipeline stage moves as many weight bytes as in bf16.
+    E.g. the Qwen3-8B shapes: qkv 64x256 split 2, o_proj 64x256 split 4, gate_up 64x256, down 128x128
+    split 8 (compiled for sm_90: 56-86 KB of shared memory, 136-150 registers, no spills); not timed."""
+    if (n, k) in GEMV_CONFIGS:
+        return GEMV_CONFIGS[(n, k)]
+    cfg = k_gemv.gemv_config(n, k)
+    if k % (2 * cfg.block_k) == 0 and k // (2 * cfg.block_k) // cfg.split_k >= 4:
+        cfg = replace(cfg, block_k=2 * cfg.block_k)
+    return cfg
+
+
+def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    return k_gemv.gemv_supported(m, n, k, dtype)
+
+
+def gemv_workspace_numel(n: int, k: int) -> int:
+    """int32 elements of the decode GEMV's split-K workspace for weight [N, K] (0 without split-K, or
+    where the GEMV does not serve): `QWeight.from_raw` makes one per weight."""
+    if not gemv_supported(1, n, k, torch.bfloat16):
+        return 0
+    return k_gemv.gemv_workspace_numel(n, k, gemv_config(n, k))
+
+
+def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None, *,
+         workspace: torch.Tensor | None = None, config: GemvConfig | None = None,
+         w8_conversion: str = "asm") -> torch.Tensor:
+    """The weight-only decode kernel: x [M ≤ 16, K] bf16 / fp16 (contiguous rows) → out [M, N] in x's
+    dtype, (x @ wᵀ) · scale (module docstring). `workspace`: zeroed int32 of >= `gemv_workspace_numel`
+    elements, left zeroed (not shared by concurrent streams); None allocates one per call.
+    `w8_conversion`: see `strata.kernels.gemv.gemv_triton`."""
+    return k_gemv.gemv_triton(x, planes["w"], None, out, workspace=workspace, config=config or gemv_config(n, k),
+                              scale=planes["scale"], w8_conversion=w8_conversion)
+
+
+def _gemv_serves(x2: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int) -> bool:
+    return (gemv_supported(x2.shape[0], n, k, x2.dtype) and x2.stride(1) == 1 and planes["w"].is_contiguous()
+            and kernels_run(x2, k_gemv._gemv_kernel))
+
+
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ Wᵀ → [..., N] in x's dtype."""
+           out: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ Wᵀ → [..., N] in x's dtype: the decode GEMV for 1-16 rows where it serves, else
+    per-token FP8 through torch._scaled_mm (module docstring). `workspace`: see `gemv`."""
     if x.is_cuda and x.dtype == torch.float32:
         return matmul_ref(x, planes, n, k, out)
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if _gemv_serves(x2, planes, n, k):
+        direct = out is not None and out.dim() == 2 and out.stride(1) == 1
+        y = gemv(x2, planes, n, k, out if direct else None, workspace=workspace)
+        if out is None:
+            return y.view(*x.shape[:-1], n)
+        return out if direct else out.copy_(y.view(out.shape))
+    return scaled_mm_matmul(x, planes, n, k, out)
+
+
+def scaled_mm_matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reads' path: x quantized per row, then torch._scaled_mm (module docstring)."""
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     xq, xs = _quantize_rows(x2)
@@ -102,3 +185,100 @@ def grouped_matmul_ref(xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, o
                 matmul_ref(xs[start:end], planes, w.shape[1], w.shape[2])
         start = end
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Device benchmark and configuration sweep (by hand on the GPU: python -m strata.kernels.quant.fp8)
+
+BENCH_SHAPES = [(name, n, k) for name, n, k in k_gemv.BENCH_SHAPES if "lm_head" not in name]  # what FP8 converts
+
+
+def _planes_copies(n: int, k: int, device) -> list[dict[str, torch.Tensor]]:
+    """Enough FP8 weights that cycling through them reads HBM, not L2 (>= 4, >= 3x the L2 size)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20)
+    return [repack(torch.randn(n, k, device=device) * k ** -0.5) for _ in range(max(4, math.ceil(3 * l2 / (n * k))))]
+
+
+def bench_gemv(device="cuda", ms=(1, 4, 8, 16), shapes=None, runs: int = 100, dtype=torch.bfloat16) -> list[dict]:
+    """Prints (and returns) per shape and M: the FP8 decode GEMV (µs, TB/s of its weight bytes), the
+    bf16 GEMV on the same shape, torch._scaled_mm with per-token x (the path decode took before), the
+    speed-ups over both, and the GEMV's relative error against `matmul_ref`."""
+    rows = []
+    print(f"{'shape':>12} {'N x K':>12} {'M':>3} | {'fp8 us':>7} {'TB/s':>5} | {'bf16 us':>7} {'x':>5} | "
+          f"{'scaled_mm':>9} {'x':>5} | {'rel err':>8} | config", flush=True)
+    for name, n, k in shapes or BENCH_SHAPES:
+        fp8_w, bf16_w = _planes_copies(n, k, device), k_gemv._weight_copies(n, k, device, dtype)
+        cfg = gemv_config(n, k)
+        ws = torch.zeros(max(1, gemv_workspace_numel(n, k)), dtype=torch.int32, device=device)
+        ws16 = k_gemv.gemv_workspace(n, k, device)
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            t8 = time_us([lambda p=p: gemv(x, p, n, k, workspace=ws) for p in fp8_w], runs)
+            t16 = time_us([lambda w=w: k_gemv.gemv_triton(x, w, workspace=ws16) for w in bf16_w], runs)
+            tmm = time_us([lambda p=p: scaled_mm_matmul(x, p, n, k) for p in fp8_w], runs)
+            ref = matmul_ref(x, fp8_w[0], n, k).float()
+            err = ((gemv(x, fp8_w[0], n, k, workspace=ws).float() - ref).abs().max() / ref.abs().max()).item()
+            row = dict(shape=name, n=n, k=k, m=m, fp8_us=t8, bf16_us=t16, scaled_mm_us=tmm, fp8_tbs=n * k / 1e6 / t8,
+                       vs_bf16=t16 / t8, vs_scaled_mm=tmm / t8, rel_err=err, config=cfg)
+            rows.append(row)
+            print(f"{name:>12} {f'{n}x{k}':>12} {m:>3} | {t8:7.2f} {row['fp8_tbs']:5.2f} | {t16:7.2f} "
+                  f"{row['vs_bf16']:5.2f} | {tmm:9.2f} {row['vs_scaled_mm']:5.2f} | {err:8.1e} | {cfg}", flush=True)
+        del fp8_w, bf16_w
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_candidates(n: int, k: int) -> list[GemvConfig]:
+    """Configurations worth timing: wgmma-sized tiles, 100-2400 programs, >= 2 K blocks per program,
+    and pipeline buffers (e4m3 tiles, x tiles and x's even/odd halves) of at most 113 KB."""
+    out = []
+    for block_n in (64, 128):
+        for block_k in (128, 256, 512):
+            for split in (1, 2, 4, 8):
+                programs = -(-n // block_n) * split
+                if k % block_k or k // block_k < 2 * split or not 100 <= programs <= 2400:
+                    continue
+                for stages in (3, 4, 5):
+                    cfg = GemvConfig(block_n, block_k, split, 4, stages)
+                    if cfg.smem_bytes(w_bytes=1) + 32 * block_k <= 113 << 10:
+                        out.append(cfg)
+    return out
+
+
+def sweep_gemv(device="cuda", shapes=None, ms=(1, 4, 8), runs: int = 50) -> dict[tuple[int, int], GemvConfig]:
+    """Times every candidate per shape (mean µs over `ms`), prints the five best and a GEMV_CONFIGS
+    line per shape to paste."""
+    best = {}
+    for n, k in shapes or [(n, k) for _, n, k in BENCH_SHAPES]:
+        weights = _planes_copies(n, k, device)
+        xs = {m: torch.randn(m, k, device=device, dtype=torch.bfloat16) for m in ms}
+
+        def mean_us(cfg):
+            ws = torch.zeros(max(1, k_gemv.gemv_workspace_numel(n, k, cfg)), dtype=torch.int32, device=device)
+            return statistics.mean(time_us([lambda p=p, x=x: gemv(x, p, n, k, workspace=ws, config=cfg)
+                                            for p in weights], runs) for x in xs.values())
+
+        results = []
+        for cfg in sweep_candidates(n, k):
+            try:
+                results.append((mean_us(cfg), cfg))
+            except Exception as exc:  # out of shared memory or registers: skip the candidate
+                print(f"  {n}x{k} {cfg}: {type(exc).__name__}", file=sys.stderr)
+        results.sort(key=lambda r: r[0])
+        print(f"{n}x{k}: current {gemv_config(n, k)} {mean_us(gemv_config(n, k)):.2f} us")
+        for t, cfg in results[:5]:
+            print(f"   {t:8.2f} us {n * k / 1e6 / t:5.2f} TB/s  {cfg}")
+        if results:
+            c = best[(n, k)] = results[0][1]
+            print(f"    ({n}, {k}): GemvConfig({c.block_n}, {c.block_k}, split_k={c.split_k}, "
+                  f"num_warps={c.num_warps}, num_stages={c.num_stages}),", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return best
+
+
+if __name__ == "__main__":
+    if "--sweep" in sys.argv[1:]:
+        sweep_gemv()
+    else:
+        bench_gemv()

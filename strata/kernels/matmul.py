@@ -1,0 +1,386 @@
+"""Batch-invariant dense GEMM: out [M, N] = x [M, K] @ weight [N, K]ᵀ (+ bias), for any M ≥ 1.
+
+Semantics (`matmul_ref`): F.linear in fp32, rounded once to x's dtype. The kernel accumulates in
+fp32 and rounds once, after the bias. The point is issue 15's promise: a row's result is bitwise the
+same whether it is computed alone, in a decode batch of 8 or inside a 16384-token prompt read, so a
+request's greedy output never depends on what else the server runs. cuBLAS (torch.matmul) gives no
+such promise: its algorithm and split-K change with M.
+
+Why a row cannot depend on M, by construction:
+- No split-K, ever. One program owns a BLOCK_M x BLOCK_N output tile and walks all of K itself.
+- The K loop runs in one fixed order, block 0, 1, 2, ..., with the fp32 accumulator chained through
+  `acc = tl.dot(a, b, acc)`: each MMA adds into the running sum. (`acc += tl.dot(a, b)` would first
+  round a partial sum of BLOCK_K products and then add it: the result would depend on BLOCK_K.)
+- Rows and columns of a tile are independent: a row's value never mixes with another row's, so
+  BLOCK_M and BLOCK_N, and how full the tile is, cannot change it. Rows past M load as zeros and
+  are never stored.
+- `invariant_config(m, n, k)` may depend on M only through BLOCK_M, BLOCK_N, num_warps and
+  num_stages (and the program order): BLOCK_K is 64 in every configuration, so even a K tail
+  (K % 64 != 0, masked to zeros) is handled identically for every M.
+- On Hopper every 16-bit configuration stays on wgmma (Triton's MMAv3 needs BLOCK_M % 64 == 0 and
+  num_warps % 4 == 0, and never falls back to mma.sync m16n8k16 here): a tile is covered by
+  m64 x n x k16 instructions, each output element gets the same sequence of k16 steps (k = 0-15,
+  16-31, ... in order, accumulating into the same fp32 register), whatever BLOCK_M or BLOCK_N are.
+- fp32 inputs use the "ieee" dot (input_precision="ieee"): FMA in K order per element, invariant for
+  any tile (and what the CPU interpreter tests run; on CUDA fp32 uses FP32_CONFIG, FMA tiles that
+  fit the registers).
+- M is a runtime argument Triton does not specialise on (`do_not_specialize`), so M = 1 and M = 64
+  run the same binary.
+
+What only the device can confirm: configurations of different BLOCK_N (and num_warps) run wgmma
+with different instruction N sizes (m64n32k16 at decode, m64n256k16 in long reads). Equality across
+them relies on the tensor core computing one output element's k16 step the same way whatever the
+instruction's N (the same products, summed in the same order, with the same alignment and rounding
+into the accumulator). NVIDIA does not document this; the GPU test (rows of M = 1 ... 2048 against
+the same rows inside an M = 4096 launch) decides it. If it fails, `invariant_config` returns
+INVARIANT_FALLBACK, one configuration for every M: a one-line switch. (A middle road, should only
+the N size matter: keep BLOCK_N and the warps along N fixed and vary BLOCK_M alone, which repeats
+one instruction along M.)
+
+Configurations (reasoned, not yet timed: `python -m strata.kernels.matmul --sweep` times them).
+- M ≤ 64 (decode, verification): weight-bandwidth bound. Without split-K the only source of programs
+  is N: BLOCK_M = 64 (the wgmma minimum; rows past M cost shared-memory traffic, no HBM), BLOCK_N as
+  large as still gives ≥ 2 (≥ 4 for BLOCK_N = 128) programs per SM, else 32 (Qwen3-8B: qkv 192, o and
+  down 128, gate_up 384 at BLOCK_N = 64, lm_head 1187 at 128), and as many pipeline stages as keep
+  every program resident at once (no second wave), at most 8: ~32 KB of weights in flight per SM.
+- M > 64: compute bound as M grows. The largest of WIDE_CONFIGS (128x256 with 8 warps, 128x128,
+  64x128, 64x64) that still makes ≥ MIN_TILES tiles, so the SMs stay busy; programs walk the tiles in
+  GROUP_M-row groups so that a weight tile is read from HBM once and reused from L2.
+
+PDL: `pdl_prologue` first, launched with `launch_pdl`. CUDA graphs: the grid and the configuration
+come from shapes only, nothing is read back to the host, and nothing is allocated except `out` when
+none is passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import kernels_run, use_pdl
+from strata.kernels.pdl import pdl_prologue
+from strata.kernels.tiles import grouped_tile
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+NUM_SMS = 132  # H200; a constant, not a device query, so the configuration depends on shapes only
+BLOCK_K = 64  # every 16-bit configuration: the K tail is then handled the same way for every M
+DECODE_MAX_M = 64  # one 64-row tile: the decode configuration
+SMEM_PER_SM = 220 << 10  # of the H200's 228 KB, what the decode configuration plans its stages in
+MIN_TILES = NUM_SMS - NUM_SMS // 8  # a wide configuration must give at least this many tiles
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int  # rows per program: a multiple of 64 for 16-bit inputs on Hopper (wgmma)
+    block_n: int  # columns per program, a power of two ≥ 16
+    block_k: int = BLOCK_K
+    num_warps: int = 4  # a multiple of 4 (whole warp groups) for wgmma
+    num_stages: int = 4
+    group_m: int = 8  # row tiles that walk the column tiles together (L2 reuse of weight tiles)
+
+    def tiles(self, m: int, n: int) -> int:
+        return _cdiv(m, self.block_m) * _cdiv(n, self.block_n)
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
+
+
+# Largest first; `invariant_config` takes the first that gives ≥ MIN_TILES tiles. 128x256 with two
+# warp groups is the classic Hopper bf16 tile (48 KB a stage); 128x128 uses two warp groups too, so
+# each holds a 64x128 accumulator (64 registers a thread).
+WIDE_CONFIGS = (
+    MatmulConfig(128, 256, num_warps=8, num_stages=3),  # 144 KB
+    MatmulConfig(128, 128, num_warps=8, num_stages=4),  # 128 KB
+    MatmulConfig(64, 128, num_warps=4, num_stages=4),  # 96 KB, 2 programs an SM
+    MatmulConfig(64, 64, num_warps=4, num_stages=6),  # 96 KB
+)
+# One configuration for every M, should different instruction N sizes round differently on the
+# device: decode keeps 64 programs for a 4096-wide weight and long reads run 64x64 tiles, both slower
+# than the per-M choice (the sweep times it).
+INVARIANT_FALLBACK = MatmulConfig(64, 64, num_warps=4, num_stages=6)
+# fp32 on CUDA (FMA dots, no tensor cores): tiles whose operands fit the registers; any tile gives
+# the same bits there, so one configuration serves every M.
+FP32_CONFIG = MatmulConfig(64, 64, block_k=32, num_warps=4, num_stages=2)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def decode_config(n: int) -> MatmulConfig:
+    """M ≤ 64: one 64-row tile; BLOCK_N as wide as still leaves enough programs to stream weights
+    from every SM, and stages sized so that every program is resident at once (at most 3 an SM
+    planned for: gate_up's 384; the lm_head's 1187 programs run in waves anyway)."""
+    if _cdiv(n, 128) >= 4 * NUM_SMS:
+        block_n = 128
+    elif _cdiv(n, 64) >= 2 * NUM_SMS:
+        block_n = 64
+    else:
+        block_n = 32
+    per_sm = min(_cdiv(_cdiv(n, block_n), NUM_SMS), 3)
+    stage_bytes = (DECODE_MAX_M + block_n) * BLOCK_K * 2
+    stages = max(3, min(8, SMEM_PER_SM // per_sm // stage_bytes))
+    return MatmulConfig(DECODE_MAX_M, block_n, num_warps=4, num_stages=stages)
+
+
+def invariant_config(m: int, n: int, k: int) -> MatmulConfig:
+    """The configuration of x [m, k] @ weight [n, k]ᵀ for 16-bit inputs. It may vary with m only in
+    what leaves a row's reduction alone (tile height and width, warps, stages); BLOCK_K is fixed.
+    To run one configuration for every M, return INVARIANT_FALLBACK here."""
+    del k  # BLOCK_K is the same for every shape; K only sets the loop's length
+    if m > DECODE_MAX_M:
+        for cfg in WIDE_CONFIGS:
+            if cfg.tiles(m, n) >= MIN_TILES:
+                return cfg
+    return decode_config(n)
+
+
+def check_config(cfg: MatmulConfig, dtype: torch.dtype) -> None:
+    pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
+    ok = pow2(cfg.block_m) and pow2(cfg.block_n) and pow2(cfg.block_k) and cfg.num_stages >= 1
+    ok = ok and cfg.num_warps in (1, 2, 4, 8, 16) and cfg.group_m >= 1
+    if dtype != torch.float32:  # wgmma on Hopper, for every 16-bit configuration (see the docstring)
+        ok = ok and cfg.block_m % 64 == 0 and cfg.num_warps % 4 == 0
+    if not ok:
+        raise ValueError(f"invalid {cfg} for {dtype}")
+
+
+def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+@jit(do_not_specialize=["m"])
+def _matmul_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, m, n, k,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    tile_m, tile_n = grouped_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = rows < m
+    col_ok = cols < n
+    # int64 row offsets: an lm_head's output at long M passes 2^31 elements.
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * k + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(k, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = kb * BLOCK_K + offs_k < k
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        # Chained: every MMA step adds into the running fp32 sum, in K order (the module docstring).
+        if IEEE_DOT:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check_args(x, weight, bias, out):
+    if x.dim() != 2 or weight.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"x [M, K] with contiguous rows and a contiguous weight [N, K] expected, got x "
+                         f"{tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.dtype != x.dtype or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype} "
+                         f"(both bf16, fp16 or fp32)")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias: expected contiguous [{n}], got {tuple(bias.shape)}")
+    if out is not None and (out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1
+                            or out.device != x.device):
+        raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
+    return m, n, k
+
+
+def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, *, config: MatmulConfig | None = None) -> torch.Tensor:
+    """The kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). `config` overrides the choice of
+    `invariant_config` (benchmarks and tests); a row's bits are then only as invariant as the configs
+    compared."""
+    m, n, k = _check_args(x, weight, bias, out)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if config is None:
+        fp32_cuda = x.dtype == torch.float32 and x.is_cuda
+        config = FP32_CONFIG if fp32_cuda else invariant_config(m, n, k)
+    check_config(config, x.dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    on = use_pdl(x)
+    _matmul_kernel[(config.tiles(m, n),)](
+        x, x.stride(0), weight, weight if bias is None else bias, out, out.stride(0), m, n, k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
+        USE_PDL=on, launch_pdl=on, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def matmul_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16, fp16 or fp32; contiguous rows, any row stride), weight [N, K] contiguous in x's
+    dtype, bias [N] or None → out [M, N] in x's dtype (written into `out` when given: [M, N] with
+    contiguous rows). Row i of the result is bitwise the same for any M and any other rows (module
+    docstring). Runs the kernel on CUDA (and under the interpreter), the reference elsewhere."""
+    if kernels_run(x, _matmul_kernel):
+        return matmul_triton(x, weight, bias, out)
+    _check_args(x, weight, bias, out)
+    return matmul_ref(x, weight, bias, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device benchmark and sweep (by hand on the GPU: python -m strata.kernels.matmul [--sweep])
+
+BENCH_SHAPES = [  # (name, N, K), Qwen3-8B
+    ("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
+    ("lm_head", 151936, 4096),
+]
+BENCH_MS = (1, 8, 32, 512, 2048, 8192)
+
+
+def _weight_copies(n: int, k: int, m: int, device) -> list[torch.Tensor]:
+    """At decode sizes enough copies that cycling through them reads HBM, not L2; one at large M,
+    where the product is compute bound and the weight is read from L2 anyway."""
+    count = min(64, max(4, math.ceil(3 * (60 << 20) / (n * k * 2)))) if m <= 2 * DECODE_MAX_M else 1
+    return [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(count)]
+
+
+def _rate(m: int, n: int, k: int, us: float) -> str:
+    """TB/s of weight bytes at decode sizes, TFLOP/s above."""
+    if m <= 2 * DECODE_MAX_M:
+        return f"{n * k * 2 / us / 1e6:5.2f}TB/s"
+    return f"{2 * m * n * k / us / 1e6:5.0f}TF/s"
+
+
+def _sweep_candidates(m: int) -> list[MatmulConfig]:
+    if m <= DECODE_MAX_M:
+        out = [MatmulConfig(64, bn, bk, 4, st)
+               for bn in (16, 32, 64, 128) for bk in (64, 128) for st in (3, 4, 6, 8, 12)]
+    else:
+        shapes = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]
+        out = [MatmulConfig(bm, bn, 64, w, st) for bm, bn, w in shapes for st in (3, 4)]
+    return [c for c in out if c.smem_bytes() <= 220 << 10] + [INVARIANT_FALLBACK]
+
+
+def make_cancelling(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """In place: weight's second half of K repeats its first half and x's even rows negate theirs
+    there, so those rows' exact products are 0 and what comes out is the residue of the fp32 roundings
+    on the way. A 16-bit output rounds away nearly every fp32 difference of an ordinary row; these
+    rows show any difference in the order or rounding of the sums (invariance checks use them)."""
+    half = x.shape[1] // 2
+    weight[:, half:2 * half] = weight[:, :half]
+    x[0::2, half:2 * half] = -x[0::2, :half]
+
+
+def _check_input(m: int, k: int, device) -> torch.Tensor:
+    """x for the invariance check: exponents spread over 2^±12 (so that partial sums round)."""
+    x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-12, 13, (m, k), device=device).float())
+    return x.to(torch.bfloat16)
+
+
+def _rows_to_check(m: int) -> list[int]:
+    """Every row of a decode-sized launch, else 32 rows spread over it (even ones cancel)."""
+    return list(range(m)) if m <= DECODE_MAX_M else sorted({*range(0, m, max(1, m // 32)), m - 1})
+
+
+def sweep_matmul(shapes=None, ms=BENCH_MS, runs: int = 30, candidates: bool = True, device="cuda") -> list[dict]:
+    """Per shape and M: cuBLAS (torch.matmul), the bf16 GEMV (M ≤ 16), the current configuration and
+    (with `candidates`) every candidate, each with its rows checked bitwise against the same rows
+    computed alone (M = 1, current configuration; `make_cancelling` inputs). Prints the table and
+    returns its rows: per cell the current configuration and the three fastest candidates."""
+    from strata.kernels.gemv import gemv_supported, gemv_triton, gemv_workspace
+    from strata.kernels.timing import time_us
+
+    shapes = BENCH_SHAPES if shapes is None else shapes
+    results = []
+    print(f"{'shape':>8} {'M':>5} | {'cuBLAS us':>9} {'gemv us':>8} | {'config':<44} {'us':>9} {'rate':>10} "
+          f"{'vs cuBLAS':>9} {'vs gemv':>7} | rows = M=1", flush=True)
+    for name, n, k in shapes:
+        for m in ms:
+            weights = _weight_copies(n, k, m, device)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            x_check = _check_input(m, k, device)
+            make_cancelling(x_check, weights[0])
+            alone = {i: matmul_triton(x_check[i:i + 1], weights[0])[0] for i in _rows_to_check(m)}
+            t_cublas = time_us([lambda w=w: torch.matmul(x, w.t()) for w in weights], runs)
+            t_gemv = float("nan")
+            if gemv_supported(m, n, k, x.dtype):
+                ws = gemv_workspace(n, k, device)
+                t_gemv = time_us([lambda w=w: gemv_triton(x, w, workspace=ws) for w in weights], runs)
+            current = invariant_config(m, n, k)
+            todo = [("current", current)]
+            if candidates:
+                todo += [("", c) for c in _sweep_candidates(m) if c != current]
+            timed = []
+            for label, cfg in todo:
+                try:
+                    got = matmul_triton(x_check, weights[0], config=cfg)
+                    t = time_us([lambda w=w, c=cfg: matmul_triton(x, w, config=c) for w in weights], runs)
+                except Exception as exc:  # out of shared memory or registers: skip the candidate
+                    print(f"  {name} M={m} {cfg}: {type(exc).__name__}", file=sys.stderr)
+                    continue
+                same = all(torch.equal(got[i], row) for i, row in alone.items())
+                timed.append((t, label, cfg, same))
+            best = sorted(timed, key=lambda r: r[0])[:3]
+            shown = [r for r in timed if r[1] == "current"] + [r for r in best if r[1] != "current"]
+            for t, label, cfg, same in shown:
+                row = dict(shape=name, n=n, k=k, m=m, cublas_us=t_cublas, gemv_us=t_gemv, config=cfg, us=t,
+                           current=label == "current", invariant=same)
+                results.append(row)
+                desc = (f"{'*' if label else ' '}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
+                        f"w{cfg.num_warps} s{cfg.num_stages}")
+                desc += " (fallback)" if cfg == INVARIANT_FALLBACK else ""
+                print(f"{name:>8} {m:>5} | {t_cublas:9.2f} {t_gemv:8.2f} | {desc:<44} {t:9.2f} {_rate(m, n, k, t):>10} "
+                      f"{t_cublas / t:9.3f} {t_gemv / t:7.3f} | {'same' if same else 'DIFFERS'}", flush=True)
+            del weights, x
+            torch.cuda.empty_cache()
+    print("* = the current invariant_config; 'vs' columns are speed-ups (> 1: faster than that path)")
+    return results
+
+
+def _main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="matmul_invariant against cuBLAS and the bf16 GEMV on the GPU")
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate configuration")
+    parser.add_argument("--ms", default=None, help="comma-separated M values")
+    parser.add_argument("--shapes", nargs="*", metavar="NxK", help="weight shapes (default: Qwen3-8B's)")
+    args = parser.parse_args(argv)
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else BENCH_MS
+    shapes = None
+    if args.shapes:
+        shapes = [(s, *(int(v) for v in s.lower().split("x"))) for s in args.shapes]
+    sweep_matmul(shapes, ms, candidates=args.sweep)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

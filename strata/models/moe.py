@@ -1,0 +1,291 @@
+"""The mixture-of-experts layer: the router (softmax or sigmoid with group-limited top-k) and the routed
+experts (plus shared ones), with the paths a device can run them on (`MoE.path`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.config import ModelConfig
+from strata.kernels import invariant as k_invariant
+from strata.kernels import moe_decode as k_moe
+from strata.kernels import moe_routing as k_route
+from strata.kernels import moe_sort as k_sort
+from strata.kernels import triton_available, use_triton
+from strata.kernels.scratch import scratch
+from strata.models.layers import MLP, silu_mul
+
+log = logging.getLogger("strata")
+
+class Router(nn.Module):
+    """Top-k expert choice. Softmax (Qwen3-MoE) or sigmoid with a correction bias and optional
+    group limit (DeepSeek-V3 / GLM-4.5). Scores are computed in fp32 in both cases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.scoring, self.top_k, self.norm = cfg.scoring, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.n_group, self.topk_group, self.scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        if self.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        # The fp32 copy of a 16-bit router weight, made once by MoE.pack_experts() instead of every call.
+        self.register_buffer("weight_f32", None, persistent=False)
+        # Counters of the fused routing kernel (which leaves them at zero), set by MoE.pack_experts() on CUDA.
+        self.route_ws: torch.Tensor | None = None
+        self.batch_invariant = False  # CausalLM.set_batch_invariant
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (weights [N, k] fp32, expert ids [N, k], router logits [N, E] fp32). On CUDA without a
+        gradient, strata.kernels.moe_routing: one launch for up to 16 tokens, else cuBLAS logits + one."""
+        weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+        if (self.route_ws is not None and x.dim() == 2 and use_triton(x)
+                and not (weight.requires_grad and torch.is_grad_enabled())):
+            return k_route.router_decode(x, weight, scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm,
+                                         n_group=self.n_group, topk_group=self.topk_group,
+                                         bias=self.e_score_correction_bias, scale=self.scale, workspace=scratch(self.route_ws))
+        n = x.shape[0]
+        if self.batch_invariant:  # scores on a padded tensor whose size does not follow the batch
+            w, ids, logits = self._route(k_invariant.pad_rows(x.float()), weight)
+            return w[:n], ids[:n], logits[:n]
+        return self._route(x.float(), weight)
+
+    def _route(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, weight)
+        if self.scoring == "softmax":
+            probs = logits.softmax(dim=-1)
+            w, ids = probs.topk(self.top_k, dim=-1)
+            if self.norm:
+                w = w / w.sum(-1, keepdim=True)
+            return w, ids, logits
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            n, e = choice.shape
+            grouped = choice.view(n, self.n_group, e // self.n_group)
+            group_score = grouped.topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(self.topk_group, dim=-1)[1], 1.0)
+            keep = keep.unsqueeze(-1).expand_as(grouped).reshape(n, e)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if self.norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids, logits
+
+
+def _grouped_mm_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """One tiny call of `torch._grouped_mm` on the real weights, checked against F.linear.
+
+    The op is private and its kernels accept only some dtypes, shapes and alignments (CUDA may reject
+    fp32 or dims that are not multiples of 8/16, or run a fallback that reads the group offsets on the
+    host), so it is tried once here, at pack time, rather than failing or syncing in the middle of a step."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    e, two_i, h = w13.shape
+    dev = w13.device
+    # Uneven groups with some empty, as real routing gives.
+    counts = torch.arange(e, device=dev) % 3
+    offs = counts.cumsum(0).to(torch.int32)
+    rows = int(counts.sum())
+    x = torch.randn(rows, h, device=dev, dtype=w13.dtype)
+    a = torch.randn(rows, two_i // 2, device=dev, dtype=w2.dtype)
+    on_cuda = dev.type == "cuda"
+    try:
+        if on_cuda:
+            # A fallback that copies `offs` to the host would defeat the point of this path.
+            old_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            y13 = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+            y2 = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+        finally:
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode(old_mode)
+    except (RuntimeError, NotImplementedError):
+        # Unsupported dtype/shape/alignment/device on this build: the loop path serves instead.
+        return False
+    bounds = [0] + offs.tolist()
+    ref13 = torch.cat([F.linear(x[bounds[i] : bounds[i + 1]], w13[i]) for i in range(e)])
+    ref2 = torch.cat([F.linear(a[bounds[i] : bounds[i + 1]], w2[i]) for i in range(e)])
+    # Loose enough for 16-bit rounding and TF32; a wrong layout is off by O(1).
+    tol = 1e-2 if w13.dtype == torch.float32 else 3e-2
+    return all(
+        got.shape == ref.shape and bool((got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max())
+        for got, ref in ((y13, ref13), (y2, ref2))
+    )
+
+
+def _moe_decode_works(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+    """One call of the fused decode kernels on the real weights, checked against their reference, at
+    pack time: a kernel this device cannot build or run leaves the grouped path serving every step."""
+    e, two_i, h = w13.shape
+    if not (w13.is_cuda and triton_available() and k_moe.moe_decode_supported(2, top_k, h, two_i // 2, w13.dtype)):
+        return False
+    x = torch.randn(2, h, device=w13.device, dtype=w13.dtype)
+    ids = torch.stack([torch.randperm(e, device=w13.device)[:top_k] for _ in range(2)])
+    w = torch.rand(2, top_k, device=w13.device)
+    try:
+        got = k_moe.moe_experts_decode_triton(x, ids, w, w13, w2)
+    except Exception as err:  # a compiler or launch failure: fall back rather than fail every step
+        log.warning("fused MoE decode kernels unavailable (%s); using grouped GEMMs", err)
+        return False
+    ref = k_moe.moe_experts_decode_ref(x, ids, w, w13, w2)
+    return bool(((got.float() - ref.float()).norm() <= 1e-2 * ref.float().norm()).item())
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts. Experts keep the HF per-expert layout as loaded.
+
+    Three forward paths, named by `self.path`:
+    - "loop" (reference; any unpacked module): groups tokens by expert so each expert runs one matmul;
+      it reads the group sizes on the host, one device sync per call.
+    - "grouped" (after `pack_experts()`): all experts in two `torch._grouped_mm` calls over stacked
+      weights, with no host sync, so a step can be queued on the GPU without the host waiting.
+    - "masked" (after `pack_experts()` on CUDA where grouped_mm cannot serve, e.g. fp32): `_masked`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+        # Set by a trainer that balances load (aux-loss-free bias update); the serving path ignores it.
+        self.last_expert_ids: torch.Tensor | None = None
+        self.keep_routing = False
+        self.path = "loop"
+        self.num_experts_per_tok = cfg.num_experts_per_tok
+        # The fused decode kernels (strata.kernels.moe_decode) serve steps of few tokens; set by
+        # pack_experts() once a probe has checked them on this device.
+        self.decode_kernel = False
+        # Stacked expert weights, set by pack_experts(). Non-persistent: the checkpoint names stay HF's.
+        self.register_buffer("w13", None, persistent=False)  # [E, 2*I, H]: gate rows, then up rows
+        self.register_buffer("w2", None, persistent=False)  # [E, H, I]
+        self.sort_ws: torch.Tensor | None = None  # the token sort's counters (CUDA), set by pack_experts()
+        self.batch_invariant = False  # CausalLM.set_batch_invariant
+        # --quantize fp8: (w13, its scales, w2, its scales) in e4m3 instead of w13 / w2 (`quantize_fp8`).
+        self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # GGUF experts kept quantized: (w13, w2) `QExpertStack`s instead of w13 / w2 (`moe_q.pack_quantized`).
+        self.quant: tuple | None = None
+
+    @torch.no_grad()
+    def pack_experts(self) -> str:
+        """Stack the experts' weights into `w13`/`w2` and make each expert's weights views of them
+        (no second copy), then pick the path. Call after the weights are on their final device and
+        dtype: moving the module afterwards copies the views apart. Returns `self.path`."""
+        from strata.kernels.quant import moe_q
+
+        if moe_q.pack_quantized(self):  # experts the loader kept quantized: stacked as blocks
+            return self.path
+        params = [p for m in self.experts for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
+        if any(p.requires_grad for p in params) or any(p.is_meta for p in params):
+            # The grouped path reads the stacked buffers, which autograd would not train.
+            self.path = "loop"
+            return self.path
+        first = self.experts[0]
+        inter, hidden = first.gate_proj.weight.shape
+        ref = first.gate_proj.weight
+        w13 = torch.empty(self.num_experts, 2 * inter, hidden, device=ref.device, dtype=ref.dtype)
+        w2 = torch.empty(self.num_experts, hidden, inter, device=ref.device, dtype=ref.dtype)
+        for e, m in enumerate(self.experts):
+            w13[e, :inter].copy_(m.gate_proj.weight)
+            w13[e, inter:].copy_(m.up_proj.weight)
+            w2[e].copy_(m.down_proj.weight)
+            m.gate_proj.weight = nn.Parameter(w13[e, :inter], requires_grad=False)
+            m.up_proj.weight = nn.Parameter(w13[e, inter:], requires_grad=False)
+            m.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
+        self.w13, self.w2 = w13, w2
+        if self.gate.weight.dtype != torch.float32:
+            self.gate.weight_f32 = self.gate.weight.detach().float()
+        if w13.is_cuda and triton_available():
+            self.sort_ws = k_sort.sort_tokens_workspace(w13.device)
+            self.gate.route_ws = k_route.router_decode_workspace(w13.device)
+        if _grouped_mm_works(w13, w2):
+            self.path = "grouped"
+            self.decode_kernel = _moe_decode_works(w13, w2, self.num_experts_per_tok)
+        else:
+            # On CUDA a step must not read expert counts on the host (CUDA graphs, overlapped steps).
+            self.path = "masked" if w13.is_cuda else "loop"
+        return self.path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids, _ = self.gate(x)
+        if self.keep_routing:
+            self.last_expert_ids = ids.detach()
+        if self.batch_invariant and not x.is_cuda:
+            out = self._loop(x, w, ids)  # each expert's rows through the row-invariant linear, in expert order
+        elif self.fp8 is not None or self.quant is not None:
+            out = self._grouped(x, w, ids)
+        # The dtype test is on host metadata (no sync): under autocast x may differ from the weights.
+        elif (self.decode_kernel and x.dtype == self.w13.dtype and use_triton(x)
+                and k_moe.moe_decode_supported(x.shape[0], ids.shape[1], x.shape[1], self.w2.shape[2], x.dtype)):
+            out = k_moe.moe_experts_decode_triton(x, ids, w, self.w13, self.w2)
+        elif self.path == "grouped" and x.dtype == self.w13.dtype:
+            out = self._grouped(x, w, ids)
+        elif self.path == "masked":
+            out = self._masked(x, w, ids)
+        else:
+            out = self._loop(x, w, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _loop(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = w.reshape(-1)[order]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok = token_of[start : start + c]
+            y = self.experts[e](x[tok]) * weight_of[start : start + c, None]
+            out.index_add_(0, tok, y.to(x.dtype))
+            start += c
+        return out
+
+    def _masked(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, weighted by a routing weight that is 0 where the token did
+        not choose it: E/k times the loop's work, but no host sync. Per token it adds the same terms
+        as the loop in the same (expert) order, and adding an exact 0 changes nothing."""
+        dense_w = torch.zeros(x.shape[0], self.num_experts, dtype=w.dtype, device=w.device).scatter_(1, ids, w)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += (expert(x) * dense_w[:, e : e + 1]).to(x.dtype)
+        return out
+
+    def _grouped(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, k = ids.shape
+        # Pairs stably sorted by expert and the group ends, with no host sync (not bincount: on CUDA it
+        # reads the ids' max on the host). Two launches on CUDA, argsort + searchsorted elsewhere.
+        order, offs = k_sort.sort_tokens(ids, self.num_experts, workspace=scratch(self.sort_ws))
+        xs = x[order // k]
+        if self.fp8 is not None:  # --quantize fp8: the experts in e4m3 (strata.kernels.quant.fp8)
+            from strata.kernels.quant import fp8
+
+            w13, s13, w2, s2 = self.fp8
+            h13 = fp8.grouped_matmul(xs, w13, s13, offs)
+            y = fp8.grouped_matmul(silu_mul(h13), w2, s2, offs)
+        elif self.quant is not None:  # GGUF experts kept quantized (strata.kernels.quant.moe_q)
+            from strata.kernels.quant import moe_q
+
+            h13 = moe_q.grouped_matmul(xs, self.quant[0], offs)
+            y = moe_q.grouped_matmul(silu_mul(h13), self.quant[1], offs)
+        else:
+            h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)
+        # As the loop: fp32 routing weights, each expert's contribution rounded to x.dtype.
+        y = (y * w.reshape(-1)[order, None]).to(x.dtype)
+        # Back to (token, k) order and a plain sum over k: no atomics, so the result is deterministic.
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(n, k, y.shape[-1]).sum(1)
