@@ -118,9 +118,11 @@ step() {  # name, seconds, command...
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
       next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py -k "next or causal" ;;
-      fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 $T tests/test_kernel_gated_delta_fla.py ;;
+      # setsid: both fla steps of 2026-12-02 ended the whole round at their start (run alone, the fla tests
+      # passed), so they run in a session of their own.
+      fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 setsid -w $T tests/test_kernel_gated_delta_fla.py ;;
       next-read) for k in ref fla; do PYTHONPATH=/tmp/fla:$PYTHONPATH STRATA_GDN_KERNEL=$k step next-read-$k 300 \
-          $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
+          setsid -w $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_${k}_cuda.json; done ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
           --out $R/decode_qwen3-next-80b-a3b-36l_cuda.json ;;
