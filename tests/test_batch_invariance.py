@@ -154,25 +154,36 @@ def test_the_matrix_can_fail_without_the_switch(model):
 
 # ---- on the device ------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_gpu_bf16_dense_matrix(tiny_model_dirs, kv):
-    """The tiny dense Qwen3 in bf16 on CUDA: alone (graphs on) against chunked, busy, cache-hit runs with
-    give-ways, against preemption, and against graphs off: bitwise equal tokens and logprobs."""
-    dense = load_model(tiny_model_dirs["qwen3"][0], device="cuda", dtype=torch.bfloat16, progress=False)
-    cuda = dict(device="cuda", dtype="bfloat16", kv=kv)
-    want = _alone(dense, **cuda)
-    e = _engine(dense, chunk_size=16, prefix_cache=True, **cuda)
+def _matrix(model, **cfg) -> None:
+    """A dense model's matrix: alone against chunked, busy, cache-hit runs with give-ways, and against
+    preemption; bitwise equal tokens and logprobs."""
+    want = _alone(model, **cfg)
+    e = _engine(model, chunk_size=16, prefix_cache=True, **cfg)
     _add(e, "warm", SHARED, _params(False, 2))
     e.run_to_completion()
     got = _busy(e)
     assert e.scheduler.prefix_hits_total >= 1 and e.scheduler.give_ways_total >= 1
     _same(got, want)
-    e = _engine(dense, kv_size=12 * 16, chunk_size=32, **cuda)
+    e = _engine(model, kv_size=12 * 16, chunk_size=32, **cfg)
     got = _busy(e, a_first=False, others_new=60)
     assert e.scheduler.preemptions_total >= 1
     _same(got, want)
+    return want
+
+
+def test_dense_model(tiny_model_dirs):
+    """The tiny dense Qwen3 (packed q|k|v and gate|up projections, no MoE)."""
+    _matrix(load_model(tiny_model_dirs["qwen3"][0], device="cpu", dtype=torch.float32, progress=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_gpu_bf16_dense_matrix(tiny_model_dirs, kv):
+    """The tiny dense Qwen3 in bf16 on CUDA: the matrix above (graphs on), and graphs off."""
+    dense = load_model(tiny_model_dirs["qwen3"][0], device="cuda", dtype=torch.bfloat16, progress=False)
+    cuda = dict(device="cuda", dtype="bfloat16", kv=kv)
+    want = _matrix(dense, **cuda)
     _same(_busy(_engine(dense, cuda_graph=False, **cuda)), want)
 
 
