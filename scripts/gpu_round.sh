@@ -114,6 +114,9 @@ step() {  # name, seconds, command...
       kv) step kv 200 $B kv --out $R/kv_int8_cuda.json ;;
       concurrent-tests) step concurrent-tests 400 $T tests/test_batch_read.py ;;
       concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --http --out $R/concurrent_qwen3-8b_cuda.json ;;
+      # The read in a green context of N SMs (STRATA_READ_SMS), the decode keeping the rest.
+      concurrent-sms) for n in 96 112; do step concurrent-sms$n 300 $B concurrent --shape qwen3-8b --pairs 1 \
+          --read-sms $n --out $R/concurrent_qwen3-8b_sms${n}_cuda.json; done ;;
       # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.

@@ -176,6 +176,24 @@ def test_cuda_embedded_model_with_speculation_identical(monkeypatch):
     e.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_read_in_a_green_context(monkeypatch):
+    """STRATA_READ_SMS=66: the read stage's stream belongs to a green context of half the H200's SMs,
+    the Triton kernels launch there, and the output is the one without the concurrent read (fp32)."""
+    kw = dict(device="cuda", dtype="float32")
+    _set(monkeypatch)
+    want, _ = _scenario(_engine(**kw))
+    _set(monkeypatch, piped=True, guard=True)
+    monkeypatch.setenv("STRATA_READ_SMS", "66")
+    e = _engine(**kw)
+    if e.read_stage.green is None:
+        pytest.skip("this torch or driver makes no green-context streams (the engine logged why)")
+    got, order = _scenario(e)
+    assert got == want and order.index("short") < order.index("long")
+    e.close()
+
+
 def test_through_the_server(monkeypatch, tmp_path):
     """`strata serve` with STRATA_PIPED_CONCURRENT=1: a short request overtakes a long read through the
     OpenAI API, and the long answer is the one it gets alone."""

@@ -440,6 +440,13 @@ def _through_serve(args, loaded, name: str, device: torch.device, giveway_ids: l
 
 
 def run(args) -> int:
+    if args.read_sms:  # every arm's read stage in a green context of that many SMs (the arms set the rest)
+        with overridden(ENV.READ_SMS, str(args.read_sms)):
+            return _run(args)
+    return _run(args)
+
+
+def _run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     args.chunk = args.chunk or EngineConfig(device=str(device)).resolved().chunk_size
@@ -476,7 +483,7 @@ def run(args) -> int:
     info = {"bench": "concurrent", "shape": name, "model": loaded.path, "device": str(device), "dtype": args.dtype,
             "kv": args.kv, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "chunk": args.chunk, "lengths": lengths, "pairs": args.pairs,
-            "spec": args.spec, "giveway_tokens": giveway, "stall_s": STALL_S,
+            "spec": args.spec, "giveway_tokens": giveway, "stall_s": STALL_S, "read_sms": args.read_sms,
             "arms": {arm: {sw.name: v for sw, v in env} for arm, env in ARMS.items()},
             "runs": runs, "needle": {"run": needle_by_arm is not None, "reason": needle_reason, "by_arm": needle_by_arm},
             "summary": {**summarize(runs, lengths, needle_by_arm), **(serve or {})},
@@ -574,4 +581,6 @@ def add_parser(sub) -> None:
     p.add_argument("--no-plot", action="store_true", help="JSON only, no PNG timeline")
     p.add_argument("--http", action="store_true",
                    help="also the give-way through strata serve's path (summary: serve_short_ttft_s, ...)")
+    p.add_argument("--read-sms", type=int, default=0,
+                   help="STRATA_READ_SMS for every arm: the read stage's stream in a green context of this many SMs")
     p.set_defaults(func=run)

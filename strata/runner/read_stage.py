@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.env import ENV
 from strata.kernels import scratch as k_scratch
 from strata.runner.model_runner import ModelRunner
 from strata.runner.steps import Sampled
@@ -121,15 +122,32 @@ class ReadStage:
             from strata.kernels.quant.streamk import QMatmulContext
 
             self.prefill.contexts = [t for t in self.twins.values() if isinstance(t, QMatmulContext)]
-        cuda = self.device.type == "cuda"
-        # Lowest priority the device offers (a larger number): decode kernels get the SMs first.
-        self.stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[0]) if cuda else None
+        self.green = None  # the green context of STRATA_READ_SMS, kept alive with its stream
+        self.stream = self._make_stream() if self.device.type == "cuda" else None
         self.jobs: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue()
         self.current = None  # the SchedulerOutput being read, until its result is taken
         self.reads_total = 0
         self.worker = threading.Thread(target=self._work, name="strata-read", daemon=True)
         self.worker.start()
+
+    def _make_stream(self) -> torch.cuda.Stream:
+        """STRATA_READ_SMS = N > 0: a stream of a green context of N SMs, so the read's programs never
+        hold the other SMs and a decode step's kernels start at once (stream priority only orders the
+        programs waiting to start). Otherwise, or where torch or the driver cannot make one, the lowest
+        priority the device offers (a larger number): decode kernels get free SMs first."""
+        sms = ENV.READ_SMS.get()
+        if sms > 0:
+            try:
+                from torch.cuda.green_contexts import GreenContext
+
+                self.green = GreenContext.create(num_sms=sms, device_id=self.device.index or 0)
+                log.info("STRATA_READ_SMS=%d: the concurrent read runs in a green context of %d SMs", sms, sms)
+                return self.green.Stream()
+            except (ImportError, AttributeError, RuntimeError) as e:  # torch or driver without green-context streams
+                log.warning("STRATA_READ_SMS=%d ignored: no green-context stream here (%s)", sms, e)
+                self.green = None
+        return torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[0])
 
     @property
     def region_bytes(self) -> int:
