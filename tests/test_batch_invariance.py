@@ -209,3 +209,16 @@ def test_gpu_qwen3_8b_shape_rows_alone_and_in_a_batch():
     got = _results(e.run_to_completion())
     e.close()
     _same(got, want, rids=("A",))
+
+
+@pytest.mark.parametrize("kw, what", [(dict(keep_quantized=True), "quantized weights"),
+                                      (dict(quantize="fp8"), "quantized weights")])
+def test_what_the_mode_does_not_cover_is_refused(model, kw, what):
+    with pytest.raises(ValueError, match=what):
+        _engine(model, **kw)
+
+
+def test_hybrid_models_are_refused(tiny_model_dirs):
+    hybrid = load_model(tiny_model_dirs["qwen3_next"][0], device="cpu", dtype=torch.float32, progress=False)
+    with pytest.raises(ValueError, match="linear-attention"):
+        _engine(hybrid)

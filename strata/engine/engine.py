@@ -112,7 +112,8 @@ def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device) -> None:
         return
     missing = [what for what, lacking in (
         ("MoE routing and expert kernels on CUDA", device.type == "cuda" and mc.is_moe),
-        (f"{mc.model_type}'s linear-attention layers", mc.is_hybrid)) if lacking]
+        (f"{mc.model_type}'s linear-attention layers", mc.is_hybrid),
+        ("quantized weights (--keep-quantized, --quantize)", cfg.keep_quantized or bool(cfg.quantize))) if lacking]
     if missing:
         raise ValueError("--batch-invariant is not built yet for " + "; ".join(missing))
 
