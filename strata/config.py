@@ -215,7 +215,7 @@ class EngineConfig:
     seed: int | None = None  # seeds requests that bring none (in arrival order): reproducible runs
     parallel: int = 1  # slots: requests decoding at once; more wait in a queue
     kv: str = "auto"  # KV cache storage: auto (the model dtype) | bf16 | int8
-    # GGUF Q8_0 / Q4_K / IQ3_S linear weights stay quantized on the device (their Triton kernels) instead
+    # GGUF Q8_0 / Q4_K / IQ3_S / Q6_K linear weights stay quantized on the device (their Triton kernels) instead
     # of being expanded to the model dtype at load. Off until the kernels are measured on the GPU.
     keep_quantized: bool = False
     # Quantize an HF checkpoint's attention and dense-MLP projections at load: None or "fp8" (e4m3 with

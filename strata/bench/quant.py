@@ -1,4 +1,4 @@
-"""`strata bench quant`: weights kept quantized (GGUF Q8_0 / Q4_K / IQ3_S) against bf16 (issue 10).
+"""`strata bench quant`: weights kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K) against bf16 (issue 10).
 
 One random model per format at `--shape` (`random_model(..., quant=...)`: the linear weights a GGUF
 load keeps quantized, MoE experts included (`--shape qwen3-30b-a3b`: the grouped kernels of
@@ -119,7 +119,8 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("quant", help="quantized weights (Q8_0 / Q4_K / IQ3_S / FP8) against bf16: memory, decode, read")
+    p = sub.add_parser("quant", help="quantized weights (Q8_0 / Q4_K / IQ3_S / Q6_K / FP8) against bf16: memory, "
+                                     "decode, read")
     _add_args(p)
 
 
@@ -134,7 +135,7 @@ def _formats(s: str) -> list[str]:
 def _add_args(p) -> None:
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--formats", type=_formats, default=["bf16", *FORMATS, "FP8"],
-                   help="comma-separated: bf16,Q8_0,Q4_K,IQ3_S,FP8")
+                   help="comma-separated: bf16,Q8_0,Q4_K,IQ3_S,Q6_K,FP8")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--prompt", type=int, default=512)

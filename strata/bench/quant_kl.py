@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.bench.results import print_tables, save, summary_table
-from strata.kernels.quant import FORMATS, QWeight, format_module, quantize_fp8
+from strata.kernels.quant import WRITTEN, QWeight, format_module, quantize_fp8
 from strata.loaders import default_model_path, load_model
 from strata.models.attention import CausalBatch
 from strata.models.moe import Router
@@ -152,7 +152,8 @@ def _add_args(p) -> None:
 
     p.add_argument("--model", default=None, help="model path (default: the embedded model)")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random model at this shape instead")
-    p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=[*FORMATS, "FP8"])
+    p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=[*WRITTEN, "FP8"],
+                   help=f"comma-separated, of {', '.join(WRITTEN)}, FP8 (the formats the project's writers make)")
     p.add_argument("--text", default=None, help="text to score (default: the embedded model's README)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)

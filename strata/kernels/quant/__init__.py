@@ -1,6 +1,6 @@
 """Quantized weights kept quantized on the device (issue 10): one module per GGUF format.
 
-Each format module (`q8_0`, `q4_k`, `iq3_s`) follows one contract: `GGML_TYPE`, `BLOCK_VALUES`,
+Each format module (`q8_0`, `q4_k`, `iq3_s`, `q6_k`) follows one contract: `GGML_TYPE`, `BLOCK_VALUES`,
 `BLOCK_BYTES`; `repack(raw)` turns the file's blocks (uint8 [N, K / BLOCK_VALUES * BLOCK_BYTES], already
 on the device) into the kernel's planes with device ops only; `dequantize(planes, n, k)` is the fp32
 definition (equal to the gguf package's numpy dequantization, bit for bit); `matmul(x, planes, n, k)`
@@ -19,8 +19,9 @@ from types import ModuleType
 
 import torch
 
-_MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s", "FP8": "fp8"}
-FORMATS = ("Q8_0", "Q4_K", "IQ3_S")  # GGUF types kept quantized; FP8 is made at load (`quantize_fp8`)
+_MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s", "Q6_K": "q6_k", "FP8": "fp8"}
+FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # GGUF types kept quantized; FP8 is made at load (`quantize_fp8`)
+WRITTEN = ("Q8_0", "Q4_K", "IQ3_S")  # the formats `writers.quantize` makes from float weights (not Q6_K yet)
 # Reads whose row count falls here run Q8_0's stream-K GEMM when the weight has a context. On the H200
 # it beat the tiled GEMM at 512 rows (1.00-1.49x over the 8B shapes) and lost at 4,096 (0.94-0.98x;
 # tests/test_kernel_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token
@@ -91,7 +92,9 @@ class QWeight:
 
 # Byte offsets of each block's fp16 scale fields (d; Q4_K also dmin), which `random_blocks` must keep
 # finite; every other byte of a block is valid whatever its value.
-_SCALE_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "IQ3_S": (0,)}
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "IQ3_S": (0,), "Q6_K": (208,)}
+# Q6_K multiplies d by an int8 scale and q − 32 (RMS ~74 and ~18 for random bytes): a smaller d.
+_SCALE_RANGE = {"Q6_K": (1e-5, 2e-5)}
 
 
 def random_blocks(ggml_type: str, n: int, k: int, generator: torch.Generator, device) -> torch.Tensor:
@@ -101,8 +104,9 @@ def random_blocks(ggml_type: str, n: int, k: int, generator: torch.Generator, de
     mod = format_module(ggml_type)
     blocks = k // mod.BLOCK_VALUES
     raw = torch.randint(0, 256, (n, blocks, mod.BLOCK_BYTES), generator=generator, device=device, dtype=torch.uint8)
+    low, high = _SCALE_RANGE.get(ggml_type, (1e-4, 3e-4))
     for off in _SCALE_FIELDS[ggml_type]:
-        scale = torch.empty(n, blocks, 1, device=device, dtype=torch.float16).uniform_(1e-4, 3e-4, generator=generator)
+        scale = torch.empty(n, blocks, 1, device=device, dtype=torch.float16).uniform_(low, high, generator=generator)
         raw[:, :, off : off + 2] = scale.view(torch.uint8)
     return raw.view(n, blocks * mod.BLOCK_BYTES)
 

@@ -1,4 +1,4 @@
-"""MoE experts kept quantized (GGUF Q8_0 / Q4_K / IQ3_S): one grouped GEMM over stacked expert planes.
+"""MoE experts kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K): one grouped GEMM over stacked expert planes.
 
 Layout. `QExpertStack` holds E experts' [N, K] weights of one format as that format's planes: its
 `repack` of the stack's rows of blocks ([E·N, bytes per row], as the file stores a stacked tensor),
@@ -52,6 +52,9 @@ from strata.kernels.quant.iq3_s import _dot as iq3s_dot
 from strata.kernels.quant.iq3_s import grid_table
 from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
 from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
+from strata.kernels.quant.q6_k import _dequant_tile as q6k_dequant_tile
+from strata.kernels.quant.q6_k import _low_columns as q6k_low_columns
+from strata.kernels.quant.q6_k import kernel_planes as q6k_kernel_planes
 from strata.kernels.quant.q8_0 import _dequant_tile as q8_dequant_tile
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.timing import time_us
@@ -68,8 +71,9 @@ except ImportError:  # CPU-only installs: the reference works, the kernel is nev
 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FORMAT_IDS = {"Q8_0": 0, "Q4_K": 1, "IQ3_S": 2}  # the kernel's FORMAT constexpr
-_MIN_BLOCK_K = {"Q8_0": 32, "Q4_K": 128, "IQ3_S": 64}  # a scale group / a nibble pair run / two sub-blocks
+_FORMAT_IDS = {"Q8_0": 0, "Q4_K": 1, "IQ3_S": 2, "Q6_K": 3}  # the kernel's FORMAT constexpr
+# a scale group / a nibble pair run / two sub-blocks / a 128-value half
+_MIN_BLOCK_K = {"Q8_0": 32, "Q4_K": 128, "IQ3_S": 64, "Q6_K": 128}
 # Up to this many rows per expert on average (T ≤ this · E) the decode tiles serve: at batch 16 with
 # top-8 of 128 experts, T = 128 pairs, ~1 row per active expert.
 DECODE_ROWS_PER_EXPERT = 4
@@ -167,9 +171,12 @@ def _block_k(ggml_type: str, k: int, preferred: int) -> int:
 # the decode tiles at 168-254 registers, the reads at 213-255 — except Q4_K's 128 x 128 x 128 (96
 # bytes of stack, as its own GEMM here); wider K steps or 4 warps on 64-row tiles spilled kilobytes.
 _TILES = {
-    "decode": {"Q8_0": (16, 64, 128, 4, 4), "Q4_K": (16, 64, 128, 4, 4), "IQ3_S": (16, 32, 256, 4, 3)},
-    "mid": {"Q8_0": (64, 128, 64, 8, 3), "Q4_K": (64, 64, 128, 8, 3), "IQ3_S": (64, 128, 64, 8, 3)},
-    "large": {"Q8_0": (128, 128, 64, 8, 3), "Q4_K": (128, 128, 128, 8, 3), "IQ3_S": (128, 128, 64, 8, 3)},
+    "decode": {"Q8_0": (16, 64, 128, 4, 4), "Q4_K": (16, 64, 128, 4, 4), "IQ3_S": (16, 32, 256, 4, 3),
+               "Q6_K": (16, 64, 128, 4, 4)},
+    "mid": {"Q8_0": (64, 128, 64, 8, 3), "Q4_K": (64, 64, 128, 8, 3), "IQ3_S": (64, 128, 64, 8, 3),
+            "Q6_K": (64, 64, 128, 8, 3)},
+    "large": {"Q8_0": (128, 128, 64, 8, 3), "Q4_K": (128, 128, 128, 8, 3), "IQ3_S": (128, 128, 64, 8, 3),
+              "Q6_K": (128, 128, 128, 8, 3)},
 }
 
 
@@ -240,7 +247,8 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: 
     """acc + x·wᵀ ([BLOCK_M, BLOCK_N]); with SWAP_AB, x comes transposed and acc + w·xᵀ is [BLOCK_N, BLOCK_M]."""
     if SWAP_AB:
         return iq3s_dot(w, x, acc, IEEE_DOT, INTERPRETED)
-    return iq3s_dot(x, tl.trans(w), acc, IEEE_DOT, INTERPRETED)
+    else:  # Triton 3.9 also compiles statements after a constexpr-true branch's return: keep them apart
+        return iq3s_dot(x, tl.trans(w), acc, IEEE_DOT, INTERPRETED)
 
 
 @jit(do_not_specialize=["tiles_m"])
@@ -269,6 +277,12 @@ def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, 
                 low = k0 + q4k_low_columns(BLOCK_K)
                 acc = _mma(_load_x(x_ptr, x_stride, x_rows, low, SWAP_AB), w_lo, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
                 acc = _mma(_load_x(x_ptr, x_stride, x_rows, low + 32, SWAP_AB), w_hi, acc, SWAP_AB, IEEE_DOT,
+                           INTERPRETED)
+            elif FORMAT == 3:  # Q6_K: as Q4_K, the high nibbles' values 64 past the low ones'
+                w_lo, w_hi = q6k_dequant_tile(p0, p1, p2, p3, w_rows, k0, k, BLOCK_N, BLOCK_K, dtype, INTERPRETED)
+                low = k0 + q6k_low_columns(BLOCK_K)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low, SWAP_AB), w_lo, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low + 64, SWAP_AB), w_hi, acc, SWAP_AB, IEEE_DOT,
                            INTERPRETED)
             else:
                 if FORMAT == 0:  # Q8_0: p0 qs int8 [E·N, K], p1 d fp16 [E·N, K/32]
@@ -300,6 +314,8 @@ def _kernel_planes(stack: QExpertStack) -> tuple[torch.Tensor, ...]:
         return p["qs"], p["d"], p["qs"], p["qs"], p["qs"], p["qs"]
     if stack.ggml_type == "Q4_K":
         return p["qs"], p["scales"].view(torch.int32), p["d_dmin"].view(torch.int32), p["qs"], p["qs"], p["qs"]
+    if stack.ggml_type == "Q6_K":
+        return (*q6k_kernel_planes(p), p["d"], p["d"])
     return p["qs"], p["signs"], p["qh"], p["scales"], p["d"], grid_table(stack.device)
 
 
