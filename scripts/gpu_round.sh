@@ -77,10 +77,11 @@ step() {  # name, seconds, command...
       quant-dp4a) STRATA_Q8_DECODE=dp4a STRATA_Q4K_DECODE=dp4a STRATA_IQ3S_DECODE=dp4a step quant-dp4a 200 $B quant \
         --shape qwen3-8b --formats Q8_0,Q4_K,IQ3_S --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
-      quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py ;;
+      quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py \
+          tests/test_kernel_quant_q6_k.py tests/test_kernel_quant_moe.py ;;
       quant-moe) step quant-moe 400 $B quant --shape qwen3-30b-a3b --formats bf16,Q8_0,IQ3_S,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
       quant-fp8) step quant-fp8 200 $B quant --shape qwen3-8b --formats bf16,FP8 --out $R/quant_qwen3-8b_fp8_cuda.json ;;
-      quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
+      quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S,Q6_K,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;
