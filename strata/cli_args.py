@@ -32,12 +32,26 @@ class ConfigFileError(ValueError):
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Help text for each field: its trailing `# comment` in the class source, the one place it is written."""
+    """Help text for each field, from the class source, the one place it is written: the field's trailing
+    `# comment`, else the comment lines right above it."""
     try:
         src = inspect.getsource(cls)
     except (OSError, TypeError):
         return {}
-    return {m[1]: m[2].strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#(.*)$", src, re.M)}
+    out: dict[str, str] = {}
+    above: list[str] = []
+    for line in src.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        field = re.match(r"^\s+(\w+):[^#\n]*(?:#(.*))?$", line)
+        if field and not stripped.startswith(("def ", "return ")):
+            text = (field[2] or "").strip() or " ".join(above)
+            if text and field[1] not in out:  # the field, not a later method's local of the same name
+                out[field[1]] = text
+        above = []
+    return out
 
 
 def _unwrap(hint: Any) -> tuple[Any, bool]:

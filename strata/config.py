@@ -215,11 +215,12 @@ class EngineConfig:
     seed: int | None = None  # seeds requests that bring none (in arrival order): reproducible runs
     parallel: int = 1  # slots: requests decoding at once; more wait in a queue
     kv: str = "auto"  # KV cache storage: auto (the model dtype) | bf16 | int8
-    # GGUF Q8_0 / Q4_K / IQ3_S / Q6_K linear weights stay quantized on the device (their Triton kernels) instead
-    # of being expanded to the model dtype at load. Off until the kernels are measured on the GPU.
+    # GGUF Q8_0 / Q4_K / IQ3_S / Q6_K linear weights and MoE experts stay quantized on the device (their
+    # Triton kernels) instead of being expanded to the model dtype at load. Off until measured on the GPU.
     keep_quantized: bool = False
-    # Quantize an HF checkpoint's attention and dense-MLP projections at load: None or "fp8" (e4m3 with
-    # a scale per output channel, activations per token; torch._scaled_mm, the H200's FP8 tensor cores).
+    # Quantize an HF checkpoint's attention and MLP projections (MoE experts too) at load: None or "fp8"
+    # (e4m3, a scale per output channel; decode rows weight-only through the GEMV, reads through
+    # torch._scaled_mm with activations quantized per token).
     quantize: str | None = None
     kv_size: int | None = None  # KV capacity in tokens; None: from free memory (CUDA), ctx x parallel (CPU)
     gpu_memory_utilization: float = 0.9  # share of the GPU's free memory the KV pool may take
