@@ -363,3 +363,26 @@ def test_gpu_speed_report():
     for r in rows:
         print(f"Q6_K {r['n']}x{r['k']} M={r['m']}: {r['q6k_gbs']:.0f} GB/s, {r['q6k_tflops']:.1f} TFLOP/s "
               f"(bf16 dense {r['bf16_gbs']:.0f} GB/s, {r['bf16_tflops']:.1f} TFLOP/s)")
+
+
+def test_the_writer_makes_blocks_gguf_reads_back():
+    """writers.quantize_q6_k: gguf's own dequantization of the written blocks is within 6-bit precision
+    of the input (RMS error < 3%, every value within half a step of its sub-block's scale), and each
+    sub-block's largest value comes back to within its scale's rounding."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from strata.kernels.quant.writers import quantize
+
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((6, 512)) * 0.02).astype(np.float32)
+    w[0, :16] = 0.0  # an all-zero sub-block
+    raw = quantize("Q6_K", w)
+    assert raw.shape == (6, 2 * 210) and raw.dtype == np.uint8
+    back = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(w.shape)
+    assert np.linalg.norm(back - w) / np.linalg.norm(w) < 0.03
+    assert not back[0, :16].any()
+    sub = np.abs(w).reshape(-1, 16).max(-1)
+    worst = (np.abs(back - w).reshape(-1, 16).max(-1) / np.where(sub > 0, sub, 1)).max()
+    assert worst < 0.05  # half a step (1/64 of the peak) plus the int8 scale's and fp16 d's rounding

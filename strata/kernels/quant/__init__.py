@@ -21,7 +21,7 @@ import torch
 
 _MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s", "Q6_K": "q6_k", "FP8": "fp8"}
 FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # GGUF types kept quantized; FP8 is made at load (`quantize_fp8`)
-WRITTEN = ("Q8_0", "Q4_K", "IQ3_S")  # the formats `writers.quantize` makes from float weights (not Q6_K yet)
+WRITTEN = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # the formats `writers.quantize` makes from float weights
 # Reads whose row count falls here run Q8_0's stream-K GEMM when the weight has a context. On the H200
 # it beat the tiled GEMM at 512 rows (1.00-1.49x over the 8B shapes) and lost at 4,096 (0.94-0.98x;
 # tests/test_kernel_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token

@@ -1,6 +1,6 @@
 """Quantizers: float weights → a format's raw GGUF blocks, for fidelity measurements and test files.
 
-Q8_0 uses the gguf package's own quantizer. The gguf package only dequantizes Q4_K and IQ3_S, so
+Q8_0 uses the gguf package's own quantizer. The gguf package only dequantizes Q4_K, IQ3_S and Q6_K, so
 those are written here (IQ3_S's search lives beside its kernels, `iq3_s.quantize`). They are simple,
 documented searches, not llama.cpp's importance-weighted ones, so their error is an upper bound on
 what a llama.cpp file of the same format would show.
@@ -28,7 +28,36 @@ def quantize(ggml_type: str, w: np.ndarray) -> np.ndarray:
         from strata.kernels.quant.iq3_s import quantize as quantize_iq3_s
 
         return quantize_iq3_s(w)
+    if ggml_type == "Q6_K":
+        return quantize_q6_k(w)
     raise ValueError(f"no quantizer for {ggml_type}")
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K: per 256-value block an fp16 d and 16 int8 sub-block scales (16 values each); value =
+    d·sc·(q − 32), q in 0..63. Each sub-block's scale puts its largest-magnitude value at −32 (that value
+    exactly, the others rounded), the block's d fits the largest scale into ±127, and q is re-rounded
+    against the scale actually stored. Packed as ggml lays it out: per 128-value half, value 32g + l
+    (g = 0..3) keeps its low nibble in ql[l + 32·(g % 2)] (the high nibble of that byte when g ≥ 2) and
+    its top two bits in qh[l] at bit 2g."""
+    n, k = x.shape
+    if k % 256:
+        raise ValueError(f"Q6_K needs K % 256 == 0, got {k}")
+    blocks = x.reshape(-1, 16, 16).astype(np.float32)  # [blocks, sub-blocks, values]
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+    sub = -peak / 32.0
+    d = (np.abs(sub).max(-1) / 127.0).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(sub, d32, out=np.zeros_like(sub), where=d32 != 0)), -128, 127).astype(np.int8)
+    step = (d32 * sc.astype(np.float32))[..., None]
+    q = np.rint(np.divide(blocks, step, out=np.zeros_like(blocks), where=step != 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [blocks, half, g, l]
+    ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                         (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=-1)  # [blocks, half, 64]
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                          d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return out.reshape(n, k // 256 * 210)
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
