@@ -43,7 +43,7 @@ spills, wgmma, every load pipelined); they are UNTIMED (see the notes at the tab
 
 from __future__ import annotations
 
-import math
+import sys
 import statistics
 from dataclasses import dataclass
 
@@ -56,6 +56,7 @@ from strata.kernels.quant.dp4a import decode_kernel
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format, weight_copies
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 
@@ -482,50 +483,15 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
 # ----------------------------------------------------------------------------------------------
 # Micro-benchmark (CUDA): python -m strata.kernels.quant.q4_k [--sweep]
 
-BENCH_SHAPES = [("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up", 24576, 4096),
-                ("8B down", 4096, 12288)]
-
-
-def _weight_copies(n: int, k: int) -> list[dict[str, torch.Tensor]]:
-    """Enough weights (≥ 4, ≥ 3x the L2 in all) that cycling through them reads HBM, not L2."""
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
-    count = max(4, math.ceil(3 * l2 / (n * k * 148 // 256)))
-    return [repack(torch.from_numpy(random_raw(n, k, seed)).cuda()) for seed in range(count)]
-
-
 def bench(ms=(1, 4096), shapes=BENCH_SHAPES) -> list[dict]:
-    """Q4_K matmul against bf16 torch.matmul of the dequantized weight, both cycling over copies of
-    the weight. GB/s counts weight bytes (planes for Q4_K, bf16 for the reference)."""
-    rows = []
-    print(f"{'shape':>12} {'N x K':>12} {'M':>5} | {'q4_k us':>9} {'GB/s':>6} {'TFLOP/s':>7} | "
-          f"{'bf16 us':>9} {'GB/s':>6} {'TFLOP/s':>7} | rel err", flush=True)
-    for name, n, k in shapes:
-        planes = _weight_copies(n, k)
-        dense = [dequantize(p, n, k).to(torch.bfloat16) for p in planes]
-        qbytes = sum(t.numel() * t.element_size() for t in planes[0].values())
-        ws = torch.zeros(max(1, gemv_workspace_numel(n, k)), dtype=torch.int32, device="cuda")
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_q = time_us([lambda p=p: matmul(x, p, n, k, workspace=ws) for p in planes])
-            t_d = time_us([lambda w=w: torch.matmul(x, w.t()) for w in dense])
-            ref = torch.matmul(x.float(), dense[0].float().t())
-            err = ((matmul(x, planes[0], n, k, workspace=ws).float() - ref).norm() / ref.norm()).item()
-            flops = 2 * m * n * k
-            row = dict(shape=name, n=n, k=k, m=m, q4k_us=t_q, bf16_us=t_d, q4k_gbs=qbytes / t_q / 1e3,
-                       bf16_gbs=n * k * 2 / t_d / 1e3, q4k_tflops=flops / t_q / 1e6, bf16_tflops=flops / t_d / 1e6,
-                       rel_err=err)
-            rows.append(row)
-            print(f"{name:>12} {f'{n}x{k}':>12} {m:>5} | {t_q:9.2f} {row['q4k_gbs']:6.0f} {row['q4k_tflops']:7.1f} | "
-                  f"{t_d:9.2f} {row['bf16_gbs']:6.0f} {row['bf16_tflops']:7.1f} | {err:.1e}", flush=True)
-        del planes, dense
-        torch.cuda.empty_cache()
-    return rows
+    """Q4_K matmul against bf16 torch.matmul of the dequantized weight (`microbench.bench_format`)."""
+    return bench_format(sys.modules[__name__], ms, shapes)
 
 
 def sweep_gemv(shapes=BENCH_SHAPES, ms=(1, 8)) -> None:
     """Times GEMV configurations per shape (mean µs over `ms`) and prints the five best."""
     for name, n, k in shapes:
-        planes = _weight_copies(n, k)
+        planes = weight_copies(sys.modules[__name__], n, k)
         results = []
         for block_n in (64, 128):
             for block_k in (128, 256):
@@ -552,8 +518,6 @@ def sweep_gemv(shapes=BENCH_SHAPES, ms=(1, 8)) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     if not torch.cuda.is_available():
         raise SystemExit("the Q4_K micro-benchmark needs a CUDA device")
     sweep_gemv() if "--sweep" in sys.argv[1:] else bench()
