@@ -22,6 +22,7 @@ from strata.config import ModelConfig, RopeConfig
 from strata.kernels import activation as k_act
 from strata.kernels import gemv as k_gemv
 from strata.kernels import invariant as k_invariant
+from strata.kernels import matmul as k_matmul
 from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import use_triton
@@ -39,9 +40,7 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor
     weights): a row's result is the same for any number of rows (`strata.kernels.invariant`)."""
     if invariant and not isinstance(weight, QWeight):
         if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype:
-            from strata.kernels.matmul import matmul_invariant
-
-            return matmul_invariant(x, weight, bias)
+            return k_matmul.matmul_invariant(x, weight, bias)
         return k_invariant.linear(x, weight, bias)
     if isinstance(weight, QWeight):
         y = weight.matmul(x)
