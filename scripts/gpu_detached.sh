@@ -8,7 +8,8 @@ WAIT=$1; shift
 DIR=/tmp/strata_round
 if [ $# -gt 0 ] && ! pgrep -f "scripts/gpu_round.sh" >/dev/null; then
   rm -rf "$DIR"; mkdir -p "$DIR"
-  OUT=$DIR nohup bash scripts/gpu_round.sh "$@" >"$DIR/nohup.log" 2>&1 &
+  # setsid: the device tool ends the calling process group when a call returns; the round lives on.
+  OUT=$DIR setsid nohup bash scripts/gpu_round.sh "$@" >"$DIR/nohup.log" 2>&1 </dev/null &
   sleep 2
 fi
 t0=$SECONDS

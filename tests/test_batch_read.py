@@ -143,7 +143,7 @@ def test_cuda_reads_beside_decoding_allocate_nothing(monkeypatch):
 
     from strata.bench.random_model import random_model
 
-    loaded = random_model("qwen3-8b", "cuda", torch.bfloat16)
+    loaded = random_model("qwen3-8b-128k", "cuda", torch.bfloat16)
     lengths = [8192, 16384, 32768, 65536]
     cfg = EngineConfig(device="cuda", dtype="bfloat16", ctx=65536 + 64, parallel=2, chunk_size=2048,
                        max_num_batched_tokens=2048, kv_size=2 * (65536 + 128))

@@ -177,6 +177,9 @@ def run(args) -> int:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, parallel=args.parallel,
                        chunk_size=args.chunk, prefix_cache=not args.no_prefix_cache, batch_invariant=args.batch_invariant)
     device, dtype = cfg.resolved_device, cfg.resolved_dtype
+    # Costs first: their engines free themselves between arms, while the server's engine below may
+    # still hold its pool (through the server's threads) when the run ends (an OOM on the H200).
+    costs = measure_costs(args.cost_shape, device, dtype) if args.costs else {k: None for k in COST_FIELDS}
     limit = cfg.ctx - args.max_tokens
     if args.shape:  # random weights; token ids drawn at random, texts from a tokenizer that names every id
         from strata.bench.random_model import random_model, shape_config, synthetic_tokenizer
@@ -202,8 +205,6 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     rows, altered, lp_altered = tally([len(p) for p in prompts], res["concurrent"], res["alone"])
     eng.close()
-    del eng
-    costs = measure_costs(args.cost_shape, device, dtype) if args.costs else {k: None for k in COST_FIELDS}
     info = {
         "bench": "determinism", "model": args.model or args.shape or "default", "device": device, "dtype": dtype,
         "batch_invariant": args.batch_invariant,

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from strata.kernels import use_triton
+from strata.kernels.row_lse import row_logsumexp
 from strata.params import SamplingParams
 from strata.transfer import to_device
 
@@ -324,10 +325,12 @@ class DeviceSampler:
     """Batched sampler over preallocated per-row parameter buffers (pinned host, two sets for
     overlapped steps, and one device set). `sample` = `fill` (host) + `run` (device, no sync)."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device, max_seen: int = 4096, chunk_rows: int = 64):
+    def __init__(self, max_rows: int, vocab_size: int, device, max_seen: int = 4096, chunk_rows: int = 64,
+                 batch_invariant: bool = False):
         self.max_rows, self.vocab, self.max_seen = max_rows, vocab_size, max_seen
         self.device = torch.device(device)
         self.chunk_rows = chunk_rows
+        self.batch_invariant = batch_invariant  # logprobs' normaliser through `row_logsumexp`'s walk
         cuda = self.device.type == "cuda"
         self.h_f = [torch.zeros(max_rows, _N_FLOAT, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
         self.h_i = [torch.zeros(max_rows, _N_INT, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
@@ -390,7 +393,7 @@ class DeviceSampler:
                 x = _penalise(x, seen[r0:r1], f[:, _PENALTY : _PENALTY + 1])
             tok = _pick(x, f, i, plan)
             tokens[r0:r1] = tok
-            logprobs[r0:r1] = x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+            logprobs[r0:r1] = x.gather(1, tok[:, None])[:, 0] - row_logsumexp(x, self.batch_invariant)
         return tokens, logprobs
 
     def sample(self, logits: torch.Tensor, rows: Sequence[RowParams]) -> tuple[torch.Tensor, torch.Tensor]:

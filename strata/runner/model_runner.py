@@ -37,6 +37,7 @@ import torch
 
 from strata.engine.types import MAX_TOP_LOGPROBS
 from strata.grammar import GrammarCompiler, GrammarMatcher
+from strata.kernels.row_lse import row_logsumexp
 from strata.kernels.token_mask import apply_token_mask
 from strata.kvcache.pool import KVPool
 from strata.models.attention import RecurrentStates
@@ -121,7 +122,7 @@ class ModelRunner:
         # Sampled rows are drawn on the device from counter-based noise (seed, draw index): no host
         # round trip per request, and the same tokens whatever else is in the batch.
         self.dsampler = DeviceSampler(max_seqs * self.rows_per_seq, model.config.vocab_size, self.device,
-                                      max_seen=max_model_len + max_drafts)
+                                      max_seen=max_model_len + max_drafts, batch_invariant=batch_invariant)
         self.hidden: torch.Tensor | None = None
         self.row_starts: list[int] = []
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
@@ -317,7 +318,7 @@ class ModelRunner:
         if self.d_mask is not None:  # all ones for unconstrained rows: one read of the mask, no writes
             apply_token_mask(logits, self.d_mask[: hidden.shape[0]])
         best = logits.argmax(-1)
-        lse = torch.logsumexp(logits, -1)
+        lse = row_logsumexp(logits, self.batch_invariant)
         best_lp = logits.gather(1, best[:, None])[:, 0] - lse
         return logits, best, best_lp, lse
 
@@ -403,7 +404,7 @@ class ModelRunner:
         step.logits = self.model.compute_logits(hidden.index_select(0, to_device(rows, self.device)))
         if masked:
             apply_token_mask(step.logits, self.d_mask[: len(rows)])
-        step.lse = torch.logsumexp(step.logits, -1)
+        step.lse = row_logsumexp(step.logits, self.batch_invariant)
         sampling = [chunks[i] for i in step.picks]
         drawn = self._draw(step.logits, sampling)
         if drawn is None:
@@ -460,7 +461,7 @@ class ModelRunner:
             r1 = min(m, r0 + ds.chunk_rows)
             x = _penalise(logits[r0:r1].float(), seen[r0:r1], ds.d_f[r0:r1, _PENALTY : _PENALTY + 1])
             v, i = x.topk(k, dim=-1)
-            values[r0:r1], ids[r0:r1] = v - torch.logsumexp(x, -1, keepdim=True), i
+            values[r0:r1], ids[r0:r1] = v - row_logsumexp(x, self.batch_invariant)[:, None], i
         return ids, values, k
 
     def _launch_graph(self, g: BucketGraphs, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
