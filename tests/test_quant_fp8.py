@@ -232,14 +232,20 @@ def test_matmul_dispatch_and_workspace():
 
 
 def test_decode_gemv_configs():
-    """Per (N, K) only; the bf16 GEMV's grid and split-K (so the same workspace size), BLOCK_K >= 64 and
-    pipeline buffers (e4m3 tiles, x tiles, x's even/odd halves) that leave room for two programs per SM."""
-    for _, n, k in fp8.BENCH_SHAPES:
+    """Per (N, K) only: the swept table's entry, else the bf16 GEMV's grid and split-K; BLOCK_K >= 64,
+    pipeline buffers (e4m3 tiles, x tiles, x's even/odd halves) that leave room for two programs per SM,
+    and a workspace sized for the configuration that runs."""
+    shapes = {(n, k) for _, n, k in fp8.BENCH_SHAPES} | set(fp8.GEMV_CONFIGS) | {(8192, 2048)}
+    for n, k in sorted(shapes):
         cfg, base = fp8.gemv_config(n, k), fp8.k_gemv.gemv_config(n, k)
         fp8.k_gemv.check_config(cfg, k)
-        assert (cfg.block_n, cfg.split_k) == (base.block_n, base.split_k) and cfg.block_k >= 64
+        if (n, k) in fp8.GEMV_CONFIGS:
+            assert cfg == fp8.GEMV_CONFIGS[(n, k)]
+        else:
+            assert (cfg.block_n, cfg.split_k) == (base.block_n, base.split_k), (n, k, cfg)
+        assert cfg.block_k >= 64 and k % cfg.block_k == 0
         assert cfg.smem_bytes(w_bytes=1) + 32 * cfg.block_k <= 113 << 10, (n, k, cfg)
-        assert fp8.gemv_workspace_numel(n, k) == fp8.k_gemv.gemv_workspace_numel(n, k)
+        assert fp8.gemv_workspace_numel(n, k) == fp8.k_gemv.gemv_workspace_numel(n, k, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

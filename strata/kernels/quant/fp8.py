@@ -73,9 +73,16 @@ def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
     return y if out is None else out.copy_(y)
 
 
-# Decode GEMV configurations tuned on the device (`python -m strata.kernels.quant.fp8 --sweep`);
-# shapes not listed take `gemv_config`'s rule.
-GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+# Decode GEMV configurations tuned on the device (`python -m strata.kernels.quant.fp8 --sweep`, H200,
+# 2026-12-02: mean of M = 1, 4, 8; the rule's configuration's time after each); shapes not listed take
+# `gemv_config`'s rule (gate_up 24576x4096 is listed nowhere: the rule's 64x256 was the sweep's best).
+GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): GemvConfig(64, 128, split_k=4, num_stages=3),  # qkv: 13.53 us (rule 15.94)
+    (4096, 4096): GemvConfig(64, 128, split_k=4, num_stages=4),  # o_proj: 11.51 us (12.14)
+    (4096, 12288): GemvConfig(64, 128, split_k=8, num_stages=4),  # down: 19.57 us (20.23)
+    (5120, 2048): GemvConfig(64, 128, split_k=4, num_stages=3),  # Qwen3-30B-A3B qkv: 10.06 us (11.56)
+    (2048, 4096): GemvConfig(64, 128, split_k=8, num_stages=3),  # Qwen3-30B-A3B o_proj: 9.41 us (9.52)
+}
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
