@@ -136,3 +136,28 @@ def test_int8_backend_matches_reference(q_lens):
                               v_scale=pool.v_scale[0])
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_prompt_chunk_graphs_identical_fp32(spec):
+    """Requests one at a time, the third a prefix-cache hit that reads only its tail: each last prompt
+    chunk (one sequence, at most 64 tokens) replays a prompt graph; the tokens are those of graphs off."""
+    kw = dict(spec=spec, batch_mtp=True) if spec else {}
+    base = " ".join(PROMPTS * 6)
+    prompts = [PROMPTS[0], base, base + " And what came next?", PROMPTS[2]]
+
+    def run(e: LLMEngine) -> dict[str, list[int]]:
+        out = {}
+        for i, p in enumerate(prompts):
+            out |= _generate(e, [p], max_tokens=16, tag=f"s{i}-")
+        return out
+
+    on = _engine(prefix_cache=True, **kw)
+    assert sorted(on.runner.prompt_graphs.graphs) == [16, 64]
+    got = run(on)
+    assert on.runner.prompt_graphs.replays >= len(prompts) and on.scheduler.prefix_hits_total >= 1
+    print(f"prompt graph replays: {on.runner.prompt_graphs.replays}")
+    del on
+    off = _engine(prefix_cache=True, cuda_graph=False, **kw)
+    assert not off.runner.prompt_graphs.graphs
+    assert run(off) == got

@@ -40,7 +40,9 @@ def _ttft(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> tuple[fl
         for ev in eng.step():
             if ev.request_id == rid:
                 if first is None and ev.token_ids:
-                    _sync(eng.device)
+                    # The token is on the host now (its step has finished), which is what a client sees.
+                    # No sync here: the device may already run the next decode step (async scheduling),
+                    # and waiting for it added a whole step to both arms (until 2026-12-02).
                     first = time.perf_counter() - t0
                 out.extend(ev.token_ids)
                 cached = ev.cached_tokens if ev.finish_reason else cached

@@ -44,6 +44,7 @@ from strata.models.attention import RecurrentStates
 from strata.models.transformer import CausalLM
 from strata.runner.attention_backends import make_attention
 from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
+from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
 from strata.runner.sampling import Sampler, apply_repetition_penalty, filtered_probs
 from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, graph_buckets
 from strata.spec.verify import verify_greedy, verify_sampled
@@ -65,7 +66,8 @@ class ModelRunner:
         self.max_blocks = (max_model_len + bs - 1) // bs
         t, s = max(max_num_batched_tokens, max_seqs * self.rows_per_seq), max_seqs + 1  # +1: graph padding
         self.attn = make_attention(pool, model.config, max_seqs=s, max_rows=t,
-                                   max_split_rows=max_seqs * self.rows_per_seq, device=self.device,
+                                   max_split_rows=max(max_seqs * self.rows_per_seq, PROMPT_GRAPH_ROWS[0]),
+                                   device=self.device,
                                    dtype=model.model.embed_tokens.weight.dtype, max_context=max_model_len,
                                    batch_invariant=batch_invariant)
         self.batch_invariant = batch_invariant
@@ -130,6 +132,7 @@ class ModelRunner:
         self.graphs: dict[int, BucketGraphs] = {}
         self.use_graphs = cuda and cuda_graph
         self.hidden_out: list[torch.Tensor] = []
+        self.prompt_graphs = PromptGraphs(self, max_num_batched_tokens)  # one sequence's short prompt chunk
 
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
@@ -270,7 +273,7 @@ class ModelRunner:
         buckets = graph_buckets(self.max_seqs)
         q = self.rows_per_seq
         pool = torch.cuda.graph_pool_handle()
-        rows_max = buckets[0] * q
+        rows_max = max(buckets[0] * q, self.prompt_graphs.max_rows)
         self.hidden_out = [torch.zeros(rows_max, self.model.config.hidden_size, device=self.device,
                                        dtype=self.model.model.embed_tokens.weight.dtype) for _ in range(2)]
         stream = torch.cuda.Stream(self.device)
@@ -304,9 +307,11 @@ class ModelRunner:
                     g.forward_hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
                 with torch.cuda.graph(g.head, pool=pool, stream=stream):
                     g.head_outputs = self._head_body(g.forward_hidden)
+        prompt = self.prompt_graphs.capture(pool, stream)
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs (up to %d sequences x %d rows) in %.1fs", len(buckets), buckets[0], q, took)
+        log.info("captured %d CUDA graphs (up to %d sequences x %d rows; %d for one prompt chunk of up to %d "
+                 "tokens) in %.1fs", len(buckets) + prompt, buckets[0], q, prompt, self.prompt_graphs.max_rows, took)
         return took
 
     def _graph_body(self, rows: int):
@@ -350,6 +355,9 @@ class ModelRunner:
             if self.grammar is not None:
                 self._fill_masks(chunks, list(range(r)), spans)
             return self._launch_graph(g, chunks, n, r, row_starts)
+        pg = self.prompt_graphs.graph_for(chunks)
+        if pg is not None:
+            return self.prompt_graphs.launch(pg, chunks, n, row_starts)
         picks = [i for i, ch in enumerate(chunks) if ch.sample]
         spans, m = [], 0
         for i in picks:
@@ -489,7 +497,7 @@ class ModelRunner:
     def _picks_from(self, step: LaunchedStep, g: BucketGraphs, logits, best, best_lp, lse) -> None:
         """A replayed graph's picks towards the host (after the replay and outside the graph: its
         outputs stay valid until the next replay)."""
-        n, chunks = len(step.hidden), step.chunks
+        n, chunks = sum(k for _, k in step.spans), step.chunks  # logit rows: the hidden rows, or fewer
         if any(ch.drafts and not ch.request.params.greedy for ch in chunks):
             # Sampled drafts are verified on the host from the logits, which the next replay overwrites.
             step.logits, step.lse = logits[:n].clone(), lse[:n].clone()
