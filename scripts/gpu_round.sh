@@ -78,7 +78,12 @@ step() {  # name, seconds, command...
         --shape qwen3-8b --formats Q8_0,Q4_K,IQ3_S --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
       quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py \
-          tests/test_kernel_quant_q6_k.py tests/test_kernel_quant_moe.py ;;
+          tests/test_kernel_quant_q6_k.py tests/test_kernel_quant_moe.py tests/test_kernel_quant_dequant.py ;;
+      # Reads through dequantize-into-buffer + cuBLAS: the kernels' GB/s and the row threshold, then the
+      # engine with the switch off (the fused GEMMs) beside `quant` (on).
+      dequant-bench) TAIL=80 step dequant-bench 300 python3 -m strata.kernels.quant.dequant ;;
+      quant-nodq) STRATA_QUANT_DEQUANT_ROWS=0 step quant-nodq 400 $B quant --shape qwen3-8b --formats bf16,Q8_0,Q4_K,IQ3_S,Q6_K \
+          --out $R/quant_nodq_qwen3-8b_cuda.json ;;
       quant-moe) step quant-moe 400 $B quant --shape qwen3-30b-a3b --formats bf16,Q8_0,IQ3_S,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
       quant-fp8) step quant-fp8 200 $B quant --shape qwen3-8b --formats bf16,FP8 --out $R/quant_qwen3-8b_fp8_cuda.json ;;
       quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S,Q6_K,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
@@ -116,7 +121,7 @@ step() {  # name, seconds, command...
       concurrent-tests) step concurrent-tests 400 $T tests/test_batch_read.py ;;
       concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --http --out $R/concurrent_qwen3-8b_cuda.json ;;
       # The read in a green context of N SMs (STRATA_READ_SMS), the decode keeping the rest.
-      concurrent-sms) for n in 96 112; do step concurrent-sms$n 300 $B concurrent --shape qwen3-8b --pairs 1 \
+      concurrent-sms) for n in ${READ_SMS_LIST:-96 112}; do step concurrent-sms$n 300 $B concurrent --shape qwen3-8b --pairs 1 \
           --read-sms $n --out $R/concurrent_qwen3-8b_sms${n}_cuda.json; done ;;
       # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
@@ -128,6 +133,9 @@ step() {  # name, seconds, command...
       next-read) for k in ref fla; do PYTHONPATH=/tmp/fla:$PYTHONPATH STRATA_GDN_KERNEL=$k step next-read-$k 300 \
           setsid -w $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_${k}_cuda.json; done ;;
+      # Issue 12's long reads: 128K and (nearly) 256K tokens through fla-core, the default when installed.
+      next-long) PYTHONPATH=/tmp/fla:$PYTHONPATH step next-long 560 setsid -w $B read --shape qwen3-next-80b-a3b-36l \
+          --lengths 131072,262000 --no-hf --repeats 1 --out $R/read_qwen3-next-80b-a3b-36l_long_cuda.json ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
           --out $R/decode_qwen3-next-80b-a3b-36l_cuda.json ;;
       # Issue 15: the invariant GEMM / attention against their claims, the engine matrix, then the bench.

@@ -67,6 +67,10 @@ class _Env:
     Q4K_DECODE = Switch("STRATA_Q4K_DECODE", str, "dequant",
                         "Q4_K decode GEMV (M <= 16): 'dequant' (weights to bf16, tensor cores) or 'dp4a' (packed "
                         "int8 dot products; strata/kernels/quant/q4_k_dp4a.py, not yet timed on a GPU)")
+    QUANT_DEQUANT_ROWS = Switch("STRATA_QUANT_DEQUANT_ROWS", int, 512,
+                                "reads of at least this many rows over GGUF-quantized weights (--keep-quantized, "
+                                "CUDA) dequantize each weight into one shared bf16 buffer and run cuBLAS instead of "
+                                "the fused dequantizing GEMMs; 0 turns it off (threshold not yet swept on a GPU)")
     GDN_KERNEL = Switch("STRATA_GDN_KERNEL", str, "auto",
                         "Gated DeltaNet prompt reads on CUDA (qwen3_next): 'fla' (fla-core's chunked Triton kernel, all "
                         "sequences in one launch; 5.5-5.7x the reference's read speed on the H200), 'ref' (torch "

@@ -99,3 +99,29 @@ def test_q8_0_reads_in_the_stream_k_range_use_the_context(monkeypatch):
             tiled = q8_0.matmul(x, w.planes, n, k)
             assert ((got.float() - tiled.float()).norm() / tiled.float().norm()).item() < 1e-2
     assert ctx.grows <= 1
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_long_reads_dequantize_into_the_shared_buffer(monkeypatch, fmt):
+    """With a buffer, a read of STRATA_QUANT_DEQUANT_ROWS rows or more dequantizes the weight into it
+    and multiplies once; fewer rows, a mismatched dtype or the switch at 0 keep the format's kernels."""
+    from strata.kernels.quant import dequant
+
+    n, k = 24, 256
+    w = QWeight.from_raw(fmt, _raw(fmt, n, k, 5), n, k)
+    w.dequant_buf = torch.full((n * k + 7,), 7.0, dtype=torch.bfloat16)
+    calls = []
+    real = dequant.dequantize_into
+    monkeypatch.setattr(dequant, "dequantize_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("STRATA_QUANT_DEQUANT_ROWS", "8")
+    want_w = w.dequantize().to(torch.bfloat16)
+    for m, dtype, rows, expect in [(8, torch.bfloat16, "8", True), (7, torch.bfloat16, "8", False),
+                                   (8, torch.float32, "8", False), (8, torch.bfloat16, "0", False)]:
+        monkeypatch.setenv("STRATA_QUANT_DEQUANT_ROWS", rows)
+        x = torch.randn(m, k).to(dtype)
+        got = w.matmul(x)
+        assert bool(calls) == expect, (m, dtype, rows)
+        calls.clear()
+        if expect:
+            assert torch.equal(got, x @ want_w.t())  # the dequantized weight, then one product
+            assert torch.equal(w.dequant_buf[n * k :], torch.full((7,), 7.0, dtype=torch.bfloat16))

@@ -56,7 +56,7 @@ def model_scratch(model: torch.nn.Module) -> list[object]:
             if name in ("gemv_ws", "sort_ws", "route_ws") and isinstance(value, torch.Tensor):
                 found[id(value)] = value
             elif isinstance(value, QWeight):
-                for x in (value.workspace, value.context):
+                for x in (value.workspace, value.context, value.dequant_buf):
                     if x is not None:
                         found[id(x)] = x
     return list(found.values())

@@ -105,6 +105,20 @@ class CausalLM(nn.Module):
             for m in packed:
                 m.gemv_ws = self.gemv_ws
             self._share_read_context()
+            self._share_dequant_buffer(dtype)
+
+    def _share_dequant_buffer(self, dtype: torch.dtype) -> None:
+        """One buffer the size of the largest quantized weight, in the model dtype, for every weight's
+        dequantized reads (`QWeight.dequant_buf`); a read's layers run one after another on one stream."""
+        from strata.kernels.quant import DEQUANT_READ_FORMATS
+
+        weights = [q for m in self.modules() for q in vars(m).values()
+                   if isinstance(q, QWeight) and q.ggml_type in DEQUANT_READ_FORMATS]
+        if not weights or dtype not in (torch.bfloat16, torch.float16):
+            return
+        buf = torch.empty(max(q.n * q.k for q in weights), dtype=dtype, device=weights[0].device)
+        for q in weights:
+            q.dequant_buf = buf
 
     def _share_read_context(self) -> None:
         """One stream-K scratch context for the model's Q8_0 weights, its largest fix-up reserved now so

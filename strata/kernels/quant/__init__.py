@@ -27,6 +27,8 @@ WRITTEN = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # the formats `writers.quantize` ma
 # tests/test_kernel_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token
 # chunk, to be refined by a sweep between those two points.
 STREAMK_ROWS = (256, 1024)
+# Formats whose reads may dequantize into a bf16 buffer and run cuBLAS (`QWeight.dequant_buf`).
+DEQUANT_READ_FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")
 
 
 def format_module(ggml_type: str) -> ModuleType:
@@ -50,6 +52,10 @@ class QWeight:
     # The read GEMMs' scratch (`streamk.QMatmulContext`), shared by a model's weights (CausalLM.pack
     # sets it on CUDA): with it, Q8_0 reads of STREAMK_ROWS rows run the stream-K GEMM.
     context: object | None = None
+    # A bf16/fp16 buffer of >= N*K values shared by a model's weights (CausalLM.pack sets it on CUDA):
+    # reads of at least `STRATA_QUANT_DEQUANT_ROWS` rows dequantize the whole weight into it and run one
+    # cuBLAS GEMM, faster than the fused dequantizing GEMMs once the rows amortise the weight's write.
+    dequant_buf: torch.Tensor | None = None
 
     @classmethod
     def from_raw(cls, ggml_type: str, raw: torch.Tensor, n: int, k: int) -> "QWeight":
@@ -60,6 +66,13 @@ class QWeight:
         numel = mod.gemv_workspace_numel(n, k) if hasattr(mod, "gemv_workspace_numel") else 0
         workspace = torch.zeros(numel, dtype=torch.int32, device=raw.device) if numel else None
         return cls(ggml_type, n, k, mod.repack(raw.contiguous()), workspace)
+
+    def _dequantized_read(self, x: torch.Tensor) -> bool:
+        from strata.env import ENV
+
+        rows = ENV.QUANT_DEQUANT_ROWS.get()
+        return (self.dequant_buf is not None and rows > 0 and x.dim() == 2 and x.shape[0] >= rows
+                and x.dtype == self.dequant_buf.dtype)
 
     @property
     def module(self) -> ModuleType:
@@ -80,6 +93,11 @@ class QWeight:
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         from strata.kernels.scratch import scratch
 
+        if self._dequantized_read(x):
+            from strata.kernels.quant.dequant import dequantize_into
+
+            w = dequantize_into(self.ggml_type, self.planes, self.n, self.k, scratch(self.dequant_buf))
+            return torch.mm(x, w.t(), out=out) if out is not None else torch.mm(x, w.t())
         if (self.context is not None and self.ggml_type == "Q8_0" and x.dim() == 2
                 and STREAMK_ROWS[0] <= x.shape[0] <= STREAMK_ROWS[1] and x.dtype != torch.float32):
             from strata.kernels.quant.streamk import q8_0_matmul_streamk

@@ -1,0 +1,303 @@
+"""Quantized weights dequantized into a bf16/fp16 buffer, for prompt reads through cuBLAS (issue 10).
+
+The fused dequantize-GEMM kernels of the format modules reach ~100-290 TFLOP/s on the H200 against
+~750 for cuBLAS bf16, so reads of many rows are to run as "dequantize the layer's weight once into a
+preallocated buffer, then torch.mm". This module is the first half: one Triton kernel per format
+writing W [N, K] into the first N·K elements of `out`.
+
+Each kernel calls its format module's own tile dequantizer (`_dequant_tile` of q8_0, q4_k, iq3_s,
+q6_k) on exactly the planes, and views of them, that the module's GEMM passes, so the bit layout is
+derived in one place. A tile's weights are the module's exact fp32 values rounded once, to nearest
+even, to out's dtype: the same bits as `dequantize(planes).to(dtype)` (`dequantize_into_ref`), up
+to the sign of a zero (Q6_K's fma gives +0 where the reference's product gives -0 for a negative
+scale).
+
+Grid: (row tiles of BLOCK_N weight rows, K tiles of BLOCK_K values). BLOCK_K is a power of two that
+divides K (256 for every model shape; Q8_0 halves it down to 32 for a K that 256 does not divide),
+so there is no K tail. Rows past N re-read row N-1 (`tl.minimum`) and are not stored. The kernels
+allocate nothing and their grids depend on shapes only (CUDA-graph safe); each begins with the PDL
+prologue. Tile sizes are chosen by reasoning, UNTIMED: `python -m strata.kernels.quant.dequant
+[--sweep]` on the device times them and the fused GEMMs against dequantize + torch.mm.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from strata.kernels import kernels_run, use_pdl
+from strata.kernels.pdl import pdl_prologue
+from strata.kernels.quant import format_module, random_blocks
+from strata.kernels.quant import iq3_s, q4_k, q6_k, q8_0
+from strata.kernels.quant.iq3_s import _dequant_tile as iq3_s_tile
+from strata.kernels.quant.q4_k import _dequant_tile as q4_k_tile, _low_columns as q4_k_low_columns
+from strata.kernels.quant.q6_k import _dequant_tile as q6_k_tile, _low_columns as q6_k_low_columns
+from strata.kernels.quant.q8_0 import _dequant_tile as q8_0_tile
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the reference works, the kernels are never launched
+
+    def jit(fn=None, **_options):
+        return fn if fn is not None else (lambda f: f)
+
+
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class DequantConfig:
+    block_n: int  # weight rows per program, a power of two
+    block_k: int  # values per program: the largest power of two <= this (and >= the format's least) dividing K
+    num_warps: int = 8
+
+
+# 64 x 256 values a program, 64 a thread over 8 warps: Q8_0 reads 16.5 KB and writes 32 KB of bf16;
+# 384 x 16 programs at 24576 x 4096. Compiled for sm_90a here (Triton 3.9, K and pointers 16-divisible
+# as real launches specialise them): 44-63 registers (eight programs resident per SM, ~130 KB of Q8_0
+# loads in flight), 128-bit stores, no spills, 8-11 SASS instructions a value (IQ3_S the most) against
+# ~18 that the issue rate allows at 4.8 TB/s and ~2.5-3 bytes of HBM traffic a value. UNTIMED.
+CONFIGS = {t: DequantConfig(64, 256) for t in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")}
+# The least BLOCK_K each tile function takes: whole scale groups, and a power-of-two arange of them.
+MIN_BLOCK_K = {"Q8_0": 32, "Q4_K": 64, "IQ3_S": 64, "Q6_K": 128}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_k_for(ggml_type: str, k: int, preferred: int) -> int:
+    """The largest power of two <= preferred that divides K, at least the format's least."""
+    block = preferred
+    while block > MIN_BLOCK_K[ggml_type] and k % block:
+        block //= 2
+    if k % block or block < MIN_BLOCK_K[ggml_type] or block & (block - 1):
+        raise ValueError(f"{ggml_type}: no BLOCK_K <= {preferred} divides K={k}")
+    return block
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@jit
+def _store_rows(out_ptr, w, rows, n, k, cols):
+    """w [R, C] to out[rows, cols] of the row-major [N, K] destination, rows >= N left out."""
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * k + cols[None, :]
+    tl.store(ptrs, w, mask=(rows < n)[:, None])
+
+
+@jit
+def _q8_0_kernel(qs_ptr, d_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w_rows = tl.minimum(rows, n - 1).to(tl.int64)
+    q_ptrs = (qs_ptr + w_rows[:, None, None] * k + k0 + tl.arange(0, GROUPS)[None, :, None] * 32
+              + tl.arange(0, 32)[None, None, :])
+    d_ptrs = d_ptr + w_rows[:, None] * (k // 32) + k0 // 32 + tl.arange(0, GROUPS)[None, :]
+    w = q8_0_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+    _store_rows(out_ptr, w, rows, n, k, k0 + tl.arange(0, BLOCK_K))
+
+
+@jit
+def _q4_k_kernel(qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w_rows = tl.minimum(rows, n - 1).to(tl.int64)
+    w_lo, w_hi = q4_k_tile(qs_ptr, scales_ptr, d_dmin_ptr, w_rows, k0, k, BLOCK_N, BLOCK_K,
+                           out_ptr.dtype.element_ty)
+    cols = k0 + q4_k_low_columns(BLOCK_K)
+    _store_rows(out_ptr, w_lo, rows, n, k, cols)
+    _store_rows(out_ptr, w_hi, rows, n, k, cols + 32)
+
+
+@jit
+def _iq3_s_kernel(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w_rows = tl.minimum(rows, n - 1).to(tl.int64)
+    w = iq3_s_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, w_rows, k0, k, BLOCK_N, BLOCK_K,
+                   INTERPRETED)
+    _store_rows(out_ptr, w.to(out_ptr.dtype.element_ty), rows, n, k, k0 + tl.arange(0, BLOCK_K))
+
+
+@jit
+def _q6_k_kernel(ql_ptr, qh_ptr, scales_ptr, d_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w_rows = tl.minimum(rows, n - 1).to(tl.int64)
+    w_lo, w_hi = q6_k_tile(ql_ptr, qh_ptr, scales_ptr, d_ptr, w_rows, k0, k, BLOCK_N, BLOCK_K,
+                           out_ptr.dtype.element_ty, INTERPRETED)
+    cols = k0 + q6_k_low_columns(BLOCK_K)
+    _store_rows(out_ptr, w_lo, rows, n, k, cols)
+    _store_rows(out_ptr, w_hi, rows, n, k, cols + 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public ops
+
+
+def _destination(ggml_type: str, planes: dict[str, torch.Tensor], n: int, k: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """out's first N·K elements as [N, K], after checking the call."""
+    if ggml_type not in CONFIGS:
+        raise ValueError(f"dequantize_into: no kernel for {ggml_type} (have {', '.join(CONFIGS)})")
+    device = next(iter(planes.values())).device
+    if out.dtype not in OUT_DTYPES or not out.is_contiguous() or out.numel() < n * k or out.device != device:
+        raise ValueError(f"out: expected a contiguous bf16/fp16 tensor of >= {n * k} elements on {device}, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
+    return out.view(-1)[: n * k].view(n, k)
+
+
+def dequantize_into_ref(ggml_type: str, planes: dict[str, torch.Tensor], n: int, k: int,
+                        out: torch.Tensor) -> torch.Tensor:
+    """The definition: the format's fp32 `dequantize`, rounded to out's dtype into out's first N·K
+    elements; returns that [N, K] view."""
+    dest = _destination(ggml_type, planes, n, k, out)
+    return dest.copy_(format_module(ggml_type).dequantize(planes, n, k))
+
+
+def dequantize_into_triton(ggml_type: str, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor,
+                           *, config: DequantConfig | None = None) -> torch.Tensor:
+    """The kernels (semantics: `dequantize_into_ref`); `config` overrides the format's tile."""
+    dest = _destination(ggml_type, planes, n, k, out)
+    cfg = config or CONFIGS[ggml_type]
+    if cfg.block_n < 1 or cfg.block_n & (cfg.block_n - 1) or cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"invalid {cfg}")
+    mod = format_module(ggml_type)
+    if k % mod.BLOCK_VALUES:
+        raise ValueError(f"{ggml_type}: K={k} is not a multiple of {mod.BLOCK_VALUES}")
+    if n == 0 or k == 0:
+        return dest
+    block_k = block_k_for(ggml_type, k, cfg.block_k)
+    on = use_pdl(out)
+    grid = (_cdiv(n, cfg.block_n), k // block_k)
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=block_k, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps)
+    interpreted = not out.is_cuda
+    if ggml_type == "Q8_0":
+        qs, d = q8_0._check_planes(planes, n, k)
+        _q8_0_kernel[grid](qs, d, dest, n, k, **common)
+    elif ggml_type == "Q4_K":
+        q4_k._check_planes(planes, n, k)
+        _q4_k_kernel[grid](*q4_k._planes_args(planes), dest, n, k, **common)
+    elif ggml_type == "IQ3_S":
+        iq3_s._check_planes(planes, n, k)
+        weights = (planes["qs"], planes["signs"], planes["qh"], planes["scales"], planes["d"],
+                   iq3_s.grid_table(out.device))
+        _iq3_s_kernel[grid](*weights, dest, n, k, INTERPRETED=interpreted, **common)
+    else:
+        q6_k._check_planes(planes, n, k)
+        _q6_k_kernel[grid](*q6_k.kernel_planes(planes), dest, n, k, INTERPRETED=interpreted, **common)
+    return dest
+
+
+def dequantize_into(ggml_type: str, planes: dict[str, torch.Tensor], n: int, k: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """W [N, K] of a "Q8_0" / "Q4_K" / "IQ3_S" / "Q6_K" weight (its `repack` planes) written into the
+    first N·K elements of `out` (contiguous bf16/fp16, >= N·K elements; the rest untouched), rounded
+    once to out's dtype; returns that [N, K] view. The kernel on CUDA and in the interpreter, with
+    no allocation (graph-capturable); `dequantize_into_ref` elsewhere."""
+    if kernels_run(out, _q8_0_kernel):
+        return dequantize_into_triton(ggml_type, planes, n, k, out)
+    return dequantize_into_ref(ggml_type, planes, n, k, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device micro-benchmark (by hand on the GPU): python -m strata.kernels.quant.dequant [--sweep]
+
+BENCH_SHAPES = ((6144, 4096), (24576, 4096), (4096, 12288))
+BENCH_FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")
+
+
+def read_bytes(planes: dict[str, torch.Tensor]) -> int:
+    """Bytes of the planes a kernel reads (not IQ3_S's GEMV workspace)."""
+    return sum(t.numel() * t.element_size() for name, t in planes.items() if name != "workspace")
+
+
+def _plane_copies(ggml_type: str, n: int, k: int, generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Random weights (>= 2, >= 3x the L2 in all), so that cycling over them reads HBM, not L2."""
+    mod = format_module(ggml_type)
+    first = mod.repack(random_blocks(ggml_type, n, k, generator, "cuda"))
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    count = max(2, math.ceil(3 * l2 / read_bytes(first)))
+    return [first] + [mod.repack(random_blocks(ggml_type, n, k, generator, "cuda")) for _ in range(count - 1)]
+
+
+def bench(shapes=BENCH_SHAPES, formats=BENCH_FORMATS, ms=(512, 2048, 4096)) -> list[dict]:
+    """Per format and shape: dequantize_into (bf16) in µs and GB/s of quantized bytes read + bf16
+    bytes written; then per M the fused GEMM (`format_module(t).matmul`) against dequantize_into +
+    torch.mm into preallocated buffers, in µs and TFLOP/s (fused / dq+mm > 1: the buffer path wins)."""
+    from strata.kernels.timing import time_us
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows = []
+    print(f"{'format':>6} {'N x K':>11} | {'dequant us':>10} {'GB/s':>6} | {'M':>5} | {'fused us':>9} {'TFLOP/s':>7} | "
+          f"{'dq+mm us':>9} {'TFLOP/s':>7} | {'fused/dq+mm':>11}", flush=True)
+    for t in formats:
+        mod = format_module(t)
+        for n, k in shapes:
+            copies = _plane_copies(t, n, k, gen)
+            buf = torch.empty(n * k, dtype=torch.bfloat16, device="cuda")
+            t_dq = time_us([lambda p=p: dequantize_into(t, p, n, k, buf) for p in copies])
+            gbs = (read_bytes(copies[0]) + 2 * n * k) / t_dq / 1e3
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                t_fused = time_us([lambda p=p: mod.matmul(x, p, n, k, y) for p in copies])
+                t_mm = time_us([lambda p=p: torch.mm(x, dequantize_into(t, p, n, k, buf).t(), out=y) for p in copies])
+                flop = 2 * m * n * k / 1e6
+                rows.append({"format": t, "n": n, "k": k, "m": m, "dequant_us": t_dq, "dequant_gbs": gbs,
+                             "fused_us": t_fused, "dq_mm_us": t_mm})
+                print(f"{t:>6} {f'{n}x{k}':>11} | {t_dq:10.1f} {gbs:6.0f} | {m:>5} | {t_fused:9.1f} "
+                      f"{flop / t_fused:7.1f} | {t_mm:9.1f} {flop / t_mm:7.1f} | {t_fused / t_mm:11.2f}", flush=True)
+            del copies, buf
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(shapes=BENCH_SHAPES, formats=BENCH_FORMATS) -> None:
+    """Times tile configurations of dequantize_into (bf16) per format and shape; prints the best four."""
+    from strata.kernels.timing import time_us
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    for t in formats:
+        for n, k in shapes:
+            copies = _plane_copies(t, n, k, gen)
+            buf = torch.empty(n * k, dtype=torch.bfloat16, device="cuda")
+            moved = read_bytes(copies[0]) + 2 * n * k
+            results = []
+            for block_n in (16, 32, 64, 128):
+                for block_k in (128, 256, 512):
+                    for warps in (4, 8):
+                        cfg = DequantConfig(block_n, block_k, warps)
+                        if block_k < MIN_BLOCK_K[t] or block_n * block_k // (32 * warps) > 256:
+                            continue
+                        us = time_us([lambda p=p: dequantize_into_triton(t, p, n, k, buf, config=cfg)
+                                      for p in copies], runs=30)
+                        results.append((us, cfg))
+            results.sort(key=lambda r: r[0])
+            print(f"{t} {n}x{k}: default {CONFIGS[t]}", flush=True)
+            for us, cfg in results[:4]:
+                print(f"   {us:8.1f} us {moved / us / 1e3:6.0f} GB/s  {cfg}", flush=True)
+            del copies, buf
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("the dequantize micro-benchmark needs a CUDA device")
+    sweep() if "--sweep" in sys.argv[1:] else bench()
