@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= It is a truth universally acknowledged, that
 PYTEST_ARGS ?=
+# Test modules spread over this many processes (pytest-xdist; a module's tests stay in one, with its server).
+PYTEST_WORKERS ?= 2
 
 .PHONY: run test test-gpu clean
 
@@ -36,7 +38,7 @@ run: $(VENV)/.base
 	$(VENV)/bin/strata generate --prompt "$(PROMPT)" --max-tokens 64
 
 test: $(VENV)/.test $(VENV)/.browser
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-gpu: $(VENV)/.test
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -30,8 +30,12 @@ def running_server(tmp, config: dict, extra_args: list[str] = ()) -> Iterator[st
     port = free_port()
     log = open(tmp / "server.log", "w+")
     env = {**os.environ, "STRATA_NO_PROGRESS": "1"}
+    # SIGINT back to its default in the server: a shell ignores it in the commands it starts in the
+    # background, pytest-xdist's workers too, and an ignored signal is inherited across exec; uvicorn
+    # re-raises the SIGINT it caught after its shutdown, and it would then be ignored (exit 0, not 130).
     proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--config", str(cfg), "--port", str(port),
-                             *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -52,7 +56,9 @@ def running_server(tmp, config: dict, extra_args: list[str] = ()) -> Iterator[st
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            assert proc.wait(timeout=20) == 130  # a clean stop, by the convention for SIGINT
+            code = proc.wait(timeout=20)
+            log.seek(0)
+            assert code == 130, f"exit {code}, not the 130 of a clean stop on SIGINT:\n{log.read()[-3000:]}"
         finally:
             if proc.poll() is None:
                 proc.kill()

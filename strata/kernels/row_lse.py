@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import kernels_run
+from strata.kernels import use_triton
 
 try:
     import triton
@@ -78,7 +78,8 @@ def row_logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
 
 def row_logsumexp(x: torch.Tensor, invariant: bool) -> torch.Tensor:
     """logsumexp over the last dim of [R, V] logits, fp32 [R]: torch's (fastest) unless `invariant`,
-    then a row's value is the same in any batch (the kernel on CUDA, the reference elsewhere)."""
+    then a row's value is the same in any batch (the kernel on CUDA, the reference elsewhere: the CPU
+    engine never runs Triton's interpreter, which is not thread-safe, and its read stage is a thread)."""
     if not invariant:
         return torch.logsumexp(x, -1)
-    return row_logsumexp_triton(x) if kernels_run(x, _row_lse_kernel) else row_logsumexp_ref(x)
+    return row_logsumexp_triton(x) if use_triton(x) else row_logsumexp_ref(x)
