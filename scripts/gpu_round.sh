@@ -98,6 +98,7 @@ step() {  # name, seconds, command...
       gemv-sweep) step gemv-sweep 300 python3 -m strata.kernels.gemv --sweep 6144x4096 4096x4096 2048x4096 5120x2048 ;;
       sweep-attn) step sweep-attn 300 python3 scripts/sweep_attention.py ;;
       graphs) step graphs 300 $T tests/test_gpu_graphs.py tests/test_kernel_kv_dequant.py ;;
+      profile-next) step profile-next 200 python3 scripts/profile_step.py --shape qwen3-next-80b-a3b-36l --batch 1 --top 30 ;;
       profile-moe) step profile-moe 150 python3 scripts/profile_step.py --shape qwen3-30b-a3b --batch 1 --top 30 ;;
       int8-check) step int8-check 120 $T -k "int8" tests/test_kernels_attention_splits.py tests/test_gpu_graphs.py ;;
       kernels) step kernels 300 $T tests/test_kernel_attention.py tests/test_kernels_small.py tests/test_kernel_gemv.py tests/test_kernel_moe_decode.py tests/test_kernel_kv_dequant.py ;;

@@ -134,6 +134,41 @@ def _gpu_reads_beside_decoding(e: LLMEngine, lengths, vocab: int):
     return outs
 
 
+def test_reads_beside_decoding_take_the_green_stream_and_follow_the_previous_one(monkeypatch):
+    """With a green-context stream (STRATA_READ_SMS), a step submitted beside decoding runs on it and
+    one with nothing decoding on the whole GPU's stream; switching makes the new stream wait for the
+    old (stand-in streams: the CPU has none)."""
+    from types import SimpleNamespace
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.name)
+
+    _set(monkeypatch, piped=True)
+    e = _engine()
+    stage = e.read_stage
+    full, green = Stream("full"), Stream("green")
+    stage.stream, stage.green_stream, stage.active = full, green, full
+    jobs, sent = stage.jobs, []
+    stage.jobs = SimpleNamespace(put=sent.append)  # the worker never sees these
+    try:
+        for out, beside in [("a", True), ("b", True), ("c", False), ("d", False)]:
+            stage.current = None
+            stage.submit(out, beside_decode=beside)
+        assert [(o, st.name) for o, st in sent] == [("a", "green"), ("b", "green"), ("c", "full"), ("d", "full")]
+        assert green.waited == ["full"] and full.waited == ["green"]
+        stage.green_stream, stage.current = None, None  # no green context: every step on the one stream
+        stage.submit("e", beside_decode=True)
+        assert sent[-1][1] is full
+    finally:
+        stage.jobs, stage.current = jobs, None
+        stage.stream = stage.active = None
+        e.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_cuda_reads_beside_decoding_allocate_nothing(monkeypatch):

@@ -322,7 +322,7 @@ class LLMEngine:
                 stage.reserve()  # nothing in flight on the stage
                 if self.alloc_guard is not None:
                     self.alloc_guard.start()
-                stage.submit(out)
+                stage.submit(out, beside_decode=any(not r.is_reading for r in self.scheduler.running))
             elif out.finished or out.preempted:
                 events += self._apply(out, {}, None, [])
         return events

@@ -122,8 +122,12 @@ class ReadStage:
             from strata.kernels.quant.streamk import QMatmulContext
 
             self.prefill.contexts = [t for t in self.twins.values() if isinstance(t, QMatmulContext)]
+        cuda = self.device.type == "cuda"
+        # The lowest priority the device offers (a larger number): decode kernels get free SMs first.
+        self.stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[0]) if cuda else None
         self.green = None  # the green context of STRATA_READ_SMS, kept alive with its stream
-        self.stream = self._make_stream() if self.device.type == "cuda" else None
+        self.green_stream = self._make_green_stream() if cuda else None
+        self.active = self.stream  # the stream of the latest step: the next one, on either, follows it
         self.jobs: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue()
         self.current = None  # the SchedulerOutput being read, until its result is taken
@@ -131,23 +135,25 @@ class ReadStage:
         self.worker = threading.Thread(target=self._work, name="strata-read", daemon=True)
         self.worker.start()
 
-    def _make_stream(self) -> torch.cuda.Stream:
-        """STRATA_READ_SMS = N > 0: a stream of a green context of N SMs, so the read's programs never
-        hold the other SMs and a decode step's kernels start at once (stream priority only orders the
-        programs waiting to start). Otherwise, or where torch or the driver cannot make one, the lowest
-        priority the device offers (a larger number): decode kernels get free SMs first."""
+    def _make_green_stream(self) -> torch.cuda.Stream | None:
+        """STRATA_READ_SMS = N > 0: a stream of a green context of N SMs. Read steps submitted beside
+        decoding run there, so the read's programs never hold the other SMs and a decode step's kernels
+        start at once (stream priority only orders the programs waiting to start); read steps with
+        nothing decoding keep the whole GPU (`submit`). None without the switch, or where torch or the
+        driver cannot make one (logged)."""
         sms = ENV.READ_SMS.get()
-        if sms > 0:
-            try:
-                from torch.cuda.green_contexts import GreenContext
+        if sms <= 0:
+            return None
+        try:
+            from torch.cuda.green_contexts import GreenContext
 
-                self.green = GreenContext.create(num_sms=sms, device_id=self.device.index or 0)
-                log.info("STRATA_READ_SMS=%d: the concurrent read runs in a green context of %d SMs", sms, sms)
-                return self.green.Stream()
-            except (ImportError, AttributeError, RuntimeError) as e:  # torch or driver without green-context streams
-                log.warning("STRATA_READ_SMS=%d ignored: no green-context stream here (%s)", sms, e)
-                self.green = None
-        return torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[0])
+            self.green = GreenContext.create(num_sms=sms, device_id=self.device.index or 0)
+            log.info("STRATA_READ_SMS=%d: reads beside decoding run in a green context of %d SMs", sms, sms)
+            return self.green.Stream()
+        except (ImportError, AttributeError, RuntimeError) as e:  # torch or driver without green-context streams
+            log.warning("STRATA_READ_SMS=%d ignored: no green-context stream here (%s)", sms, e)
+            self.green = None
+            return None
 
     @property
     def region_bytes(self) -> int:
@@ -188,12 +194,14 @@ class ReadStage:
             # Steps until the cache stops growing: the runner keeps the last step's hidden states while
             # the next one runs, so the steady state holds more than one step's activations, and the
             # allocator's first placements can leave no block large enough for a later one.
-            for i in range(WARM_UP_MAX_STEPS):
-                before = torch.cuda.memory_reserved(self.device) if cuda else 0
-                self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, i % 2 == 1)]))
-                self.poll(block=True)
-                if i >= 1 and (not cuda or torch.cuda.memory_reserved(self.device) == before):
-                    break
+            # The caching allocator keeps blocks per stream: with a green-context stream, both warm up.
+            for beside_decode in (False, True) if self.green_stream is not None else (False,):
+                for i in range(WARM_UP_MAX_STEPS):
+                    before = torch.cuda.memory_reserved(self.device) if cuda else 0
+                    self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, i % 2 == 1)]), beside_decode)
+                    self.poll(block=True)
+                    if i >= 1 and (not cuda or torch.cuda.memory_reserved(self.device) == before):
+                        break
         finally:
             self.up_ring = ring
             self.reads_total = 0
@@ -201,14 +209,20 @@ class ReadStage:
     def follow(self, stream) -> None:
         """The stage's next work waits for what `stream` has queued (the drafter's copies out of this
         step's hidden states), so blocks the stage frees are reused only after those reads."""
-        if self.stream is not None:
-            self.stream.wait_stream(stream)
+        if self.active is not None:
+            self.active.wait_stream(stream)
 
-    def submit(self, out) -> None:
+    def submit(self, out, beside_decode: bool = False) -> None:
+        """Start reading `out`'s chunks. `beside_decode`: some slot is decoding meanwhile, so the step
+        runs in the green context when there is one (STRATA_READ_SMS); otherwise on the whole GPU."""
         if self.current is not None:
             raise RuntimeError("the read stage runs one step at a time")
         self.current = out
-        self.jobs.put(out)
+        stream = self.green_stream if beside_decode and self.green_stream is not None else self.stream
+        if stream is not None and stream is not self.active:
+            stream.wait_stream(self.active)  # the previous step's K/V and freed blocks come first
+            self.active = stream
+        self.jobs.put((out, stream))
 
     def poll(self, block: bool = False) -> ReadResult | None:
         """The finished step's result, or None while it runs (block: wait for it)."""
@@ -229,21 +243,22 @@ class ReadStage:
         self.worker.join(timeout=10)
 
     def _work(self) -> None:
-        stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
-        with stream, k_scratch.use(self.twins), torch.inference_mode():
+        with k_scratch.use(self.twins), torch.inference_mode():
             while True:
-                out = self.jobs.get()
-                if out is None:
+                job = self.jobs.get()
+                if job is None:
                     return
+                out, stream = job
                 res = ReadResult(out)
                 try:
-                    with self.up_ring.installed():
-                        self._read(out, res)
+                    on_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
+                    with on_stream, self.up_ring.installed():
+                        self._read(out, res, stream)
                 except BaseException as e:  # handed to the engine's thread, which raises it
                     res.error = e
                 self.results.put(res)
 
-    def _read(self, out, res: ReadResult) -> None:
+    def _read(self, out, res: ReadResult, stream) -> None:
         self.up_ring.reset()
         step = self.runner.launch(out.chunks)
         if step is not None:
@@ -251,8 +266,8 @@ class ReadStage:
             res.hidden, res.row_starts = self.runner.hidden, self.runner.row_starts
             if self.prefill is not None:
                 res.draft_kv = self.prefill.draft_kv(out.chunks, res.hidden, res.row_starts)
-        if self.stream is not None:
-            self.stream.synchronize()  # its K/V are written before a decode step may read them
+        if stream is not None:
+            stream.synchronize()  # its K/V are written before a decode step may read them
 
 
 class AllocationGrowth(RuntimeError):
