@@ -190,8 +190,9 @@ def test_gpu_bf16_dense_matrix(tiny_model_dirs, kv):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_qwen3_8b_shape_rows_alone_and_in_a_batch():
-    """Random weights at the Qwen3-8B shape, bf16: one request alone and among seven others (read in
-    2048-token chunks beside their decodes) gives the same tokens and logprobs, bitwise."""
+    """Random weights at the Qwen3-8B shape, bf16: a greedy request (A) and a seeded sampled one (S),
+    each alone and among six others (read in 2048-token chunks beside their decodes), give the same
+    tokens and logprobs, bitwise."""
     from strata.bench.random_model import random_model
 
     loaded = random_model("qwen3-8b", "cuda", torch.bfloat16)
@@ -200,15 +201,18 @@ def test_gpu_qwen3_8b_shape_rows_alone_and_in_a_batch():
                for n in (3000, 40, 700, 5, 1200, 90, 2500, 17)]
     cfg = dict(device="cuda", dtype="bfloat16", ctx=4096, kv_size=8 * 4096)
     e = _engine(loaded, parallel=1, **cfg)
-    _add(e, "A", prompts[0], _params(False, 24))
-    want = _results(e.run_to_completion())
+    want = {}
+    for rid, ids, p in (("A", prompts[0], _params(False, 24)), ("S", prompts[2], _params(True, 24))):
+        _add(e, rid, ids, p)
+        want |= _results(e.run_to_completion())
     e.close()
     e = _engine(loaded, parallel=8, chunk_size=2048, **cfg)
     for i, ids in enumerate(prompts):
-        _add(e, "A" if i == 0 else f"o{i}", ids, _params(False, 24 if i == 0 else 40))
+        rid, p = {0: ("A", _params(False, 24)), 2: ("S", _params(True, 24))}.get(i, (f"o{i}", _params(False, 40)))
+        _add(e, rid, ids, p)
     got = _results(e.run_to_completion())
     e.close()
-    _same(got, want, rids=("A",))
+    _same(got, want)
 
 
 @pytest.mark.parametrize("kw, what", [(dict(keep_quantized=True), "quantized weights"),
