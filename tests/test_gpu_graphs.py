@@ -161,3 +161,38 @@ def test_prompt_chunk_graphs_identical_fp32(spec):
     off = _engine(prefix_cache=True, cuda_graph=False, **kw)
     assert not off.runner.prompt_graphs.graphs
     assert run(off) == got
+
+
+def test_short_reads_beside_a_decode_run_alone_in_prompt_graphs_fp32():
+    """A long generation decodes while short requests arrive: each short read gets a step of its own
+    (the scheduler's solo_read_tokens) and replays a prompt graph; every token is the one of graphs off
+    (where the reads mix with the decodes eagerly)."""
+    def run(e: LLMEngine) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+
+        def step():
+            for ev in e.step():
+                out.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+        e.add_request(EngineRequest("long", tuple(e.tokenizer.encode(PROMPTS[0])),
+                                    SamplingParams(max_tokens=48, ignore_eos=True), time.monotonic()))
+        for _ in range(4):
+            step()
+        for j, p in enumerate(PROMPTS[1:]):
+            e.add_request(EngineRequest(f"s{j}", tuple(e.tokenizer.encode(p)),
+                                        SamplingParams(max_tokens=8, ignore_eos=True), time.monotonic()))
+            for _ in range(3):
+                step()
+        for rid, evs in e.run_to_completion().items():
+            out.setdefault(rid, []).extend(t for ev in evs for t in ev.token_ids)
+        return out
+
+    on = _engine()
+    assert on.scheduler.config.solo_read_tokens == 64
+    got = run(on)
+    assert on.runner.prompt_graphs.replays >= len(PROMPTS) - 1
+    print(f"prompt graph replays beside a decode: {on.runner.prompt_graphs.replays}")
+    del on
+    off = _engine(cuda_graph=False)
+    assert off.scheduler.config.solo_read_tokens == 0
+    assert run(off) == got

@@ -51,3 +51,18 @@ def test_graph_for_takes_one_sampling_unconstrained_chunk():
 
 def test_nothing_is_taken_without_captured_graphs():
     assert PromptGraphs(_runner(), 2048).graph_for([_chunk(14)]) is None
+
+
+def test_the_engine_asks_for_solo_reads_only_where_prompt_graphs_are_captured():
+    from strata.config import EngineConfig
+    from strata.engine.engine import LLMEngine
+
+    def solo(device, states=None, **cfg):
+        fake = SimpleNamespace(device=torch.device(device), states=states)
+        return LLMEngine._solo_read_tokens(fake, EngineConfig(**cfg))
+
+    assert solo("cuda", max_num_batched_tokens=2048) == 256
+    assert solo("cuda", max_num_batched_tokens=100) == 64
+    assert solo("cuda", max_num_batched_tokens=2048, cuda_graph=False) == 0
+    assert solo("cuda", states=object(), max_num_batched_tokens=2048) == 0  # hybrid: no prompt graphs
+    assert solo("cpu", max_num_batched_tokens=2048) == 0

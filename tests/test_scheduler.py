@@ -159,6 +159,27 @@ def test_step_mixes_decodes_and_reads_decodes_first():
     assert out.num_batched_tokens == 65
 
 
+def test_a_short_lone_read_gets_a_step_of_its_own_and_decodes_never_wait_twice():
+    """solo_read_tokens: a read whose whole remainder fits runs alone while others decode (the runner
+    replays a prompt-chunk graph for it); the decodes go on the step after, never held two in a row;
+    a longer read, or two reads at once, mix with the decodes as before."""
+    s = make_sched(chunk_size=64, parallel=4, solo_read_tokens=16)
+    log, _ = drive(s, {0: [req("a", 10, max_tokens=30)], 2: [req("b", 12, 3)], 3: [req("c", 14, 3)],
+                       8: [req("d", 40, 3)], 12: [req("e", 5, 2), req("f", 6, 2)]})
+    steps = [set(chunks) for chunks, _ in log]
+    assert steps[2] == {"b"} and log[2][0]["b"] == (0, 12, True)  # a decodes meanwhile: held one step
+    assert steps[3] == {"a", "b", "c"}  # after a solo step everyone goes, the newcomer c too
+    assert steps[8] == {"a", "d"}  # 40 tokens: more than solo_read_tokens, read beside the decodes
+    assert steps[12] >= {"a", "e", "f"}  # two reads at once: mixed as before
+    assert [i for i, st in enumerate(steps) if "a" in st] == [i for i in range(len(steps)) if i != 2][:30]
+
+
+def test_without_solo_reads_a_short_read_joins_the_decodes():
+    s = make_sched(chunk_size=64, parallel=2)
+    log, _ = drive(s, {0: [req("a", 10, max_tokens=10)], 2: [req("b", 12, 3)]})
+    assert set(log[2][0]) == {"a", "b"}
+
+
 def test_a_one_token_prompt_is_a_decode():
     s = make_sched()
     log, done = drive(s, {0: [req("a", 1, max_tokens=2)]})

@@ -38,6 +38,7 @@ from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.loaders import LoadedModel, load_model
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
+from strata.runner.prompt_graphs import prompt_graph_sizes
 from strata.runner.steps import LaunchedStep
 from strata.runner.read_stage import AllocationGuard, ReadStage
 from strata.sched.request import Request
@@ -180,7 +181,8 @@ class LLMEngine:
                             batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps,
                             run_ahead=bool(cfg.async_scheduling), prefix_cache=cfg.prefix_cache,
                             prefix_salt=f"{self.model_name}|{dtype}|{cfg.kv}", prefix_with_mtp=bool(cfg.spec),
-                            read_lane=self.concurrent.enabled, run_ahead_grammar=True),
+                            read_lane=self.concurrent.enabled, run_ahead_grammar=True,
+                            solo_read_tokens=self._solo_read_tokens(cfg)),
             self.allocator,
         )
         self.grammar_compiler = _grammar_compiler(self.tokenizer, mc.vocab_size)
@@ -274,6 +276,13 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.pending_events)
+
+    def _solo_read_tokens(self, cfg: EngineConfig) -> int:
+        """The scheduler's `solo_read_tokens`: the largest prompt-chunk graph the runner will capture (CUDA
+        graphs on, not a hybrid model: those graphs leave hybrids out), else 0."""
+        if self.device.type != "cuda" or not cfg.cuda_graph or self.states is not None:
+            return 0
+        return max(prompt_graph_sizes(1 + cfg.spec, cfg.max_num_batched_tokens), default=0)
 
     def close(self) -> None:
         """Stop the read stage's worker (the concurrent read), if any."""

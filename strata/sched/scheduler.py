@@ -76,6 +76,10 @@ class SchedulerConfig:
     prefix_with_mtp: bool = False  # keys take the next token; blocks are registered by cache_blocks() only
     read_lane: bool = False  # reads scheduled apart from decodes: schedule("read") / schedule("decode")
     run_ahead_grammar: bool = False  # constrained requests run ahead too (the runner samples them in two stages)
+    # A lone read whose whole remainder fits this many tokens (a prefix hit's tail, a short prompt) gets a
+    # step of its own while others decode, the decodes waiting that one step: the runner replays a
+    # prompt-chunk graph for it instead of running decodes and read eagerly together (0: never).
+    solo_read_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "parallel", "max_num_batched_tokens", "chunk_size", "block_size"):
@@ -118,6 +122,7 @@ class Scheduler:
         self._lane_of: dict[str, str] = {}  # request id -> the lane its in-flight chunk is on
         self._next_group = 0  # batch groups: whose turn to decode is next
         self._held: dict[str, int] = {}  # long reads: steps held back in a row (starvation guard)
+        self._solo_last = False  # the previous step was a solo read: this one decodes whatever comes
         self._in_flight: dict[str, ScheduledChunk] = {}  # scheduled, not yet updated: the latest chunk
         self._preempt_next: set[str] = set()  # victims that were in flight when their blocks were needed
         self.give_ways_total = 0
@@ -226,11 +231,9 @@ class Scheduler:
         # Where each schedulable request's next chunk starts (after its in-flight chunk, if any).
         nexts = {r.request_id: n for r in self._running if (n := self._next_start(r)) is not None}
 
-        for req in self._decode_group(nexts) if lane != "read" else ():
-            if step.tokens >= cfg.max_num_batched_tokens:
-                break
-            if req.status is RequestStatus.RUNNING:
-                self._schedule_decode(req, step, *nexts[req.request_id])
+        solo = self._solo_read(lane, nexts)
+        if not solo:
+            self._schedule_decodes(lane, step, nexts)
 
         readers = sorted((r for r in self._running if r.request_id in nexts and self._uncomputed(r, nexts) > 1),
                          key=self._arrival_of) if lane != "decode" else []
@@ -263,6 +266,11 @@ class Scheduler:
             self._held.pop(req.request_id, None)
             self._schedule_read(req, step, nexts[req.request_id][0])
 
+        if solo and not step.chunks:  # the read got no room after all: the decodes go on
+            solo = False
+            self._schedule_decodes(lane, step, nexts)
+        if lane == "all":
+            self._solo_last = solo
         # A read in flight from the previous step still counts as having read last.
         self._last_step[lane] = set(step.chunks) | {r for r, ln in self._lane_of.items() if ln == lane}
         self._in_flight.update(step.chunks)
@@ -442,6 +450,26 @@ class Scheduler:
         g = next(x % g_count for x in range(self._next_group, self._next_group + g_count) if x % g_count in groups)
         self._next_group = (g + 1) % g_count
         return [r for r in ready if r.slot % g_count == g]
+
+    def _schedule_decodes(self, lane: str, step: StepBuilder, nexts: dict[str, tuple[int, int]]) -> None:
+        for req in self._decode_group(nexts) if lane != "read" else ():
+            if step.tokens >= self.config.max_num_batched_tokens:
+                break
+            if req.status is RequestStatus.RUNNING:
+                self._schedule_decode(req, step, *nexts[req.request_id])
+
+    def _solo_read(self, lane: str, nexts: dict[str, tuple[int, int]]) -> bool:
+        """Whether this step is one request's whole remaining read, alone (`solo_read_tokens`): the only
+        read, short enough, with requests decoding beside it, and the previous step not solo already
+        (decodes never wait two steps in a row)."""
+        cfg = self.config
+        if lane != "all" or not cfg.solo_read_tokens or self._solo_last:
+            return False
+        left = {r.request_id: self._uncomputed(r, nexts) for r in self._running if r.request_id in nexts}
+        readers = [rid for rid, n in left.items() if n > 1]
+        if len(readers) != 1 or len(left) == 1:
+            return False
+        return left[readers[0]] <= min(cfg.solo_read_tokens, cfg.chunk_size, cfg.max_num_batched_tokens)
 
     def _schedule_decode(self, req: Request, step: StepBuilder, start: int, pending: int) -> None:
         """One token, plus the request's drafts when budget, context and max_tokens leave room."""
