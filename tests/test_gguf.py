@@ -327,6 +327,33 @@ def test_quantized_weights_kept_quantized(tmp_path):
         assert err < 1e-4, (t, err)
 
 
+def test_mixed_format_qkv_stays_quantized(tmp_path):
+    """A Q4_K_M-style file keeps attn_v in another format than attn_q and attn_k: with `keep_quantized`
+    q|k|v become a `QWeightStack` of their own blocks (no float weights), and the logits match the
+    dequantized model's."""
+    from strata.kernels.quant import QWeightStack
+
+    src = str(tmp_path / "hf")
+    save_tiny_model("qwen3", src, hidden_size=256, intermediate_size=256)
+    c = _hf_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    qtypes = {"token_embd.weight": QT.F16}
+    for i in range(c["num_hidden_layers"]):
+        qtypes |= {f"blk.{i}.attn_q.weight": QT.Q8_0, f"blk.{i}.attn_k.weight": QT.Q8_0,
+                   f"blk.{i}.attn_v.weight": QT.Q4_K}
+    path = write_gguf(tmp_path / "m.gguf", c, tensors, qtypes=qtypes)
+    floats = load_model(path)
+    kept = load_model(path, keep_quantized=True)
+    attn = kept.model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_q, QWeightStack) and attn.qkv_q.ggml_type == "Q8_0+Q8_0+Q4_K"
+    assert attn.qkv_weight is None and attn.v_proj.weight.is_meta
+    assert torch.equal(attn.qkv_q.dequantize(), floats.model.model.layers[0].self_attn.qkv_weight.float())
+    for t in (24, 5):
+        ids = torch.randint(0, c["vocab_size"], (1, t))
+        err = rel_err(_logits(kept, ids), _logits(floats, ids))
+        assert err < 1e-4, (t, err)
+
+
 def test_quantized_gguf_serves_kept_quantized(tmp_path, monkeypatch):
     """`strata serve model.gguf --keep-quantized`: a Q4_K / Q8_0 file answers a completion through the
     OpenAI API with the same greedy text as the same file expanded to floats. (CPU: the QWeights use

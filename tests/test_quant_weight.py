@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
-from strata.kernels.quant import FORMATS, QWeight, format_module, random_blocks
+from strata.kernels.quant import FORMATS, QWeight, QWeightStack, format_module, qweights_of, random_blocks
 from strata.models.layers import take_quantized
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -64,16 +64,34 @@ def test_take_quantized_stacks_rows_of_blocks():
     assert take_quantized([_linear(None, 8, 256, 0)], torch.float32) is None
 
 
-def test_take_quantized_mixed_stack_falls_back_to_floats():
-    """A stack mixing formats (or with a float member) packs as floats: the quantized members are
-    expanded to the model dtype, exactly."""
-    q, k8, v = _linear("Q4_K", 32, 256, 1), _linear("Q8_0", 16, 256, 2), _linear("Q8_0", 16, 256, 3)
-    raws = {id(m): m.quant_raw for m in (q, k8, v)}
-    assert take_quantized([q, k8, v], torch.float32) is None
-    for m in (q, k8, v):
-        fmt, raw = raws[id(m)]
-        assert not m.weight.is_meta and m.weight.dtype == torch.float32
-        assert np.array_equal(m.weight.detach().numpy(), gguf_dequantize(raw.numpy(), QT[fmt]))
+def test_take_quantized_mixed_formats_stack_and_a_float_member_falls_back():
+    """Members kept in different formats (a Q4_K_M file's Q6_K attn_v beside Q4_K q and k) stay
+    quantized as a `QWeightStack`: each part's columns side by side. A stack with a float member packs
+    as floats: the quantized members are expanded to the model dtype, exactly."""
+    q, k, v = _linear("Q4_K", 32, 256, 1), _linear("Q4_K", 16, 256, 2), _linear("Q6_K", 16, 256, 3)
+    raws = [m.quant_raw for m in (q, k, v)]
+    w = take_quantized([q, k, v], torch.float32)
+    assert isinstance(w, QWeightStack) and (w.n, w.k, w.ggml_type) == (64, 256, "Q4_K+Q4_K+Q6_K")
+    want_w = np.concatenate([gguf_dequantize(r.numpy(), QT[fmt]) for fmt, r in raws])
+    assert np.array_equal(w.dequantize().numpy(), want_w)
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(w.matmul(x), x @ torch.from_numpy(want_w).t(), rtol=1e-4, atol=1e-4)
+    out = torch.full((5, 64), 7.0)
+    assert w.matmul(x, out) is out and torch.equal(out, w.matmul(x))
+    assert {id(p) for p in qweights_of(_holding(w))} == {id(p) for p in w.parts}
+
+    a, b = _linear("Q8_0", 16, 256, 4), _linear(None, 16, 256, 5)
+    fmt, raw = a.quant_raw
+    assert take_quantized([a, b], torch.float32) is None
+    assert not a.weight.is_meta and a.weight.dtype == torch.float32
+    assert np.array_equal(a.weight.detach().numpy(), gguf_dequantize(raw.numpy(), QT[fmt]))
+
+
+def _holding(value) -> nn.Module:
+    """A module holding `value` as an attribute, as Attention holds `qkv_q`."""
+    m = nn.Module()
+    m.qkv_q = value
+    return m
 
 
 def test_q8_0_reads_in_the_stream_k_range_use_the_context(monkeypatch):

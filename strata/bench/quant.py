@@ -23,7 +23,7 @@ from strata.bench.random_model import SHAPES, random_model, shape_config, timed
 from strata.bench.results import print_tables, save, summary_table
 from strata.bench.throughput import _decode_once, _free, _prompts, build_engine, engine_config
 from strata.engine.types import EngineRequest
-from strata.kernels.quant import FORMATS, QWeight, quantize_fp8
+from strata.kernels.quant import FORMATS, QWeight, QWeightStack, quantize_fp8
 from strata.kernels.quant.moe_q import QExpertStack
 from strata.params import SamplingParams
 
@@ -42,7 +42,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     for m in model.modules():
         for attr in QUANT_ATTRS:
             q = getattr(m, attr, None)
-            if isinstance(q, QWeight):
+            if isinstance(q, (QWeight, QWeightStack)):
                 total += q.nbytes
         for t in getattr(m, "fp8", None) or ():  # MoE experts in e4m3 (`quantize_fp8`)
             total += t.numel() * t.element_size()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.bench.results import print_tables, save, summary_table
-from strata.kernels.quant import WRITTEN, QWeight, format_module, quantize_fp8
+from strata.kernels.quant import WRITTEN, QWeight, format_module, qweights_of, quantize_fp8
 from strata.loaders import default_model_path, load_model
 from strata.models.attention import CausalBatch
 from strata.models.moe import Router
@@ -64,7 +64,7 @@ def fp8_linears(model: nn.Module) -> tuple[int, int]:
     total = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     total += sum(m.weight.numel() for m in model.modules() if isinstance(m, Router))
     quantize_fp8(model)
-    done = sum(q.n * q.k for m in model.modules() for q in vars(m).values() if isinstance(q, QWeight))
+    done = sum(q.n * q.k for q in qweights_of(model))
     done += sum(m.fp8[0].numel() + m.fp8[2].numel() for m in model.modules() if getattr(m, "fp8", None))
     return done, total - done
 

@@ -48,17 +48,17 @@ def use(twins: dict[int, object]) -> Iterator[None]:
 
 def model_scratch(model: torch.nn.Module) -> list[object]:
     """Every shared scratch object of a model (tensors and stream-K contexts), each once."""
-    from strata.kernels.quant import QWeight
+    from strata.kernels.quant import qweights_of
 
     found: dict[int, object] = {}
     for m in model.modules():
         for name, value in list(vars(m).items()) + list(m._buffers.items()):
             if name in ("gemv_ws", "sort_ws", "route_ws") and isinstance(value, torch.Tensor):
                 found[id(value)] = value
-            elif isinstance(value, QWeight):
-                for x in (value.workspace, value.context, value.dequant_buf):
-                    if x is not None:
-                        found[id(x)] = x
+    for q in qweights_of(model):
+        for x in (q.workspace, q.context, q.dequant_buf):
+            if x is not None:
+                found[id(x)] = x
     return list(found.values())
 
 

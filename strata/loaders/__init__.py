@@ -118,10 +118,10 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
 
 
 def _log_quantized(model: CausalLM) -> None:
-    from strata.kernels.quant import QWeight
+    from strata.kernels.quant import qweights_of
     from strata.kernels.quant.moe_q import QExpertStack
 
-    kept = [q for m in model.modules() for q in vars(m).values() if isinstance(q, QWeight)]
+    kept = qweights_of(model)
     stacks = [s for m in model.modules() for s in getattr(m, "quant", None) or () if isinstance(s, QExpertStack)]
     if kept:
         types = ", ".join(sorted({q.ggml_type for q in kept}))

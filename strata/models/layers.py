@@ -26,7 +26,7 @@ from strata.kernels import matmul as k_matmul
 from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import use_triton
-from strata.kernels.quant import QWeight
+from strata.kernels.quant import QWeight, QWeightStack
 from strata.kernels.scratch import scratch
 from strata.models.attention import AttentionBackend
 
@@ -38,11 +38,11 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor
     the weight's shape, so a row's result is the same for any batch of up to 16 rows. A `QWeight` (a
     weight kept quantized) goes through its format's kernels. `invariant` (`--batch-invariant`, float
     weights): a row's result is the same for any number of rows (`strata.kernels.invariant`)."""
-    if invariant and not isinstance(weight, QWeight):
+    if invariant and not isinstance(weight, (QWeight, QWeightStack)):
         if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype:
             return k_matmul.matmul_invariant(x, weight, bias)
         return k_invariant.linear(x, weight, bias)
-    if isinstance(weight, QWeight):
+    if isinstance(weight, (QWeight, QWeightStack)):
         y = weight.matmul(x)
         return y if bias is None else y + bias
     workspace = scratch(workspace)
@@ -228,14 +228,16 @@ class Attention(nn.Module):
 def take_quantized(modules: list[nn.Module], dtype: torch.dtype | None) -> QWeight | None:
     """The loader parks a weight it kept quantized on its `nn.Linear` as `quant_raw` (GGUF type, raw
     blocks on the device). For projections applied as one stack: their `QWeight`, rows of blocks
-    concatenated in order, or None when none was kept quantized. A stack whose members differ (a file
-    mixing formats, or one the kernels do not cover) gets float weights instead (`dtype`), so it
-    packs as usual."""
+    concatenated in order, or None when none was kept quantized. Members kept in different formats (a
+    Q4_K_M file's Q6_K attn_v beside Q4_K q and k) make a `QWeightStack`; a stack with some members
+    not kept quantized gets float weights instead (`dtype`), so it packs as usual."""
     raws = [m.__dict__.pop("quant_raw", None) for m in modules]
     if all(r is None for r in raws):
         return None
     k = modules[0].in_features
-    if any(r is None for r in raws) or len({r[0] for r in raws}) > 1:
+    if all(r is not None for r in raws) and len({r[0] for r in raws}) > 1:
+        return QWeightStack(tuple(QWeight.from_raw(r[0], r[1], r[1].shape[0], k) for r in raws))
+    if any(r is None for r in raws):
         for m, r in zip(modules, raws):
             if r is not None:
                 w = QWeight.from_raw(r[0], r[1], r[1].shape[0], k).dequantize()

@@ -16,7 +16,7 @@ from strata.models.attention import AttentionBackend
 from strata.kernels import triton_available
 from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
 from strata.kernels.splitk import shared_split_k_numel
-from strata.kernels.quant import QWeight
+from strata.kernels.quant import QWeight, qweights_of
 from strata.models.decoder import DecoderLayer
 from strata.models.layers import RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
@@ -112,8 +112,7 @@ class CausalLM(nn.Module):
         dequantized reads (`QWeight.dequant_buf`); a read's layers run one after another on one stream."""
         from strata.kernels.quant import DEQUANT_READ_FORMATS
 
-        weights = [q for m in self.modules() for q in vars(m).values()
-                   if isinstance(q, QWeight) and q.ggml_type in DEQUANT_READ_FORMATS]
+        weights = [q for q in qweights_of(self) if q.ggml_type in DEQUANT_READ_FORMATS]
         if not weights or dtype not in (torch.bfloat16, torch.float16):
             return
         buf = torch.empty(max(q.n * q.k for q in weights), dtype=dtype, device=weights[0].device)
@@ -125,7 +124,7 @@ class CausalLM(nn.Module):
         no read allocates (`QMatmulContext.reserve_fixup`)."""
         from strata.kernels.quant.streamk import QMatmulContext
 
-        weights = [q for m in self.modules() for q in vars(m).values() if isinstance(q, QWeight) and q.ggml_type == "Q8_0"]
+        weights = [q for q in qweights_of(self) if q.ggml_type == "Q8_0"]
         if not weights:
             return
         device = weights[0].device

@@ -108,6 +108,58 @@ class QWeight:
         return self.module.matmul(x, self.planes, self.n, self.k, out)
 
 
+@dataclass
+class QWeightStack:
+    """Projections applied as one stack whose kept-quantized weights differ in format: a Q4_K_M file
+    keeps attn_v in Q6_K in some layers beside Q4_K q and k. Each part runs its own kernels into its
+    columns of one [M, sum N] output (the kernels take an output row stride), so the stack stays
+    quantized instead of being expanded to floats."""
+
+    parts: tuple[QWeight, ...]
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def ggml_type(self) -> str:
+        return "+".join(p.ggml_type for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = out if out is not None else x.new_empty(x.shape[0], self.n)
+        c = 0
+        for p in self.parts:
+            p.matmul(x, y[:, c : c + p.n])
+            c += p.n
+        return y
+
+
+def qweights_of(model: torch.nn.Module) -> list[QWeight]:
+    """Every `QWeight` held by a model's modules (the parts of a `QWeightStack` included), each once."""
+    found: dict[int, QWeight] = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            for q in value.parts if isinstance(value, QWeightStack) else (value,):
+                if isinstance(q, QWeight):
+                    found[id(q)] = q
+    return list(found.values())
+
+
 # Byte offsets of each block's fp16 scale fields (d; Q4_K also dmin), which `random_blocks` must keep
 # finite; every other byte of a block is valid whatever its value.
 _SCALE_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "IQ3_S": (0,), "Q6_K": (208,)}
