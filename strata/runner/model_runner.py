@@ -46,7 +46,7 @@ from strata.runner.attention_backends import make_attention
 from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
 from strata.runner.sampling import Sampler, apply_repetition_penalty, filtered_probs
-from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, graph_buckets
+from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, capture_bucket, graph_buckets
 from strata.spec.verify import verify_greedy, verify_sampled
 from strata.transfer import to_device
 
@@ -292,15 +292,7 @@ class ModelRunner:
                 self.attn.states.set_spans([(i, 1, self.max_seqs, False, False) for i in range(rows)])
             self._upload(rows, b)
             self.attn.set_layout(self.d_slots[:rows], self.d_tables[:b], b, q, self.max_model_len)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile kernels and create library handles outside the capture
-                    self._graph_body(rows)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                hidden, logits, best, best_lp, lse = self._graph_body(rows)
-            g = self.graphs[b] = BucketGraphs(graph, b, rows, hidden, logits, best, best_lp, lse)
+            g = self.graphs[b] = capture_bucket(self._graph_body, rows, b, pool, stream, self.device)
             if self.grammar is not None:
                 g.forward, g.head = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g.forward, pool=pool, stream=stream):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.runner.steps import BucketGraphs, LaunchedStep
+from strata.runner.steps import BucketGraphs, LaunchedStep, capture_bucket
 
 PROMPT_GRAPH_ROWS = (16, 64, 256)
 
@@ -65,15 +65,7 @@ class PromptGraphs:
             self.d_last.fill_(rows - 1)
             r._upload(rows, 1)
             r.attn.set_layout(r.d_slots[:rows], r.d_tables[:1], 1, rows, r.max_model_len)
-            stream.wait_stream(torch.cuda.current_stream(r.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile kernels and create library handles outside the capture
-                    self._body(rows)
-            torch.cuda.current_stream(r.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                hidden, logits, best, best_lp, lse = self._body(rows)
-            self.graphs[rows] = BucketGraphs(graph, 1, rows, hidden, logits, best, best_lp, lse)
+            self.graphs[rows] = capture_bucket(self._body, rows, 1, pool, stream, r.device)
         return len(self.graphs)
 
     def graph_for(self, chunks) -> BucketGraphs | None:

@@ -61,3 +61,19 @@ class BucketGraphs:
     forward_hidden: torch.Tensor | None = None
     head: torch.cuda.CUDAGraph | None = None
     head_outputs: tuple[torch.Tensor, ...] = ()  # logits, best, best_lp, lse
+
+
+def capture_bucket(body, rows: int, seqs: int, pool, stream: torch.cuda.Stream, device) -> BucketGraphs:
+    """`body(rows)` → (hidden, logits, best, best_lp, lse), run twice on `stream` (kernels compile and
+    library handles are made outside the capture), then captured on `pool`; the inputs are already
+    in the runner's static buffers."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body(rows)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        outputs = body(rows)
+    return BucketGraphs(graph, seqs, rows, *outputs)
+
