@@ -82,11 +82,11 @@ step() {  # name, seconds, command...
       # Reads through dequantize-into-buffer + cuBLAS: the kernels' GB/s and the row threshold, then the
       # engine with the switch off (the fused GEMMs) beside `quant` (on).
       dequant-bench) TAIL=80 step dequant-bench 300 python3 -m strata.kernels.quant.dequant ;;
-      quant-nodq) STRATA_QUANT_DEQUANT_ROWS=0 step quant-nodq 400 $B quant --shape qwen3-8b --formats bf16,Q8_0,Q4_K,IQ3_S,Q6_K \
+      quant-nodq) STRATA_QUANT_DEQUANT_ROWS=0 step quant-nodq 400 $B quant --shape qwen3-8b --formats bf16,Q8_0,Q4_K,Q4_K_M,IQ3_S,Q6_K \
           --out $R/quant_nodq_qwen3-8b_cuda.json ;;
       quant-moe) step quant-moe 400 $B quant --shape qwen3-30b-a3b --formats bf16,Q8_0,IQ3_S,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
       quant-fp8) step quant-fp8 200 $B quant --shape qwen3-8b --formats bf16,FP8 --out $R/quant_qwen3-8b_fp8_cuda.json ;;
-      quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,IQ3_S,Q6_K,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
+      quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,Q4_K_M,IQ3_S,Q6_K,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;

@@ -24,6 +24,7 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.bench.throughput import _decode_once, _free, _prompts, build_engine, engine_config
 from strata.engine.types import EngineRequest
 from strata.kernels.quant import FORMATS, QWeight, QWeightStack, quantize_fp8
+from strata.kernels.quant.mixes import MIXES
 from strata.kernels.quant.moe_q import QExpertStack
 from strata.params import SamplingParams
 
@@ -126,16 +127,17 @@ def add_parser(sub) -> None:
 
 def _formats(s: str) -> list[str]:
     out = [f.strip() for f in s.split(",") if f.strip()]
-    bad = [f for f in out if f not in ("bf16", "FP8") and f not in FORMATS]
+    bad = [f for f in out if f not in ("bf16", "FP8") and f not in FORMATS and f not in MIXES]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown format(s) {bad}; choose from bf16, {', '.join(FORMATS)}, FP8")
+        raise argparse.ArgumentTypeError(f"unknown format(s) {bad}; choose from bf16, {', '.join(FORMATS)}, "
+                                         f"{', '.join(MIXES)}, FP8")
     return out
 
 
 def _add_args(p) -> None:
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--formats", type=_formats, default=["bf16", *FORMATS, "FP8"],
-                   help="comma-separated: bf16,Q8_0,Q4_K,IQ3_S,Q6_K,FP8")
+                   help="comma-separated: bf16,Q8_0,Q4_K,IQ3_S,Q6_K,FP8, or the mix Q4_K_M")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--prompt", type=int, default=512)

@@ -19,6 +19,7 @@ from torch import nn
 from strata import loaders
 from strata.config import ModelConfig
 from strata.kernels.quant import format_module
+from strata.kernels.quant.mixes import tensor_type
 from strata.loaders import LoadedModel
 from strata.models.layers import rope_inv_freq
 from strata.models.registry import build_model
@@ -104,7 +105,7 @@ def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, see
                  tokenizer: Tokenizer | None = None, quant: str | None = None) -> LoadedModel:
     """Strata's model for `shape` with random weights on `device` in `dtype`, ready for
     `LLMEngine(cfg, loaded=...)`: packed and in eval mode, as `load_model` leaves it. `quant` (a GGUF
-    type of `strata.kernels.quant`): the linear weights a GGUF load would keep quantized (MoE experts
+    type of `strata.kernels.quant`, or a mix of them such as "Q4_K_M": `strata.kernels.quant.mixes`): the linear weights a GGUF load would keep quantized (MoE experts
     included) are random blocks of that format instead, as `load_model(keep_quantized=True)` leaves
     them; weights whose rows are not whole blocks of the format stay float."""
     device = torch.device(device)
@@ -119,11 +120,12 @@ def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, see
     for name, p in list(model.named_parameters()):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if name in quantized and p.shape[1] % format_module(quant).BLOCK_VALUES == 0:
+        fmt = tensor_type(quant, name, cfg.num_hidden_layers) if quant else None
+        if name in quantized and p.shape[1] % format_module(fmt).BLOCK_VALUES == 0:
             from strata.kernels.quant import random_blocks
 
             module = model.get_submodule(name.rpartition(".")[0])
-            module.quant_raw = (quant, random_blocks(quant, p.shape[0], p.shape[1], gen, device))
+            module.quant_raw = (fmt, random_blocks(fmt, p.shape[0], p.shape[1], gen, device))
             continue
         value = _fill(torch.empty(p.shape, device=device, dtype=dtype), name, gen)
         module_name, _, attr = name.rpartition(".")
