@@ -45,8 +45,9 @@ class _Env:
                                   "let STRATA_SPLIT_MTP_BATCH run beside STRATA_PIPED_CONCURRENT: the read stage writes "
                                   "the draft K/V itself, its stream-K pool grown before each read")
     READ_SMS = Switch("STRATA_READ_SMS", int, 0,
-                      "the concurrent read's SMs on CUDA: its stream runs in a green context of this many SMs, so "
-                      "decode steps keep the rest (0: every SM, shared by stream priority)")
+                      "the concurrent read's SMs on CUDA while slots decode: those read steps run in a green context "
+                      "of this many SMs, so decode steps keep the rest; a read with nothing decoding keeps every SM "
+                      "(0: every SM always, shared by stream priority)")
     ALLOC_GUARD = Switch("STRATA_ALLOC_GUARD", _bool, False,
                          "test mode of the concurrent read: fail when the read stage's upload ring or stream-K pool, "
                          "the KV pool or the CUDA caching allocator grows during a read step")
