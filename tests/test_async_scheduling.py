@@ -173,3 +173,53 @@ def test_async_scheduling_is_the_cuda_default_and_refuses_drafts():
     assert EngineConfig(device="cuda", spec=2).resolved().async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(spec=2, async_scheduling=True)
+
+
+def test_solo_reads_with_run_ahead_give_the_same_outputs():
+    """solo_read_tokens with run-ahead: short reads arriving beside a long decode get steps of their
+    own (the decodes wait one step), and every output is the plain scheduler's."""
+    def make():
+        return [req("a", 10, 40, ignore_eos=True), req("b", 12, 6, ignore_eos=True),
+                req("c", 9, 5, ignore_eos=True), req("d", 14, 7, ignore_eos=True)]
+
+    arrivals = lambda rs: {0: rs[:1], 3: rs[1:2], 6: rs[2:3], 7: rs[3:]}  # noqa: E731
+    plain = make()
+    drive(make_sched(parallel=4, chunk_size=64), arrivals(plain))
+    solo = make()
+    s = make_sched(run_ahead=True, parallel=4, chunk_size=64, solo_read_tokens=16)
+    drive_ahead(s, arrivals(solo))
+    assert outputs(solo) == outputs(plain)
+    assert s.solo_reads_total >= 2 and s.allocator.num_used == 0
+
+
+def test_engine_solo_reads_give_the_tokens_of_mixed_steps():
+    """The engine with solo reads forced on (the CPU has no prompt graphs, so it never asks for them):
+    short requests arriving beside a decoding one, pipelined; the tokens of mixed steps."""
+    import dataclasses
+
+    def run(solo: bool):
+        e = LLMEngine(EngineConfig(device="cpu", ctx=1024, parallel=3, chunk_size=16, max_num_batched_tokens=40),
+                      progress=False)
+        assert e.scheduler.config.solo_read_tokens == 0
+        if solo:
+            e.scheduler.config = dataclasses.replace(e.scheduler.config, solo_read_tokens=16)
+        got: dict[str, list[int]] = {}
+
+        def add(rid, text, n):
+            e.add_request(EngineRequest(rid, tuple(e.tokenizer.encode(text)),
+                                        SamplingParams(max_tokens=n, ignore_eos=True), time.monotonic()))
+
+        add("long", PROMPTS[0], 30)
+        for i, p in enumerate(PROMPTS[1:]):
+            for _ in range(3):
+                for ev in e.step():
+                    got.setdefault(ev.request_id, []).extend(ev.token_ids)
+            add(f"s{i}", p[:40], 6)
+        for rid, evs in e.run_to_completion().items():
+            got.setdefault(rid, []).extend(t for ev in evs for t in ev.token_ids)
+        return got, e.scheduler.solo_reads_total
+
+    mixed, none = run(False)
+    got, solos = run(True)
+    assert none == 0 and solos >= 1
+    assert got == mixed

@@ -126,6 +126,7 @@ class Scheduler:
         self._in_flight: dict[str, ScheduledChunk] = {}  # scheduled, not yet updated: the latest chunk
         self._preempt_next: set[str] = set()  # victims that were in flight when their blocks were needed
         self.give_ways_total = 0
+        self.solo_reads_total = 0  # steps given to one short read alone while others waited to decode
         self.preemptions_total = 0
         self.prefix_queries_total = self.prefix_hits_total = self.prefix_cached_tokens_total = 0
         self._salt = config.prefix_salt.encode()
@@ -271,6 +272,7 @@ class Scheduler:
             self._schedule_decodes(lane, step, nexts)
         if lane == "all":
             self._solo_last = solo
+            self.solo_reads_total += solo
         # A read in flight from the previous step still counts as having read last.
         self._last_step[lane] = set(step.chunks) | {r for r, ln in self._lane_of.items() if ln == lane}
         self._in_flight.update(step.chunks)
