@@ -11,7 +11,7 @@ from strata.bench.random_model import random_model
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
-from strata.kernels.quant import QWeight, QWeightStack
+from strata.kernels.quant import QWeight, QWeightStack, qweights_of
 from strata.kernels.quant.mixes import more_bits, tensor_type
 from strata.params import SamplingParams
 
@@ -39,3 +39,15 @@ def test_a_q4_k_m_random_model_keeps_its_mixed_stacks_quantized_and_decodes():
     e.add_request(EngineRequest("a", tuple(range(1, 9)), SamplingParams(max_tokens=3, ignore_eos=True), time.monotonic()))
     tokens = [t for ev in e.run_to_completion()["a"] for t in ev.token_ids]
     assert len(tokens) == 3 and all(0 <= t < loaded.config.vocab_size for t in tokens)
+
+
+def test_the_dequant_buffer_fits_the_largest_projection_not_the_lm_head():
+    """`CausalLM._share_dequant_buffer` (CUDA's pack calls it): one buffer, the size of the largest
+    weight a read multiplies, shared by every projection; the LM head (sampling rows only) gets none."""
+    model = random_model("tiny-256", "cpu", torch.float32, quant="Q8_0").model
+    model._share_dequant_buffer(torch.bfloat16)
+    projections = [q for q in qweights_of(model) if q is not model.lm_head_q]
+    buf = projections[0].dequant_buf
+    assert buf is not None and buf.dtype == torch.bfloat16
+    assert all(q.dequant_buf is buf for q in projections) and model.lm_head_q.dequant_buf is None
+    assert buf.numel() == max(q.n * q.k for q in projections)

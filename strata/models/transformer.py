@@ -112,7 +112,9 @@ class CausalLM(nn.Module):
         dequantized reads (`QWeight.dequant_buf`); a read's layers run one after another on one stream."""
         from strata.kernels.quant import DEQUANT_READ_FORMATS
 
-        weights = [q for q in qweights_of(self) if q.ggml_type in DEQUANT_READ_FORMATS]
+        # Not the LM head: it sees sampling rows only, never a read's, and would make the buffer six
+        # times larger (152K x 4096 at the 8B shape).
+        weights = [q for q in qweights_of(self) if q.ggml_type in DEQUANT_READ_FORMATS and q is not self.lm_head_q]
         if not weights or dtype not in (torch.bfloat16, torch.float16):
             return
         buf = torch.empty(max(q.n * q.k for q in weights), dtype=dtype, device=weights[0].device)

@@ -54,6 +54,8 @@ class PromptGraphs:
     def capture(self, pool, stream: torch.cuda.Stream) -> int:
         """Capture one graph per size on the decode graphs' pool and side stream; returns how many."""
         r = self.runner
+        if r.attn.states is not None:
+            return 0  # hybrid models: `graph_for` never takes these graphs (module docstring)
         for rows in self.sizes:
             # One sequence reading `rows` tokens at the start of the padding block (slot 0), as the
             # decode graphs' capture layout: nothing that matters is written.
