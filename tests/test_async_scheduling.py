@@ -217,6 +217,7 @@ def test_engine_solo_reads_give_the_tokens_of_mixed_steps():
             add(f"s{i}", p[:40], 6)
         for rid, evs in e.run_to_completion().items():
             got.setdefault(rid, []).extend(t for ev in evs for t in ev.token_ids)
+        assert e.stats().solo_reads_total == e.scheduler.solo_reads_total
         return got, e.scheduler.solo_reads_total
 
     mixed, none = run(False)

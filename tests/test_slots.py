@@ -236,5 +236,6 @@ def test_metrics_parse_with_prometheus_client(http):
                                                  "2.5", "5.0", "10.0", "30.0", "60.0", "+Inf"]
     assert buckets[-1].value == samples["strata_time_to_first_token_seconds_count"].value >= 1
     assert samples["strata_generation_tokens_total"].value >= 3
+    assert samples["strata_solo_reads_total"].value == 0  # the CPU captures no prompt graphs: never solo
     slots_seen = [s for s in families["strata_http_requests"].samples if s.labels["path"] == "/slots"]
     assert slots_seen and all(s.labels["method"] == "GET" for s in slots_seen)

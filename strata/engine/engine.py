@@ -466,6 +466,7 @@ class LLMEngine:
             prefix_cache_queries_total=s.prefix_queries_total, prefix_cache_hits_total=s.prefix_hits_total,
             prefix_cache_cached_tokens_total=s.prefix_cached_tokens_total,
             read_stage_steps_total=self.read_stage.reads_total if self.read_stage else 0,
+            solo_reads_total=s.solo_reads_total,
         )
 
     def slot_snapshots(self, now: float) -> tuple[SlotSnapshot, ...]:

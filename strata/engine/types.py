@@ -126,3 +126,4 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     prefix_cache_cached_tokens_total: int = 0
     read_stage_steps_total: int = 0  # read steps run on the concurrent read's stage (STRATA_PIPED_CONCURRENT)
+    solo_reads_total: int = 0  # short reads given a step of their own beside decoding slots (prompt graphs)

@@ -64,6 +64,8 @@ class EngineCollector(Collector):
         yield _counter("strata_preemptions_total", "Requests preempted for KV cache space.", s.preemptions_total)
         yield _counter("strata_read_stage_steps_total", "Prompt read steps run beside decoding on the read stage.",
                        s.read_stage_steps_total)
+        yield _counter("strata_solo_reads_total", "Short prompt reads given a step of their own (a CUDA graph) "
+                       "while other slots waited to decode.", s.solo_reads_total)
         yield _counter("strata_prefix_cache_queries_total", "Requests that looked up the prefix cache.",
                        s.prefix_cache_queries_total)
         yield _counter("strata_prefix_cache_hits_total", "Requests that reused at least one cached KV block.",
