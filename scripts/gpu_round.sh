@@ -88,6 +88,8 @@ step() {  # name, seconds, command...
       quant-fp8) step quant-fp8 200 $B quant --shape qwen3-8b --formats bf16,FP8 --out $R/quant_qwen3-8b_fp8_cuda.json ;;
       quant) step quant 400 $B quant --shape qwen3-8b --formats ${QUANT_FORMATS:-bf16,Q8_0,Q4_K,Q4_K_M,IQ3_S,Q6_K,FP8} --out $R/quant_qwen3-8b_cuda.json ;;
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
+      # A second slot decoding throughout: solo reads (prompt-chunk graph steps) against shared eager steps.
+      prefix8b-busy) step prefix8b-busy 300 $B prefix --shape qwen3-8b --busy --out $R/prefix_busy_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;
       decode-nopdl) STRATA_PDL=0 step decode-nopdl 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_nopdl.json ;;

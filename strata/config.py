@@ -237,6 +237,9 @@ class EngineConfig:
     batch_groups: int = 1  # slots split into G decode groups stepped in turn (slot % G)
     overlap: bool = True  # with G > 1: launch a group's step before finishing the previous group's
     cuda_graph: bool = True  # replay CUDA graphs for decode and verification steps (CUDA only)
+    # A short read beside decoding slots gets a step of its own, one prompt-chunk graph replay, instead of
+    # an eager step shared with the decodes (CUDA with graphs; they wait that one step).
+    solo_reads: bool = True
     # A request's logits do not depend on what else the engine runs (batch, chunking, prefix-cache hits,
     # speculation): every row is computed alone (issue 15). The CPU, and dense models on CUDA (unmeasured).
     batch_invariant: bool = False

@@ -59,6 +59,20 @@ def test_bench_prefix_on_a_random_shape(tmp_path):
     assert warm["turn2_prompt_tokens"] - 16 <= warm["cached_tokens"] < warm["turn2_prompt_tokens"]
 
 
+def test_bench_prefix_busy_adds_the_no_solo_arm(tmp_path):
+    """--busy: another request decodes throughout turn 2 (two slots); a third arm turns solo reads off.
+    On the CPU nothing is solo (no prompt graphs), and every arm answers turn 2 alike (fp32)."""
+    out = tmp_path / "prefix_busy.json"
+    assert main(["bench", "prefix", "--shape", "tiny", "--device", "cpu", "--tokens", "200", "--reply", "8",
+                 "--repeats", "1", "--chunk", "64", "--busy", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["busy"] and [(a["prefix_cache"], a["solo_reads"]) for a in res["arms"]] == [
+        (False, True), (True, True), (True, False)]
+    assert all(a["busy"] and a["solo_reads_total"] == 0 for a in res["arms"])
+    assert res["same_answers"] and res["arms"][2]["answers"] == res["arms"][1]["answers"]
+    assert "ttft_ratio_no_solo" in res and res["arms"][1]["cached_tokens"] > 0
+
+
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # Triton's interpreter
 def test_bench_quant_rows(tmp_path):
     """Each format's random model loads as QWeights, decodes and reads; quantized weights take fewer

@@ -64,5 +64,6 @@ def test_the_engine_asks_for_solo_reads_only_where_prompt_graphs_are_captured():
     assert solo("cuda", max_num_batched_tokens=2048) == 256
     assert solo("cuda", max_num_batched_tokens=100) == 64
     assert solo("cuda", max_num_batched_tokens=2048, cuda_graph=False) == 0
+    assert solo("cuda", max_num_batched_tokens=2048, solo_reads=False) == 0  # --no-solo-reads
     assert solo("cuda", states=object(), max_num_batched_tokens=2048) == 0  # hybrid: no prompt graphs
     assert solo("cpu", max_num_batched_tokens=2048) == 0

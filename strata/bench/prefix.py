@@ -6,7 +6,10 @@ on the device for both arms, and the conversation is random token ids: the ratio
 model whose reads cost what real ones do, where the embedded model's are mostly fixed step costs. Turn 2 re-sends turn 1 and its reply, then a short new question (a different one each
 repeat, so only the conversation so far can be cached). Reported per arm (`--no-prefix-cache` and
 the cache on, each its own engine): turn 2's time to first token (best of `--repeats`), the tokens
-the cache supplied, and whether both arms answer alike (greedy). JSON under bench/results/.
+the cache supplied, and whether both arms answer alike (greedy). `--busy`: another request decodes
+throughout turn 2 (a second slot), as on a server with other clients; a third arm keeps the cache but
+turns solo reads off (`--no-solo-reads`: the turn's read shares an eager step with that decode instead
+of a prompt-chunk graph step of its own). JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ def _ttft(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> tuple[fl
     t0 = time.perf_counter()
     eng.add_request(EngineRequest(rid, tuple(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                   time.monotonic()))
-    first, out, cached = None, [], 0
-    while eng.has_work():
+    first, out, cached, done = None, [], 0, False
+    while not done:  # until this request ends: a --busy background request decodes on
         for ev in eng.step():
             if ev.request_id == rid:
+                done = done or ev.finish_reason is not None
                 if first is None and ev.token_ids:
                     # The token is on the host now (its step has finished), which is what a client sees.
                     # No sync here: the device may already run the next decode step (async scheduling),
@@ -53,9 +57,11 @@ def _random_ids(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def arm(args, prefix_cache: bool, loaded=None) -> dict:
+def arm(args, prefix_cache: bool, loaded=None, solo_reads: bool = True) -> dict:
+    slots = 2 if args.busy else 1
     cfg = EngineConfig(device=args.device, dtype=args.dtype, ctx=args.tokens + 1024, chunk_size=args.chunk,
-                       prefix_cache=prefix_cache, **({"kv_size": args.tokens + 1024} if loaded else {}))
+                       prefix_cache=prefix_cache, parallel=slots, solo_reads=solo_reads,
+                       **({"kv_size": slots * (args.tokens + 1024)} if loaded else {}))
     eng = LLMEngine(cfg, progress=False, loaded=loaded)
     if loaded is None:
         text = open(f"{default_model_path()}/README.md").read()
@@ -69,13 +75,23 @@ def arm(args, prefix_cache: bool, loaded=None) -> dict:
         questions = [_random_ids(vocab, 14, 10 + rep) for rep in range(args.repeats)]
     _ttft(eng, "warmup", warmup, 4)
     _, reply, _ = _ttft(eng, "turn1", ids, args.reply)
+    if args.busy:  # another client's request, decoding from here to the end of the arm
+        eng.add_request(EngineRequest("background", tuple(warmup), SamplingParams(max_tokens=1000, ignore_eos=True),
+                                      time.monotonic()))
+        for _ in range(4):
+            eng.step()
     best, answers, cached = float("inf"), [], 0
     for rep, question in enumerate(questions):
         seconds, answer, cached = _ttft(eng, f"turn2-{rep}", ids + reply + question, 8)
         best = min(best, seconds)
         answers.append(answer)
-    return {"prefix_cache": prefix_cache, "turn2_prompt_tokens": len(ids) + len(reply) + len(question),
-            "ttft_s": best, "cached_tokens": cached, "answers": answers, "device": str(eng.device)}
+    solos = eng.scheduler.solo_reads_total
+    if args.busy:
+        eng.abort("background")
+        eng.run_to_completion()
+    return {"prefix_cache": prefix_cache, "solo_reads": solo_reads, "busy": args.busy,
+            "turn2_prompt_tokens": len(ids) + len(reply) + len(question), "ttft_s": best, "cached_tokens": cached,
+            "answers": answers, "solo_reads_total": solos, "device": str(eng.device)}
 
 
 def run(args) -> int:
@@ -87,24 +103,37 @@ def run(args) -> int:
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         loaded = random_model(args.shape, device, dtype)
     arms = [arm(args, False, loaded), arm(args, True, loaded)]
-    cold, warm = arms
-    info = {"bench": "prefix", "shape": args.shape or "default", "tokens": args.tokens, "reply": args.reply, "repeats": args.repeats, "arms": arms,
+    if args.busy:
+        arms.append(arm(args, True, loaded, solo_reads=False))
+    cold, warm = arms[:2]
+    info = {"bench": "prefix", "shape": args.shape or "default", "tokens": args.tokens, "reply": args.reply,
+            "repeats": args.repeats, "busy": args.busy, "arms": arms,
             "ttft_ratio": warm["ttft_s"] / cold["ttft_s"], "same_answers": cold["answers"] == warm["answers"]}
+    if args.busy:
+        info["ttft_ratio_no_solo"] = arms[2]["ttft_s"] / cold["ttft_s"]
     device = "cuda" if cold["device"].startswith("cuda") else "cpu"
-    out = args.out or f"bench/results/prefix{'_' + args.shape if args.shape else ''}_{device}.json"
+    busy = "_busy" if args.busy else ""
+    out = args.out or f"bench/results/prefix{busy}{'_' + args.shape if args.shape else ''}_{device}.json"
+    names = [_arm_name(a) for a in arms]
 
     def draw(plt, info):
-        plt.bar(["cold", "prefix cache"], [a["ttft_s"] * 1e3 for a in info["arms"]])
+        plt.bar(names, [a["ttft_s"] * 1e3 for a in info["arms"]])
         plt.ylabel("turn-2 TTFT (ms)")
 
     save(info, out, draw)
-    rows = [{"arm": "prefix cache" if a["prefix_cache"] else "cold", "ttft_ms": a["ttft_s"] * 1e3,
-             "cached": a["cached_tokens"], "prompt": a["turn2_prompt_tokens"]} for a in arms]
+    rows = [{"arm": name, "ttft_ms": a["ttft_s"] * 1e3, "cached": a["cached_tokens"], "prompt": a["turn2_prompt_tokens"],
+             "solo": a["solo_reads_total"]} for name, a in zip(names, arms)]
     print_tables([summary_table(f"next turn of a {args.tokens}-token conversation (ratio {info['ttft_ratio']:.3f}, "
                                 f"same answers: {info['same_answers']})",
                                 [("arm", "arm", ""), ("turn-2 prompt", "prompt", "d"), ("cached", "cached", "d"),
-                                 ("TTFT ms", "ttft_ms", ".1f")], rows)])
+                                 ("TTFT ms", "ttft_ms", ".1f"), ("solo reads", "solo", "d")], rows)])
     return 0
+
+
+def _arm_name(a: dict) -> str:
+    if not a["prefix_cache"]:
+        return "cold"
+    return "prefix cache" if a["solo_reads"] else "prefix cache, no solo reads"
 
 
 def add_parser(sub) -> None:
@@ -124,6 +153,7 @@ def _add_args(p) -> None:
     p.add_argument("--reply", type=int, default=64, help="turn 1's answer tokens")
     p.add_argument("--chunk", type=int, default=None, help="read chunk size (default: the engine's)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--busy", action="store_true", help="another request decodes throughout turn 2 (two slots)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
 

@@ -280,7 +280,7 @@ class LLMEngine:
     def _solo_read_tokens(self, cfg: EngineConfig) -> int:
         """The scheduler's `solo_read_tokens`: the largest prompt-chunk graph the runner will capture (CUDA
         graphs on, not a hybrid model: those graphs leave hybrids out), else 0."""
-        if self.device.type != "cuda" or not cfg.cuda_graph or self.states is not None:
+        if self.device.type != "cuda" or not cfg.cuda_graph or not cfg.solo_reads or self.states is not None:
             return 0
         return max(prompt_graph_sizes(1 + cfg.spec, cfg.max_num_batched_tokens), default=0)
 
