@@ -1,8 +1,9 @@
 """CUDA graphs for one sequence's short prompt chunk: a prefix-cache hit's next turn, or a short request
-that arrives while nothing else runs (issue 14: the next turn's first token ≤ 0.1x the cold read).
+(issue 14: the next turn's first token ≤ 0.1x the cold read). Beside decoding slots the scheduler gives
+such a read a step of its own so that it can take them (`SchedulerConfig.solo_read_tokens`).
 
 A step that reads 14 new tokens after 3,648 cached ones does a decode step's work, but eagerly it is
-~500 kernel launches from Python: 34.6 ms on the H200 against 4.7 ms for a graph-replayed decode step
+hundreds of kernel launches from Python: 34.6 ms on the H200 against 4.7 ms for a graph-replayed decode step
 (`bench/results/prefix_qwen3-8b_cuda.json`). So the runner also captures, for one sequence, graphs of
 PROMPT_GRAPH_ROWS rows; a lone sampling prompt chunk of up to that many tokens replays the smallest that
 fits. Padding rows are the decode graphs' (token 0 at position 0 into the padding slot, outside every
