@@ -399,11 +399,18 @@ def _check_block_k(block_k: int, k: int) -> None:
 def _check_call(x: torch.Tensor, planes, n: int, k: int, out: torch.Tensor | None,
                 allocate: bool = True) -> torch.Tensor | None:
     _check_planes(planes, n, k)
+    return check_x_out(x, planes["qs"].device, n, k, out, allocate)
+
+
+def check_x_out(x: torch.Tensor, device: torch.device, n: int, k: int, out: torch.Tensor | None,
+                allocate: bool = True) -> torch.Tensor | None:
+    """x [M, K] and out [M, N] of a product with a weight on `device` (the K-quant formats share it):
+    `out`, or a new one when `allocate`, or None."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x: expected [M, {k}] bf16/fp16/fp32 with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()}")
-    if x.device != planes["qs"].device:
-        raise ValueError(f"x on {x.device}, weight on {planes['qs'].device}")
+    if x.device != device:
+        raise ValueError(f"x on {x.device}, weight on {device}")
     m = x.shape[0]
     if out is None:
         return torch.empty((m, n), dtype=x.dtype, device=x.device) if allocate else None

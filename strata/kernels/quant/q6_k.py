@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.iq3_s import _dot
-from strata.kernels.quant.q4_k import GemmConfig, GemvConfig
+from strata.kernels.quant.q4_k import GemmConfig, GemvConfig, check_x_out
 from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store, split_k_views
 from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format
 from strata.kernels.tiles import grouped_tile
@@ -328,18 +328,7 @@ def _check_block_k(block_k: int, k: int) -> None:
 def _check_call(x: torch.Tensor, planes, n: int, k: int, out: torch.Tensor | None,
                 allocate: bool = True) -> torch.Tensor | None:
     _check_planes(planes, n, k)
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"x: expected [M, {k}] bf16/fp16/fp32 with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")
-    if x.device != planes["ql"].device:
-        raise ValueError(f"x on {x.device}, weight on {planes['ql'].device}")
-    m = x.shape[0]
-    if out is None:
-        return torch.empty((m, n), dtype=x.dtype, device=x.device) if allocate else None
-    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
-        raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {out.dtype} "
-                         f"{tuple(out.shape)} strides {out.stride()}")
-    return out
+    return check_x_out(x, planes["ql"].device, n, k, out, allocate)
 
 
 def kernel_planes(planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
