@@ -226,7 +226,18 @@ def test_cuda_read_in_a_green_context(monkeypatch):
         pytest.skip("this torch or driver makes no green-context streams (the engine logged why)")
     got, order = _scenario(e)
     assert got == want and order.index("short") < order.index("long")
+    green = e.read_stage.green
     e.close()
+    # An engine collected after its reads freed pinned buffers whose copies ran in the context; on
+    # 2026-12-02 that aborted the process ("context is destroyed") when the context went first.
+    del e
+    __import__("gc").collect()
+    torch = __import__("torch")
+    torch.cuda.synchronize()
+    again = _engine(**kw)
+    assert again.read_stage.green is green  # one context per process and SM count
+    assert _scenario(again)[0] == want
+    again.close()
 
 
 def test_through_the_server(monkeypatch, tmp_path):

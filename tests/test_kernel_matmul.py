@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -36,6 +37,8 @@ from strata.kernels.matmul import (
     check_config,
     decode_config,
     invariant_config,
+    invariant_split_k,
+    invariant_workspace_parts,
     make_cancelling,
     matmul_invariant,
     matmul_ref,
@@ -159,6 +162,8 @@ CASES = [
     (64, 72, 128, MatmulConfig(64, 16, num_stages=2), False, 0, 0),
     (130, 96, 192, MatmulConfig(128, 64, num_warps=8, num_stages=3, group_m=2), True, 0, 5),
     (130, 50, 128, MatmulConfig(64, 128, block_k=32), True, 16, 0),
+    (5, 40, 1100, MatmulConfig(64, 32, split_k=4), True, 0, 2),  # split programs, K tail in the last range
+    (70, 40, 1100, MatmulConfig(64, 32, split_k=4), True, 8, 0),  # the same ranges walked in-program
 ]
 
 
@@ -219,6 +224,44 @@ def test_rows_invariant_across_configs_on_the_kstep_model(kstep_dot, dtype):
     assert rel_err(out[1::2], matmul_ref(x[1::2], w)) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_ranges_rows_invariant_across_m(dtype):
+    """A weight whose K takes split ranges (`invariant_split_k` = 2 here): decode-sized launches run
+    each range as a program of its own and the last adds them; a 70-row launch walks the ranges in each
+    program. Rows bitwise equal either way, bias included, and near F.linear. A second launch reuses
+    the workspace (its counters back at zero)."""
+    n, k = 40, 1100  # 18 K blocks, the last one 12 wide
+    assert invariant_split_k(n, k) == 2
+    x, w, b = make_inputs(seed_of("split", dtype), 70, n, k, dtype, bias=True)
+    full = matmul_invariant(x, w, b)
+    assert rel_err(full, matmul_ref(x, w, b)) <= TOL[dtype]
+    counters, partials = invariant_workspace_parts(n, k)
+    ws = torch.zeros(counters + partials, dtype=torch.int32, device=DEV)
+    for m in (1, 3, 64):
+        for _ in range(2):
+            assert torch.equal(matmul_invariant(x[:m], w, b, workspace=ws), full[:m]), f"M={m}"
+    assert not ws[:counters].any(), "counters left non-zero"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_ranges_across_configs_on_the_kstep_model(kstep_dot, dtype):
+    """Under the hardware model, tiles of every shape with the same ranges give a row the bits of M = 1
+    (cancelling rows), and the ranges do change them: 1 and 4 ranges differ on some cancelling row."""
+    n, k, m = 40, 1100, 130
+    x, w = cancelling_inputs(seed_of("kstep-split", dtype), m, n, k, dtype)
+    rows = (0, 2, 64, 66, 129)
+    base = replace(decode_config(n), split_k=4)
+    alone = {i: run_checked(x[i:i + 1], w, None, base)[0] for i in rows}
+    for cfg in (base, replace(WIDE_CONFIGS[0], split_k=4), replace(INVARIANT_FALLBACK, split_k=4),
+                MatmulConfig(128, 64, num_warps=8, split_k=4)):
+        out = run_checked(x, w, None, cfg)
+        for i in rows:
+            assert torch.equal(out[i], alone[i]), f"{cfg}: row {i}"
+    unsplit = run_checked(x, w, None, decode_config(n))
+    assert any(not torch.equal(unsplit[i], alone[i]) for i in rows if i % 2 == 0), "ranges changed nothing"
+
+
 def test_config_selection():
     """Every configuration for the 8B shapes and M up to 16384 keeps BLOCK_K, stays on wgmma
     (BLOCK_M % 64, whole warp groups), fits the shared memory and gives enough programs at decode."""
@@ -231,7 +274,11 @@ def test_config_selection():
         dec = invariant_config(1, n, k)
         assert dec == invariant_config(64, n, k) and dec.block_m == 64
         assert dec.tiles(1, n) >= 128, (n, dec)
-    assert invariant_config(8192, 4096, 4096) == WIDE_CONFIGS[0]
+    splits = {name: invariant_split_k(n, k) for name, n, k in BENCH_SHAPES}
+    assert splits == {"qkv": 2, "o_proj": 4, "gate_up": 1, "down": 4, "lm_head": 1}
+    for _, n, k in BENCH_SHAPES:  # fixed by the weight, whatever M
+        assert {invariant_config(m, n, k).split_k for m in (1, 64, 65, 8192)} == {invariant_split_k(n, k)}
+    assert invariant_config(8192, 4096, 4096) == replace(WIDE_CONFIGS[0], split_k=4)
     assert invariant_config(512, 4096, 4096).tiles(512, 4096) >= 116
     assert decode_config(4096).block_n == 32 and decode_config(24576).block_n == 64
     assert decode_config(151936).block_n == 128

@@ -7,10 +7,13 @@ request's greedy output never depends on what else the server runs. cuBLAS (torc
 such promise: its algorithm and split-K change with M.
 
 Why a row cannot depend on M, by construction:
-- No split-K, ever. One program owns a BLOCK_M x BLOCK_N output tile and walks all of K itself.
-- The K loop runs in one fixed order, block 0, 1, 2, ..., with the fp32 accumulator chained through
+- K is cut into S ranges fixed by the weight's shape (`invariant_split_k`, never by M). Each range is
+  summed from zero in one fixed order, block 0, 1, 2, ..., with the fp32 accumulator chained through
   `acc = tl.dot(a, b, acc)`: each MMA adds into the running sum. (`acc += tl.dot(a, b)` would first
-  round a partial sum of BLOCK_K products and then add it: the result would depend on BLOCK_K.)
+  round a partial sum of BLOCK_K products and then add it: the result would depend on BLOCK_K.) The S
+  sums are then added in range order. At decode sizes the ranges are programs of their own (the last
+  to finish adds them, `strata.kernels.splitk`); in longer launches one program walks them one after
+  another: the same additions in the same order, so the same bits.
 - Rows and columns of a tile are independent: a row's value never mixes with another row's, so
   BLOCK_M and BLOCK_N, and how full the tile is, cannot change it. Rows past M load as zeros and
   are never stored.
@@ -38,18 +41,20 @@ the N size matter: keep BLOCK_N and the warps along N fixed and vary BLOCK_M alo
 one instruction along M.)
 
 Configurations (reasoned, not yet timed: `python -m strata.kernels.matmul --sweep` times them).
-- M ≤ 64 (decode, verification): weight-bandwidth bound. Without split-K the only source of programs
-  is N: BLOCK_M = 64 (the wgmma minimum; rows past M cost shared-memory traffic, no HBM), BLOCK_N as
-  large as still gives ≥ 2 (≥ 4 for BLOCK_N = 128) programs per SM, else 32 (Qwen3-8B: qkv 192, o and
-  down 128, gate_up 384 at BLOCK_N = 64, lm_head 1187 at 128), and as many pipeline stages as keep
-  every program resident at once (no second wave), at most 8: ~32 KB of weights in flight per SM.
+- M ≤ 64 (decode, verification): weight-bandwidth bound. BLOCK_M = 64 (the wgmma minimum; rows past
+  M cost shared-memory traffic, no HBM), BLOCK_N as large as still gives ≥ 2 (≥ 4 for BLOCK_N = 128)
+  column tiles per SM, else 32 (Qwen3-8B: qkv 192, o and down 128, gate_up 384 at BLOCK_N = 64,
+  lm_head 1187 at 128), and as many pipeline stages as keep every program resident at once (no
+  second wave), at most 8: ~32 KB of weights in flight per SM. The split ranges multiply the programs
+  up to about four an SM (qkv 2, o_proj and down 4, gate_up and the LM head 1): the H200 timed these
+  projections at 0.78-0.92x the split-K decode GEMV without them (2026-12-02).
 - M > 64: compute bound as M grows. The largest of WIDE_CONFIGS (128x256 with 8 warps, 128x128,
   64x128, 64x64) that still makes ≥ MIN_TILES tiles, so the SMs stay busy; programs walk the tiles in
   GROUP_M-row groups so that a weight tile is read from HBM once and reused from L2.
 
 PDL: `pdl_prologue` first, launched with `launch_pdl`. CUDA graphs: the grid and the configuration
 come from shapes only, nothing is read back to the host, and nothing is allocated except `out` when
-none is passed.
+none is passed (and a split workspace when none is passed at decode sizes).
 """
 
 from __future__ import annotations
@@ -57,13 +62,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.tiles import grouped_tile
 
 try:
@@ -83,6 +89,8 @@ DECODE_MAX_M = 64  # one 64-row tile: the decode configuration
 SMEM_PER_SM = 220 << 10  # of the H200's 228 KB, what the decode configuration plans its stages in
 MIN_TILES = NUM_SMS - NUM_SMS // 8  # a wide configuration must give at least this many tiles
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_SPLIT_K = 8
+MIN_SPLIT_BLOCKS = 8  # K blocks per range at least, so that each range's pipeline fills
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,7 @@ class MatmulConfig:
     num_warps: int = 4  # a multiple of 4 (whole warp groups) for wgmma
     num_stages: int = 4
     group_m: int = 8  # row tiles that walk the column tiles together (L2 reuse of weight tiles)
+    split_k: int = 1  # K ranges summed apart, then added in range order (`invariant_split_k`)
 
     def tiles(self, m: int, n: int) -> int:
         return _cdiv(m, self.block_m) * _cdiv(n, self.block_n)
@@ -141,16 +150,38 @@ def decode_config(n: int) -> MatmulConfig:
     return MatmulConfig(DECODE_MAX_M, block_n, num_warps=4, num_stages=stages)
 
 
+def invariant_split_k(n: int, k: int) -> int:
+    """S, the number of K ranges a row of x @ weight [n, k]ᵀ is summed in: each range from zero in K
+    order, then the S sums added in range order. From the weight's shape only, never M: decode runs
+    the ranges as programs of their own (S times the programs of its column tiles, up to about four
+    an SM: no split-K otherwise leaves qkv, o_proj and down with 128-192 programs for 132 SMs), and a
+    longer launch walks the same ranges one after another inside each program, so both give the same
+    bits. A power of two, at most MAX_SPLIT_K, each range at least MIN_SPLIT_BLOCKS blocks of K."""
+    tiles, blocks = _cdiv(n, decode_config(n).block_n), _cdiv(k, BLOCK_K)
+    split = 1
+    while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= 4 * NUM_SMS
+           and blocks // (split * 2) >= MIN_SPLIT_BLOCKS):
+        split *= 2
+    return split
+
+
 def invariant_config(m: int, n: int, k: int) -> MatmulConfig:
     """The configuration of x [m, k] @ weight [n, k]ᵀ for 16-bit inputs. It may vary with m only in
-    what leaves a row's reduction alone (tile height and width, warps, stages); BLOCK_K is fixed.
-    To run one configuration for every M, return INVARIANT_FALLBACK here."""
-    del k  # BLOCK_K is the same for every shape; K only sets the loop's length
+    what leaves a row's reduction alone (tile height and width, warps, stages); BLOCK_K and the K
+    ranges (`invariant_split_k`) are fixed by the weight. To run one tile for every M, return
+    INVARIANT_FALLBACK (with the split) here."""
+    split = invariant_split_k(n, k)
     if m > DECODE_MAX_M:
         for cfg in WIDE_CONFIGS:
             if cfg.tiles(m, n) >= MIN_TILES:
-                return cfg
-    return decode_config(n)
+                return replace(cfg, split_k=split)
+    return replace(decode_config(n), split_k=split)
+
+
+def invariant_workspace_parts(n: int, k: int) -> tuple[int, int]:
+    """(counter slots, partial elements) of the workspace decode-sized launches on weight [n, k] take
+    (`strata.kernels.splitk`; for `shared_split_k_numel`); (0, 0) without split ranges."""
+    return split_k_parts(n, decode_config(n).block_n, invariant_split_k(n, k), DECODE_MAX_M)
 
 
 def check_config(cfg: MatmulConfig, dtype: torch.dtype) -> None:
@@ -159,6 +190,7 @@ def check_config(cfg: MatmulConfig, dtype: torch.dtype) -> None:
     ok = ok and cfg.num_warps in (1, 2, 4, 8, 16) and cfg.group_m >= 1
     if dtype != torch.float32:  # wgmma on Hopper, for every 16-bit configuration (see the docstring)
         ok = ok and cfg.block_m % 64 == 0 and cfg.num_warps % 4 == 0
+    ok = ok and 1 <= cfg.split_k <= MAX_SPLIT_K
     if not ok:
         raise ValueError(f"invalid {cfg} for {dtype}")
 
@@ -169,27 +201,22 @@ def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if out is None else out.copy_(y)
 
 
-@jit(do_not_specialize=["m"])
-def _matmul_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, m, n, k,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    tile_m, tile_n = grouped_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    row_ok = rows < m
-    col_ok = cols < n
+@jit
+def _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, kb_start, kb_end,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 IEEE_DOT: tl.constexpr):
+    """x[rows] @ weight[cols]ᵀ over K blocks [kb_start, kb_end), from zero, in K order."""
+    offs_k = kb_start * BLOCK_K + tl.arange(0, BLOCK_K)
     # int64 row offsets: an lm_head's output at long M passes 2^31 elements.
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * k + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(k, BLOCK_K)):
+    for kb in range(kb_start, kb_end):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         else:
-            k_ok = kb * BLOCK_K + offs_k < k
+            k_ok = kb * BLOCK_K + tl.arange(0, BLOCK_K) < k
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         # Chained: every MMA step adds into the running fp32 sum, in K order (the module docstring).
@@ -199,10 +226,47 @@ def _matmul_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, m, n, 
             acc = tl.dot(a, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    return acc
+
+
+@jit(do_not_specialize=["m"])
+def _matmul_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   SPLIT_K: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    """SPLIT_PROGRAMS (one row tile): program (column tile, range) sums its K range and the last to
+    arrive adds the ranges' sums in order (`split_k_reduce`). Otherwise each program walks every range
+    itself and adds their sums in the same order: the same bits either way."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    if SPLIT_PROGRAMS:
+        tile_m, tile_n, split = 0, pid // SPLIT_K, pid % SPLIT_K
+    else:
+        tile_m, tile_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        split = 0
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < m
+    col_ok = cols < n
+    k_blocks = tl.cdiv(k, BLOCK_K)
+    store = True
+    if SPLIT_PROGRAMS:
+        part = _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, split * k_blocks // SPLIT_K,
+                            (split + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
+        store, total_t = split_k_reduce(tl.trans(part), partial_ptr, counter_ptr, tile_n, split, rows,
+                                        tl.arange(0, BLOCK_N), row_ok, SPLIT_K, BLOCK_M, BLOCK_N)
+        acc = tl.trans(total_t)
+    else:
+        acc = _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, 0, k_blocks // SPLIT_K,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, s * k_blocks // SPLIT_K,
+                                (s + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
+    if store:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _check_args(x, weight, bias, out):
@@ -225,38 +289,46 @@ def _check_args(x, weight, bias, out):
 
 
 def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, *, config: MatmulConfig | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, config: MatmulConfig | None = None,
+                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). `config` overrides the choice of
     `invariant_config` (benchmarks and tests); a row's bits are then only as invariant as the configs
-    compared."""
+    compared, K ranges (`split_k`) included. `workspace`: int32, at least `invariant_workspace_parts`'
+    sum for this weight (split ranges at decode sizes; None allocates one, see `split_k_views`)."""
     m, n, k = _check_args(x, weight, bias, out)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if config is None:
         fp32_cuda = x.dtype == torch.float32 and x.is_cuda
-        config = FP32_CONFIG if fp32_cuda else invariant_config(m, n, k)
+        config = replace(FP32_CONFIG, split_k=invariant_split_k(n, k)) if fp32_cuda else invariant_config(m, n, k)
     check_config(config, x.dtype)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    split_programs = config.split_k > 1 and m <= config.block_m
+    counters = partials = out  # placeholders, untouched without split programs
+    if split_programs:
+        counters, partials = split_k_views(workspace, n, config.block_n, config.split_k, config.block_m, x.device)
+    grid = _cdiv(n, config.block_n) * config.split_k if split_programs else config.tiles(m, n)
     on = use_pdl(x)
-    _matmul_kernel[(config.tiles(m, n),)](
-        x, x.stride(0), weight, weight if bias is None else bias, out, out.stride(0), m, n, k,
+    _matmul_kernel[(grid,)](
+        x, x.stride(0), weight, weight if bias is None else bias, out, out.stride(0), partials, counters, m, n, k,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
+        SPLIT_K=config.split_k, SPLIT_PROGRAMS=split_programs, EVEN_K=k % config.block_k == 0,
+        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
         USE_PDL=on, launch_pdl=on, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
 def matmul_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32; contiguous rows, any row stride), weight [N, K] contiguous in x's
     dtype, bias [N] or None → out [M, N] in x's dtype (written into `out` when given: [M, N] with
     contiguous rows). Row i of the result is bitwise the same for any M and any other rows (module
     docstring). Runs the kernel on CUDA (and under the interpreter), the reference elsewhere."""
     if kernels_run(x, _matmul_kernel):
-        return matmul_triton(x, weight, bias, out)
+        return matmul_triton(x, weight, bias, out, workspace=workspace)
     _check_args(x, weight, bias, out)
     return matmul_ref(x, weight, bias, out)
 
@@ -285,13 +357,16 @@ def _rate(m: int, n: int, k: int, us: float) -> str:
     return f"{2 * m * n * k / us / 1e6:5.0f}TF/s"
 
 
-def _sweep_candidates(m: int) -> list[MatmulConfig]:
+def _sweep_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
+    """Decode: tiles × stages × split ranges. Longer: tiles × stages, without ranges and with the
+    weight's own (`invariant_split_k`), which shows what walking the ranges costs a read."""
     if m <= DECODE_MAX_M:
-        out = [MatmulConfig(64, bn, bk, 4, st)
-               for bn in (16, 32, 64, 128) for bk in (64, 128) for st in (3, 4, 6, 8, 12)]
+        out = [MatmulConfig(64, bn, 64, 4, st, split_k=sk)
+               for bn in (16, 32, 64, 128) for st in (3, 4, 6, 8) for sk in (1, 2, 4, 8)]
     else:
         shapes = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]
-        out = [MatmulConfig(bm, bn, 64, w, st) for bm, bn, w in shapes for st in (3, 4)]
+        out = [MatmulConfig(bm, bn, 64, w, st, split_k=sk) for bm, bn, w in shapes for st in (3, 4)
+               for sk in sorted({1, invariant_split_k(n, k)})]
     return [c for c in out if c.smem_bytes() <= 220 << 10] + [INVARIANT_FALLBACK]
 
 
@@ -334,21 +409,23 @@ def sweep_matmul(shapes=None, ms=BENCH_MS, runs: int = 30, candidates: bool = Tr
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             x_check = _check_input(m, k, device)
             make_cancelling(x_check, weights[0])
+            current = invariant_config(m, n, k)
             alone = {i: matmul_triton(x_check[i:i + 1], weights[0])[0] for i in _rows_to_check(m)}
             t_cublas = time_us([lambda w=w: torch.matmul(x, w.t()) for w in weights], runs)
             t_gemv = float("nan")
             if gemv_supported(m, n, k, x.dtype):
                 ws = gemv_workspace(n, k, device)
                 t_gemv = time_us([lambda w=w: gemv_triton(x, w, workspace=ws) for w in weights], runs)
-            current = invariant_config(m, n, k)
             todo = [("current", current)]
             if candidates:
-                todo += [("", c) for c in _sweep_candidates(m) if c != current]
+                todo += [("", c) for c in _sweep_candidates(m, n, k) if c != current]
             timed = []
             for label, cfg in todo:
                 try:
-                    got = matmul_triton(x_check, weights[0], config=cfg)
-                    t = time_us([lambda w=w, c=cfg: matmul_triton(x, w, config=c) for w in weights], runs)
+                    ws = torch.zeros(split_k_numel(n, cfg.block_n, cfg.split_k, cfg.block_m), dtype=torch.int32,
+                                     device=device)
+                    got = matmul_triton(x_check, weights[0], config=cfg, workspace=ws)
+                    t = time_us([lambda w=w, c=cfg: matmul_triton(x, w, config=c, workspace=ws) for w in weights], runs)
                 except Exception as exc:  # out of shared memory or registers: skip the candidate
                     print(f"  {name} M={m} {cfg}: {type(exc).__name__}", file=sys.stderr)
                     continue
@@ -361,7 +438,7 @@ def sweep_matmul(shapes=None, ms=BENCH_MS, runs: int = 30, candidates: bool = Tr
                            current=label == "current", invariant=same)
                 results.append(row)
                 desc = (f"{'*' if label else ' '}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
-                        f"w{cfg.num_warps} s{cfg.num_stages}")
+                        f"w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}")
                 desc += " (fallback)" if cfg == INVARIANT_FALLBACK else ""
                 print(f"{name:>8} {m:>5} | {t_cublas:9.2f} {t_gemv:8.2f} | {desc:<44} {t:9.2f} {_rate(m, n, k, t):>10} "
                       f"{t_cublas / t:9.3f} {t_gemv / t:7.3f} | {'same' if same else 'DIFFERS'}", flush=True)

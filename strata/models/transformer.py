@@ -15,6 +15,7 @@ from strata.config import ModelConfig
 from strata.models.attention import AttentionBackend
 from strata.kernels import triton_available
 from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
+from strata.kernels.matmul import invariant_workspace_parts
 from strata.kernels.splitk import shared_split_k_numel
 from strata.kernels.quant import QWeight, qweights_of
 from strata.models.decoder import DecoderLayer
@@ -100,7 +101,9 @@ class CausalLM(nn.Module):
                 if t is not None]
             shapes += [tuple(m.shared_head.head.weight.shape) for m in self.modules()
                        if getattr(getattr(m, "shared_head", None), "head", None) is not None]
-            numel = shared_split_k_numel(gemv_workspace_parts(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype))
+            # The batch-invariant GEMM's decode-sized launches take their split ranges' partials there too.
+            parts = [gemv_workspace_parts(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype)]
+            numel = shared_split_k_numel(parts + [invariant_workspace_parts(n, k) for n, k in shapes])
             self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.model.embed_tokens.weight.device)
             for m in packed:
                 m.gemv_ws = self.gemv_ws

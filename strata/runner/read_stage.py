@@ -32,6 +32,7 @@ import queue
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -98,6 +99,18 @@ class Prefill:
         return {ch.request.request_id: ch.end for _, ch in seqs}
 
 
+@lru_cache(maxsize=None)
+def _green_context(device_index: int, sms: int):
+    """The process's one green context of `sms` SMs on a device. It lives as long as the process: when
+    torch frees a pinned host buffer that a copy on one of its streams used, the host allocator records
+    an event on that stream, which fails ("context is destroyed", an abort) if the context went first,
+    and a ReadStage's garbage collection frees both in no fixed order. Engines made one after another
+    (`strata bench concurrent`'s arms) share it."""
+    from torch.cuda.green_contexts import GreenContext
+
+    return GreenContext.create(num_sms=sms, device_id=device_index)
+
+
 class ReadStage:
     def __init__(self, main: ModelRunner, *, max_num_batched_tokens: int, max_seqs: int, max_model_len: int,
                  drafter=None, split_mtp_batch: bool = False):
@@ -145,9 +158,7 @@ class ReadStage:
         if sms <= 0:
             return None
         try:
-            from torch.cuda.green_contexts import GreenContext
-
-            self.green = GreenContext.create(num_sms=sms, device_id=self.device.index or 0)
+            self.green = _green_context(self.device.index or 0, sms)
             log.info("STRATA_READ_SMS=%d: reads beside decoding run in a green context of %d SMs", sms, sms)
             return self.green.Stream()
         except (ImportError, AttributeError, RuntimeError) as e:  # torch or driver without green-context streams
