@@ -124,12 +124,12 @@ step() {  # name, seconds, command...
       concurrent-tests) step concurrent-tests 400 $T tests/test_batch_read.py ;;
       concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --http --out $R/concurrent_qwen3-8b_cuda.json ;;
       # The read in a green context of N SMs (STRATA_READ_SMS), the decode keeping the rest.
-      concurrent-sms) for n in ${READ_SMS_LIST:-96 112}; do step concurrent-sms$n 300 $B concurrent --shape qwen3-8b --pairs 1 \
+      concurrent-sms) for n in ${READ_SMS_LIST:-64 80}; do step concurrent-sms$n 300 $B concurrent --shape qwen3-8b --pairs ${SMS_PAIRS:-1} \
           --read-sms $n --out $R/concurrent_qwen3-8b_sms${n}_cuda.json; done ;;
       # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
-      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py -k "next or causal" ;;
+      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py tests/test_kernel_gated_delta_decode.py -k "next or causal or decode" ;;
       # setsid: both fla steps of 2026-12-02 ended the whole round at their start (run alone, the fla tests
       # passed), so they run in a session of their own.
       fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 setsid -w $T tests/test_kernel_gated_delta_fla.py ;;

@@ -17,7 +17,8 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.kernels.causal_conv import causal_conv1d_varlen
-from strata.kernels.gated_delta import causal_conv1d_step_ref, gated_delta_step_ref, gated_delta_varlen
+from strata.kernels.gated_delta import gated_delta_step_ref, gated_delta_varlen
+from strata.kernels.gated_delta_decode import causal_conv1d_decode, gated_delta_decode
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
 from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear
 from strata.models.moe import MoE
@@ -84,11 +85,13 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return mixed, z.reshape(n, self.hv, self.dv), b.reshape(n, self.hv), a.reshape(n, self.hv)
 
-    def _heads(self, mixed: torch.Tensor):
+    def _heads(self, mixed: torch.Tensor, repeat: bool = True):
+        """q, k, v per head; q and k repeated to the value heads unless `repeat` is off (per key head)."""
         n, kd = mixed.shape[0], self.hk * self.dk
         q, k, v = mixed.split([kd, kd, self.hv * self.dv], dim=-1)
-        q = q.reshape(n, self.hk, self.dk).repeat_interleave(self.ratio, dim=1)
-        k = k.reshape(n, self.hk, self.dk).repeat_interleave(self.ratio, dim=1)
+        q, k = q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk)
+        if repeat:
+            q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
         return q, k, v.reshape(n, self.hv, self.dv)
 
     def forward(self, x: torch.Tensor, states: RecurrentStates) -> torch.Tensor:
@@ -99,13 +102,11 @@ class GatedDeltaNet(nn.Module):
         conv_st, rec_st = states.conv(self.linear_idx), states.recurrent(self.linear_idx)
         spans = states.spans
         if len(spans) == x.shape[0] and not any(fresh for _, _, _, fresh, _ in spans):
-            # Decode: one token per sequence, every state updated in one batched step.
-            idx = states.index
-            conv_out, conv_new = causal_conv1d_step_ref(mixed, weight, conv_st.index_select(0, idx))
-            conv_st.index_copy_(0, idx, conv_new.to(conv_st.dtype))
-            q, k, v = self._heads(conv_out)
-            o, rec_new = gated_delta_step_ref(q, k, v, g, beta, rec_st.index_select(0, idx))
-            rec_st.index_copy_(0, idx, rec_new)
+            # Decode: one token per sequence, every state updated in place in one batched step (on
+            # CUDA one kernel each, key heads mapped to value heads inside; elsewhere the references).
+            conv_out = causal_conv1d_decode(mixed, weight, conv_st, states.index)
+            q, k, v = self._heads(conv_out, repeat=False)
+            o = gated_delta_decode(q, k, v, g, beta, rec_st, states.index)
         else:
             o = self._reads(states, mixed, g, beta, weight)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(x.shape[0], -1)
