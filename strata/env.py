@@ -58,16 +58,22 @@ class _Env:
                               "MiB of weights each decode GEMV asks L2 to prefetch before its PDL wait, while "
                               "the kernel before it still runs (0: off; on the H200 8 gained < 0.5% and 16+ "
                               "lost, scripts/profile_step.py --prefetch-sweep)")
-    Q8_DECODE = Switch("STRATA_Q8_DECODE", str, "dequant",
-                       "Q8_0 decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores) or "
-                       "'dp4a' (x quantized per 32 values, packed int8 dot products; strata/kernels/quant/dp4a.py, "
-                       "not yet timed on a GPU)")
-    IQ3S_DECODE = Switch("STRATA_IQ3S_DECODE", str, "dequant",
-                         "IQ3_S decode GEMV (M <= 16): 'dequant' (weights to bf16, tensor cores) or 'dp4a' (packed "
-                         "int8 dot products; strata/kernels/quant/iq3_s_dp4a.py, not yet timed on a GPU)")
-    Q4K_DECODE = Switch("STRATA_Q4K_DECODE", str, "dequant",
-                        "Q4_K decode GEMV (M <= 16): 'dequant' (weights to bf16, tensor cores) or 'dp4a' (packed "
-                        "int8 dot products; strata/kernels/quant/q4_k_dp4a.py, not yet timed on a GPU)")
+    Q8_DECODE = Switch("STRATA_Q8_DECODE", str, "auto",
+                       "Q8_0 decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores), 'dp4a' "
+                       "(x quantized per 32 values, packed int8 dot products; strata/kernels/quant/dp4a.py) or "
+                       "'auto' (dp4a up to 3 rows, q8_0.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 1.6-1.8x "
+                       "faster at M = 1, 1.2-1.6x slower at M = 8 (rows 2-7 interpolated); batch-1 decode 175 -> "
+                       "279 tok/s")
+    IQ3S_DECODE = Switch("STRATA_IQ3S_DECODE", str, "auto",
+                         "IQ3_S decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores), 'dp4a' "
+                         "(packed int8 dot products; strata/kernels/quant/iq3_s_dp4a.py) or 'auto' (dp4a up to 8 "
+                         "rows, iq3_s.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 2.3-2.8x faster at M = 1, "
+                         "1.1-1.3x at M = 8; batch-1 decode 74 -> 180 tok/s")
+    Q4K_DECODE = Switch("STRATA_Q4K_DECODE", str, "auto",
+                        "Q4_K decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores), 'dp4a' "
+                        "(packed int8 dot products; strata/kernels/quant/q4_k_dp4a.py) or 'auto' (dp4a up to 2 "
+                        "rows, q4_k.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 1.9-2.5x faster at M = 1, "
+                        "1.35-2.3x slower at M = 8 (rows 2-7 interpolated); batch-1 decode 171 -> 292 tok/s")
     QUANT_DEQUANT_ROWS = Switch("STRATA_QUANT_DEQUANT_ROWS", int, 512,
                                 "reads of at least this many rows over GGUF-quantized weights (--keep-quantized, "
                                 "CUDA) dequantize each weight into one shared bf16 buffer and run cuBLAS instead of "

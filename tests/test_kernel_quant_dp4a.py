@@ -3,13 +3,19 @@ and IQ3_S (iq3_s_dp4a.py) against their definitions.
 
 CPU: the kernel in Triton's interpreter (dp4a emulated with shifts) at small shapes with forced
 configurations: split-K with uneven shares, partial row tiles, M from 1 to 16, fp32 and bf16 x, a row
-stride wider than K. GPU (`pytest -m gpu`): the 8B shapes, bitwise batch invariance, CUDA-graph replay.
+stride wider than K. The STRATA_*_DECODE switches: 'auto' runs dp4a up to the format's DP4A_MAX_ROWS
+and the dequantizing GEMV above (which kernel ran, bit for bit), one workspace serving both, the
+split-K rule of `config_for` at the 8B shapes. GPU (`pytest -m gpu`): the 8B shapes, bitwise batch
+invariance, CUDA-graph replay, 'auto' through `QWeight` alternating both kernels.
 
 Tolerances: against `gemv_dp4a_ref` (the same quantization, integer sums and summation order; no
 split-K there) 2e-6 relative for fp32 x, where only split-K's partial sums differ, and 1e-2 of the
 largest output for bf16 x (one rounding of the result to bf16 may flip by an ulp); against the fp32
 product with the unquantized x, 1.5e-2 relative Frobenius: x rounded to 8 bits per run of 32 values
-errs by up to half a step of amax/127, ~5e-3 RMS relative for normal x.
+errs by up to half a step of amax/127, ~5e-3 RMS relative for normal x. The dequantizing GEMVs, where
+'auto' takes them, against the product with the weights rounded to x's dtype as their own tests state
+it: Q8_0 1e-3, Q4_K 2e-3, IQ3_S 5e-3 (those cases take fp16 x: the interpreter multiplies bf16 dot
+operands as raw integers, which only Q4_K's own tests patch).
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from strata.env import ENV, overridden
-from strata.kernels.quant import dp4a, iq3_s, q4_k, q8_0
+from strata.kernels.quant import QWeight, dp4a, iq3_s, q4_k, q8_0
 from strata.kernels.quant import iq3_s_dp4a as iqd
 from strata.kernels.quant import q4_k_dp4a as q4d
 from strata.kernels.quant.dp4a import Dp4aConfig
+from strata.kernels.splitk import split_k_parts
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
@@ -89,22 +96,6 @@ def test_rows_do_not_depend_on_the_batch():
         assert torch.equal(dp4a.q8_gemv_dp4a(x[:m].contiguous(), planes["qs"], planes["d"]), full[:m])
 
 
-def test_q8_0_matmul_takes_it_when_switched(monkeypatch):
-    n, k = 40, 256
-    planes = planes_of(n, k, 5)
-    x = make_x(2, k, torch.bfloat16, 6)
-    calls = []
-    real = dp4a.q8_gemv_dp4a
-    monkeypatch.setattr(dp4a, "q8_gemv_dp4a", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    with overridden(ENV.Q8_DECODE, "dp4a"):
-        got = q8_0.matmul_triton(x, planes, n, k)
-    assert calls and torch.equal(got, real(x, planes["qs"], planes["d"]))
-    q8_0.matmul_triton(x, planes, n, k)  # the default: the dequantizing GEMV
-    assert len(calls) == 1
-    with overridden(ENV.Q8_DECODE, "fast"), pytest.raises(ValueError):
-        q8_0.matmul_triton(x, planes, n, k)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
@@ -157,18 +148,6 @@ def test_q4k_matches_definition(n, k, m, cfg, dtype):
     assert not ws[: -(-n // cfg.block_n)].any()
 
 
-def test_q4k_matmul_takes_it_when_switched():
-    n, k = 32, 256
-    planes = q4k_planes(n, k, 7)
-    x = make_x(2, k, torch.bfloat16, 8)
-    with overridden(ENV.Q4K_DECODE, "dp4a"):
-        got = q4_k.matmul(x, planes, n, k)
-    assert torch.equal(got, q4d.q4k_gemv_dp4a(x, planes, n, k))
-    assert not torch.equal(q4_k.matmul(x, planes, n, k), got)  # the default dequantizes instead
-    with overridden(ENV.Q4K_DECODE, "fast"), pytest.raises(ValueError):
-        q4_k.matmul(x, planes, n, k)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
@@ -205,17 +184,6 @@ def test_iq3s_matches_definition(n, k, m, cfg, dtype):
     assert not ws[: -(-n // cfg.block_n)].any()
 
 
-def test_iq3s_matmul_takes_it_when_switched():
-    n, k = 32, 256
-    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, 9)))
-    x = make_x(2, k, torch.bfloat16, 10)
-    with overridden(ENV.IQ3S_DECODE, "dp4a"):
-        got = iq3_s.matmul(x, planes, n, k)
-    assert torch.equal(got, iqd.iq3s_gemv_dp4a(x, planes, iq3_s.grid_table(x.device), n, k))
-    with overridden(ENV.IQ3S_DECODE, "fast"), pytest.raises(ValueError):
-        iq3_s.matmul(x, planes, n, k)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
@@ -223,10 +191,225 @@ def test_gpu_iq3s_shapes_and_batch_invariance(n, k):
     planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("gpu3", n, k))).cuda())
     grid = iq3_s.grid_table(torch.device("cuda"))
     x = make_x(8, k, torch.bfloat16, seed_of("gx3", n, k), "cuda")
-    # Its own workspace: repack sizes planes["workspace"] for the dp4a GEMV only under STRATA_IQ3S_DECODE=dp4a.
-    ws = torch.zeros(max(1, iqd.workspace_numel(n, k)), dtype=torch.int32, device="cuda")
+    ws = planes["workspace"]  # repack sizes it for the dp4a GEMV too
     full = iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws)
     ref = iqd.gemv_iq3s_dp4a_ref(x, planes, n, k)
     assert ((full.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
     for m in (1, 3):
         assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k, workspace=ws), full[:m])
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode switches: 'auto' by rows, one workspace for both kernels
+
+
+class Format:
+    """A format's switch and its two decode GEMVs called directly (each with a fresh workspace)."""
+
+    def __init__(self, name, switch, module, dp4a_module, max_rows, rounded_tol, round_ref):
+        self.name, self.switch, self.module, self.dp4a_module = name, switch, module, dp4a_module
+        self.max_rows, self.rounded_tol, self.round_ref = max_rows, rounded_tol, round_ref
+
+    def rounded_ref(self, x, w):
+        """The product with the weights rounded to x's dtype (and the result too, as the format's tests
+        state it for Q8_0 and Q4_K)."""
+        y = F.linear(x.float(), w.to(x.dtype).float())
+        return y.to(x.dtype).float() if self.round_ref else y
+
+    def raw(self, n, k, seed):
+        return torch.from_numpy(self.module.random_raw(n, k, seed))
+
+    def dp4a(self, x, planes, n, k):
+        if self.name == "Q8_0":
+            return dp4a.q8_gemv_dp4a(x, planes["qs"], planes["d"])
+        if self.name == "Q4_K":
+            return q4d.q4k_gemv_dp4a(x, planes, n, k)
+        return iqd.iq3s_gemv_dp4a(x, planes, iq3_s.grid_table(x.device), n, k)
+
+    def dequant(self, x, planes, n, k):
+        if self.name == "Q8_0":
+            return q8_0.matmul_triton(x, planes, n, k, config=q8_0.gemv_config(n, k))
+        if self.name == "Q4_K":
+            return q4_k.gemv_q4k(x, planes, n, k)
+        return iq3_s.matmul(x, {key: t for key, t in planes.items() if key != "workspace"}, n, k,
+                            config=iq3_s.gemv_config(n, k))
+
+    def dp4a_config(self, n, k):
+        return self.dp4a_module.gemv_config(n, k)
+
+    def dequant_parts(self, n, k):
+        cfg = self.module.gemv_config(n, k)
+        return split_k_parts(n, cfg.block_n, cfg.split_k, 16)
+
+
+FORMATS = {f.name: f for f in (Format("Q8_0", ENV.Q8_DECODE, q8_0, dp4a, 3, 1e-3, True),
+                                Format("Q4_K", ENV.Q4K_DECODE, q4_k, q4d, 2, 2e-3, True),
+                                Format("IQ3_S", ENV.IQ3S_DECODE, iq3_s, iqd, 8, 5e-3, False))}
+
+
+def test_switch_picks_by_rows():
+    for fmt in FORMATS.values():
+        switch, limit = fmt.switch, fmt.max_rows
+        assert fmt.module.DP4A_MAX_ROWS == limit and switch.default == "auto"
+        rows = range(1, dp4a.MAX_ROWS + 1)
+        with overridden(switch, None):
+            assert [dp4a.decode_kernel(switch, m, limit) for m in rows] == ["dp4a"] * limit + ["dequant"] * (16 - limit)
+        for choice in ("dequant", "dp4a", "auto"):
+            with overridden(switch, choice):
+                picks = {dp4a.decode_kernel(switch, m, limit) for m in rows}
+                assert picks == ({choice} if choice != "auto" else {"dp4a", "dequant"})
+        with overridden(switch, "fast"), pytest.raises(ValueError, match=switch.name):
+            dp4a.decode_kernel(switch, 1, limit)
+
+
+def test_config_for_splits_by_powers_of_two():
+    """About four programs per SM, the split a power of two: the 8B shapes' splits."""
+    splits = {(4096, 4096): 8, (6144, 4096): 4, (24576, 4096): 1, (4096, 12288): 8}
+    for (n, k), split in splits.items():
+        assert dp4a.config_for(n, k) == Dp4aConfig(64, 256, split)
+        assert dp4a.gemv_config(n, k) == Dp4aConfig(64, 256, split)
+    # Q4_K and IQ3_S: 128 rows where that leaves >= 2 programs per SM after the split.
+    wide = {(4096, 4096): Dp4aConfig(64, 256, 8), (6144, 4096): Dp4aConfig(128, 256, 8),
+            (24576, 4096): Dp4aConfig(128, 256, 2), (4096, 12288): Dp4aConfig(64, 256, 8)}
+    for (n, k), cfg in wide.items():
+        assert q4d.gemv_config(n, k) == cfg and iqd.gemv_config(n, k) == cfg
+    assert dp4a.config_for(64, 256) == Dp4aConfig(64, 256, 1)  # one step: no split
+    assert dp4a.config_for(40, 192, block_ks=(256, 128, 64)) == Dp4aConfig(64, 64, 1)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+@pytest.mark.parametrize("name,extra", [("Q8_0", 0), ("Q8_0", 1), ("Q4_K", 0), ("Q4_K", 1), ("IQ3_S", 0),
+                                        ("IQ3_S", 1)])
+def test_auto_takes_dp4a_up_to_the_limit(monkeypatch, name, extra):
+    """Unset ('auto'): `matmul` at DP4A_MAX_ROWS rows runs the dp4a GEMV, one row more the dequantizing
+    one; each result is that kernel's own, bit for bit, and within its tolerance. 'dequant' and 'dp4a'
+    force the other kernel at those rows."""
+    fmt = FORMATS[name]
+    n, k = 40, 256
+    planes = fmt.module.repack(fmt.raw(n, k, seed_of("auto", name)))
+    m = fmt.max_rows + extra
+    x = make_x(m, k, torch.float16, seed_of("xauto", name, m))
+    calls = []
+    kernel_name = {"Q8_0": "q8_gemv_dp4a", "Q4_K": "q4k_gemv_dp4a", "IQ3_S": "iq3s_gemv_dp4a"}[name]
+    real = getattr(fmt.dp4a_module, kernel_name)
+    monkeypatch.setattr(fmt.dp4a_module, kernel_name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with overridden(fmt.switch, None):
+        got = fmt.module.matmul(x, planes, n, k)
+        fmt.module.matmul(x.float(), planes, n, k)  # fp32 x: always the dequantizing GEMV
+    assert len(calls) == (1 if extra == 0 else 0)
+    forced = "dequant" if extra == 0 else "dp4a"
+    with overridden(fmt.switch, forced):
+        other = fmt.module.matmul(x, planes, n, k)
+    assert len(calls) == 1
+    assert torch.equal(other, fmt.dequant(x, planes, n, k) if forced == "dequant" else fmt.dp4a(x, planes, n, k))
+    w = fmt.module.dequantize(planes, n, k)
+    exact = F.linear(x.float(), w)
+    if extra == 0:
+        assert torch.equal(got, fmt.dp4a(x, planes, n, k))
+        ref = {"Q8_0": lambda: dp4a.gemv_dp4a_ref(x, planes["qs"], planes["d"], 256),
+               "Q4_K": lambda: q4d.gemv_q4k_dp4a_ref(x, planes, n, k, fmt.dp4a_config(n, k).block_k),
+               "IQ3_S": lambda: iqd.gemv_iq3s_dp4a_ref(x, planes, n, k)}[name]()
+        assert ((got.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+        assert ((got.float() - exact).norm() / exact.norm()).item() <= 1.5e-2
+    else:
+        assert torch.equal(got, fmt.dequant(x, planes, n, k))
+        rounded = fmt.rounded_ref(x, w)
+        assert ((got.float() - rounded).norm() / rounded.norm()).item() <= fmt.rounded_tol
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_default_workspace_holds_both_kernels_apart(name):
+    """At the 8B shapes the workspace made once per weight holds the larger counter region and the larger
+    partial region of the two GEMVs: neither kernel's partials can land on the other's counters."""
+    fmt = FORMATS[name]
+    for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288), (2048, 4096), (1024, 4096)]:
+        cfg = fmt.dp4a_config(n, k)
+        parts = [fmt.dequant_parts(n, k), split_k_parts(n, cfg.block_n, cfg.split_k, dp4a.MAX_ROWS)]
+        numel = (iq3_s.decode_workspace_numel(n, k) if name == "IQ3_S" else fmt.module.gemv_workspace_numel(n, k))
+        assert numel >= max(c for c, _ in parts) + max(p for _, p in parts)
+        for choice in ("dequant", "dp4a"):  # made once, whatever the switch says then
+            with overridden(fmt.switch, choice):
+                again = (iq3_s.decode_workspace_numel(n, k) if name == "IQ3_S"
+                         else fmt.module.gemv_workspace_numel(n, k))
+            assert again == numel
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_one_workspace_serves_both_kernels(name):
+    """A `QWeight` under 'auto', its calls alternating between the two GEMVs (both splitting K where the
+    shape lets them) through its one workspace: each result is the kernel's own with a fresh
+    workspace, and the counters are back at zero."""
+    fmt = FORMATS[name]
+    n, k = (16, 4096) if name == "IQ3_S" else (40, 1024)
+    qw = QWeight.from_raw(name, fmt.raw(n, k, seed_of("ws", name)), n, k)
+    planes = qw.planes
+    ws = qw.workspace  # IQ3_S's repack makes it, QWeight keeps it beside the others'
+    assert ws is not None and "workspace" not in planes
+    assert fmt.dp4a_config(n, k).split_k > 1 and (name == "IQ3_S" or fmt.module.gemv_config(n, k).split_k > 1)
+    if name == "IQ3_S":
+        assert iq3_s.gemv_config(n, k).split_k > 1
+    with overridden(fmt.switch, None):
+        for rep, m in enumerate((1, fmt.max_rows + 1, 1)):
+            x = make_x(m, k, torch.float16, seed_of("wsx", name, rep))
+            got = qw.matmul(x)
+            expect = fmt.dp4a(x, planes, n, k) if m <= fmt.max_rows else fmt.dequant(x, planes, n, k)
+            assert torch.equal(got, expect), (m, rep)
+            assert not ws[:32].any()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_gpu_auto_through_qweight(name):
+    """The 8B shapes under 'auto' through `QWeight`: every M from 1 to 16, twice, through the one
+    workspace; each row block equals its kernel's own result, and a CUDA graph at M = 1 replays it."""
+    fmt = FORMATS[name]
+    for n, k in [(4096, 4096), (6144, 4096)]:
+        qw = QWeight.from_raw(name, fmt.raw(n, k, seed_of("gauto", name, n)).cuda(), n, k)
+        x = make_x(16, k, torch.bfloat16, seed_of("gautox", name, n), "cuda")
+        with overridden(fmt.switch, None):
+            for _ in range(2):
+                for m in range(1, 17):
+                    xm = x[:m].contiguous()
+                    expect = fmt.dp4a(xm, qw.planes, n, k) if m <= fmt.max_rows else fmt.dequant(xm, qw.planes, n, k)
+                    assert torch.equal(qw.matmul(xm), expect), (n, k, m)
+            out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+            x1 = x[:1].contiguous()
+            qw.matmul(x1, out)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                qw.matmul(x1, out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fmt.dp4a(x1, qw.planes, n, k))
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+def test_a_model_shares_one_workspace_across_formats():
+    """`CausalLM._share_quant_workspace`: the weights of three formats (every one splitting K in both
+    decode GEMVs) take one workspace; calls through it, alternating weights and kernels, give each
+    kernel's own result with a fresh workspace, and leave every counter at zero."""
+    from torch import nn
+
+    from strata.models.transformer import CausalLM
+
+    shapes = {"Q8_0": (40, 1024), "Q4_K": (40, 1024), "IQ3_S": (16, 4096)}
+    holder = nn.Module()
+    for name, (n, k) in shapes.items():
+        setattr(holder, name.lower(), QWeight.from_raw(name, FORMATS[name].raw(n, k, seed_of("share", name)), n, k))
+    weights = {name: getattr(holder, name.lower()) for name in shapes}
+    own = {name: w.workspace.numel() for name, w in weights.items()}
+    CausalLM._share_quant_workspace(holder)
+    shared = {id(w.workspace) for w in weights.values()}
+    assert len(shared) == 1 and weights["Q8_0"].workspace.numel() == 2 * max(own.values())
+    ws = weights["Q8_0"].workspace
+    with overridden(ENV.Q8_DECODE, None), overridden(ENV.Q4K_DECODE, None), overridden(ENV.IQ3S_DECODE, None):
+        for rep in range(2):
+            for name, w in weights.items():
+                fmt = FORMATS[name]
+                for m in (1, fmt.max_rows + 1):
+                    x = make_x(m, w.k, torch.float16, seed_of("share-x", name, m, rep))
+                    expect = (fmt.dp4a if m <= fmt.max_rows else fmt.dequant)(x, w.planes, w.n, w.k)
+                    assert torch.equal(w.matmul(x), expect), (name, m, rep)
+                    assert not ws[:32].any(), "counters left non-zero"

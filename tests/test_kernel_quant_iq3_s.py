@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from strata.env import ENV
 from strata.kernels.quant import QWeight
 from strata.kernels.quant import iq3_s as q
 from strata.kernels.timing import time_us
@@ -29,6 +30,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def dequantizing_decode(monkeypatch):
+    """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
+    a few rows (tested in tests/test_kernel_quant_dp4a.py)."""
+    monkeypatch.setenv(ENV.IQ3S_DECODE.name, "dequant")
 
 
 def gguf_reference(raw: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -98,14 +106,15 @@ def test_repack_planes_layout_and_size():
 
 
 def test_split_k_workspace_stays_small():
-    """A shape whose decode configuration splits K carries its workspace, within 10% of the weight."""
+    """A shape whose decode configuration splits K carries its workspace, the dequantizing GEMV's share
+    within 10% of the weight; the workspace has room for the dp4a GEMV too (test_kernel_quant_dp4a.py)."""
     n, k = 2048, 4096
     cfg = q.gemv_config(n, k)
     assert cfg.split_k > 1 and q.gemv_config(12288, 4096).split_k == 1
     raw = torch.zeros(n, k // 256 * 110, dtype=torch.uint8)
     planes = q.repack(raw)
-    assert planes["workspace"].numel() == q.workspace_numel(n, cfg)
-    assert sum(t.numel() * t.element_size() for t in planes.values()) <= 1.1 * raw.numel()
+    assert planes["workspace"].numel() >= q.workspace_numel(n, cfg)
+    assert 4 * q.workspace_numel(n, cfg) <= 0.1 * raw.numel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata.env import ENV
 from strata.kernels.quant import q4_k
 from strata.kernels.quant.q4_k import (
     BLOCK_BYTES,
@@ -49,6 +50,13 @@ TOL_SEMANTICS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3}
 TOL_FP32_REF = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
+
+
+@pytest.fixture(autouse=True)
+def dequantizing_decode(monkeypatch):
+    """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
+    a few rows (tested in tests/test_kernel_quant_dp4a.py)."""
+    monkeypatch.setenv(ENV.Q4K_DECODE.name, "dequant")
 
 
 @pytest.fixture(autouse=True)

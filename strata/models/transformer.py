@@ -54,7 +54,8 @@ class CausalLM(nn.Module):
 
     def set_batch_invariant(self, on: bool) -> None:
         """`--batch-invariant`: every module that multiplies rows by a weight computes each row alone
-        (`strata.kernels.invariant`; dense float weights)."""
+        (`strata.kernels.invariant`; float weights, and Q8_0 / FP8 ones kept quantized:
+        `strata.kernels.quant.invariant`; the engine refuses what it does not cover)."""
         for m in self.modules():
             if hasattr(m, "batch_invariant"):
                 m.batch_invariant = on
@@ -109,6 +110,7 @@ class CausalLM(nn.Module):
                 m.gemv_ws = self.gemv_ws
             self._share_read_context()
             self._share_dequant_buffer(dtype)
+            self._share_quant_workspace()
 
     def _share_dequant_buffer(self, dtype: torch.dtype) -> None:
         """One buffer the size of the largest quantized weight, in the model dtype, for every weight's
@@ -123,6 +125,21 @@ class CausalLM(nn.Module):
         buf = torch.empty(max(q.n * q.k for q in weights), dtype=dtype, device=weights[0].device)
         for q in weights:
             q.dequant_buf = buf
+
+    def _share_quant_workspace(self) -> None:
+        """One split-K workspace for every quantized weight's decode kernels instead of one each (at the
+        8B shape ~10 MiB a layer, 360 MiB in all, once the dp4a and dequantizing GEMVs both split K).
+        Each kernel keeps its counters at the start of a workspace and its partials at its end
+        (`strata.kernels.splitk`); twice the largest weight's own size leaves every weight's partials
+        clear of every weight's counters, which each launch leaves at zero. Launches run one after
+        another on a stream, as the model's bf16 GEMVs share `gemv_ws`."""
+        weights = [q for q in qweights_of(self) if q.workspace is not None]
+        if len(weights) < 2:
+            return
+        shared = torch.zeros(2 * max(q.workspace.numel() for q in weights), dtype=torch.int32,
+                             device=weights[0].device)
+        for q in weights:
+            q.workspace = shared
 
     def _share_read_context(self) -> None:
         """One stream-K scratch context for the model's Q8_0 weights, its largest fix-up reserved now so

@@ -63,9 +63,14 @@ class QWeight:
         if k % mod.BLOCK_VALUES or tuple(raw.shape) != (n, k // mod.BLOCK_VALUES * mod.BLOCK_BYTES):
             raise ValueError(f"{ggml_type} [{n}, {k}]: expected raw blocks of shape "
                              f"({n}, {k // mod.BLOCK_VALUES * mod.BLOCK_BYTES}), got {tuple(raw.shape)}")
+        planes = mod.repack(raw.contiguous())
+        # A format whose repack makes its split-K workspace (IQ3_S) hands it over: one place for every
+        # format's, which `CausalLM.pack` shares across a model's weights and the read stage twins.
+        workspace = planes.pop("workspace", None)
         numel = mod.gemv_workspace_numel(n, k) if hasattr(mod, "gemv_workspace_numel") else 0
-        workspace = torch.zeros(numel, dtype=torch.int32, device=raw.device) if numel else None
-        return cls(ggml_type, n, k, mod.repack(raw.contiguous()), workspace)
+        if workspace is None and numel:
+            workspace = torch.zeros(numel, dtype=torch.int32, device=raw.device)
+        return cls(ggml_type, n, k, planes, workspace)
 
     def _dequantized_read(self, x: torch.Tensor) -> bool:
         from strata.env import ENV
@@ -80,8 +85,9 @@ class QWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = [self.workspace] if self.workspace is not None else []
-        return sum(t.numel() * t.element_size() for t in [*self.planes.values(), *extra])
+        """The weight's bytes on its device: its planes (the split-K workspace, shared by a packed
+        model's weights, is scratch, not weight)."""
+        return sum(t.numel() * t.element_size() for t in self.planes.values())
 
     @property
     def device(self) -> torch.device:

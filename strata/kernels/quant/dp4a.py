@@ -19,8 +19,9 @@ not depend on M or on the other rows, from run to run.
 The interpreter (TRITON_INTERPRET=1, the only way the kernel runs on CPU tensors) cannot run inline
 PTX: there `dp4a` is emulated with shifts and integer multiplies, which give the same integers.
 
-STATUS: built and checked in the interpreter and by compiling for sm_90; not yet timed on a GPU, so
-`q8_0.matmul` does not use it unless STRATA_Q8_DECODE=dp4a.
+STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes): 1.6-1.8x
+faster at M = 1, 1.2-1.6x slower at M = 8; whole-model decode at batch 1 went from 175 to 279 tok/s.
+`q8_0.matmul` takes it up to `q8_0.DP4A_MAX_ROWS` rows by default (STRATA_Q8_DECODE=auto).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from dataclasses import dataclass
 import torch
 
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store, split_k_views
+from strata.kernels.splitk import (
+    shared_split_k_numel,
+    split_k_numel,
+    split_k_parts,
+    split_k_range,
+    split_k_store,
+    split_k_views,
+)
 
 try:
     import triton
@@ -57,13 +65,24 @@ class Dp4aConfig:
     num_stages: int = 3
 
 
-def config_for(n: int, k: int, block_ks=(256, 128, 64)) -> Dp4aConfig:
-    """64 rows per program, the first of `block_ks` dividing K per step, split-K to about three programs
-    per SM with each split >= 2 steps (at most 8). Untimed: the sweeps (`sweep`) measure the others."""
+def config_for(n: int, k: int, block_ks=(256, 128, 64), block_n: int = 64) -> Dp4aConfig:
+    """`block_n` rows per program, the first of `block_ks` dividing K per step, and split-K to about
+    four programs per SM: the largest power of two <= min(4 · NUM_SMS / tiles, steps / 2, 8), at least 1
+    (the H200 sweeps' best configurations ran 2-4 programs per SM with power-of-two splits). With 64
+    rows and 256 values: 4096 x 4096 -> 8, 6144 x 4096 -> 4, 24576 x 4096 -> 1, 4096 x 12288 -> 8."""
     block_k = next(b for b in block_ks if k % b == 0)
-    tiles, steps = -(-n // 64), k // block_k
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, 8))
-    return Dp4aConfig(64, block_k, split)
+    tiles, steps = -(-n // block_n), k // block_k
+    limit = max(1, min(4 * NUM_SMS // tiles, steps // 2, 8))
+    return Dp4aConfig(block_n, block_k, 1 << (limit.bit_length() - 1))
+
+
+def wide_config(n: int, k: int, block_ks=(256, 128, 64)) -> Dp4aConfig:
+    """128 rows per program where that still leaves >= 2 programs per SM after split-K, else 64 (the
+    Q4_K and IQ3_S sweeps' best M = 1 configurations mostly had 128 rows)."""
+    wide = config_for(n, k, block_ks, block_n=128)
+    if -(-n // 128) * wide.split_k >= 2 * NUM_SMS:
+        return wide
+    return config_for(n, k, block_ks)
 
 
 def gemv_config(n: int, k: int) -> Dp4aConfig:
@@ -80,12 +99,29 @@ def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
     return workspace_for(config or gemv_config(n, k), n)
 
 
-def decode_kernel(switch) -> str:
-    """The decode GEMV a format's STRATA_*_DECODE switch names: 'dequant' or 'dp4a'."""
+def decode_kernel(switch, rows: int, max_rows: int) -> str:
+    """The decode GEMV ('dequant' or 'dp4a') for a call of `rows` <= MAX_ROWS rows under a format's
+    STRATA_*_DECODE switch: 'dequant' and 'dp4a' name one; 'auto' takes dp4a up to the format's
+    `max_rows` (its DP4A_MAX_ROWS) and the dequantizing GEMV above. The limits come from H200 sweeps
+    at M = 1 and 8 only (dp4a faster at M = 1 for all three formats, slower at M = 8 for Q8_0 and
+    Q4_K); rows 2-7 were interpolated linearly between the two, not measured."""
     choice = switch.get()
-    if choice not in ("dequant", "dp4a"):
-        raise ValueError(f"{switch.name}={choice!r}: expected 'dequant' or 'dp4a'")
+    if choice not in ("auto", "dequant", "dp4a"):
+        raise ValueError(f"{switch.name}={choice!r}: expected 'auto', 'dequant' or 'dp4a'")
+    if choice == "auto":
+        return "dp4a" if rows <= max_rows else "dequant"
     return choice
+
+
+def shared_workspace_numel(n: int, dequant_parts: tuple[int, int], cfg: Dp4aConfig | None) -> int:
+    """int32 elements of one split-K workspace for a weight's dequantizing GEMV (its `split_k_parts`)
+    and its dp4a GEMV under `cfg` (None: no dp4a): both may run on it, one after the other, so it
+    holds the larger counter region and the larger partial region (`splitk.shared_split_k_numel`),
+    not just the larger total, with which one kernel's partials could land on the other's counters."""
+    parts = [dequant_parts]
+    if cfg is not None:
+        parts.append(split_k_parts(n, cfg.block_n, cfg.split_k, MAX_ROWS))
+    return shared_split_k_numel(parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +337,9 @@ def sweep() -> None:
     from strata.kernels.quant import q8_0
 
     sweep_against("Q8_0", lambda n, k: q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed=n + k)).cuda()),
-                  lambda x, p, n, k, out, ws: q8_0.matmul_triton(x, p, n, k, out, workspace=ws),
+                  # The configuration given: the dequantizing GEMV whatever STRATA_Q8_DECODE says.
+                  lambda x, p, n, k, out, ws: q8_0.matmul_triton(x, p, n, k, out, workspace=ws,
+                                                                 config=q8_0.gemv_config(n, k)),
                   lambda x, p, n, k, out, ws, cfg: q8_gemv_dp4a(x, p["qs"], p["d"], out, workspace=ws, config=cfg),
                   lambda n, k, cfg: q8_0.gemv_workspace_numel(n, k) if cfg is None else workspace_numel(n, k, cfg),
                   34 / 32)

@@ -12,7 +12,7 @@ dequantization is bit for bit gguf's.
 Planes (`repack`, 110 bytes per block, exactly the file's size): "qs" uint8 [N, K/4], "signs" int32
 [N, K/32] (a sub-block's 32 sign bits as one little-endian word), "qh" uint8 [N, K/32] (one byte per
 sub-block), "scales" uint8 [N, K/64], "d" fp16 [N, K/256]; plus "workspace" int32 where the decode
-configuration of (N, K) splits K (counters and fp32 partials, ≤ 8% of the weight bytes). The grid is
+configuration of (N, K) or the dp4a one splits K (counters and fp32 partials for either). The grid is
 a 2 KB int32 [512] table (4 magnitudes packed per word) on each device, gathered by the kernels.
 
 Kernels. Both dequantize a [BLOCK_N, BLOCK_K] weight tile in registers one grid word per 4 values:
@@ -24,8 +24,9 @@ x: IEEE fp32 dot); the result is rounded once to x's dtype.
   strata/kernels/gemv.py), so every M ≤ 16 runs one binary and a row's result does not depend on
   the others. Optional deterministic split-K: the last program of a column tile to arrive (atomic
   ticket) sums the fp32 partials in split order and resets the ticket.
-- M ≤ 16 with STRATA_IQ3S_DECODE=dp4a: the packed-int8 GEMV of `iq3_s_dp4a.py` instead (off by
-  default until timed on the GPU).
+- M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_IQ3S_DECODE=auto, the default): the packed-int8 GEMV of
+  `iq3_s_dp4a.py` instead; STRATA_IQ3S_DECODE=dequant or dp4a picks one kernel for every M ≤ 16. A
+  row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 - M > 16 (prompt reads): a tiled GEMM, x tiles [BLOCK_M, BLOCK_K] times dequantized weight tiles
   (each weight tile is dequantized once per BLOCK_M rows of x, so BLOCK_M is large).
 Configurations are functions of (N, K) (and, for the GEMM, x's dtype and M ≤ 128 or not) only, chosen by reasoning for
@@ -47,10 +48,11 @@ import torch
 import torch.nn.functional as F
 
 from strata.env import ENV
-from strata.kernels.quant.dp4a import decode_kernel
+from strata.kernels.quant import iq3_s_dp4a
+from strata.kernels.quant.dp4a import decode_kernel, shared_workspace_numel
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 
@@ -71,6 +73,10 @@ BLOCK_BYTES = 110
 GEMV_MAX_ROWS = 16  # M ≤ this runs the GEMV; its MMA pads x to this many rows
 NUM_SMS = 132  # H200; a constant so that configurations depend on (N, K) only
 WORKSPACE_MAX_FRACTION = 0.08  # split-K only where its workspace stays this small next to the weight
+# Rows up to which STRATA_IQ3S_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
+# 14.7-54.2 us against 34.1-154.0 at M = 1 and still 31.4-123.5 against 34.0-153.7 at M = 8; the
+# linear interpolation crosses at M = 9-12. Rows 2-7 were interpolated, 9-16 not measured.
+DP4A_MAX_ROWS = 8
 
 
 def _grid_words() -> torch.Tensor:
@@ -88,8 +94,8 @@ def _grid_words() -> torch.Tensor:
 GRID_WORDS = _grid_words()  # CPU; `grid_table` puts it on a device
 
 
-def _decode_kernel() -> str:
-    return decode_kernel(ENV.IQ3S_DECODE)
+def _decode_kernel(rows: int) -> str:
+    return decode_kernel(ENV.IQ3S_DECODE, rows, DP4A_MAX_ROWS)
 
 
 @lru_cache(maxsize=16)
@@ -119,16 +125,19 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
         "scales": field(106, 110).view(n, k // 64),
         "d": field(0, 2).view(torch.float16).view(n, k // 256),
     }
-    from strata.kernels.quant import iq3_s_dp4a
-
-    cfg = gemv_config(n, k)
-    numel = workspace_numel(n, cfg) if cfg.split_k > 1 else 0
-    if _decode_kernel() == "dp4a":  # room for its split-K too: counters at the start, partials at the end
-        numel = max(numel, iq3_s_dp4a.workspace_numel(n, k))
+    numel = decode_workspace_numel(n, k)
     if numel:
         planes["workspace"] = torch.zeros(numel, dtype=torch.int32, device=raw.device)
     grid_table(raw.device)
     return planes
+
+
+def decode_workspace_numel(n: int, k: int) -> int:
+    """int32 elements of planes["workspace"]: room for the split-K of both decode GEMVs in their (N, K)
+    configurations, whatever STRATA_IQ3S_DECODE says: the switch is read per call, the planes made once."""
+    cfg = gemv_config(n, k)
+    parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    return shared_workspace_numel(n, parts, iq3_s_dp4a.gemv_config(n, k))
 
 
 def signed_quants(planes: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,7 +390,7 @@ def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
            *, config: TileConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ -> [M, N] in x's dtype. `config` overrides the (N, K) configuration of the regime
-    M selects; `workspace` (int32, ≥ workspace_numel, zeroed once) overrides planes["workspace"] for
+    M selects (given, a GEMV is the dequantizing one; else STRATA_IQ3S_DECODE may pick dp4a); `workspace` (int32, ≥ workspace_numel, zeroed once) overrides planes["workspace"] for
     a split-K GEMV, and one is allocated only when neither is there (a config override)."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x: expected [M, {k}] with contiguous rows, got {tuple(x.shape)} strides {x.stride()}")
@@ -408,7 +417,7 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
         _gemm_kernel[grid](x, x.stride(0), *weights, out, out.stride(0), m, n, k, BLOCK_M=cfg.block_m,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, **common)
         return out
-    if config is None and x.dtype != torch.float32 and _decode_kernel() == "dp4a":
+    if config is None and x.dtype != torch.float32 and _decode_kernel(m) == "dp4a":
         from strata.kernels.quant.iq3_s_dp4a import iq3s_gemv_dp4a
 
         ws = workspace if workspace is not None else planes.get("workspace")

@@ -33,6 +33,9 @@ cp.async pipeline. Split-K: the last-arriving program of a row tile sums the fp3
 order (deterministic, no float atomics) and resets the tile's ticket, so one zeroed workspace
 (`gemv_workspace_numel`) serves every call on a stream; `matmul(..., workspace=)` takes it, and
 without it a split-K shape allocates a zeroed one per call (from the graph pool under capture).
+M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_Q4K_DECODE=auto, the default): the packed-int8 GEMV of
+`q4_k_dp4a.py` instead (x quantized per 32 values); STRATA_Q4K_DECODE=dequant or dp4a picks one kernel
+for every M ≤ 16. A row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 M > 16 (prompt reads): a tiled GEMM in grouped tile order; each weight tile is dequantized in
 registers, stored to shared memory and read by wgmma. Grids depend on shapes only and nothing is
 read back to the host: both are CUDA-graph safe.
@@ -55,7 +58,7 @@ from strata.env import ENV
 from strata.kernels.quant.dp4a import decode_kernel
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format, weight_copies
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
@@ -78,6 +81,10 @@ BLOCK_BYTES = 144
 GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
 NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows up to which STRATA_Q4K_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
+# 9.9-28.1 us against 18.4-52.1 at M = 1, 25.4-122.5 against 18.8-52.3 at M = 8; the linear
+# interpolation crosses at M = 2.8-5.2. Rows 2-7 were interpolated, not measured.
+DP4A_MAX_ROWS = 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,21 +377,19 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
-    without a config and with STRATA_Q4K_DECODE=dp4a, enough for the dp4a GEMV too (its views take
-    counters from the start and partials from the end of the same buffer)."""
+    without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
+    configurations, whatever STRATA_Q4K_DECODE says: the switch is read per call, the workspace made once."""
     if config is not None:
         return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
+    from strata.kernels.quant import dp4a, q4_k_dp4a
+
     cfg = gemv_config(n, k)
-    numel = split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    if _decode_kernel() == "dp4a":
-        from strata.kernels.quant import q4_k_dp4a
-
-        numel = max(numel, q4_k_dp4a.workspace_numel(n, k))
-    return numel
+    parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    return dp4a.shared_workspace_numel(n, parts, q4_k_dp4a.gemv_config(n, k))
 
 
-def _decode_kernel() -> str:
-    return decode_kernel(ENV.Q4K_DECODE)
+def _decode_kernel(rows: int) -> str:
+    return decode_kernel(ENV.Q4K_DECODE, rows, DP4A_MAX_ROWS)
 
 
 def _check_block_k(block_k: int, k: int) -> None:
@@ -473,12 +478,13 @@ def gemm_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
            *, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ → [M, N] in x's dtype (semantics: `matmul_ref`). M ≤ 16: the GEMV (a row's bits
-    do not depend on M); larger M: the GEMM. Off CUDA (no interpreter): `matmul_ref`."""
+    do not depend on M; STRATA_Q4K_DECODE picks it or, up to DP4A_MAX_ROWS rows, the dp4a GEMV);
+    larger M: the GEMM. Off CUDA (no interpreter): `matmul_ref`."""
     if not kernels_run(x, _gemv_kernel):
         _check_call(x, planes, n, k, out, allocate=False)
         return matmul_ref(x, planes, n, k, out)
     if x.shape[0] <= GEMV_MAX_ROWS:
-        if _decode_kernel() == "dp4a" and x.dtype != torch.float32:
+        if _decode_kernel(x.shape[0]) == "dp4a" and x.dtype != torch.float32:
             from strata.kernels.quant.q4_k_dp4a import q4k_gemv_dp4a
 
             _check_call(x, planes, n, k, out, allocate=False)

@@ -26,8 +26,9 @@ Kernels.
   (`QWeight` keeps one per weight) or allocated per call. M is not specialised on and the
   tile never depends on M, so every M ≤ 16 runs one binary and a row's result is bit-identical
   whatever else is in the batch, and from run to run.
-- M ≤ 16 with STRATA_Q8_DECODE=dp4a: the packed-int8 GEMV of `dp4a.py` instead (x quantized per 32
-  values; off by default until timed on the GPU).
+- M ≤ DP4A_MAX_ROWS with 16-bit x and K % 64 == 0 (STRATA_Q8_DECODE=auto, the default): the
+  packed-int8 GEMV of `dp4a.py` instead (x quantized per 32 values); STRATA_Q8_DECODE=dequant or dp4a
+  picks one kernel for every M ≤ 16. A row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 - M > 16 (prompt reads): a tiled GEMM over (BLOCK_M, BLOCK_N) output tiles in grouped order (a
   group of M tiles shares each weight tile through L2); each weight tile is dequantized in registers
   the same way and fed transposed to tl.dot with the x tile.
@@ -55,7 +56,7 @@ from strata.env import ENV
 from strata.kernels.quant.dp4a import decode_kernel
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_range, split_k_store, split_k_views
 from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 
@@ -78,6 +79,10 @@ GEMV_MAX_ROWS = 16  # M up to this runs the GEMV, whose MMA pads x to 16 rows
 NUM_SMS = 132  # H200; a constant, not a device query, so configurations depend on shapes only
 SMEM_BUDGET = 110 << 10  # pipeline buffers per GEMV program: two programs fit an SM's 227 KB
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows up to which STRATA_Q8_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
+# 11.1-33.9 us against 18.1-61.1 at M = 1, 21.2-98.5 against 18.1-61.9 at M = 8; the linear
+# interpolation crosses at M = 3.9-5.8. Rows 2-7 were interpolated, not measured.
+DP4A_MAX_ROWS = 3
 
 
 @dataclass(frozen=True)
@@ -132,22 +137,20 @@ def gemv_config(n: int, k: int) -> Q8Config:
 
 
 def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
-    """int32 elements of the GEMV's split-K workspace (0 without split-K); without a config and with
-    STRATA_Q8_DECODE=dp4a, enough for the dp4a GEMV too (its split-K views take counters from the
-    start and partials from the end of the same buffer)."""
+    """int32 elements of the GEMV's split-K workspace (0 without split-K); without a config, one that
+    the dequantizing GEMV and (K % 64 == 0) the dp4a GEMV can both use in their (N, K) configurations,
+    whatever STRATA_Q8_DECODE says: the switch is read per call, the workspace made once."""
     if config is not None:
         return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
+    from strata.kernels.quant import dp4a
+
     cfg = gemv_config(n, k)
-    numel = split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    if _decode_kernel() == "dp4a" and k % 64 == 0:
-        from strata.kernels.quant import dp4a
-
-        numel = max(numel, dp4a.workspace_numel(n, k))
-    return numel
+    parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    return dp4a.shared_workspace_numel(n, parts, dp4a.gemv_config(n, k) if k % 64 == 0 else None)
 
 
-def _decode_kernel() -> str:
-    return decode_kernel(ENV.Q8_DECODE)
+def _decode_kernel(rows: int) -> str:
+    return decode_kernel(ENV.Q8_DECODE, rows, DP4A_MAX_ROWS)
 
 
 def fp32_gemv_config(n: int, k: int) -> Q8Config:
@@ -356,7 +359,8 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
                   workspace: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels: the GEMV for M ≤ 16, the GEMM above. x [M, K] bf16/fp16/fp32 with contiguous rows
     (any row stride) on the planes' device; out [M, N] in x's dtype with contiguous rows, or None.
-    `config` overrides the regime's configuration (a GEMV one must have block_m 16)."""
+    `config` overrides the regime's configuration (a GEMV one must have block_m 16; given, the GEMV is
+    the dequantizing one, else STRATA_Q8_DECODE may pick dp4a)."""
     qs, d = _check_planes(planes, n, k)
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES or x.device != qs.device:
         raise ValueError(f"x: expected [M, {k}] bf16/fp16/fp32 with contiguous rows on {qs.device}, got "
@@ -377,7 +381,7 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     on = use_pdl(x)
     fp32_dot = x.dtype == torch.float32 or not x.is_cuda
     common = dict(FP32_DOT=fp32_dot, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if gemv and x.dtype != torch.float32 and config is None and k % 64 == 0 and _decode_kernel() == "dp4a":
+    if gemv and x.dtype != torch.float32 and config is None and k % 64 == 0 and _decode_kernel(m) == "dp4a":
         from strata.kernels.quant import dp4a
 
         return dp4a.q8_gemv_dp4a(x, qs, d, out, workspace=workspace)
