@@ -142,12 +142,12 @@ step() {  # name, seconds, command...
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
           --out $R/decode_qwen3-next-80b-a3b-36l_cuda.json ;;
       # Issue 15: the invariant GEMM / attention against their claims, the engine matrix, then the bench.
-      invariant-tests) step invariant-tests 400 $T tests/test_kernel_matmul.py tests/test_kernel_attention_invariant.py tests/test_kernel_row_lse.py \
-          tests/test_batch_invariance.py ;;
+      invariant-tests) step invariant-tests 500 $T tests/test_kernel_matmul.py tests/test_kernel_attention_invariant.py tests/test_kernel_row_lse.py \
+          tests/test_kernel_quant_invariant.py tests/test_kernel_moe_invariant.py tests/test_batch_invariance.py ;;
       matmul-sweep) TAIL=80 step matmul-sweep 400 python3 -m strata.kernels.matmul --sweep ;;
       determinism) for m in off on; do step determinism-$m 500 $B determinism --shape qwen3-8b --clients 64 --parallel 8 \
           --chunk 512 $([ $m = on ] && echo "--batch-invariant --costs") --out $R/determinism_${m}_cuda.json; done ;;
-      fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py ;;
+      fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py tests/test_kernel_fp8_rows.py ;;
       fp8-sweep) TAIL=80 step fp8-sweep 300 python3 -m strata.kernels.quant.fp8 --sweep ;;
       *) echo "unknown step $s" ;;
     esac

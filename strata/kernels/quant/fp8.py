@@ -38,20 +38,18 @@ import torch.nn.functional as F
 from strata.kernels import gemv as k_gemv
 from strata.kernels import kernels_run
 from strata.kernels.gemv import GemvConfig
+from strata.kernels.quant.fp8_rows import E4M3_MAX, quantize_rows
 from strata.kernels.timing import time_us
 
 GGML_TYPE = "FP8"  # Strata's own name: not a GGUF type
 BLOCK_VALUES = 1
 BLOCK_BYTES = 1
-E4M3_MAX = 448.0
 _ROW_MULTIPLE = 16  # cuBLASLt's FP8 GEMM wants every dimension a multiple of 16
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (e4m3 [M, K], fp32 scale [M]) with x ≈ q * scale per row."""
-    x32 = x.float()
-    scale = x32.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX
-    return (x32 / scale[:, None]).to(torch.float8_e4m3fn), scale
+    """x [M, K] → (e4m3 [M, K], fp32 scale [M]) with x ≈ q * scale per row (`fp8_rows`)."""
+    return quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
 
 
 def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -149,11 +147,7 @@ def scaled_mm_matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k
     """The reads' path: x quantized per row, then torch._scaled_mm (module docstring)."""
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    xq, xs = _quantize_rows(x2)
-    pad = -m % _ROW_MULTIPLE if x.is_cuda else 0
-    if pad:
-        xq = torch.cat([xq, xq.new_zeros(pad, k)])
-        xs = torch.cat([xs, xs.new_ones(pad)])
+    xq, xs = quantize_rows(x2 if x2.stride(1) == 1 else x2.contiguous(), -m % _ROW_MULTIPLE if x.is_cuda else 0)
     y = torch._scaled_mm(xq, planes["w"].t(), scale_a=xs[:, None], scale_b=planes["scale"][None, :],
                          out_dtype=x.dtype)
     y = y[:m].view(*x.shape[:-1], n)

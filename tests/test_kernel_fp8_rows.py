@@ -1,0 +1,75 @@
+"""Per-row FP8 quantization of activations (strata/kernels/quant/fp8_rows.py), the kernel (the
+interpreter on the CPU) against the torch reference: scales bitwise; codes bitwise on the GPU, and in
+the interpreter wherever its fp8 cast is right (it halves a code that rounds up to a power of two and
+truncates subnormals, so those are checked to be exactly that); padding rows zero with scale 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.kernels.quant.fp8_rows import _quantize_rows_kernel, quantize_rows, quantize_rows_ref, quantize_rows_triton
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _x(m, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 7, (m, 1), generator=g).float())
+    x[0, :] = 0.0  # a zero row: the scale's floor
+    return x.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m, k, pad", [(5, 300, 0), (3, 2100, 13), (1, 64, 15)])
+def test_matches_reference(m, k, pad, dtype):
+    x = _x(m, k, dtype, m * k + pad)
+    q, s = quantize_rows_triton(x, pad)
+    q_ref, s_ref = quantize_rows_ref(x, pad)
+    assert q.shape == (m + pad, k) and q.dtype == torch.float8_e4m3fn and s.shape == (m + pad,)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q[m:].float(), torch.zeros(pad, k, device=DEV)) and torch.equal(s[m:], torch.ones(pad, device=DEV))
+    got, want = q[:m].float(), q_ref[:m].float()
+    if CUDA:
+        assert torch.equal(got, want)
+        back = q[:m].float() * s[:m, None]
+        assert ((back - x.float()).abs() <= x.float().abs().amax(1, keepdim=True) * 2**-4 + 1e-30).all()
+    else:
+        # The interpreter's cast drops a carry into the next power of two and truncates subnormals
+        # (|v| < 2^-6, steps of 2^-9); any other difference is the kernel's.
+        carried = (got != want) & (got * 2 == want) & (torch.frexp(want)[0].abs() == 0.5)
+        truncated = (got != want) & (want.abs() < 2**-6) & ((got - want).abs() <= 2**-9)
+        ok = ~(carried | truncated)
+        assert torch.equal(got[ok], want[ok])
+    assert torch.equal(quantize_rows(x.cpu(), pad)[0].float(), quantize_rows_ref(x.cpu(), pad)[0].float())
+
+
+def test_the_kernel_runs_here():
+    """The CPU suite runs the kernel in the interpreter (conftest sets TRITON_INTERPRET=1), not only
+    the reference; `quantize_rows` itself takes the reference off CUDA."""
+    from strata.kernels import kernels_run
+
+    assert kernels_run(torch.zeros(1, device=DEV), _quantize_rows_kernel)
+
+
+def test_rejects_strided_rows():
+    with pytest.raises(ValueError, match="contiguous rows"):
+        quantize_rows(torch.zeros(8, 4, device=DEV).t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_gpu_read_sizes_bitwise_and_timed(k):
+    """A 4K read's activations at the 8B shape: codes and scales bitwise the reference's, padding rows
+    zero; the time against the torch form printed (`-s`), not asserted."""
+    from strata.kernels.timing import time_us
+
+    x = _x(4090, k, torch.bfloat16, k)
+    q, s = quantize_rows(x, 6)
+    q_ref, s_ref = quantize_rows_ref(x, 6)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    t_kernel = time_us([lambda: quantize_rows(x, 6)], 50)
+    t_ref = time_us([lambda: quantize_rows_ref(x, 6)], 50)
+    print(f"fp8 row quantization 4090x{k}: kernel {t_kernel:.1f} us, torch {t_ref:.1f} us ({t_ref / t_kernel:.1f}x)")
