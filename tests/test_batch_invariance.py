@@ -215,11 +215,77 @@ def test_gpu_qwen3_8b_shape_rows_alone_and_in_a_batch():
     _same(got, want)
 
 
-@pytest.mark.parametrize("kw, what", [(dict(keep_quantized=True), "quantized weights"),
-                                      (dict(quantize="fp8"), "quantized weights")])
-def test_what_the_mode_does_not_cover_is_refused(model, kw, what):
-    with pytest.raises(ValueError, match=what):
-        _engine(model, **kw)
+# ---- weights kept quantized ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory) -> dict[str, str]:
+    """The tiny dense Qwen3 (intermediate 256, so that ffn_down's rows hold Q4_K's 256-value blocks)
+    as GGUF files: "q8_0" keeps every projection and the LM head in Q8_0; "q4_k" the same but ffn_down
+    in Q4_K."""
+    from safetensors.torch import load_file
+
+    from gguf import GGMLQuantizationType as QT
+    from test_gguf import _hf_config, write_gguf
+    from tiny_models import save_tiny_model
+
+    src = str(tmp_path_factory.mktemp("qwen3_256"))
+    save_tiny_model("qwen3", src, intermediate_size=256)
+    c, tensors = _hf_config(src), load_file(f"{src}/model.safetensors")
+    q8 = {"output.weight": QT.Q8_0} | {f"blk.{i}.{t}.weight": QT.Q8_0 for i in range(c["num_hidden_layers"])
+                                       for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                 "ffn_down")}
+    q4 = q8 | {f"blk.{i}.ffn_down.weight": QT.Q4_K for i in range(c["num_hidden_layers"])}
+    out = tmp_path_factory.mktemp("ggufs")
+    return {name: write_gguf(out / f"{name}.gguf", c, tensors, qtypes=q) for name, q in (("q8_0", q8), ("q4_k", q4))}
+
+
+def _count_quantized_rows(monkeypatch) -> list[int]:
+    """Counts the rows that go through the quantized weights' invariant product (the CPU's reference)."""
+    from strata.kernels.quant import invariant as k_quant_invariant
+
+    rows, original = [], k_quant_invariant.matmul_invariant_q_ref
+
+    def counted(x, weight, bias=None, out=None):
+        rows.append(x.shape[0])
+        return original(x, weight, bias, out)
+
+    monkeypatch.setattr(k_quant_invariant, "matmul_invariant_q_ref", counted)
+    return rows
+
+
+def test_dense_model_fp8(tiny_model_dirs, monkeypatch):
+    """`--quantize fp8` (made at load, on the CPU too): every projection an FP8 `QWeight`; the matrix
+    holds through the quantized weights' invariant product."""
+    from strata.kernels.quant import qweights_of
+
+    fp8 = load_model(tiny_model_dirs["qwen3"][0], device="cpu", dtype=torch.float32, progress=False, quantize="fp8")
+    assert {q.ggml_type for q in qweights_of(fp8.model)} == {"FP8"}
+    rows = _count_quantized_rows(monkeypatch)
+    _matrix(fp8, quantize="fp8")
+    assert rows
+
+
+def test_dense_model_q8_0_kept_quantized(ggufs, monkeypatch):
+    """A GGUF file's Q8_0 projections and LM head kept quantized: the same matrix."""
+    from strata.kernels.quant import qweights_of
+
+    q8 = load_model(ggufs["q8_0"], device="cpu", dtype=torch.float32, progress=False, keep_quantized=True)
+    assert {q.ggml_type for q in qweights_of(q8.model)} == {"Q8_0"} and q8.model.lm_head_q is not None
+    rows = _count_quantized_rows(monkeypatch)
+    _matrix(q8, keep_quantized=True)
+    assert rows
+
+
+def test_what_the_mode_does_not_cover_is_refused(tiny_model_dirs, ggufs):
+    """Weights kept quantized in another format (Q4_K), and MoE experts kept quantized (FP8 here:
+    their grouped products are not row-invariant), are refused by name."""
+    q4k = load_model(ggufs["q4_k"], device="cpu", dtype=torch.float32, progress=False, keep_quantized=True)
+    with pytest.raises(ValueError, match="kept quantized in Q4_K"):
+        _engine(q4k, keep_quantized=True)
+    moe = load_model(tiny_model_dirs["glm4_moe"][0], device="cpu", dtype=torch.float32, progress=False,
+                     quantize="fp8")
+    with pytest.raises(ValueError, match="MoE experts kept quantized"):
+        _engine(moe, quantize="fp8")
 
 
 def test_hybrid_models_are_refused(tiny_model_dirs):

@@ -106,15 +106,29 @@ def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device) -> None:
+def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device, model: torch.nn.Module) -> None:
     """What --batch-invariant covers so far (issue 15): the CPU's torch path for dense and MoE models; on
-    CUDA dense models (the invariant GEMM and attention kernels); no linear-attention layers."""
+    CUDA dense and MoE models (the invariant GEMM, grouped-expert GEMM, routing and attention kernels);
+    no linear-attention layers. Weights
+    kept quantized (`model` as loaded): Q8_0 and FP8 linear weights (`strata.kernels.quant.invariant`),
+    no other format and no MoE experts kept quantized (their grouped kernels are not row-invariant)."""
     if not cfg.batch_invariant:
         return
+    from strata.kernels.quant import invariant as k_quant_invariant
+    from strata.kernels.quant import qweights_of
+    from strata.models.moe import MoE
+
+    formats = sorted({q.ggml_type for q in qweights_of(model) if not k_quant_invariant.supports(q)})
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    quantized_experts = any(m.fp8 is not None or m.quant is not None for m in moes)
+    # On CUDA the invariant MoE runs on the stacked experts (`MoE._grouped_invariant`).
+    unstacked = device.type == "cuda" and any(m.w13 is None and m.fp8 is None and m.quant is None for m in moes)
     missing = [what for what, lacking in (
-        ("MoE routing and expert kernels on CUDA", device.type == "cuda" and mc.is_moe),
+        ("MoE layers whose experts are not stacked on CUDA", unstacked),
         (f"{mc.model_type}'s linear-attention layers", mc.is_hybrid),
-        ("quantized weights (--keep-quantized, --quantize)", cfg.keep_quantized or bool(cfg.quantize))) if lacking]
+        (f"weights kept quantized in {', '.join(formats)} (covered: "
+         f"{', '.join(k_quant_invariant.FORMATS)})", bool(formats)),
+        ("MoE experts kept quantized (--keep-quantized, --quantize fp8)", quantized_experts)) if lacking]
     if missing:
         raise ValueError("--batch-invariant is not built yet for " + "; ".join(missing))
 
@@ -150,7 +164,7 @@ class LLMEngine:
         self.eos_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
 
         mc = self.model_config
-        _check_batch_invariant(cfg, mc, self.device)
+        _check_batch_invariant(cfg, mc, self.device, self.model)
         self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:
             cfg = self.cfg = _hybrid_limits(cfg, mc)

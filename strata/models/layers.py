@@ -27,6 +27,7 @@ from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import use_triton
 from strata.kernels.quant import QWeight, QWeightStack
+from strata.kernels.quant import invariant as k_quant_invariant
 from strata.kernels.scratch import scratch
 from strata.models.attention import AttentionBackend
 
@@ -37,10 +38,15 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor
     GPU (a workspace, set by `CausalLM.pack`, says the model runs there). Its K order depends only on
     the weight's shape, so a row's result is the same for any batch of up to 16 rows. A `QWeight` (a
     weight kept quantized) goes through its format's kernels. `invariant` (`--batch-invariant`, float
-    weights): a row's result is the same for any number of rows (`strata.kernels.invariant`)."""
+    weights and Q8_0 / FP8 ones kept quantized): a row's result is the same for any number of rows
+    (`strata.kernels.invariant`, `strata.kernels.quant.invariant`)."""
+    if invariant and k_quant_invariant.supports(weight):
+        if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+            return k_quant_invariant.matmul_invariant_q(x, weight, bias)
+        return k_quant_invariant.matmul_invariant_q_ref(x, weight, bias)
     if invariant and not isinstance(weight, (QWeight, QWeightStack)):
         if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype:
-            return k_matmul.matmul_invariant(x, weight, bias)
+            return k_matmul.matmul_invariant(x, weight, bias, workspace=scratch(workspace))
         return k_invariant.linear(x, weight, bias)
     if isinstance(weight, (QWeight, QWeightStack)):
         y = weight.matmul(x)

@@ -12,6 +12,7 @@ from torch import nn
 from strata.config import ModelConfig
 from strata.kernels import invariant as k_invariant
 from strata.kernels import moe_decode as k_moe
+from strata.kernels import moe_invariant as k_moe_inv
 from strata.kernels import moe_routing as k_route
 from strata.kernels import moe_sort as k_sort
 from strata.kernels import triton_available, use_triton
@@ -41,8 +42,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (weights [N, k] fp32, expert ids [N, k], router logits [N, E] fp32). On CUDA without a
-        gradient, strata.kernels.moe_routing: one launch for up to 16 tokens, else cuBLAS logits + one."""
+        gradient, strata.kernels.moe_routing: one launch for up to 16 tokens, else cuBLAS logits + one;
+        with `batch_invariant`, `_route_invariant` for every token count."""
         weight = self.weight_f32 if self.weight_f32 is not None else self.weight.float()
+        if self.batch_invariant and x.dim() == 2 and use_triton(x):
+            return self._route_invariant(x, weight)
         if (self.route_ws is not None and x.dim() == 2 and use_triton(x)
                 and not (weight.requires_grad and torch.is_grad_enabled())):
             return k_route.router_decode(x, weight, scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm,
@@ -53,6 +57,18 @@ class Router(nn.Module):
             w, ids, logits = self._route(k_invariant.pad_rows(x.float()), weight)
             return w[:n], ids[:n], logits[:n]
         return self._route(x.float(), weight)
+
+    def _route_invariant(self, x: torch.Tensor,
+                         weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """--batch-invariant on CUDA: fp32 logits from the row-invariant GEMM (never cuBLAS, nor the fused
+        decode router, whose H order differs from it), then `moe_routing.route`: one program per row, its
+        configuration a function of (E, k) only. Settings that kernel does not serve fall back to torch's
+        softmax/topk (`route_ref`), per-row kernels whose launch configuration may follow the row count."""
+        logits = k_moe_inv.router_logits(x, weight, workspace=scratch(self.route_ws))
+        w, ids = k_route.route(logits, scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm,
+                               n_group=self.n_group, topk_group=self.topk_group, bias=self.e_score_correction_bias,
+                               scale=self.scale)
+        return w, ids, logits
 
     def _route(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(x, weight)
@@ -146,7 +162,10 @@ class MoE(nn.Module):
       it reads the group sizes on the host, one device sync per call.
     - "grouped" (after `pack_experts()`): all experts in two `torch._grouped_mm` calls over stacked
       weights, with no host sync, so a step can be queued on the GPU without the host waiting.
-    - "masked" (after `pack_experts()` on CUDA where grouped_mm cannot serve, e.g. fp32): `_masked`."""
+    - "masked" (after `pack_experts()` on CUDA where grouped_mm cannot serve, e.g. fp32): `_masked`.
+    With `batch_invariant` (issue 15) the CPU runs "loop" through the row-invariant linear, and CUDA runs
+    `_grouped_invariant` on the stacked float experts whatever the path (kept-quantized experts are not
+    covered: the engine refuses them)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -205,7 +224,7 @@ class MoE(nn.Module):
             self.gate.weight_f32 = self.gate.weight.detach().float()
         if w13.is_cuda and triton_available():
             self.sort_ws = k_sort.sort_tokens_workspace(w13.device)
-            self.gate.route_ws = k_route.router_decode_workspace(w13.device)
+            self.gate.route_ws = k_moe_inv.router_workspace(self.num_experts, hidden, w13.device)
         if _grouped_mm_works(w13, w2):
             self.path = "grouped"
             self.decode_kernel = _moe_decode_works(w13, w2, self.num_experts_per_tok)
@@ -220,6 +239,8 @@ class MoE(nn.Module):
             self.last_expert_ids = ids.detach()
         if self.batch_invariant and not x.is_cuda:
             out = self._loop(x, w, ids)  # each expert's rows through the row-invariant linear, in expert order
+        elif self.batch_invariant and self.w13 is not None and x.dtype == self.w13.dtype and use_triton(x):
+            out = self._grouped_invariant(x, w, ids)  # never the fused decode kernel: its order is its own
         elif self.fp8 is not None or self.quant is not None:
             out = self._grouped(x, w, ids)
         # The dtype test is on host metadata (no sync): under autocast x may differ from the weights.
@@ -289,3 +310,15 @@ class MoE(nn.Module):
         unsorted = torch.empty_like(y)
         unsorted[order] = y
         return unsorted.view(n, k, y.shape[-1]).sum(1)
+
+    def _grouped_invariant(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """As `_grouped`, each step leaving a token's row independent of the batch: the sort only permutes
+        (a stable argsort of the ids), the expert GEMMs are `moe_invariant.grouped_matmul_invariant`,
+        SiLU·mul is elementwise, and the combine weights each contribution, rounds it to x.dtype (as
+        `_grouped`) and adds the k of a token in slot order in fp32, rounded once
+        (`moe_invariant.moe_combine_invariant`). No host sync, as `_grouped`."""
+        order, offs = k_sort.sort_tokens(ids, self.num_experts, workspace=scratch(self.sort_ws))
+        xs = x[order // ids.shape[1]]
+        h13 = k_moe_inv.grouped_matmul_invariant(xs, self.w13, offs)
+        y = k_moe_inv.grouped_matmul_invariant(silu_mul(h13), self.w2, offs)
+        return k_moe_inv.moe_combine_invariant(y, order, w)
