@@ -18,7 +18,7 @@ from torch import nn
 from strata.config import ModelConfig
 from strata.kernels.causal_conv import causal_conv1d_varlen
 from strata.kernels.gated_delta import gated_delta_step_ref, gated_delta_varlen
-from strata.kernels.gated_delta_decode import causal_conv1d_decode, gated_delta_decode
+from strata.kernels.gated_delta_decode import causal_conv1d_decode, delta_gates, gated_delta_decode_with_gating
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
 from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear
 from strata.models.moe import MoE
@@ -76,14 +76,15 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
     def _project(self, x: torch.Tensor):
-        """q|k|v (conv input, [N, C]), z [N, Hv, Dv], b and a [N, Hv]. The checkpoint groups the
-        projections by key head: per key head q, k, then the v and z of its `ratio` value heads."""
+        """q|k|v (conv input, [N, C]), z [N, Hv, Dv], b and a [N, Hk, ratio] (views, uncopied). The
+        checkpoint groups the projections by key head: per key head q, k, then the v and z of its
+        `ratio` value heads."""
         n, r = x.shape[0], self.ratio
         qkvz = linear(x, self.in_proj_qkvz.weight).view(n, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = linear(x, self.in_proj_ba.weight).view(n, self.hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        return mixed, z.reshape(n, self.hv, self.dv), b.reshape(n, self.hv), a.reshape(n, self.hv)
+        return mixed, z.reshape(n, self.hv, self.dv), b, a
 
     def _heads(self, mixed: torch.Tensor, repeat: bool = True):
         """q, k, v per head; q and k repeated to the value heads unless `repeat` is off (per key head)."""
@@ -96,18 +97,18 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, states: RecurrentStates) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]  # [C, K]
         conv_st, rec_st = states.conv(self.linear_idx), states.recurrent(self.linear_idx)
         spans = states.spans
         if len(spans) == x.shape[0] and not any(fresh for _, _, _, fresh, _ in spans):
             # Decode: one token per sequence, every state updated in place in one batched step (on
-            # CUDA one kernel each, key heads mapped to value heads inside; elsewhere the references).
+            # CUDA one kernel each, key heads mapped to value heads and g, beta made from a, b inside;
+            # elsewhere the references).
             conv_out = causal_conv1d_decode(mixed, weight, conv_st, states.index)
             q, k, v = self._heads(conv_out, repeat=False)
-            o = gated_delta_decode(q, k, v, g, beta, rec_st, states.index)
+            o = gated_delta_decode_with_gating(q, k, v, a, b, self.A_log, self.dt_bias, rec_st, states.index)
         else:
+            g, beta = delta_gates(a, b, self.A_log, self.dt_bias)
             o = self._reads(states, mixed, g, beta, weight)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(x.shape[0], -1)
         return linear(o, self.out_proj.weight)
