@@ -74,11 +74,13 @@ step() {  # name, seconds, command...
       dp4a-sweep) TAIL=80 step dp4a-sweep 400 python3 -m strata.kernels.quant.dp4a
         TAIL=80 step q4k-dp4a-sweep 400 python3 -m strata.kernels.quant.q4_k_dp4a
         TAIL=80 step iq3s-dp4a-sweep 400 python3 -m strata.kernels.quant.iq3_s_dp4a ;;
-      quant-dp4a) STRATA_Q8_DECODE=dp4a STRATA_Q4K_DECODE=dp4a STRATA_IQ3S_DECODE=dp4a step quant-dp4a 200 $B quant \
-        --shape qwen3-8b --formats Q8_0,Q4_K,IQ3_S --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
+      q6k-dp4a-sweep) TAIL=80 step q6k-dp4a-sweep 500 python3 -m strata.kernels.quant.q6_k_dp4a ;;
+      quant-dp4a) STRATA_Q8_DECODE=dp4a STRATA_Q4K_DECODE=dp4a STRATA_IQ3S_DECODE=dp4a STRATA_Q6K_DECODE=dp4a \
+        step quant-dp4a 200 $B quant --shape qwen3-8b --formats Q8_0,Q4_K,Q4_K_M,IQ3_S,Q6_K \
+        --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
       quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py \
-          tests/test_kernel_quant_q6_k.py tests/test_kernel_quant_moe.py tests/test_kernel_quant_dequant.py ;;
+          tests/test_kernel_quant_q6_k.py tests/test_kernel_quant_q6k_dp4a.py tests/test_kernel_quant_moe.py tests/test_kernel_quant_dequant.py ;;
       # Reads through dequantize-into-buffer + cuBLAS: the kernels' GB/s and the row threshold, then the
       # engine with the switch off (the fused GEMMs) beside `quant` (on).
       dequant-bench) TAIL=80 step dequant-bench 300 python3 -m strata.kernels.quant.dequant ;;

@@ -6,7 +6,9 @@ shapes; K with a tail where the format allows one (Q8_0: K % 64 == 32, one group
 FP8: any K). Row invariance: the interpreter's own fp32 dot is a BLAS call whose summation order may
 follow the tile's shape, so rows are compared under `fma_chain_dot`, the hardware model of the "ieee"
 dot (each element's products added into the running fp32 sum one FMA at a time, in K order), which
-gives every tile shape the same bits, as the device should.
+gives every tile shape the same bits, as the device should. Split K ranges (`invariant_split_k` of a
+K of 1100-1152): decode-sized launches run each range as a program of its own (workspace counters
+back at zero after each), longer ones walk the ranges in each program, bitwise alike.
 GPU (`pytest -m gpu`): Qwen3-8B shapes in bf16, rows of M = 1 ... 2048 bitwise against the same rows
 inside an M = 4096 launch (even rows cancelling, so their outputs are fp32 rounding residues),
 fp32 on CUDA, CUDA-graph replay, and a timing table (`-s`; not asserted).
@@ -20,18 +22,28 @@ from __future__ import annotations
 
 import os
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from strata.kernels import matmul as k_matmul
-from strata.kernels.matmul import DECODE_MAX_M, INVARIANT_FALLBACK, WIDE_CONFIGS, MatmulConfig, decode_config
+from strata.kernels.matmul import (
+    DECODE_MAX_M,
+    INVARIANT_FALLBACK,
+    WIDE_CONFIGS,
+    MatmulConfig,
+    decode_config,
+    invariant_split_k,
+    invariant_workspace_parts,
+)
 from strata.kernels.quant import QWeight, QWeightStack, random_blocks
 from strata.kernels.quant import invariant as k_quant_invariant
 from strata.kernels.quant.invariant import (
     FORMATS,
     bench,
+    invariant_q_workspace_parts,
     matmul_invariant_q,
     matmul_invariant_q_ref,
     matmul_invariant_q_triton,
@@ -125,6 +137,8 @@ CASES = [
     ("Q8_0", 17, 72, 128, False, 8, 0),
     ("FP8", 5, 40, 100, True, 8, 0),  # K tail: 100 = 64 + 36
     ("FP8", 66, 48, 128, False, 0, 5),
+    ("Q8_0", 3, 40, 1152, True, 8, 2),  # two K ranges of 9 steps as programs of their own
+    ("FP8", 2, 40, 1100, True, 0, 3),  # the same for FP8: its scale and bias after the ranges' sum
 ]
 
 
@@ -186,6 +200,54 @@ def test_rows_invariant_across_configs(fma_chain_dot, fmt, dtype):
     assert rel_err(out[1::2], matmul_invariant_q_ref(x[1::2], w)) <= TOL[dtype]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("fmt, dtype", [("Q8_0", torch.float32), ("FP8", torch.bfloat16)],
+                         ids=["Q8_0-fp32", "FP8-bf16"])
+def test_split_ranges_rows_invariant_across_m(fma_chain_dot, fmt, dtype):
+    """A weight whose K takes two ranges (`invariant_split_k`; K with a tail: Q8_0 1120 = 17 steps of
+    64 and a group, FP8 1100 = 17 blocks and 12): M = 1 and 3 run each range as a program of its own
+    (the last adds them), M = 70 walks the ranges in each program; rows bitwise equal (even rows
+    cancel: their outputs are rounding residues, so no other grouping of the sums passes). The calls
+    share one workspace (sized by `invariant_q_workspace_parts`), its counters back at zero after
+    each. (K = 1152 would put the range boundary on the cancelling half: every residue exactly 0.)"""
+    n, k = 40, {"Q8_0": 1120, "FP8": 1100}[fmt]
+    assert invariant_split_k(n, k) == 2 and q_config(fmt, 1, n, k, dtype, False).split_k == 2
+    w, half = make_weight(fmt, n, k, seed_of("split", fmt), cancel=True)
+    x = make_x(70, k, dtype, seed_of("split-x", fmt, dtype), half=half)
+    full = run_checked(x, w)
+    assert full[0::2].abs().max() > 0, "no residue: the cancelling rows would test nothing"
+    assert rel_err(full[1::2], matmul_invariant_q_ref(x[1::2], w)) <= TOL[dtype]
+    counters, partials = invariant_q_workspace_parts(w)
+    ws = torch.zeros(counters + partials, dtype=torch.int32, device=DEV)
+    for start, rows in ((0, 3), (0, 1), (66, 1)):  # the second and third calls find the first's workspace
+        got = matmul_invariant_q(x[start : start + rows], w, workspace=ws)
+        assert torch.equal(got, full[start : start + rows]), f"M={rows} from row {start}"
+        assert not ws[:counters].any(), "counters left non-zero"
+    assert ws[counters:].any(), "no partials in the workspace: the ranges did not run as programs"
+
+
+@needs_interpreter
+@FMTS
+def test_split_ranges_across_configs(fma_chain_dot, fmt):
+    """Under the hardware model, tiles of other shapes with the same four ranges give a row the bits of
+    M = 1 (split programs; cancelling rows), and the ranges do change them: one range and four differ
+    on some cancelling row. K has a tail in the last, longer range: Q8_0 544 = 8 steps of 64 and one
+    group, FP8 540 = 8 blocks of 64 and 28."""
+    n, k, m = 40, {"Q8_0": 544, "FP8": 540}[fmt], 70
+    w, half = make_weight(fmt, n, k, seed_of("split-cfg", fmt), cancel=True)
+    x = make_x(m, k, torch.bfloat16, seed_of("split-cfg-x", fmt), half=half)
+    rows = (0, 1, 64, 66)
+    base = replace(decode_config(n), split_k=4)
+    alone = {i: run_checked(x[i : i + 1], w, None, base)[0] for i in rows}
+    for cfg in (base, replace(INVARIANT_FALLBACK, split_k=4), MatmulConfig(128, 64, num_warps=8, split_k=4)):
+        out = run_checked(x, w, None, cfg)
+        for i in rows:
+            assert torch.equal(out[i], alone[i]), f"{cfg}: row {i}"
+    assert rel_err(out[1::2], matmul_invariant_q_ref(x[1::2], w)) <= TOL[torch.bfloat16]
+    unsplit = run_checked(x, w, None, decode_config(n))
+    assert any(not torch.equal(unsplit[i], alone[i]) for i in rows if i % 2 == 0), "ranges changed nothing"
+
+
 @DTYPES
 def test_stack_fills_its_columns(dtype):
     """A stack of Q8_0, FP8 and Q8_0 parts (formats may mix) with a bias: each part's columns equal
@@ -238,8 +300,14 @@ def test_dispatch_config_and_validation():
                 assert cfg.block_k == 64 and cfg.block_m % 64 == 0 and cfg.num_warps % 4 == 0, (fmt, m, cfg)
                 if fmt == "Q8_0":
                     assert cfg.block_m * cfg.block_n // (32 * cfg.num_warps) <= 64, (m, cfg)
+                assert cfg.split_k == invariant_split_k(n, k), (fmt, m, cfg)
+            # A decode launch's workspace is the 16-bit GEMM's for the same shape (`CausalLM.pack`).
+            assert invariant_q_workspace_parts(QWeight(fmt, n, k, {})) == invariant_workspace_parts(n, k)
             one = {q_config(fmt, m, 4096, 4096, torch.float32, True) for m in (1, 64, 65, 4096)}
             assert len(one) == 1, one
+    stack = QWeightStack((QWeight("FP8", 4096, 4096, {}), QWeight("Q8_0", 1024, 4096, {})))
+    assert invariant_q_workspace_parts(stack) == (128, 4096 // 32 * 4 * 64 * 32)  # the 4096 part's, the larger
+    assert invariant_q_workspace_parts(QWeight("Q8_0", 1024, 4096, {})) == (32, 1024 // 32 * 8 * 64 * 32)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

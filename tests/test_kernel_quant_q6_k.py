@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata.env import ENV
 from strata.kernels.quant import q6_k
 from strata.kernels.quant.q6_k import (
     BLOCK_BYTES,
@@ -50,6 +51,13 @@ TOL_FP32_REF = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 QT6 = gguf.GGMLQuantizationType.Q6_K
+
+
+@pytest.fixture(autouse=True)
+def dequantizing_decode(monkeypatch):
+    """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
+    a few rows (tested in tests/test_kernel_quant_q6k_dp4a.py)."""
+    monkeypatch.setenv(ENV.Q6K_DECODE.name, "dequant")
 
 
 def seed_of(*parts) -> int:

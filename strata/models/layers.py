@@ -42,7 +42,7 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor
     (`strata.kernels.invariant`, `strata.kernels.quant.invariant`)."""
     if invariant and k_quant_invariant.supports(weight):
         if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
-            return k_quant_invariant.matmul_invariant_q(x, weight, bias)
+            return k_quant_invariant.matmul_invariant_q(x, weight, bias, workspace=scratch(workspace))
         return k_quant_invariant.matmul_invariant_q_ref(x, weight, bias)
     if invariant and not isinstance(weight, (QWeight, QWeightStack)):
         if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype:

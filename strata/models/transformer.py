@@ -18,6 +18,8 @@ from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
 from strata.kernels.matmul import invariant_workspace_parts
 from strata.kernels.splitk import shared_split_k_numel
 from strata.kernels.quant import QWeight, qweights_of
+from strata.kernels.quant.invariant import invariant_q_workspace_parts
+from strata.kernels.quant.invariant import supports as supports_invariant_q
 from strata.models.decoder import DecoderLayer
 from strata.models.layers import RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
@@ -104,7 +106,10 @@ class CausalLM(nn.Module):
                        if getattr(getattr(m, "shared_head", None), "head", None) is not None]
             # The batch-invariant GEMM's decode-sized launches take their split ranges' partials there too.
             parts = [gemv_workspace_parts(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype)]
-            numel = shared_split_k_numel(parts + [invariant_workspace_parts(n, k) for n, k in shapes])
+            parts += [invariant_workspace_parts(n, k) for n, k in shapes]
+            # Kept-quantized projections (and a stack's parts) launch with shapes `shapes` does not list.
+            parts += [invariant_q_workspace_parts(q) for q in qweights_of(self) if supports_invariant_q(q)]
+            numel = shared_split_k_numel(parts)
             self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.model.embed_tokens.weight.device)
             for m in packed:
                 m.gemv_ws = self.gemv_ws

@@ -3,9 +3,13 @@ for any M ≥ 1, a row's bits the same whatever other rows are computed with it 
 `--batch-invariant` with `--keep-quantized` Q8_0 files or `--quantize fp8`).
 
 It is the construction of `strata.kernels.matmul` (its docstring says why a row cannot depend on M:
-one K order fixed by the weight, BLOCK_K fixed, M unspecialised, the configuration varying with M only
-in tile sizes, warps and stages; here one program walks all of K, no split), with the weight tile
-decoded in registers:
+K cut into ranges fixed by the weight's shape, `matmul.invariant_split_k`, each summed from zero in K
+order and the range sums added in range order; BLOCK_K fixed, M unspecialised, the configuration
+varying with M only in tile sizes, warps and stages), with the weight tile decoded in registers. At
+decode sizes (M ≤ BLOCK_M) each range is a program of its own and the last to arrive adds the ranges'
+sums (`strata.kernels.splitk`); longer launches walk the ranges one after another in each program:
+the same additions in the same order. Ranges are whole BLOCK_K = 64 blocks (two Q8_0 groups), cut
+as matmul cuts them, a K tail in the last. Per format:
 - FP8 (e4m3 [N, K], one fp32 scale per output channel): the tile becomes x's dtype exactly (every
   e4m3 value is a bf16 and an fp16) and the MMA chains the fp32 accumulator, `acc = tl.dot(a, wᵀ,
   acc)`, over BLOCK_K = 64 in K order, as the bf16 GEMM does; the epilogue multiplies the sum by the
@@ -13,21 +17,22 @@ decoded in registers:
 - Q8_0 (int8 quants [N, K], an fp16 scale per 32 values): the scale changes every 32 values of K, so
   each 32-value group has its own MMA from zero, `part = tl.dot(a, qᵀ)` (fp32; the quants in x's
   dtype, exactly), and one FMA per output adds it, `acc = fma(part, d, acc)`, group after group in K
-  order. A K step holds two groups (BLOCK_K = 64: the step's scales are then 4 contiguous bytes a
-  weight row, which the pipeliner copies asynchronously; one group's 2 bytes it would load in the
-  loop); the arithmetic is that of one group per step. The weight is never rounded to x's dtype (the
-  format's own kernels round d·q to it), so the result is also closer to the fp32 reference.
+  order, from zero again at each range. A K step holds two groups (BLOCK_K = 64: the step's scales
+  are then 4 contiguous bytes a weight row, which the pipeliner copies asynchronously; one group's 2
+  bytes it would load in the loop); the arithmetic is that of one group per step. The weight is
+  never rounded to x's dtype (the format's own kernels round d·q to it), so the result is also
+  closer to the fp32 reference.
   The explicit FMA (not `acc + part * d`) keeps the compiler from contracting, or not, differently
   in the binaries of different configurations.
 - fp32 x: the "ieee" dot (an FMA chain in K order). Under the interpreter 16-bit x takes it too: its
   16-bit dot is not the GPU's, so the decoded 16-bit operands are widened (exactly) first; the CPU
   tests then check the decoding and the order of the sums, only the MMA instruction differs.
 
-Configurations (`q_config`): `matmul.invariant_config`'s tiles, warps and stages, over one K range
-(not the K ranges the 16-bit GEMM may split decode into), except that Q8_0 leaves out tiles whose accumulator
-takes more than 64 fp32 registers a thread (256x128 and 128x256 on 8 warps): its `part` doubles that.
-fp32 on CUDA: one FMA configuration for every M. Reasoned, not timed (`python -m
-strata.kernels.quant.invariant` times them against the formats' own kernels and cuBLAS).
+Configurations (`q_config`): `matmul.invariant_config`'s tiles, warps, stages and K ranges, except
+that Q8_0 leaves out tiles whose accumulator takes more than 64 fp32 registers a thread (256x128 and
+128x256 on 8 warps): its `part` doubles that. fp32 on CUDA: one FMA configuration for every M. Reasoned,
+not timed (`python -m strata.kernels.quant.invariant` times them against the formats' own kernels and
+cuBLAS). Decode-sized launches take a workspace (`invariant_q_workspace_parts`).
 
 Semantics (`matmul_invariant_q_ref`, what the CPU engine runs): the weight dequantized to fp32
 (`QWeight.dequantize`, exact for both formats), `strata.kernels.invariant.linear` (rows padded: a
@@ -35,13 +40,15 @@ row's fp32 result does not depend on M on the CPU either), rounded once to x's d
 differ from it by fp32 summation order (and FP8's scale applied after the sum) and the final rounding.
 
 PDL prologue first, launched with `launch_pdl`. CUDA graphs: grid and configuration come from shapes,
-nothing is read back, nothing is allocated except `out` when none is given (a `QWeightStack` writes
-each part into its columns of that one output).
+nothing is read back, nothing is allocated except `out` and a workspace when none is given (a
+`QWeightStack` writes each part into its columns of that one output, its launches one after another
+sharing a given workspace).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -57,9 +64,11 @@ from strata.kernels.matmul import (
     check_config,
     decode_config,
     invariant_config,
+    invariant_split_k,
 )
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant import QWeight, QWeightStack
+from strata.kernels.splitk import split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.tiles import grouped_tile
 
 try:
@@ -90,25 +99,32 @@ def _acc_regs(cfg: MatmulConfig) -> int:
     return cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
 
 
-def _one_range(cfg: MatmulConfig, block_k: int) -> MatmulConfig:
-    """cfg's tile, warps, stages and program order, with `block_k`, summing K in one range (these
-    kernels never split K, whatever ranges the 16-bit GEMM's configuration may carry)."""
-    return MatmulConfig(cfg.block_m, cfg.block_n, block_k, cfg.num_warps, cfg.num_stages, cfg.group_m)
-
-
 def q_config(ggml_type: str, m: int, n: int, k: int, dtype: torch.dtype, on_cuda: bool) -> MatmulConfig:
     """The configuration of x [m, k] @ Wᵀ for a weight in `ggml_type` (module docstring). Varies with
     m only in tile sizes, warps, stages and program order; BLOCK_K is 64 (FP8 in fp32 on CUDA: the FMA
-    configuration's, one for every M, whose chain no BLOCK_K reorders)."""
+    configuration's, one for every M, whose chain no BLOCK_K reorders) and the K ranges are
+    `invariant_split_k(n, k)`, whatever m."""
+    split = invariant_split_k(n, k)
     if dtype == torch.float32 and on_cuda:
-        return _one_range(FP32_CONFIG, BLOCK_K if ggml_type == "Q8_0" else FP32_CONFIG.block_k)
+        return replace(FP32_CONFIG, block_k=BLOCK_K if ggml_type == "Q8_0" else FP32_CONFIG.block_k, split_k=split)
     if ggml_type != "Q8_0":
-        return _one_range(invariant_config(m, n, k), BLOCK_K)
+        return invariant_config(m, n, k)
     if m > DECODE_MAX_M:
         for cfg in WIDE_CONFIGS:
             if _acc_regs(cfg) <= Q8_0_MAX_ACC_REGS and cfg.tiles(m, n) >= MIN_TILES:
-                return _one_range(cfg, BLOCK_K)
-    return _one_range(decode_config(n), BLOCK_K)
+                return replace(cfg, block_k=BLOCK_K, split_k=split)
+    return replace(decode_config(n), block_k=BLOCK_K, split_k=split)
+
+
+def invariant_q_workspace_parts(weight) -> tuple[int, int]:
+    """(counter slots, partial elements) of the workspace that decode-sized launches on `weight` (one
+    `supports` takes) need, for `shared_split_k_numel`: the largest of its parts' (a stack's parts
+    launch one after another), in 16-bit and in fp32 on CUDA. A 16-bit QWeight [n, k] needs what
+    `matmul.invariant_workspace_parts(n, k)` gives: the same decode tile and K ranges."""
+    parts = weight.parts if isinstance(weight, QWeightStack) else (weight,)
+    sizes = [split_k_parts(p.n, c.block_n, c.split_k, c.block_m) for p in parts for c in
+             (q_config(p.ggml_type, 1, p.n, p.k, dtype, True) for dtype in (torch.bfloat16, torch.float32))]
+    return max(c for c, _ in sizes), max(e for _, e in sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,23 +158,17 @@ def _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok):
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@jit(do_not_specialize=["m"])
-def _q8_0_kernel(x_ptr, x_stride, qs_ptr, d_ptr, bias_ptr, out_ptr, out_stride, m, n, k, k_groups,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    tile_m, tile_n = grouped_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@jit
+def _q8_0_range_sum(x_ptr, x_stride, qs_ptr, d_ptr, rows, cols, row_ok, col_ok, k, k_groups, step_start, step_end,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """x[rows] @ W[cols]ᵀ over the 64-value K steps [step_start, step_end), from zero, in K order."""
     offs = tl.arange(0, 32)
     pair = tl.arange(0, 2)
-    row_ok = rows < m
-    col_ok = cols < n
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + offs[None, :]
-    q_ptrs = qs_ptr + cols.to(tl.int64)[:, None] * k + offs[None, :]
-    d_ptrs = d_ptr + cols.to(tl.int64)[:, None] * k_groups + pair[None, :]
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + step_start * 64 + offs[None, :]
+    q_ptrs = qs_ptr + cols.to(tl.int64)[:, None] * k + step_start * 64 + offs[None, :]
+    d_ptrs = d_ptr + cols.to(tl.int64)[:, None] * k_groups + step_start * 2 + pair[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(k, 64)):
+    for kb in range(step_start, step_end):
         # K is a multiple of 32: a step's first group always exists, its second unless this is a tail.
         a0 = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         q0 = tl.load(q_ptrs, mask=col_ok[:, None], other=0)
@@ -177,31 +187,63 @@ def _q8_0_kernel(x_ptr, x_stride, qs_ptr, d_ptr, bias_ptr, out_ptr, out_stride, 
         x_ptrs += 64
         q_ptrs += 64
         d_ptrs += 2
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok)
+    return acc
 
 
 @jit(do_not_specialize=["m"])
-def _fp8_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_stride, m, n, k,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+def _q8_0_kernel(x_ptr, x_stride, qs_ptr, d_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
+                 k_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                 SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """SPLIT_PROGRAMS (one row tile): program (column tile, range) sums its range of 64-value steps and
+    the last to arrive adds the ranges' sums in order (`split_k_reduce`). Otherwise each program walks
+    every range itself and adds their sums in the same order: the same bits either way."""
     pdl_prologue(USE_PDL)
-    tile_m, tile_n = grouped_tile(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
+    pid = tl.program_id(0)
+    if SPLIT_PROGRAMS:
+        tile_m, tile_n, split = 0, pid // SPLIT_K, pid % SPLIT_K
+    else:
+        tile_m, tile_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        split = 0
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     row_ok = rows < m
     col_ok = cols < n
+    steps = tl.cdiv(k, 64)
+    store = True
+    if SPLIT_PROGRAMS:
+        part = _q8_0_range_sum(x_ptr, x_stride, qs_ptr, d_ptr, rows, cols, row_ok, col_ok, k, k_groups,
+                               split * steps // SPLIT_K, (split + 1) * steps // SPLIT_K, BLOCK_M, BLOCK_N, EVEN_K,
+                               IEEE_DOT)
+        store, total_t = split_k_reduce(tl.trans(part), partial_ptr, counter_ptr, tile_n, split, rows,
+                                        tl.arange(0, BLOCK_N), row_ok, SPLIT_K, BLOCK_M, BLOCK_N)
+        acc = tl.trans(total_t)
+    else:
+        acc = _q8_0_range_sum(x_ptr, x_stride, qs_ptr, d_ptr, rows, cols, row_ok, col_ok, k, k_groups, 0,
+                              steps // SPLIT_K, BLOCK_M, BLOCK_N, EVEN_K, IEEE_DOT)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += _q8_0_range_sum(x_ptr, x_stride, qs_ptr, d_ptr, rows, cols, row_ok, col_ok, k, k_groups,
+                                   s * steps // SPLIT_K, (s + 1) * steps // SPLIT_K, BLOCK_M, BLOCK_N, EVEN_K, IEEE_DOT)
+    if store:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok)
+
+
+@jit
+def _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, kb_start, kb_end, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """x[rows] @ W[cols]ᵀ (unscaled e4m3 values) over K blocks [kb_start, kb_end), from zero, in K order."""
+    offs_k = kb_start * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * k + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(k, BLOCK_K)):
+    for kb in range(kb_start, kb_end):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w8 = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         else:
-            k_ok = kb * BLOCK_K + offs_k < k
+            k_ok = kb * BLOCK_K + tl.arange(0, BLOCK_K) < k
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w8 = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         w = w8.to(x_ptr.dtype.element_ty)  # exact
@@ -212,12 +254,47 @@ def _fp8_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_stride
             acc = tl.dot(a, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = tl.fma(acc, scale, tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :])
+    return acc
+
+
+@jit(do_not_specialize=["m"])
+def _fp8_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                SPLIT_K: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    """The ranges as in `_q8_0_kernel`; the channel's scale multiplies their sum."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    if SPLIT_PROGRAMS:
+        tile_m, tile_n, split = 0, pid // SPLIT_K, pid % SPLIT_K
     else:
-        acc = acc * scale
-    _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok)
+        tile_m, tile_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        split = 0
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < m
+    col_ok = cols < n
+    k_blocks = tl.cdiv(k, BLOCK_K)
+    store = True
+    if SPLIT_PROGRAMS:
+        part = _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, split * k_blocks // SPLIT_K,
+                              (split + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
+        store, total_t = split_k_reduce(tl.trans(part), partial_ptr, counter_ptr, tile_n, split, rows,
+                                        tl.arange(0, BLOCK_N), row_ok, SPLIT_K, BLOCK_M, BLOCK_N)
+        acc = tl.trans(total_t)
+    else:
+        acc = _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, 0, k_blocks // SPLIT_K,
+                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, s * k_blocks // SPLIT_K,
+                                  (s + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
+    if store:
+        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc = tl.fma(acc, scale, tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :])
+        else:
+            acc = acc * scale
+        _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,31 +331,40 @@ def matmul_invariant_q_ref(x: torch.Tensor, weight, bias: torch.Tensor | None = 
 
 
 def _launch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, out: torch.Tensor,
-            config: MatmulConfig | None) -> None:
+            config: MatmulConfig | None, workspace: torch.Tensor | None) -> None:
     m, n, k = x.shape[0], w.n, w.k
     cfg = config or q_config(w.ggml_type, m, n, k, x.dtype, x.is_cuda)
     check_config(cfg, x.dtype)
     if w.ggml_type == "Q8_0" and cfg.block_k != 64:
         raise ValueError(f"{cfg}: the Q8_0 kernel steps 64 values of K (two groups) at a time")
+    split_programs = cfg.split_k > 1 and m <= cfg.block_m
+    counters = partials = out  # placeholders, untouched without split programs
+    if split_programs:
+        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, cfg.block_m, x.device)
     on = use_pdl(x)
-    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
+                  SPLIT_PROGRAMS=split_programs, HAS_BIAS=bias is not None,
                   IEEE_DOT=x.dtype == torch.float32 or not x.is_cuda, USE_PDL=on, launch_pdl=on,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     bias_arg = bias if bias is not None else out  # a placeholder, never read without HAS_BIAS
-    grid = (cfg.tiles(m, n),)
+    grid = (-(-n // cfg.block_n) * cfg.split_k if split_programs else cfg.tiles(m, n),)
     if w.ggml_type == "Q8_0":
         qs, d = w.planes["qs"], w.planes["d"]
-        _q8_0_kernel[grid](x, x.stride(0), qs, d, bias_arg, out, out.stride(0), m, n, k, k // 32,
+        _q8_0_kernel[grid](x, x.stride(0), qs, d, bias_arg, out, out.stride(0), partials, counters, m, n, k, k // 32,
                            EVEN_K=k % BLOCK_K == 0, **common)
     else:
-        _fp8_kernel[grid](x, x.stride(0), w.planes["w"], w.planes["scale"], bias_arg, out, out.stride(0), m, n, k,
-                          BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, **common)
+        _fp8_kernel[grid](x, x.stride(0), w.planes["w"], w.planes["scale"], bias_arg, out, out.stride(0), partials,
+                          counters, m, n, k, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, **common)
 
 
 def matmul_invariant_q_triton(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                              out: torch.Tensor | None = None, *, config: MatmulConfig | None = None) -> torch.Tensor:
+                              out: torch.Tensor | None = None, *, config: MatmulConfig | None = None,
+                              workspace: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1). `config` overrides `q_config` for
-    every part (tests, benchmarks): a row is then only as invariant as the configurations compared."""
+    every part (tests, benchmarks): a row is then only as invariant as the configurations compared, K
+    ranges (`split_k`) included. `workspace`: int32, at least `invariant_q_workspace_parts`' sum for
+    this weight (split ranges at decode sizes; None allocates one per launch that needs it,
+    `split_k_views`); each launch leaves its counters at zero."""
     m, n, _ = _check_args(x, weight, bias, out, flat=True)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -287,19 +373,19 @@ def matmul_invariant_q_triton(x: torch.Tensor, weight, bias: torch.Tensor | None
     parts = weight.parts if isinstance(weight, QWeightStack) else (weight,)
     c = 0
     for p in parts:
-        _launch(x, p, None if bias is None else bias[c : c + p.n], out[:, c : c + p.n], config)
+        _launch(x, p, None if bias is None else bias[c : c + p.n], out[:, c : c + p.n], config, workspace)
         c += p.n
     return out
 
 
 def matmul_invariant_q(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32; contiguous rows, any row stride) @ Wᵀ (+ bias [N]) for a weight
     `supports` accepts → [M, N] in x's dtype (into `out` when given: contiguous rows). Row i is bitwise
-    the same for any M and any other rows. The kernels on CUDA (no gradient) and in the interpreter,
-    `matmul_invariant_q_ref` elsewhere."""
+    the same for any M and any other rows. The kernels on CUDA (no gradient) and in the interpreter
+    (`workspace` as `matmul_invariant_q_triton` takes it), `matmul_invariant_q_ref` elsewhere."""
     if kernels_run(x, _q8_0_kernel):
-        return matmul_invariant_q_triton(x, weight, bias, out)
+        return matmul_invariant_q_triton(x, weight, bias, out, workspace=workspace)
     return matmul_invariant_q_ref(x, weight, bias, out)
 
 
@@ -332,18 +418,19 @@ def bench(shapes=BENCH_SHAPES, ms=BENCH_MS, runs: int = 30) -> list[dict]:
         for name, n, k in shapes:
             w = random_qweight(fmt, n, k, seed=n + k, device="cuda")
             dense = w.dequantize().to(torch.bfloat16)
+            ws = torch.zeros(sum(invariant_q_workspace_parts(w)), dtype=torch.int32, device="cuda")
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                t_inv = time_us([lambda: matmul_invariant_q(x, w, out=out)], runs)
+                t_inv = time_us([lambda: matmul_invariant_q(x, w, out=out, workspace=ws)], runs)
                 t_own = time_us([lambda: w.matmul(x, out)], runs)
                 t_blas = time_us([lambda: torch.matmul(x, dense.t(), out=out)], runs)
                 cfg = q_config(fmt, m, n, k, x.dtype, True)
                 rows.append(dict(fmt=fmt, shape=name, n=n, k=k, m=m, inv_us=t_inv, own_us=t_own, cublas_us=t_blas,
                                  config=cfg))
                 print(f"{fmt:>5} {name:>8} {m:>5} | {t_inv:8.2f} {t_own:8.2f} {t_blas:8.2f} | {cfg.block_m}x"
-                      f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}", flush=True)
-            del w, dense
+                      f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}", flush=True)
+            del w, dense, ws
             torch.cuda.empty_cache()
     return rows
 

@@ -38,7 +38,10 @@ Kernels. M ≤ 16 (decode): q4_k.py's GEMV pattern — the weight tile is the MM
 x padded to 16 rows, M a runtime argument Triton does not specialise on, so every M ≤ 16 runs one
 binary and a row's result does not depend on the other rows; deterministic split-K through
 strata/kernels/splitk.py (the last program of a row tile sums the partials in split order and resets
-the ticket; the zeroed workspace is `gemv_workspace_numel` elements, which `QWeight` holds). M > 16:
+the ticket; the zeroed workspace is `gemv_workspace_numel` elements, which `QWeight` holds; it also
+holds the dp4a GEMV's). M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_Q6K_DECODE=auto; the default is dequant until timed): the
+packed-int8 GEMV of `q6_k_dp4a.py` instead (x quantized per 32 values; a row's bits then depend on
+which side of DP4A_MAX_ROWS its batch is); 'dequant' or 'dp4a' picks one kernel for every M ≤ 16. M > 16:
 a tiled GEMM in grouped tile order. Grids depend on shapes only and nothing is read back to the host
 (CUDA graphs). The configurations follow q4_k.py's reasoning for the H200 and are UNTIMED; compiled
 for sm_90a here (Triton 3.9, not the target's 3.6): the bf16 GEMV (64x128) at 96 registers, ~7.5 SASS
@@ -54,11 +57,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata.env import ENV
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.quant.dp4a import decode_kernel
 from strata.kernels.quant.iq3_s import _dot
 from strata.kernels.quant.q4_k import GemmConfig, GemvConfig, check_x_out
-from strata.kernels.splitk import split_k_numel, split_k_range, split_k_store, split_k_views
+from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_range, split_k_store, split_k_views
 from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format
 from strata.kernels.tiles import grouped_tile
 
@@ -80,6 +85,10 @@ BLOCK_BYTES = 210
 GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
 NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows up to which STRATA_Q6K_DECODE=auto runs the dp4a GEMV (`q6_k_dp4a.py`): Q4_K's limit, by analogy
+# (the same unpacking work per value against a similar dequantizing GEMV); NOT YET TIMED for Q6_K, to be
+# re-set from `q6_k_dp4a.sweep` at M = 1 and 8.
+DP4A_MAX_ROWS = 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,15 +135,20 @@ def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
             raise ValueError(f"Q6_K plane {name!r}: expected contiguous {dtype} {shape}, got {got}")
 
 
-def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
-    """fp32 [N, K], equal bit for bit to gguf.quants.dequantize(raw, Q6_K)."""
+def quants(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """The 6-bit quants q (0..63), uint8 [N, K] in K order."""
     _check_planes(planes, n, k)
     halves = k // 128
     ql = planes["ql"].view(n, halves, 64)
     low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # [N, halves, 128]: values j, then 64 + j
     shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=ql.device).view(1, 1, 4, 1)
     high = ((planes["qh"].view(n, halves, 1, 32) >> shifts) & 3).view(n, halves, 128)  # values 32t + i
-    q = (low | (high << 4)).float() - 32.0
+    return (low | (high << 4)).view(n, k)
+
+
+def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """fp32 [N, K], equal bit for bit to gguf.quants.dequantize(raw, Q6_K)."""
+    q = quants(planes, n, k).float() - 32.0
     ds = planes["d"].repeat_interleave(16, dim=1) * planes["scales"].float()  # [N, K/16]
     return (ds[:, :, None] * q.view(n, k // 16, 16)).view(n, k)
 
@@ -311,9 +325,20 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
-    """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials."""
-    cfg = config or gemv_config(n, k)
-    return split_k_numel(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
+    without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
+    configurations, whatever STRATA_Q6K_DECODE says: the switch is read per call, the workspace made once."""
+    if config is not None:
+        return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
+    from strata.kernels.quant import dp4a, q6_k_dp4a
+
+    cfg = gemv_config(n, k)
+    parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+    return dp4a.shared_workspace_numel(n, parts, q6_k_dp4a.gemv_config(n, k))
+
+
+def _decode_kernel(rows: int) -> str:
+    return decode_kernel(ENV.Q6K_DECODE, rows, DP4A_MAX_ROWS)
 
 
 def _check_block_k(block_k: int, k: int) -> None:
@@ -386,11 +411,19 @@ def gemm_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
            *, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ → [M, N] in x's dtype (semantics: `matmul_ref`). M ≤ 16: the GEMV (a row's bits
-    do not depend on M); larger M: the GEMM. Off CUDA (no interpreter): `matmul_ref`."""
+    do not depend on M; STRATA_Q6K_DECODE picks it or, up to DP4A_MAX_ROWS rows of 16-bit x, the dp4a
+    GEMV, whose semantics are `q6_k_dp4a.gemv_q6k_dp4a_ref`); larger M: the GEMM. Off CUDA (no
+    interpreter): `matmul_ref`."""
     if not kernels_run(x, _gemv_kernel):
         _check_call(x, planes, n, k, out, allocate=False)
         return matmul_ref(x, planes, n, k, out)
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    m = x.shape[0]
+    if m <= GEMV_MAX_ROWS:
+        if m > 0 and x.dtype != torch.float32 and _decode_kernel(m) == "dp4a":
+            from strata.kernels.quant.q6_k_dp4a import q6k_gemv_dp4a
+
+            out = _check_call(x, planes, n, k, out)
+            return out if n == 0 else q6k_gemv_dp4a(x, planes, n, k, out, workspace=workspace)
         return gemv_q6k(x, planes, n, k, out, workspace=workspace)
     return gemm_q6k(x, planes, n, k, out)
 
