@@ -205,7 +205,8 @@ def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, kb_start, kb_end,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  IEEE_DOT: tl.constexpr):
-    """x[rows] @ weight[cols]ᵀ over K blocks [kb_start, kb_end), from zero, in K order."""
+    """x[rows] @ weight[cols]ᵀ over K blocks [kb_start, kb_end), from zero, in K order. A weight of
+    another dtype (e4m3: `strata.kernels.quant.invariant`) becomes x's dtype first, exactly."""
     offs_k = kb_start * BLOCK_K + tl.arange(0, BLOCK_K)
     # int64 row offsets: an lm_head's output at long M passes 2^31 elements.
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
@@ -219,9 +220,10 @@ def _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, kb_start
             k_ok = kb * BLOCK_K + tl.arange(0, BLOCK_K) < k
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w = w.to(x_ptr.dtype.element_ty)
         # Chained: every MMA step adds into the running fp32 sum, in K order (the module docstring).
-        if IEEE_DOT:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        if IEEE_DOT:  # fp32, or 16-bit widened exactly where a caller asks for FMA order
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(w), acc)
         x_ptrs += BLOCK_K

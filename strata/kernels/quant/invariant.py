@@ -61,6 +61,7 @@ from strata.kernels.matmul import (
     MIN_TILES,
     WIDE_CONFIGS,
     MatmulConfig,
+    _k_range_sum,
     check_config,
     decode_config,
     invariant_config,
@@ -230,39 +231,13 @@ def _q8_0_kernel(x_ptr, x_stride, qs_ptr, d_ptr, bias_ptr, out_ptr, out_stride, 
         _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok)
 
 
-@jit
-def _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, kb_start, kb_end, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """x[rows] @ W[cols]ᵀ (unscaled e4m3 values) over K blocks [kb_start, kb_end), from zero, in K order."""
-    offs_k = kb_start * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * k + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb_start, kb_end):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            w8 = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            k_ok = kb * BLOCK_K + tl.arange(0, BLOCK_K) < k
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w8 = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        w = w8.to(x_ptr.dtype.element_ty)  # exact
-        # Chained: every MMA step adds into the running fp32 sum, in K order.
-        if IEEE_DOT:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return acc
-
-
 @jit(do_not_specialize=["m"])
 def _fp8_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 SPLIT_K: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                 IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    """The ranges as in `_q8_0_kernel`; the channel's scale multiplies their sum."""
+    """The ranges as in `_q8_0_kernel`, each summed by the dense GEMM's `_k_range_sum` (e4m3 made x's
+    dtype exactly); the channel's scale multiplies their sum."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     if SPLIT_PROGRAMS:
@@ -277,16 +252,16 @@ def _fp8_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_stride
     k_blocks = tl.cdiv(k, BLOCK_K)
     store = True
     if SPLIT_PROGRAMS:
-        part = _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, split * k_blocks // SPLIT_K,
+        part = _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, split * k_blocks // SPLIT_K,
                               (split + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
         store, total_t = split_k_reduce(tl.trans(part), partial_ptr, counter_ptr, tile_n, split, rows,
                                         tl.arange(0, BLOCK_N), row_ok, SPLIT_K, BLOCK_M, BLOCK_N)
         acc = tl.trans(total_t)
     else:
-        acc = _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, 0, k_blocks // SPLIT_K,
+        acc = _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, 0, k_blocks // SPLIT_K,
                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
         for s in tl.static_range(1, SPLIT_K):
-            acc += _fp8_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, s * k_blocks // SPLIT_K,
+            acc += _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, s * k_blocks // SPLIT_K,
                                   (s + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
     if store:
         scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
