@@ -232,13 +232,14 @@ def _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, kb_start
 
 
 @jit(do_not_specialize=["m"])
-def _matmul_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   SPLIT_K: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+def _matmul_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr,
+                   m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """SPLIT_PROGRAMS (one row tile): program (column tile, range) sums its K range and the last to
     arrive adds the ranges' sums in order (`split_k_reduce`). Otherwise each program walks every range
-    itself and adds their sums in the same order: the same bits either way."""
+    itself and adds their sums in the same order: the same bits either way. HAS_SCALE: the sum times a
+    per-column fp32 scale (an FP8 weight's, `strata.kernels.quant.invariant`), fused with the bias."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     if SPLIT_PROGRAMS:
@@ -265,7 +266,13 @@ def _matmul_kernel(x_ptr, x_stride, w_ptr, bias_ptr, out_ptr, out_stride, partia
             acc += _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, s * k_blocks // SPLIT_K,
                                 (s + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
     if store:
-        if HAS_BIAS:
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+            if HAS_BIAS:
+                acc = tl.fma(acc, scale, tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :])
+            else:
+                acc = acc * scale
+        elif HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -315,10 +322,10 @@ def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     grid = _cdiv(n, config.block_n) * config.split_k if split_programs else config.tiles(m, n)
     on = use_pdl(x)
     _matmul_kernel[(grid,)](
-        x, x.stride(0), weight, weight if bias is None else bias, out, out.stride(0), partials, counters, m, n, k,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        x, x.stride(0), weight, weight, weight if bias is None else bias, out, out.stride(0), partials, counters,
+        m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         SPLIT_K=config.split_k, SPLIT_PROGRAMS=split_programs, EVEN_K=k % config.block_k == 0,
-        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
+        HAS_SCALE=False, HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
         USE_PDL=on, launch_pdl=on, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -61,7 +61,7 @@ from strata.kernels.matmul import (
     MIN_TILES,
     WIDE_CONFIGS,
     MatmulConfig,
-    _k_range_sum,
+    _matmul_kernel,
     check_config,
     decode_config,
     invariant_config,
@@ -231,47 +231,6 @@ def _q8_0_kernel(x_ptr, x_stride, qs_ptr, d_ptr, bias_ptr, out_ptr, out_stride, 
         _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok)
 
 
-@jit(do_not_specialize=["m"])
-def _fp8_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_stride, partial_ptr, counter_ptr, m, n, k,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                SPLIT_K: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    """The ranges as in `_q8_0_kernel`, each summed by the dense GEMM's `_k_range_sum` (e4m3 made x's
-    dtype exactly); the channel's scale multiplies their sum."""
-    pdl_prologue(USE_PDL)
-    pid = tl.program_id(0)
-    if SPLIT_PROGRAMS:
-        tile_m, tile_n, split = 0, pid // SPLIT_K, pid % SPLIT_K
-    else:
-        tile_m, tile_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
-        split = 0
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < m
-    col_ok = cols < n
-    k_blocks = tl.cdiv(k, BLOCK_K)
-    store = True
-    if SPLIT_PROGRAMS:
-        part = _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, split * k_blocks // SPLIT_K,
-                              (split + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
-        store, total_t = split_k_reduce(tl.trans(part), partial_ptr, counter_ptr, tile_n, split, rows,
-                                        tl.arange(0, BLOCK_N), row_ok, SPLIT_K, BLOCK_M, BLOCK_N)
-        acc = tl.trans(total_t)
-    else:
-        acc = _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, 0, k_blocks // SPLIT_K,
-                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
-        for s in tl.static_range(1, SPLIT_K):
-            acc += _k_range_sum(x_ptr, x_stride, w_ptr, rows, cols, row_ok, col_ok, k, s * k_blocks // SPLIT_K,
-                                  (s + 1) * k_blocks // SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE_DOT)
-    if store:
-        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc = tl.fma(acc, scale, tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :])
-        else:
-            acc = acc * scale
-        _store(acc, out_ptr, out_stride, rows, cols, row_ok, col_ok)
-
-
 # ----------------------------------------------------------------------------------------------
 # Public ops
 
@@ -328,8 +287,10 @@ def _launch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, out: torch.T
         _q8_0_kernel[grid](x, x.stride(0), qs, d, bias_arg, out, out.stride(0), partials, counters, m, n, k, k // 32,
                            EVEN_K=k % BLOCK_K == 0, **common)
     else:
-        _fp8_kernel[grid](x, x.stride(0), w.planes["w"], w.planes["scale"], bias_arg, out, out.stride(0), partials,
-                          counters, m, n, k, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, **common)
+        # The dense GEMM's kernel: e4m3 tiles become x's dtype exactly, the scale applied to the sum.
+        _matmul_kernel[grid](x, x.stride(0), w.planes["w"], w.planes["scale"], bias_arg, out, out.stride(0),
+                             partials, counters, m, n, k, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+                             HAS_SCALE=True, **common)
 
 
 def matmul_invariant_q_triton(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
