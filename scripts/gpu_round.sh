@@ -40,12 +40,14 @@ step() {  # name, seconds, command...
       gpu-kernels) step gpu-kernels 560 $T tests/test_kernel_*.py tests/test_kernels_*.py tests/test_device_sampling.py --durations=10 ;;
       gpu-engine) step gpu-engine 560 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_moe_packed.py tests/test_api_logprobs_n.py tests/test_quant_fp8.py tests/test_grammar_engine.py --durations=10 ;;
       gpu-all) step gpu-all ${GPU_ALL_S:-900} $T tests/ --durations=20 --continue-on-collection-errors ;;
-      peer-build)  # llama.cpp (../shared/tools/llamacpp; carry .peer) and the quantized GGUFs, in the background
+      # llama.cpp (../shared/tools/llamacpp; carry .peer) and the quantized 8B GGUFs, in the background;
+      # PEER_QUANTS= writes none of those (~16 GiB of disk that peer-next's 38 GiB file needs).
+      peer-build)
         mkdir -p /tmp/llama /tmp/peer && tar xJf .peer/llama.tar.xz -C /tmp/llama
         setsid nohup bash -c "cd /tmp/llama && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF >/tmp/peer/cmake.log 2>&1 \
           && cmake --build build -j12 --target llama-bench >/tmp/peer/build.log 2>&1; touch /tmp/peer/built" >/dev/null 2>&1 </dev/null &
-        setsid nohup bash -c "for f in Q8_0 Q4_K IQ3_S; do python3 scripts/quant_gguf.py /tmp/peer_\$f.gguf \$f \
+        setsid nohup bash -c "for f in ${PEER_QUANTS-Q8_0 Q4_K IQ3_S}; do python3 scripts/quant_gguf.py /tmp/peer_\$f.gguf \$f \
           --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf; done; touch /tmp/peer/ggufs" >/tmp/peer/gguf.log 2>&1 </dev/null &
         echo "peer build and GGUF writes started" ;;
       peer-quant)
@@ -143,6 +145,23 @@ step() {  # name, seconds, command...
           --lengths 131072,262000 --no-hf --repeats 1 --out $R/read_qwen3-next-80b-a3b-36l_long_cuda.json ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
           --out $R/decode_qwen3-next-80b-a3b-36l_cuda.json ;;
+      # Issue 12's peer comparison at one shape: Strata (fla on the path, as in next-read) and llama.cpp
+      # (after peer-build) on a random bf16 qwen3next GGUF of the same 12 layers (scripts/next_gguf.py).
+      next-12l) PYTHONPATH=/tmp/fla:$PYTHONPATH step next-12l-read 300 setsid -w $B read --shape qwen3-next-80b-a3b-12l \
+          --lengths 4096,32768 --no-hf --repeats 1 --out $R/read_qwen3-next-80b-a3b-12l_cuda.json
+        PYTHONPATH=/tmp/fla:$PYTHONPATH step next-12l-decode 300 setsid -w $B decode --shape qwen3-next-80b-a3b-12l \
+          --batch 1,8 --no-hf --repeats 1 --out $R/decode_qwen3-next-80b-a3b-12l_cuda.json ;;
+      peer-next)
+        [ -d /tmp/llama ] || { echo "peer-next: run peer-build first (it unpacks llama.cpp and its vocab)"; continue; }
+        df -h /tmp | tail -n 1
+        [ -f /tmp/peer_next.gguf ] || step peer-next-gguf 400 python3 scripts/next_gguf.py /tmp/peer_next.gguf --shape qwen3-next-80b-a3b-12l \
+          --type bf16 --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf
+        t0=$SECONDS; while [ ! -f /tmp/peer/built ]; do [ $((SECONDS - t0)) -gt 420 ] && break; sleep 5; done
+        tail -n 3 /tmp/peer/build.log
+        step peer-next 300 bash -c "/tmp/llama/build/bin/llama-bench -m /tmp/peer_next.gguf -ngl 99 -fa 1 -p 4096 -n 128 -r 2 \
+          -o json > $R/llamacpp_qwen3-next-12l_cuda.json; \
+          python3 -c 'import json,sys; [print(r[\"model_type\"], r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"], 1)) for r in json.load(open(sys.argv[1]))]' \
+          $R/llamacpp_qwen3-next-12l_cuda.json" ;;
       # Issue 15: the invariant GEMM / attention against their claims, the engine matrix, then the bench.
       invariant-tests) step invariant-tests 500 $T tests/test_kernel_matmul.py tests/test_kernel_attention_invariant.py tests/test_kernel_row_lse.py \
           tests/test_kernel_quant_invariant.py tests/test_kernel_moe_invariant.py tests/test_batch_invariance.py ;;

@@ -55,6 +55,9 @@ SHAPES: dict[str, dict] = {
     # as many as fit one H200 (the layers repeat: per-layer speed is the same).
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B,
     "qwen3-next-80b-a3b-36l": {**_QWEN3_NEXT_80B, "num_hidden_layers": 36},
+    # 9 linear-attention + 3 full-attention layers: the size of a bf16 GGUF (scripts/next_gguf.py) that
+    # fits the device's disk beside llama.cpp, so both engines time the same model.
+    "qwen3-next-80b-a3b-12l": {**_QWEN3_NEXT_80B, "num_hidden_layers": 12},
     "tiny-next": dict(model_type="qwen3_next", vocab_size=512, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
