@@ -195,3 +195,19 @@ def test_server_streams_token_id_prompts_one_chunk_per_token_urllib():
     with running_server(eng, "m") as url:
         r = stream_once(url + "/v1/completions", body, "urllib")
     assert r["completion_tokens"] == 5 and len(r["times"]) == 5 and r["times"] == sorted(r["times"])
+
+
+def test_results_record_the_switches_set(tmp_path, monkeypatch):
+    """Every bench JSON names the STRATA_* switches its command set, and only those."""
+    import json
+
+    from strata.bench.results import save
+
+    monkeypatch.setenv("STRATA_Q8_DECODE", "dp4a")
+    monkeypatch.delenv("STRATA_READ_SMS", raising=False)
+    monkeypatch.setenv("NOT_A_STRATA_SWITCH", "1")
+    out = tmp_path / "r.json"
+    save({"bench": "x"}, str(out), lambda plt, info: plt.plot([0], [0]))
+    got = json.loads(out.read_text())
+    assert got["bench"] == "x" and got["strata_env"].get("STRATA_Q8_DECODE") == "dp4a"
+    assert "STRATA_READ_SMS" not in got["strata_env"] and "NOT_A_STRATA_SWITCH" not in got["strata_env"]

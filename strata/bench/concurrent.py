@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import time
@@ -489,13 +488,7 @@ def _run(args) -> int:
             "summary": {**summarize(runs, lengths, needle_by_arm), **(serve or {})},
             "args": {k: v for k, v in vars(args).items() if k != "func"}}
     out = args.out or default_out("concurrent", name, args.kv, device)
-    if args.no_plot:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(info, f, indent=1)
-        print(f"wrote {out}")
-    else:
-        save(info, out, _draw)
+    save(info, out, None if args.no_plot else _draw)
     print_tables(summary_tables(info))
     return 0
 

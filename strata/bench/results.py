@@ -9,12 +9,23 @@ import sys
 from typing import Any, Callable, Sequence, TextIO
 
 
-def save(info: dict, out: str, draw: Callable[[Any, dict], None]) -> None:
-    """Writes `info` to `out` (JSON) and, when matplotlib is installed, `draw(plt, info)` beside it."""
+def set_switches() -> dict[str, str]:
+    """The STRATA_* switches set in this process's environment: part of the command a result came from
+    (`STRATA_Q8_DECODE=dp4a strata bench quant` measures another kernel than the default)."""
+    from strata.env import ENV
+
+    return {s.name: os.environ[s.name] for s in ENV.switches() if s.name in os.environ}
+
+
+def save(info: dict, out: str, draw: Callable[[Any, dict], None] | None) -> None:
+    """Writes `info` to `out` (JSON), with the STRATA_* switches set (`strata_env`), and, when
+    matplotlib is installed and `draw` is given, `draw(plt, info)` beside it."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump(info, f, indent=1)
+        json.dump({**info, "strata_env": set_switches()}, f, indent=1)
     print(f"wrote {out}")
+    if draw is None:
+        return
     try:
         import matplotlib
 
