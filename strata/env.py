@@ -104,6 +104,11 @@ class _Env:
     def value(self, switch: Switch[T]) -> T:
         return switch.get()
 
+    def set_in_environment(self) -> dict[str, str]:
+        """The switches set in this process's environment, as written there (a bench result records
+        them: part of the command it came from)."""
+        return {s.name: os.environ[s.name] for s in self.switches() if s.name in os.environ}
+
 
 ENV = _Env()
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import os
-import zlib
 
 import pytest
 import torch
@@ -40,6 +39,7 @@ from strata.kernels.moe_invariant import (
 )
 from strata.kernels.moe_sort import sort_tokens_ref
 from test_kernel_matmul import _bf16_dot, kstep_dot  # noqa: F401 (fixtures)
+from test_kernel_matmul import rel_err, seed_of
 from test_moe_packed import BASE, random_moe
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -51,14 +51,6 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="models the interpreter's dot")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
 def expert_stack(seed, e, n, k, dtype, device=DEV):

@@ -21,7 +21,6 @@ bf16 step apart from the reference's).
 from __future__ import annotations
 
 import os
-import zlib
 from dataclasses import replace
 
 import numpy as np
@@ -51,6 +50,8 @@ from strata.kernels.quant.invariant import (
     supports,
 )
 
+from test_kernel_matmul import rel_err, seed_of
+
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 CUDA = torch.cuda.is_available()
@@ -61,10 +62,6 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="models the inter
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 FMTS = pytest.mark.parametrize("fmt", FORMATS)
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int, device=DEV, cancel: bool = False) -> tuple[QWeight, int]:
@@ -93,10 +90,6 @@ def make_x(m: int, k: int, dtype, seed: int, device=DEV, half: int = 0) -> torch
         x[0::2, half : 2 * half] = -x[0::2, :half]
         x[0::2, 2 * half :] = 0
     return x
-
-
-def rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
 
 
 def run_checked(x, w, bias=None, config=None, out_pad=0):

@@ -8,13 +8,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence, TextIO
 
-
-def set_switches() -> dict[str, str]:
-    """The STRATA_* switches set in this process's environment: part of the command a result came from
-    (`STRATA_Q8_DECODE=dp4a strata bench quant` measures another kernel than the default)."""
-    from strata.env import ENV
-
-    return {s.name: os.environ[s.name] for s in ENV.switches() if s.name in os.environ}
+from strata.env import ENV
 
 
 def save(info: dict, out: str, draw: Callable[[Any, dict], None] | None) -> None:
@@ -22,7 +16,8 @@ def save(info: dict, out: str, draw: Callable[[Any, dict], None] | None) -> None
     matplotlib is installed and `draw` is given, `draw(plt, info)` beside it."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump({**info, "strata_env": set_switches()}, f, indent=1)
+        # `STRATA_Q8_DECODE=dp4a strata bench quant` measures another kernel than the default.
+        json.dump({**info, "strata_env": ENV.set_in_environment()}, f, indent=1)
     print(f"wrote {out}")
     if draw is None:
         return

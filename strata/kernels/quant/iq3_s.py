@@ -29,12 +29,10 @@ x: IEEE fp32 dot); the result is rounded once to x's dtype.
   row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 - M > 16 (prompt reads): a tiled GEMM, x tiles [BLOCK_M, BLOCK_K] times dequantized weight tiles
   (each weight tile is dequantized once per BLOCK_M rows of x, so BLOCK_M is large).
-Configurations are functions of (N, K) (and, for the GEMM, x's dtype and M ≤ 128 or not) only, chosen by reasoning for
-the H200 and not yet timed; both kernels were compiled for sm_90 (bf16: GEMV mma.sync at 128
-registers, GEMM wgmma at 165, no spills; the weight tile reaches shared memory in 16-byte stores).
-Under TRITON_INTERPRET the 16-bit dot runs in fp32 on the rounded values (the same products), and
-the byte-to-weight step uses a multiply where the GPU uses an fma (both exact: the GPU tests check
-the kernels' weights bit for bit).
+Configurations depend on (N, K) (the GEMM's also on x's dtype and M ≤ 128) only; timed on the H200
+by the dp4a sweep and `strata bench quant` (docs/QUANTIZATION.md). Under TRITON_INTERPRET the 16-bit
+dot runs in fp32 on the rounded values, and the byte-to-weight step multiplies where the GPU uses an
+fma (both exact: the GPU tests check the weights bit for bit).
 """
 
 from __future__ import annotations
@@ -133,8 +131,7 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def decode_workspace_numel(n: int, k: int) -> int:
-    """int32 elements of planes["workspace"]: room for the split-K of both decode GEMVs in their (N, K)
-    configurations, whatever STRATA_IQ3S_DECODE says: the switch is read per call, the planes made once."""
+    """int32 elements of planes["workspace"]: both decode GEMVs' split-K, whatever the switch says."""
     cfg = gemv_config(n, k)
     parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
     return shared_workspace_numel(n, parts, iq3_s_dp4a.gemv_config(n, k))
