@@ -74,11 +74,11 @@ class _Env:
                         "(packed int8 dot products; strata/kernels/quant/q4_k_dp4a.py) or 'auto' (dp4a up to 2 "
                         "rows, q4_k.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 1.9-2.5x faster at M = 1, "
                         "1.35-2.3x slower at M = 8 (rows 2-7 interpolated); batch-1 decode 171 -> 292 tok/s")
-    Q6K_DECODE = Switch("STRATA_Q6K_DECODE", str, "dequant",
+    Q6K_DECODE = Switch("STRATA_Q6K_DECODE", str, "auto",
                         "Q6_K decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores), 'dp4a' "
                         "(packed int8 dot products; strata/kernels/quant/q6_k_dp4a.py) or 'auto' (dp4a up to 2 "
-                        "rows, q6_k.DP4A_MAX_ROWS, by analogy with Q4_K). 'dequant' until the dp4a kernel is "
-                        "timed on a GPU (python -m strata.kernels.quant.q6_k_dp4a)")
+                        "rows, q6_k.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 1.4-1.7x faster at M = 1, "
+                        "1.75-2.3x slower at M = 8 (rows 2-7 interpolated); batch-1 decode 129 -> 187 tok/s")
     QUANT_DEQUANT_ROWS = Switch("STRATA_QUANT_DEQUANT_ROWS", int, 512,
                                 "reads of at least this many rows over GGUF-quantized weights (--keep-quantized, "
                                 "CUDA) dequantize each weight into one shared bf16 buffer and run cuBLAS instead of "

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import matmul as k_matmul
 from strata.kernels.matmul import (
     BENCH_SHAPES,
     BLOCK_K,
@@ -55,6 +56,12 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="models the interpreter's dot")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 CPU_MS = (1, 3, 17, 64, 130)
+
+
+@pytest.fixture
+def split_ranges(monkeypatch):
+    """Split K ranges on (`matmul.SPLIT_RANGES`: off in the product, where walking them costs reads)."""
+    monkeypatch.setattr(k_matmul, "SPLIT_RANGES", True)
 
 
 def seed_of(*parts) -> int:
@@ -225,7 +232,7 @@ def test_rows_invariant_across_configs_on_the_kstep_model(kstep_dot, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_split_ranges_rows_invariant_across_m(dtype):
+def test_split_ranges_rows_invariant_across_m(split_ranges, dtype):
     """A weight whose K takes split ranges (`invariant_split_k` = 2 here): decode-sized launches run
     each range as a program of its own and the last adds them; a 70-row launch walks the ranges in each
     program. Rows bitwise equal either way, bias included, and near F.linear. A second launch reuses
@@ -274,17 +281,23 @@ def test_config_selection():
         dec = invariant_config(1, n, k)
         assert dec == invariant_config(64, n, k) and dec.block_m == 64
         assert dec.tiles(1, n) >= 128, (n, dec)
-    splits = {name: invariant_split_k(n, k) for name, n, k in BENCH_SHAPES}
-    assert splits == {"qkv": 2, "o_proj": 4, "gate_up": 1, "down": 4, "lm_head": 1}
-    for _, n, k in BENCH_SHAPES:  # fixed by the weight, whatever M
-        assert {invariant_config(m, n, k).split_k for m in (1, 64, 65, 8192)} == {invariant_split_k(n, k)}
-    assert invariant_config(8192, 4096, 4096) == replace(WIDE_CONFIGS[0], split_k=4)
+    assert {invariant_config(m, n, k).split_k for _, n, k in BENCH_SHAPES for m in (1, 8192)} == {1}
+    assert invariant_config(8192, 4096, 4096) == WIDE_CONFIGS[0]
     assert invariant_config(512, 4096, 4096).tiles(512, 4096) >= 116
     assert decode_config(4096).block_n == 32 and decode_config(24576).block_n == 64
     assert decode_config(151936).block_n == 128
     for cfg in (*WIDE_CONFIGS, INVARIANT_FALLBACK):
         check_config(cfg, torch.bfloat16)
     check_config(FP32_CONFIG, torch.float32)
+
+
+def test_split_range_policy(split_ranges):
+    """With ranges on: from the weight's shape only, whatever M, enough programs at decode."""
+    splits = {name: invariant_split_k(n, k) for name, n, k in BENCH_SHAPES}
+    assert splits == {"qkv": 2, "o_proj": 4, "gate_up": 1, "down": 4, "lm_head": 1}
+    for _, n, k in BENCH_SHAPES:
+        assert {invariant_config(m, n, k).split_k for m in (1, 64, 65, 8192)} == {invariant_split_k(n, k)}
+    assert invariant_config(8192, 4096, 4096) == replace(WIDE_CONFIGS[0], split_k=4)
 
 
 def test_dispatch_and_validation():

@@ -199,9 +199,12 @@ def test_layer_rows_alone_and_in_a_batch(kstep_dot, router, dtype):
     assert rel_err(out, loop) <= (1e-5 if dtype == torch.float32 else 3e-2)
 
 
-def test_router_workspace_serves_both_router_paths():
+def test_router_workspace_serves_both_router_paths(monkeypatch):
+    from strata.kernels import matmul as k_matmul
     from strata.kernels.moe_routing import WORKSPACE_NUMEL
 
+    assert router_logits_workspace_parts(128, 2048) == (0, 0)  # one K range (`matmul.SPLIT_RANGES`)
+    monkeypatch.setattr(k_matmul, "SPLIT_RANGES", True)
     counters, partials = router_logits_workspace_parts(128, 2048)
     assert (counters, partials) == (32, 2 * 4 * 64 * 64)  # FP32_CONFIG tiles, 4 ranges of the 30B router
     ws = router_workspace(128, 2048, "cpu")

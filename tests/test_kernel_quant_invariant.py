@@ -50,7 +50,7 @@ from strata.kernels.quant.invariant import (
     supports,
 )
 
-from test_kernel_matmul import rel_err, seed_of
+from test_kernel_matmul import rel_err, seed_of, split_ranges  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -196,7 +196,7 @@ def test_rows_invariant_across_configs(fma_chain_dot, fmt, dtype):
 @needs_interpreter
 @pytest.mark.parametrize("fmt, dtype", [("Q8_0", torch.float32), ("FP8", torch.bfloat16)],
                          ids=["Q8_0-fp32", "FP8-bf16"])
-def test_split_ranges_rows_invariant_across_m(fma_chain_dot, fmt, dtype):
+def test_split_ranges_rows_invariant_across_m(fma_chain_dot, split_ranges, fmt, dtype):
     """A weight whose K takes two ranges (`invariant_split_k`; K with a tail: Q8_0 1120 = 17 steps of
     64 and a group, FP8 1100 = 17 blocks and 12): M = 1 and 3 run each range as a program of its own
     (the last adds them), M = 70 walks the ranges in each program; rows bitwise equal (even rows
@@ -260,7 +260,7 @@ def test_stack_fills_its_columns(dtype):
     assert rel_err(out, matmul_invariant_q_ref(x, stack, bias)) <= TOL[dtype]
 
 
-def test_dispatch_config_and_validation():
+def test_dispatch_config_and_validation(monkeypatch):
     q8, _ = make_weight("Q8_0", 40, 64, 1)
     fp8, _ = make_weight("FP8", 24, 64, 2)
     q4k = QWeight.from_raw("Q4_K", random_blocks("Q4_K", 16, 256, torch.Generator().manual_seed(0), "cpu"), 16, 256)
@@ -299,6 +299,8 @@ def test_dispatch_config_and_validation():
             one = {q_config(fmt, m, 4096, 4096, torch.float32, True) for m in (1, 64, 65, 4096)}
             assert len(one) == 1, one
     stack = QWeightStack((QWeight("FP8", 4096, 4096, {}), QWeight("Q8_0", 1024, 4096, {})))
+    assert invariant_q_workspace_parts(stack) == (0, 0)  # one K range: no workspace
+    monkeypatch.setattr(k_matmul, "SPLIT_RANGES", True)
     assert invariant_q_workspace_parts(stack) == (128, 4096 // 32 * 4 * 64 * 32)  # the 4096 part's, the larger
     assert invariant_q_workspace_parts(QWeight("Q8_0", 1024, 4096, {})) == (32, 1024 // 32 * 8 * 64 * 32)
 

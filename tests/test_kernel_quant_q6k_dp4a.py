@@ -149,7 +149,7 @@ def dequant_gemv(x, planes, n, k):
 def test_switch_picks_by_rows():
     switch = ENV.Q6K_DECODE
     # 'dequant' by default until the dp4a kernel is timed on a GPU; 'auto' as the other formats'.
-    assert switch.name == "STRATA_Q6K_DECODE" and switch.default == "dequant" and q6_k.DP4A_MAX_ROWS == 2
+    assert switch.name == "STRATA_Q6K_DECODE" and switch.default == "auto" and q6_k.DP4A_MAX_ROWS == 2
     rows = range(1, dp4a.MAX_ROWS + 1)
     with overridden(switch, None):
         assert {q6_k._decode_kernel(m) for m in rows} == {"dequant"}

@@ -7,10 +7,11 @@ request's greedy output never depends on what else the server runs. cuBLAS (torc
 such promise: its algorithm and split-K change with M.
 
 Why a row cannot depend on M, by construction:
-- K is cut into S ranges fixed by the weight's shape (`invariant_split_k`, never by M). Each range is
-  summed from zero in one fixed order, block 0, 1, 2, ..., with the fp32 accumulator chained through
-  `acc = tl.dot(a, b, acc)`: each MMA adds into the running sum. (`acc += tl.dot(a, b)` would first
-  round a partial sum of BLOCK_K products and then add it: the result would depend on BLOCK_K.) The S
+- K is cut into S ranges fixed by the weight's shape (`invariant_split_k`, never by M; S = 1 while
+  SPLIT_RANGES is off). Each range is summed from zero in one fixed order, block 0, 1, 2, ..., with
+  the fp32 accumulator chained through `acc = tl.dot(a, b, acc)`: each MMA adds into the running
+  sum. (`acc += tl.dot(a, b)` would first round a partial sum of BLOCK_K products and then add it:
+  the result would depend on BLOCK_K.) The S
   sums are then added in range order. At decode sizes the ranges are programs of their own (the last
   to finish adds them, `strata.kernels.splitk`); in longer launches one program walks them one after
   another: the same additions in the same order, so the same bits.
@@ -91,6 +92,13 @@ MIN_TILES = NUM_SMS - NUM_SMS // 8  # a wide configuration must give at least th
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLIT_K = 8
 MIN_SPLIT_BLOCKS = 8  # K blocks per range at least, so that each range's pipeline fills
+# Split K ranges are off. Measured on the H200 (`python -m strata.kernels.matmul --sweep`, and
+# bench/results/determinism_on_splitk_cuda.json): they took --batch-invariant's decode cost from
+# 15.1% / 15.2% (batch 1 / 8) to 14.5% / 11.3%, but a long launch walks them with a second live fp32
+# tile (the 256x128 one spills) and read costs went from 20% / 31% to 60% / 54% (4K / 32K); and the
+# qkv shape's two ranges missed bitwise equality on the device, cause not found. The kernels keep
+# the ranges (explicit configurations, and the tests, turn them on) for a walk without that tile.
+SPLIT_RANGES = False
 
 
 @dataclass(frozen=True)
@@ -156,7 +164,10 @@ def invariant_split_k(n: int, k: int) -> int:
     the ranges as programs of their own (S times the programs of its column tiles, up to about four
     an SM: no split-K otherwise leaves qkv, o_proj and down with 128-192 programs for 132 SMs), and a
     longer launch walks the same ranges one after another inside each program, so both give the same
-    bits. A power of two, at most MAX_SPLIT_K, each range at least MIN_SPLIT_BLOCKS blocks of K."""
+    bits. A power of two, at most MAX_SPLIT_K, each range at least MIN_SPLIT_BLOCKS blocks of K; 1
+    while SPLIT_RANGES is off."""
+    if not SPLIT_RANGES:
+        return 1
     tiles, blocks = _cdiv(n, decode_config(n).block_n), _cdiv(k, BLOCK_K)
     split = 1
     while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= 4 * NUM_SMS

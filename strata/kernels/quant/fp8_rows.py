@@ -36,7 +36,10 @@ BLOCK_K = 1024
 
 def quantize_rows_ref(x: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
-    scale = x32.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX
+    amax = x32.abs().amax(dim=1).clamp(min=1e-12)
+    # A tensor divisor: torch turns division by a Python scalar into multiplication by its reciprocal,
+    # one ulp off the kernel's IEEE division, which moves codes that sit on a rounding tie.
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     q = (x32 / scale[:, None]).to(torch.float8_e4m3fn)
     if pad:
         q = torch.cat([q, q.new_zeros(pad, x.shape[1])])
@@ -45,7 +48,8 @@ def quantize_rows_ref(x: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torc
 
 
 @jit(do_not_specialize=["m"])
-def _quantize_rows_kernel(x_ptr, x_stride, q_ptr, s_ptr, m, k, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, x_stride, q_ptr, s_ptr, m, k, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
@@ -56,7 +60,7 @@ def _quantize_rows_kernel(x_ptr, x_stride, q_ptr, s_ptr, m, k, BLOCK_K: tl.const
         for k0 in range(0, k, BLOCK_K):
             v = tl.load(x_row + k0 + offs, mask=k0 + offs < k, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), E4M3_MAX)
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX)
         for k0 in range(0, k, BLOCK_K):
             ok = k0 + offs < k
             v = tl.load(x_row + k0 + offs, mask=ok, other=0.0).to(tl.float32)
@@ -89,6 +93,6 @@ def quantize_rows_triton(x: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, t
     scale = torch.empty(m + pad, dtype=torch.float32, device=x.device)
     if m + pad:
         on = use_pdl(x)
-        _quantize_rows_kernel[(m + pad,)](x, x.stride(0), q, scale, m, k, BLOCK_K=BLOCK_K, USE_PDL=on,
+        _quantize_rows_kernel[(m + pad,)](x, x.stride(0), q, scale, m, k, FP8_MAX=E4M3_MAX, BLOCK_K=BLOCK_K, USE_PDL=on,
                                           launch_pdl=on, num_warps=4)
     return q, scale

@@ -39,11 +39,12 @@ x padded to 16 rows, M a runtime argument Triton does not specialise on, so ever
 binary and a row's result does not depend on the other rows; deterministic split-K through
 strata/kernels/splitk.py (the last program of a row tile sums the partials in split order and resets
 the ticket; the zeroed workspace is `gemv_workspace_numel` elements, which `QWeight` holds; it also
-holds the dp4a GEMV's). M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_Q6K_DECODE=auto; the default is dequant until timed): the
+holds the dp4a GEMV's). M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_Q6K_DECODE=auto, the default): the
 packed-int8 GEMV of `q6_k_dp4a.py` instead (x quantized per 32 values; a row's bits then depend on
 which side of DP4A_MAX_ROWS its batch is); 'dequant' or 'dp4a' picks one kernel for every M ≤ 16. M > 16:
 a tiled GEMM in grouped tile order. Grids depend on shapes only and nothing is read back to the host
-(CUDA graphs). The configurations follow q4_k.py's reasoning for the H200 and are UNTIMED; compiled
+(CUDA graphs). The configurations follow q4_k.py's reasoning for the H200, not swept (the dequantizing
+GEMV ran at 617-968 GB/s at M = 1 in the dp4a sweep, well under Q4_K's); compiled
 for sm_90a here (Triton 3.9, not the target's 3.6): the bf16 GEMV (64x128) at 96 registers, ~7.5 SASS
 instructions per weight value in its loop (Q4_K's: ~8.4 in the same compile), wgmma, no spills;
 the bf16 GEMM (128x128x128) at 181 registers, 155 KB of shared memory, no spills.
@@ -85,9 +86,10 @@ BLOCK_BYTES = 210
 GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
 NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Rows up to which STRATA_Q6K_DECODE=auto runs the dp4a GEMV (`q6_k_dp4a.py`): Q4_K's limit, by analogy
-# (the same unpacking work per value against a similar dequantizing GEMV); NOT YET TIMED for Q6_K, to be
-# re-set from `q6_k_dp4a.sweep` at M = 1 and 8.
+# Rows up to which STRATA_Q6K_DECODE=auto runs the dp4a GEMV (`q6_k_dp4a.py`). H200, the four Qwen3-8B
+# shapes and the 151,936-row head (`python -m strata.kernels.quant.q6_k_dp4a`): dp4a 15.4-318 us against
+# 22.3-528 at M = 1, 38.7-1191 against 22.1-542 at M = 8; the linear interpolation crosses at M = 2.3-3.0.
+# Rows 2-7 were interpolated, not measured.
 DP4A_MAX_ROWS = 2
 
 
@@ -293,7 +295,7 @@ def _gemm_kernel(x_ptr, x_stride, ql_ptr, qh_ptr, scales_ptr, d_ptr, out_ptr, ou
 
 
 # ----------------------------------------------------------------------------------------------
-# Configurations (q4_k.py's reasoning for the H200; UNTIMED)
+# Configurations (q4_k.py's reasoning for the H200; not swept)
 
 
 def _cdiv(a: int, b: int) -> int:
