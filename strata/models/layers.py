@@ -59,6 +59,8 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor
 
 
 class RMSNorm(nn.Module):
+    zero_centred = False  # Qwen3-Next's norms set it: x / rms(x) * (1 + weight), all in fp32
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -66,7 +68,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
-            return k_norm.rms_norm_triton(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            return k_norm.rms_norm_triton(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
+                                          zero_centred=self.zero_centred).view(x.shape)
+        if self.zero_centred:
+            return k_norm.rms_norm_ref(x, self.weight, self.eps, zero_centred=True)
         # Normalise in fp32 as the reference implementations do; bf16 variance loses too much.
         dtype = x.dtype
         x32 = x.float()
@@ -79,7 +84,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self(x), x
         if use_triton(x):
-            return k_norm.fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
+            return k_norm.fused_add_rms_norm_triton(x, residual, self.weight, self.eps, zero_centred=self.zero_centred)
         residual = x + residual
         return self(residual), residual
 

@@ -12,10 +12,10 @@ only they have K/V, numbered among themselves. Norms are zero-centred: x * (1 + 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.config import ModelConfig
+from strata.kernels import norm as k_norm
 from strata.kernels.causal_conv import causal_conv1d_varlen
 from strata.kernels.gated_delta import gated_delta_step_ref, gated_delta_varlen
 from strata.kernels.gated_delta_decode import causal_conv1d_decode, delta_gates, gated_delta_decode_with_gating
@@ -26,24 +26,19 @@ from strata.models.transformer import CausalLM
 
 
 class ZeroCentredRMSNorm(RMSNorm):
-    """RMSNorm whose weight is stored as an offset from one: x / rms(x) * (1 + w), all in fp32."""
+    """RMSNorm whose weight is stored as an offset from one: x / rms(x) * (1 + w), all in fp32 (one
+    kernel on CUDA, `norm.rms_norm(zero_centred=True)`)."""
+
+    zero_centred = True
 
     def __init__(self, dim: int, eps: float):
         super().__init__(dim, eps)
         nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x if residual is None else x + residual
-        return self(residual), residual
-
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of the delta rule's output per value head, times SiLU of the z projection."""
+    """RMSNorm of the delta rule's output per value head, times SiLU of the z projection (one kernel
+    on CUDA, `norm.gated_rms_norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -51,9 +46,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+        """x [N, Hv, Dv]; z [N, Hv, Dv] or [N, Hk, Hv // Hk, Dv] (the projection's view)."""
+        return k_norm.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -76,7 +70,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
     def _project(self, x: torch.Tensor):
-        """q|k|v (conv input, [N, C]), z [N, Hv, Dv], b and a [N, Hk, ratio] (views, uncopied). The
+        """q|k|v (conv input, [N, C]), z [N, Hk, ratio, Dv], b and a [N, Hk, ratio] (views, uncopied). The
         checkpoint groups the projections by key head: per key head q, k, then the v and z of its
         `ratio` value heads."""
         n, r = x.shape[0], self.ratio
@@ -84,7 +78,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = linear(x, self.in_proj_ba.weight).view(n, self.hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        return mixed, z.reshape(n, self.hv, self.dv), b, a
+        return mixed, z.unflatten(-1, (r, self.dv)), b, a
 
     def _heads(self, mixed: torch.Tensor, repeat: bool = True):
         """q, k, v per head; q and k repeated to the value heads unless `repeat` is off (per key head)."""
@@ -110,7 +104,7 @@ class GatedDeltaNet(nn.Module):
         else:
             g, beta = delta_gates(a, b, self.A_log, self.dt_bias)
             o = self._reads(states, mixed, g, beta, weight)
-        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(x.shape[0], -1)
+        o = self.norm(o.reshape(x.shape[0], self.hv, self.dv).contiguous(), z).reshape(x.shape[0], -1)
         return linear(o, self.out_proj.weight)
 
     def _reads(self, states: RecurrentStates, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -1,0 +1,155 @@
+"""Qwen3-Next's norms as kernels (`strata/kernels/norm.py`): the zero-centred RMSNorm (x / rms(x) *
+(1 + w), all in fp32) with and without the fused residual add, and the gated RMSNorm of the Gated
+DeltaNet output (per value head, times SiLU(z), z read through the projection's strided view).
+
+Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET); tolerances as
+in test_kernels_small.py: fp32 ≤ 1e-6 relative (the sum of squares in another order), bf16 ≤ 1e-2
+with ≤ 1% of values one ulp apart. The references are checked against the formulas the model code
+used before the kernels, so the CPU path keeps its bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import norm
+from strata.models.qwen3_next import GatedRMSNorm, ZeroCentredRMSNorm
+from test_kernels_small import CUDA, DEV, DTYPES, EPS, _assert_close, _gen, _randn
+
+
+def _offset_weight(h, dtype, seed=1):
+    return (0.3 * torch.randn(h, generator=_gen(seed))).to(dtype).to(DEV)
+
+
+def _zero_centred_formula(x, w, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + w.float())).to(x.dtype)
+
+
+def _gated_formula(x, z, w, eps):
+    """GatedRMSNorm as HF writes it, on [R, D] rows."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w * normed * F.silu(z.float())).to(x.dtype)
+
+
+def _projection(n, hk, ratio, dk, dv, dtype, seed):
+    """A [N, Hk, 2dk + 2·ratio·dv] projection and its z view [N, Hk, ratio, dv], as `_project` cuts it."""
+    qkvz = _randn(n, hk, 2 * dk + 2 * ratio * dv, dtype=dtype, seed=seed, scale=2.0)
+    z = qkvz[..., 2 * dk + ratio * dv:].unflatten(-1, (ratio, dv))
+    return qkvz, z
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_modules_keep_the_formulas_on_the_cpu(dtype):
+    x = torch.randn(5, 48, generator=_gen(0)).to(dtype) * 3
+    zc = ZeroCentredRMSNorm(48, EPS).to(dtype)
+    zc.weight.data.copy_(0.3 * torch.randn(48, generator=_gen(1)))
+    assert torch.equal(zc(x), _zero_centred_formula(x, zc.weight, EPS))
+    res = torch.randn(5, 48, generator=_gen(2)).to(dtype)
+    out, new_res = zc.add_forward(x, res.clone())
+    assert torch.equal(new_res, x + res) and torch.equal(out, _zero_centred_formula(x + res, zc.weight, EPS))
+    _, z = _projection(3, 2, 2, 8, 16, dtype, seed=3)
+    z = z.cpu()
+    o = torch.randn(3, 4, 16, generator=_gen(4)).to(dtype)
+    g = GatedRMSNorm(16, EPS).to(dtype)
+    g.weight.data.copy_(1 + 0.5 * torch.randn(16, generator=_gen(5)))
+    got = g(o, z)
+    assert got.shape == (3, 4, 16)
+    assert torch.equal(got.reshape(-1, 16), _gated_formula(o.reshape(-1, 16), z.reshape(-1, 16), g.weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,h", [(1, 32), (5, 48), (3, 96)])
+def test_zero_centred_kernel(dtype, n, h):
+    x = _randn(n, h, dtype=dtype, seed=n, scale=3.0)
+    w = _offset_weight(h, dtype)
+    out = torch.full((n, h), float("nan"), dtype=dtype, device=DEV)
+    norm.rms_norm_triton(x, w, EPS, out=out, zero_centred=True)
+    _assert_close(out, norm.rms_norm_ref(x, w, EPS, zero_centred=True), fp32_tol=1e-6)
+    res = _randn(n, h, dtype=dtype, seed=7, scale=2.0)
+    ref_res = res.clone()
+    ref_out, _ = norm.fused_add_rms_norm_ref(x, ref_res, w, EPS, zero_centred=True)
+    got, new_res = norm.fused_add_rms_norm_triton(x, res, w, EPS, zero_centred=True)
+    assert new_res is res and torch.equal(res, ref_res)
+    _assert_close(got, ref_out, fp32_tol=1e-6)
+    # The standard norm rounds x / rms(x) to the dtype first: in bf16 the two differ.
+    if dtype == torch.bfloat16:
+        assert not torch.equal(out, norm.rms_norm_ref(x, w + 1, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centred_kernel_on_strided_heads(monkeypatch, dtype):
+    """q/k norms read heads of a [N, H, 2D] projection (q beside its gate), row stride 2D; and rows
+    longer than the widest block take the two-pass loop."""
+    n, heads, d = 3, 4, 16
+    qg = _randn(n, heads, 2 * d, dtype=dtype, seed=11, scale=2.0)
+    q = qg[..., :d]
+    w = _offset_weight(d, dtype, seed=12)
+    got = norm.rms_norm_triton(q.reshape(-1, d), w, EPS, zero_centred=True)
+    _assert_close(got, norm.rms_norm_ref(q.reshape(-1, d), w, EPS, zero_centred=True), fp32_tol=1e-6)
+    monkeypatch.setattr(norm, "MAX_ROW_BLOCK", 32)
+    x = _randn(3, 80, dtype=dtype, seed=13, scale=3.0)
+    w = _offset_weight(80, dtype, seed=14)
+    _assert_close(norm.rms_norm_triton(x, w, EPS, zero_centred=True),
+                  norm.rms_norm_ref(x, w, EPS, zero_centred=True), fp32_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,hk,ratio,dv", [(1, 2, 2, 16), (3, 2, 3, 24), (4, 1, 1, 32)])
+def test_gated_kernel_reads_the_projection_view(dtype, n, hk, ratio, dv):
+    _, z = _projection(n, hk, ratio, 8, dv, dtype, seed=n + dv)
+    assert not z.is_contiguous()
+    x = _randn(n, hk * ratio, dv, dtype=dtype, seed=21, scale=3.0)
+    w = (1 + 0.5 * torch.randn(dv, generator=_gen(22))).to(dtype).to(DEV)
+    got = norm.gated_rms_norm_triton(x, z, w, EPS)
+    _assert_close(got, norm.gated_rms_norm_ref(x, z, w, EPS), fp32_tol=1e-6)
+    # z as a plain [N, H, D] tensor gives the same rows.
+    _assert_close(norm.gated_rms_norm_triton(x, z.reshape(n, hk * ratio, dv).contiguous(), w, EPS), got,
+                  fp32_tol=0, bf16_tol=0)
+
+
+def test_gated_kernel_fp32_weight_on_bf16_rows():
+    """A float32 weight: torch keeps weight · n in fp32 (no rounding to bf16 before SiLU(z))."""
+    _, z = _projection(3, 2, 2, 8, 16, torch.bfloat16, seed=31)
+    x = _randn(3, 4, 16, dtype=torch.bfloat16, seed=32, scale=3.0)
+    w = (1 + 0.5 * torch.randn(16, generator=_gen(33))).to(DEV)
+    _assert_close(norm.gated_rms_norm_triton(x, z, w, EPS), norm.gated_rms_norm_ref(x, z, w, EPS), fp32_tol=0)
+
+
+def test_gated_kernel_rejects_bad_shapes():
+    x = _randn(2, 4, 16, seed=41)
+    w = torch.ones(16, device=DEV)
+    with pytest.raises(ValueError, match="z"):
+        norm.gated_rms_norm_triton(x, _randn(2, 3, 16, seed=42), w, EPS)
+    with pytest.raises(ValueError, match="x"):
+        norm.gated_rms_norm_triton(x.transpose(0, 1), _randn(4, 2, 16, seed=43), w, EPS)
+    with pytest.raises(ValueError, match="weight"):
+        norm.gated_rms_norm_triton(x, _randn(2, 4, 16, seed=44), torch.ones(8, device=DEV), EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_qwen3_next_sizes(dtype):
+    """The 80B-A3B shape's norms at 1 and 300 tokens: hidden 2048 (zero-centred, fused add), heads of
+    256 (q/k norms), the delta rule's output of 32 value heads of 128 gated by z's view."""
+    for n in (1, 300):
+        x = _randn(n, 2048, dtype=dtype, seed=n, scale=3.0)
+        w = _offset_weight(2048, dtype)
+        _assert_close(norm.rms_norm_triton(x, w, EPS, zero_centred=True),
+                      norm.rms_norm_ref(x, w, EPS, zero_centred=True), fp32_tol=1e-6)
+        res = _randn(n, 2048, dtype=dtype, seed=n + 1)
+        ref_res = res.clone()
+        ref_out, _ = norm.fused_add_rms_norm_ref(x, ref_res, w, EPS, zero_centred=True)
+        got, _ = norm.fused_add_rms_norm_triton(x, res, w, EPS, zero_centred=True)
+        assert torch.equal(res, ref_res)
+        _assert_close(got, ref_out, fp32_tol=1e-6)
+        _, z = _projection(n, 16, 2, 128, 128, dtype, seed=n + 2)
+        o = _randn(n, 32, 128, dtype=dtype, seed=n + 3, scale=2.0)
+        gw = (1 + 0.5 * torch.randn(128, generator=_gen(n + 4))).to(dtype).to(DEV)
+        _assert_close(norm.gated_rms_norm_triton(o, z, gw, EPS), norm.gated_rms_norm_ref(o, z, gw, EPS),
+                      fp32_tol=1e-6)
