@@ -15,6 +15,7 @@ from strata.engine.types import EngineRequest
 from strata.kernels.gated_delta import (causal_conv1d_ref, causal_conv1d_step_ref, gated_delta_chunked_ref,
                                         gated_delta_step_ref)
 from strata.kvcache.state_pool import StatePool
+from strata.models.qwen3_next import GatedDeltaNet
 from strata.params import SamplingParams
 
 NEW_TOKENS = 12
@@ -93,6 +94,39 @@ def test_conv_in_pieces_and_steps_equals_whole():
     torch.testing.assert_close(whole, ref)
 
 
+def test_packed_projection_gives_the_same_layer_output():
+    """`GatedDeltaNet.pack` reorders in_proj_qkvz's rows so that q|k|v and z are views of its output:
+    the layer's output (a decode step and a chunk, fresh states each) is the same as before packing."""
+    cfg = ModelConfig.from_hf(dict(model_type="qwen3_next", vocab_size=16, hidden_size=32, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                   linear_value_head_dim=6, linear_conv_kernel_dim=4, intermediate_size=16,
+                                   full_attention_interval=4))
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, 0).requires_grad_(False)
+    for p in layer.parameters():
+        p.copy_(0.3 * torch.randn_like(p))
+    x = torch.randn(7, 32)
+
+    def run():
+        """A 4-token chunk from a fresh state, then two decode steps of two sequences each."""
+        states = StatePool.for_model(cfg, 3, "cpu", torch.float32, 0, 4)
+        outs = []
+        for slot in (0, 1):
+            states.set_spans([(0, 4, slot, True, False)])
+            outs.append(layer(x[slot : slot + 4], states))
+        for t in range(2):
+            states.set_spans([(0, 1, 1, False, False), (1, 1, 0, False, False)])
+            outs.append(layer(x[3 + t : 5 + t], states))
+        return outs
+
+    before = run()
+    layer.pack()
+    assert layer.qkvz_by_part
+    for got, ref in zip(run(), before):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
 def test_layer_types_from_the_interval():
     d = dict(model_type="qwen3_next", vocab_size=8, hidden_size=8, num_hidden_layers=8, num_attention_heads=2,
              full_attention_interval=4)
@@ -141,6 +175,8 @@ def test_engine_alone_matches_hf(next_model):
     path, prompts, refs = next_model
     e = _engine(path)
     assert isinstance(e.states, StatePool) and e.pool.num_layers == 1  # K/V for the one full-attention layer
+    linear_layers = [m for m in e.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert linear_layers and all(m.qkvz_by_part for m in linear_layers)  # packed: q|k|v and z are views
     assert not e.scheduler.config.prefix_cache
     for p, ref in zip(prompts, refs):
         assert _run(e, [p]) == [ref]

@@ -68,15 +68,32 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, h, bias=False)
+        self.qkvz_by_part = False  # `pack`: in_proj_qkvz's rows regrouped as q | k | v | z
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Regroup in_proj_qkvz's rows from the checkpoint's order (per key head: q, k, then the v and z
+        of its `ratio` value heads) to q | k | v | z, each head-major: the conv input and z are then
+        views of the projection's output, with no copies or concatenation per step. In place: the same
+        rows, reordered."""
+        w = self.in_proj_qkvz.weight
+        if self.qkvz_by_part or w.is_meta or w.requires_grad:
+            return
+        rv = self.ratio * self.dv
+        parts = w.view(self.hk, 2 * self.dk + 2 * rv, -1).split([self.dk, self.dk, rv, rv], dim=1)
+        w.copy_(torch.cat([p.reshape(-1, w.shape[1]) for p in parts]))
+        self.qkvz_by_part = True
 
     def _project(self, x: torch.Tensor):
-        """q|k|v (conv input, [N, C]), z [N, Hk, ratio, Dv], b and a [N, Hk, ratio] (views, uncopied). The
-        checkpoint groups the projections by key head: per key head q, k, then the v and z of its
-        `ratio` value heads."""
+        """q|k|v (conv input, [N, C]), z [N, Hv, Dv] or [N, Hk, ratio, Dv], b and a [N, Hk, ratio]:
+        views of the projections after `pack`; before it, q|k|v is gathered from the checkpoint's order."""
         n, r = x.shape[0], self.ratio
-        qkvz = linear(x, self.in_proj_qkvz.weight).view(n, self.hk, 2 * self.dk + 2 * r * self.dv)
-        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        qkvz = linear(x, self.in_proj_qkvz.weight)
         b, a = linear(x, self.in_proj_ba.weight).view(n, self.hk, 2 * r).split([r, r], dim=-1)
+        if self.qkvz_by_part:
+            return qkvz[:, : self.conv_dim], qkvz[:, self.conv_dim :].view(n, self.hv, self.dv), b, a
+        qkvz = qkvz.view(n, self.hk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return mixed, z.unflatten(-1, (r, self.dv)), b, a
 
@@ -103,7 +120,7 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_decode_with_gating(q, k, v, a, b, self.A_log, self.dt_bias, rec_st, states.index)
         else:
             g, beta = delta_gates(a, b, self.A_log, self.dt_bias)
-            o = self._reads(states, mixed, g, beta, weight)
+            o = self._reads(states, mixed.contiguous(), g, beta, weight)
         o = self.norm(o.reshape(x.shape[0], self.hv, self.dv).contiguous(), z).reshape(x.shape[0], -1)
         return linear(o, self.out_proj.weight)
 
@@ -257,6 +274,13 @@ class Qwen3NextForCausalLM(CausalLM):
     @property
     def mtp_layers(self) -> list[nn.Module]:
         return list(self.mtp.layers) if self.mtp is not None else []
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        super().pack()
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.pack()
 
     @property
     def num_attention_layers(self) -> int:
