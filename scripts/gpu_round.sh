@@ -133,7 +133,7 @@ step() {  # name, seconds, command...
       # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
-      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py tests/test_kernel_gated_delta_decode.py tests/test_kernel_norm_gated.py -k "next or causal or decode" ;;
+      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py tests/test_kernel_gated_delta_decode.py tests/test_kernels_qwen3_next.py -k "next or causal or decode" ;;
       # setsid: both fla steps of 2026-12-02 ended the whole round at their start (run alone, the fla tests
       # passed), so they run in a session of their own.
       fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 setsid -w $T tests/test_kernel_gated_delta_fla.py ;;

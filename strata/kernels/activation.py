@@ -5,6 +5,11 @@ and torch's rounding for `F.silu(gate) * up`: silu computed in fp32 as `g / (1 +
 to the dtype, then the product computed in fp32 and rounded. On CUDA the kernel uses libdevice's
 `expf` and an IEEE division, the same operations torch's CUDA kernel compiles to, so it matches bit
 for bit there; the interpreter's exp may differ from torch's CPU exp in the last fp32 bit.
+
+Also the sigmoid-gated add of a shared expert (Qwen3-Next's MoE): `routed + sigmoid(x · g) * shared`
+with torch's roundings in the dtype (the gate's dot rounded, its sigmoid rounded, the product rounded,
+the sum rounded), one program per row instead of five launches (cuBLAS's dot and its reduce, sigmoid,
+mul, add). Only the dot's summation order differs from cuBLAS's.
 """
 
 from __future__ import annotations
@@ -80,3 +85,61 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         return silu_mul_triton(x, out)
     return silu_mul_ref(x, out)
+
+
+def sigmoid_gated_add_ref(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                          gate_weight: torch.Tensor) -> torch.Tensor:
+    """routed, shared, x [N, H]; gate_weight [1, H] → routed + sigmoid(x @ gate_weightᵀ) * shared."""
+    return routed + torch.sigmoid(F.linear(x, gate_weight)) * shared
+
+
+@jit
+def _sigmoid_gated_add_kernel(routed_ptr, shared_ptr, x_ptr, g_ptr, out_ptr, routed_stride, shared_stride, x_stride,
+                              h, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for h0 in range(0, h, BLOCK):
+        ok = h0 + cols < h
+        xv = tl.load(x_ptr + row * x_stride + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += xv * tl.load(g_ptr + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+    logit = tl.sum(acc, axis=0).to(dtype).to(tl.float32)
+    if USE_LIBDEVICE:
+        e = libdevice.exp(-logit)
+    else:
+        e = tl.exp(-logit)
+    gate = tl.div_rn(1.0, 1.0 + e).to(dtype).to(tl.float32)
+    for h0 in range(0, h, BLOCK):
+        ok = h0 + cols < h
+        sv = tl.load(shared_ptr + row * shared_stride + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+        rv = tl.load(routed_ptr + row * routed_stride + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * h + h0 + cols, rv + (gate * sv).to(dtype).to(tl.float32), mask=ok)
+
+
+def sigmoid_gated_add_triton(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                             gate_weight: torch.Tensor) -> torch.Tensor:
+    """As `sigmoid_gated_add_ref`, one launch; rows contiguous (any row stride), one dtype throughout."""
+    n, h = x.shape
+    for name, t, shape in (("routed", routed, (n, h)), ("shared", shared, (n, h)), ("x", x, (n, h)),
+                           ("gate_weight", gate_weight, (1, h))):
+        if t.shape != shape or t.dtype != x.dtype or t.stride(-1) != 1 or t.device != x.device:
+            raise ValueError(f"{name}: expected {shape} {x.dtype} with contiguous rows, got {tuple(t.shape)} "
+                             f"{t.dtype} strides {t.stride()}")
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    block = min(triton.next_power_of_2(h), BLOCK_COLS)
+    on = use_pdl(x)
+    _sigmoid_gated_add_kernel[(n,)](routed, shared, x, gate_weight, out, routed.stride(0), shared.stride(0),
+                                    x.stride(0), h, BLOCK=block, USE_LIBDEVICE=x.is_cuda, USE_PDL=on, launch_pdl=on,
+                                    num_warps=max(1, min(4, block // 256)))
+    return out
+
+
+def sigmoid_gated_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                      gate_weight: torch.Tensor) -> torch.Tensor:
+    if use_triton(x) and x.dim() == 2 and isinstance(gate_weight, torch.Tensor):
+        return sigmoid_gated_add_triton(routed, shared, x, gate_weight)
+    return sigmoid_gated_add_ref(routed, shared, x, gate_weight)

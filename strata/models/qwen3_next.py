@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from strata.config import ModelConfig
+from strata.kernels import activation as k_act
 from strata.kernels import norm as k_norm
 from strata.kernels.causal_conv import causal_conv1d_varlen
 from strata.kernels.gated_delta import gated_delta_step_ref, gated_delta_varlen
@@ -208,7 +209,7 @@ class SharedGatedMoE(MoE):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return k_act.sigmoid_gated_add(super().forward(x), self.shared_expert(x), x, self.shared_expert_gate.weight)
 
 
 class HybridDecoderLayer(nn.Module):

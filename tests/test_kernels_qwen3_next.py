@@ -1,6 +1,7 @@
-"""Qwen3-Next's norms as kernels (`strata/kernels/norm.py`): the zero-centred RMSNorm (x / rms(x) *
-(1 + w), all in fp32) with and without the fused residual add, and the gated RMSNorm of the Gated
-DeltaNet output (per value head, times SiLU(z), z read through the projection's strided view).
+"""Qwen3-Next's small kernels: the zero-centred RMSNorm (x / rms(x) * (1 + w), all in fp32) with and
+without the fused residual add, the gated RMSNorm of the Gated DeltaNet output (per value head, times
+SiLU(z), z read through the projection's strided view) (`strata/kernels/norm.py`), and the shared
+expert's sigmoid-gated add (`strata/kernels/activation.py`).
 
 Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET); tolerances as
 in test_kernels_small.py: fp32 ≤ 1e-6 relative (the sum of squares in another order), bf16 ≤ 1e-2
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import norm
+from strata.kernels import activation, norm
 from strata.models.qwen3_next import GatedRMSNorm, ZeroCentredRMSNorm
 from test_kernels_small import CUDA, DEV, DTYPES, EPS, _assert_close, _gen, _randn
 
@@ -131,12 +132,45 @@ def test_gated_kernel_rejects_bad_shapes():
         norm.gated_rms_norm_triton(x, _randn(2, 4, 16, seed=44), torch.ones(8, device=DEV), EPS)
 
 
+def _gated_add_inputs(n, h, dtype, seed):
+    routed = _randn(n, h, dtype=dtype, seed=seed, scale=0.5)
+    shared = _randn(n, h, dtype=dtype, seed=seed + 1, scale=0.5)
+    x = _randn(n, h, dtype=dtype, seed=seed + 2)
+    g = _randn(1, h, dtype=dtype, seed=seed + 3, scale=h ** -0.5)
+    return routed, shared, x, g
+
+
+def test_gated_add_ref_is_the_module_formula():
+    routed, shared, x, g = (t.cpu() for t in _gated_add_inputs(3, 32, torch.bfloat16, 0))
+    want = routed + torch.sigmoid(torch.nn.functional.linear(x, g)) * shared
+    assert torch.equal(activation.sigmoid_gated_add_ref(routed, shared, x, g), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,h", [(1, 32), (5, 48), (3, 1100)])
+def test_sigmoid_gated_add_kernel(dtype, n, h):
+    """One row per program: the gate's dot over H in blocks (h 1100 loops), its roundings as torch's."""
+    routed, shared, x, g = _gated_add_inputs(n, h, dtype, seed=h)
+    got = activation.sigmoid_gated_add_triton(routed, shared, x, g)
+    _assert_close(got, activation.sigmoid_gated_add_ref(routed, shared, x, g), fp32_tol=1e-6)
+    wide = torch.cat([x, x[:, :8]], dim=1)[:, :h]  # rows of a wider buffer
+    assert torch.equal(activation.sigmoid_gated_add_triton(routed, shared, wide, g), got)
+
+
+def test_sigmoid_gated_add_rejects_mixed_dtypes():
+    routed, shared, x, g = _gated_add_inputs(2, 16, torch.bfloat16, 7)
+    with pytest.raises(ValueError, match="gate_weight"):
+        activation.sigmoid_gated_add_triton(routed, shared, x, g.float())
+    with pytest.raises(ValueError, match="shared"):
+        activation.sigmoid_gated_add_triton(routed, shared[:, :8], x, g)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_qwen3_next_sizes(dtype):
-    """The 80B-A3B shape's norms at 1 and 300 tokens: hidden 2048 (zero-centred, fused add), heads of
-    256 (q/k norms), the delta rule's output of 32 value heads of 128 gated by z's view."""
+    """The 80B-A3B shape's kernels at 1 and 300 tokens: hidden 2048 (zero-centred norm, fused add; the
+    shared expert's gated add), the delta rule's output of 32 value heads of 128 gated by z's view."""
     for n in (1, 300):
         x = _randn(n, 2048, dtype=dtype, seed=n, scale=3.0)
         w = _offset_weight(2048, dtype)
@@ -153,3 +187,6 @@ def test_gpu_qwen3_next_sizes(dtype):
         gw = (1 + 0.5 * torch.randn(128, generator=_gen(n + 4))).to(dtype).to(DEV)
         _assert_close(norm.gated_rms_norm_triton(o, z, gw, EPS), norm.gated_rms_norm_ref(o, z, gw, EPS),
                       fp32_tol=1e-6)
+        routed, shared, xs, g = _gated_add_inputs(n, 2048, dtype, seed=n + 5)
+        _assert_close(activation.sigmoid_gated_add_triton(routed, shared, xs, g),
+                      activation.sigmoid_gated_add_ref(routed, shared, xs, g), fp32_tol=1e-6)
