@@ -15,9 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import activation, norm
-from strata.models.qwen3_next import GatedRMSNorm, ZeroCentredRMSNorm
-from test_kernels_small import CUDA, DEV, DTYPES, EPS, _assert_close, _gen, _randn
+from strata.config import ModelConfig
+from strata.kernels import activation, norm, rope
+from strata.models import qwen3_next
+from strata.models.attention import CausalBatch
+from strata.models.layers import RopeInputs, Rotary, apply_rotary
+from strata.models.qwen3_next import GatedAttention, GatedRMSNorm, ZeroCentredRMSNorm
+from test_kernels_small import CUDA, DEV, DTYPES, EPS, _assert_close, _gen, _randn, _rope_args, _rope_inputs
 
 
 def _offset_weight(h, dtype, seed=1):
@@ -163,6 +167,67 @@ def test_sigmoid_gated_add_rejects_mixed_dtypes():
         activation.sigmoid_gated_add_triton(routed, shared, x, g.float())
     with pytest.raises(ValueError, match="shared"):
         activation.sigmoid_gated_add_triton(routed, shared[:, :8], x, g)
+
+
+# ---- gated attention: zero-centred q/k norms in the fused norm + RoPE kernel ----------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(32, 8), (16, 16)])
+def test_qk_norm_rope_zero_centred(dtype, head_dim, rotary_dim):
+    """The kernel against its reference, and the reference against the model's torch path
+    (ZeroCentredRMSNorm, then the rotation), partial rotary included."""
+    qkv, positions, inv_freq, scale, qw, kw = _rope_inputs(5, head_dim, rotary_dim, dtype, True, False)
+    qw, kw = qw - 1, kw - 1  # offsets from one, as the checkpoint stores them
+    args = _rope_args(qkv, positions, inv_freq, scale, qw, kw, head_dim, rotary_dim)
+    ref_qkv = qkv.clone()
+    q_ref, k_ref, _ = rope.qk_norm_rope_ref(ref_qkv, *args[1:], zero_centred=True)
+    got_qkv = qkv.clone()
+    q, k, v = rope.qk_norm_rope_triton(got_qkv, *args[1:], zero_centred=True)
+    _assert_close(q, q_ref, fp32_tol=1e-5, bf16_tol=2e-2, bf16_max_mismatch=None)
+    _assert_close(k, k_ref, fp32_tol=1e-5, bf16_tol=2e-2, bf16_max_mismatch=None)
+    assert torch.equal(v, qkv.view(5, -1, head_dim)[:, 6:])  # v untouched
+    heads = qkv.view(5, -1, head_dim)
+    norm_q = ZeroCentredRMSNorm(head_dim, EPS).to(dtype).to(DEV)
+    norm_q.weight.data.copy_(qw)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # as `Rotary.cos_sin`
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    assert torch.equal(apply_rotary(norm_q(heads[:, :4]), cos, sin).to(dtype), q_ref)
+
+
+def _attention_layer(dtype):
+    cfg = ModelConfig.from_hf(dict(model_type="qwen3_next", vocab_size=16, hidden_size=32, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=16,
+                                   full_attention_interval=4))
+    torch.manual_seed(0)
+    layer = GatedAttention(cfg, 0).requires_grad_(False)
+    for p in layer.parameters():
+        p.copy_(0.3 * torch.randn_like(p))
+    return cfg, layer.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_attention_packed_and_fused(monkeypatch, dtype):
+    """`GatedAttention.pack` (gate | q | k | v in one weight, q_proj's rows regrouped) keeps the layer's
+    output on the torch path; the fused path (one GEMM, then the zero-centred norm + RoPE kernel on
+    its q | k | v view) gives it too, within the kernel's fp32 rotation."""
+    cfg, layer = _attention_layer(dtype)
+    assert cfg.rotary_dim == 8
+    rotary = Rotary(cfg)
+    x = torch.randn(6, 32, generator=_gen(1)).to(dtype)
+    positions = torch.arange(6)
+
+    def run():
+        return layer(x, RopeInputs(positions, rotary, dtype), CausalBatch(1, 6))
+
+    before = run()
+    layer.pack()
+    assert layer.gqkv_weight is not None and layer.q_proj.weight.data_ptr() == layer.gqkv_weight.data_ptr()
+    torch.testing.assert_close(run(), before, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    monkeypatch.setattr(qwen3_next, "use_triton", lambda t: True)  # the CUDA path, kernels interpreted
+    _assert_close(run(), before, fp32_tol=1e-5, bf16_tol=3e-2, bf16_max_mismatch=None)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ head: optionally `weight * rms_normalize(head)` (the `RMSNorm.forward` semantics
 apart), then the first `rotary_dim` dims rotated by the angle `position * inv_freq` with
 `cos, sin` scaled by `attn_scale` (YaRN's attention factor); dims past `rotary_dim` pass through.
 v is untouched. Returns the views (q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) of `qkv`.
+`zero_centred` (Qwen3-Next's q/k norms): `normalize(head) * (1 + weight)` in fp32, rounded to the dtype.
 
 The reference follows `strata.models.layers` (cos/sin rounded to the dtype, the rotation computed in
 the dtype). The kernel computes cos/sin and the rotation in fp32 and rounds once, so in bf16 it is
@@ -36,10 +37,12 @@ def _split_heads(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
             heads[:, num_q_heads + num_kv_heads:])
 
 
-def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (x32 * (1.0 + weight.float())).to(dtype)
     return weight * x32.to(dtype)
 
 
@@ -53,11 +56,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def qk_norm_rope_ref(qkv, positions, inv_freq, attn_scale, q_weight, k_weight, eps, num_q_heads, num_kv_heads,
-                     head_dim, rotary_dim):
+                     head_dim, rotary_dim, zero_centred=False):
     q, k, v = _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
     qn, kn = q, k
     if q_weight is not None:
-        qn, kn = _rms_norm_heads(q, q_weight, eps), _rms_norm_heads(k, k_weight, eps)
+        qn, kn = _rms_norm_heads(q, q_weight, eps, zero_centred), _rms_norm_heads(k, k_weight, eps, zero_centred)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = (emb.cos() * attn_scale).to(qkv.dtype), (emb.sin() * attn_scale).to(qkv.dtype)
@@ -67,13 +70,18 @@ def qk_norm_rope_ref(qkv, positions, inv_freq, attn_scale, q_weight, k_weight, e
 
 
 @jit
-def _norm_part(x, inv_rms, qkv_ptr, q_w_ptr, k_w_ptr, offs, mask, is_q, ROUND_NORMED: tl.constexpr):
-    """weight * (x * inv_rms rounded to qkv's dtype), each row with its q or k weight."""
+def _norm_part(x, inv_rms, qkv_ptr, q_w_ptr, k_w_ptr, offs, mask, is_q, ROUND_NORMED: tl.constexpr,
+               ZERO_CENTRED: tl.constexpr):
+    """weight * (x * inv_rms rounded to qkv's dtype), each row with its q or k weight; zero-centred:
+    (x * inv_rms) * (1 + weight) in fp32."""
     round_ty = qkv_ptr.dtype.element_ty
-    n = (x * inv_rms[:, None]).to(round_ty).to(tl.float32)
     w_q = tl.load(q_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w_k = tl.load(k_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.where(is_q[:, None], w_q[None, :], w_k[None, :]) * n
+    w = tl.where(is_q[:, None], w_q[None, :], w_k[None, :])
+    if ZERO_CENTRED:
+        y = (x * inv_rms[:, None]) * (w + 1.0)
+    else:
+        y = w * (x * inv_rms[:, None]).to(round_ty).to(tl.float32)
     if ROUND_NORMED:
         y = y.to(round_ty).to(tl.float32)
     return y
@@ -84,7 +92,7 @@ def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_
                          NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HALF: tl.constexpr, PASS_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HAS_NORM: tl.constexpr,
-                         ROUND_NORMED: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+                         ROUND_NORMED: tl.constexpr, ZERO_CENTRED: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
                          USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -108,11 +116,12 @@ def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_
             x3 = tl.load(pass_ptrs, mask=p_mask, other=0.0).to(tl.float32)
             squares += tl.sum(x3 * x3, axis=1)
         inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(squares, head_dim_f) + eps))
-        x1 = _norm_part(x1, inv_rms, qkv_ptr, q_w_ptr, k_w_ptr, d, d_ok, is_q, ROUND_NORMED)
-        x2 = _norm_part(x2, inv_rms, qkv_ptr, q_w_ptr + HALF, k_w_ptr + HALF, d, d_ok, is_q, ROUND_NORMED)
+        x1 = _norm_part(x1, inv_rms, qkv_ptr, q_w_ptr, k_w_ptr, d, d_ok, is_q, ROUND_NORMED, ZERO_CENTRED)
+        x2 = _norm_part(x2, inv_rms, qkv_ptr, q_w_ptr + HALF, k_w_ptr + HALF, d, d_ok, is_q, ROUND_NORMED,
+                            ZERO_CENTRED)
         if PASS_DIM > 0:
             x3 = _norm_part(x3, inv_rms, qkv_ptr, q_w_ptr + 2 * HALF, k_w_ptr + 2 * HALF, p, p < PASS_DIM, is_q,
-                            ROUND_NORMED)
+                            ROUND_NORMED, ZERO_CENTRED)
             tl.store(pass_ptrs, x3, mask=p_mask)
     # The angle is one fp32 product, as in the reference; large angles need the accurate cos/sin.
     angle = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0)
@@ -129,7 +138,7 @@ def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_
 
 
 def qk_norm_rope_triton(qkv, positions, inv_freq, attn_scale, q_weight, k_weight, eps, num_q_heads, num_kv_heads,
-                        head_dim, rotary_dim):
+                        head_dim, rotary_dim, zero_centred=False):
     n = qkv.shape[0]
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
@@ -149,8 +158,9 @@ def qk_norm_rope_triton(qkv, positions, inv_freq, attn_scale, q_weight, k_weight
         for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
             if w.shape != (head_dim,) or not w.is_contiguous():
                 raise ValueError(f"{name}: expected contiguous ({head_dim},), got {tuple(w.shape)}")
-        # The reference's normed q/k have the promoted dtype (fp32 weights keep bf16 q/k in fp32).
-        round_normed = torch.promote_types(q_weight.dtype, qkv.dtype) == qkv.dtype
+        # The reference's normed q/k have the promoted dtype (fp32 weights keep bf16 q/k in fp32); a
+        # zero-centred norm returns the dtype whatever its weight's.
+        round_normed = zero_centred or torch.promote_types(q_weight.dtype, qkv.dtype) == qkv.dtype
     else:
         q_weight = k_weight = inv_freq  # never read
         round_normed = False
@@ -170,16 +180,16 @@ def qk_norm_rope_triton(qkv, positions, inv_freq, attn_scale, q_weight, k_weight
         qkv, qkv.stride(0), positions, inv_freq, q_weight, k_weight, float(attn_scale), eps, float(head_dim),
         NUM_Q_HEADS=num_q_heads, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HALF=half, PASS_DIM=pass_dim,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
-        HAS_NORM=has_norm, ROUND_NORMED=round_normed, USE_LIBDEVICE=qkv.is_cuda,
+        HAS_NORM=has_norm, ROUND_NORMED=round_normed, ZERO_CENTRED=zero_centred, USE_LIBDEVICE=qkv.is_cuda,
         USE_PDL=on, launch_pdl=on, num_warps=min(4, max(1, block_heads * block_dim // 512)))
     return q, k, v
 
 
 def qk_norm_rope(qkv, positions, inv_freq, attn_scale, q_weight, k_weight, eps, num_q_heads, num_kv_heads,
-                 head_dim, rotary_dim):
+                 head_dim, rotary_dim, zero_centred=False):
     """See the module docstring; in place on qkv's q and k parts, returns (q, k, v) views."""
     args = (qkv, positions, inv_freq, attn_scale, q_weight, k_weight, eps, num_q_heads, num_kv_heads, head_dim,
-            rotary_dim)
+            rotary_dim, zero_centred)
     if use_triton(qkv):
         return qk_norm_rope_triton(*args)
     return qk_norm_rope_ref(*args)

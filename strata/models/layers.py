@@ -205,9 +205,9 @@ class Attention(nn.Module):
             return
         if any(p.weight.requires_grad or p.weight.is_meta for p in projs):
             return
-        self.qkv_weight = _stack_views([p for p in projs], "weight")
+        self.qkv_weight = stack_views([p for p in projs], "weight")
         if self.q_proj.bias is not None:
-            self.qkv_bias = _stack_views([p for p in projs], "bias")
+            self.qkv_bias = stack_views([p for p in projs], "bias")
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
@@ -258,7 +258,7 @@ def take_quantized(modules: list[nn.Module], dtype: torch.dtype | None) -> QWeig
     return QWeight.from_raw(raws[0][0], rows, rows.shape[0], k)
 
 
-def _stack_views(modules: list[nn.Module], attr: str) -> torch.Tensor:
+def stack_views(modules: list[nn.Module], attr: str) -> torch.Tensor:
     """Concatenate `attr` of each module along dim 0 and re-point each module's parameter at its
     slice of the result, so checkpoint names keep working and the weights exist once."""
     parts = [getattr(m, attr) for m in modules]
@@ -290,7 +290,7 @@ class MLP(nn.Module):
             return
         if any(p.weight.requires_grad or p.weight.is_meta for p in (self.gate_proj, self.up_proj)):
             return
-        self.gate_up_weight = _stack_views([self.gate_proj, self.up_proj], "weight")
+        self.gate_up_weight = stack_views([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w_gate_up = self.gate_up_q if self.gate_up_q is not None else self.gate_up_weight

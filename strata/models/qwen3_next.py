@@ -17,11 +17,13 @@ from torch import nn
 from strata.config import ModelConfig
 from strata.kernels import activation as k_act
 from strata.kernels import norm as k_norm
+from strata.kernels import rope as k_rope
+from strata.kernels import use_triton
 from strata.kernels.causal_conv import causal_conv1d_varlen
 from strata.kernels.gated_delta import gated_delta_step_ref, gated_delta_varlen
 from strata.kernels.gated_delta_decode import causal_conv1d_decode, delta_gates, gated_delta_decode_with_gating
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
-from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear
+from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear, stack_views
 from strata.models.moe import MoE
 from strata.models.transformer import CausalLM
 
@@ -187,17 +189,47 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
         self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+        # `pack`: gate | q | k | v rows in one tensor (q_proj's rows regrouped, gates first), each
+        # projection's weight a view of it. Non-persistent, as Attention.qkv_weight.
+        self.register_buffer("gqkv_weight", None, persistent=False)
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """One projection GEMM instead of three, its output laid out for the fused q/k norm + RoPE
+        kernel (q | k | v contiguous after the gates). q_proj's rows (per head: q, then its gate) are
+        regrouped in place as all gates, then all q."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.gqkv_weight is not None or any(p.bias is not None or p.weight.is_meta or p.weight.requires_grad
+                                                 or "quant_raw" in p.__dict__ for p in projs):
+            return
+        w = self.q_proj.weight
+        per_head = w.view(self.n_heads, 2, self.head_dim, w.shape[1])
+        w.copy_(torch.cat([per_head[:, 1].reshape(-1, w.shape[1]), per_head[:, 0].reshape(-1, w.shape[1])]))
+        self.gqkv_weight = stack_views(list(projs), "weight")
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
-        n, d = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(n, self.n_heads, 2 * d).split([d, d], dim=-1)
-        k = self.k_proj(x).view(n, self.n_kv, d)
-        v = self.v_proj(x).view(n, self.n_kv, d)
-        cos, sin = rope.cos_sin()
-        q = apply_rotary(self.q_norm(q), cos, sin).to(v.dtype)
-        k = apply_rotary(self.k_norm(k), cos, sin).to(v.dtype)
-        o = attn.attend(self.kv_idx, q, k, v).reshape(n, self.n_heads * d)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(n, -1)))
+        n, d, hd = x.shape[0], self.head_dim, self.n_heads * self.head_dim
+        if self.gqkv_weight is not None and use_triton(x):
+            out = linear(x, self.gqkv_weight)
+            gate = out[:, :hd]
+            q, k, v = k_rope.qk_norm_rope_triton(
+                out[:, hd:], rope.positions, rope.rotary.inv_freq, rope.rotary.scale, self.q_norm.weight,
+                self.k_norm.weight, self.q_norm.eps, self.n_heads, self.n_kv, d, rope.rotary.rotary_dim,
+                zero_centred=True)
+        else:
+            if self.gqkv_weight is not None:  # packed: q_proj's rows are the gates, then q
+                gate, q = self.q_proj(x).split([hd, hd], dim=-1)
+                q = q.view(n, self.n_heads, d)
+            else:
+                q, gate = self.q_proj(x).view(n, self.n_heads, 2 * d).split([d, d], dim=-1)
+                gate = gate.reshape(n, -1)
+            k = self.k_proj(x).view(n, self.n_kv, d)
+            v = self.v_proj(x).view(n, self.n_kv, d)
+            cos, sin = rope.cos_sin()
+            q = apply_rotary(self.q_norm(q), cos, sin).to(v.dtype)
+            k = apply_rotary(self.k_norm(k), cos, sin).to(v.dtype)
+        o = attn.attend(self.kv_idx, q, k, v).reshape(n, hd)
+        return self.o_proj(o * torch.sigmoid(gate))
 
 
 class SharedGatedMoE(MoE):
@@ -280,7 +312,7 @@ class Qwen3NextForCausalLM(CausalLM):
     def pack(self) -> None:
         super().pack()
         for m in self.modules():
-            if isinstance(m, GatedDeltaNet):
+            if isinstance(m, (GatedDeltaNet, GatedAttention)):
                 m.pack()
 
     @property
