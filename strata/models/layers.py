@@ -209,6 +209,10 @@ class Attention(nn.Module):
         if self.q_proj.bias is not None:
             self.qkv_bias = stack_views([p for p in projs], "bias")
 
+    def gemv_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The float weights `linear` runs through the decode GEMV (`CausalLM.pack` sizes its workspace)."""
+        return self.qkv_weight, self.o_proj.weight
+
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         w_qkv = self.qkv_q if self.qkv_q is not None else self.qkv_weight
@@ -291,6 +295,10 @@ class MLP(nn.Module):
         if any(p.weight.requires_grad or p.weight.is_meta for p in (self.gate_proj, self.up_proj)):
             return
         self.gate_up_weight = stack_views([self.gate_proj, self.up_proj], "weight")
+
+    def gemv_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The float weights `linear` runs through the decode GEMV (`CausalLM.pack` sizes its workspace)."""
+        return self.gate_up_weight, self.down_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w_gate_up = self.gate_up_q if self.gate_up_q is not None else self.gate_up_weight

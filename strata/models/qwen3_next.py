@@ -71,30 +71,42 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, h, bias=False)
-        self.qkvz_by_part = False  # `pack`: in_proj_qkvz's rows regrouped as q | k | v | z
+        # `pack`: q | k | v | z | b | a rows in one tensor (in_proj_qkvz's rows regrouped), each
+        # projection's weight a view of it. Non-persistent, as Attention.qkv_weight.
+        self.register_buffer("in_proj_weight", None, persistent=False)
+        self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
 
     @torch.no_grad()
     def pack(self) -> None:
-        """Regroup in_proj_qkvz's rows from the checkpoint's order (per key head: q, k, then the v and z
-        of its `ratio` value heads) to q | k | v | z, each head-major: the conv input and z are then
-        views of the projection's output, with no copies or concatenation per step. In place: the same
-        rows, reordered."""
+        """One projection GEMM instead of two, laid out so that the conv input, z, b and a are views of
+        its output, with no copies or concatenation per step: in_proj_qkvz's rows regrouped in place
+        from the checkpoint's order (per key head: q, k, then the v and z of its `ratio` value heads)
+        to q | k | v | z, each head-major, then in_proj_ba's rows below them."""
         w = self.in_proj_qkvz.weight
-        if self.qkvz_by_part or w.is_meta or w.requires_grad:
+        if self.in_proj_weight is not None or any(p.weight.is_meta or p.weight.requires_grad or "quant_raw" in p.__dict__
+                                                  for p in (self.in_proj_qkvz, self.in_proj_ba)):
             return
         rv = self.ratio * self.dv
         parts = w.view(self.hk, 2 * self.dk + 2 * rv, -1).split([self.dk, self.dk, rv, rv], dim=1)
         w.copy_(torch.cat([p.reshape(-1, w.shape[1]) for p in parts]))
-        self.qkvz_by_part = True
+        self.in_proj_weight = stack_views([self.in_proj_qkvz, self.in_proj_ba], "weight")
+
+    def gemv_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The weights `linear` runs through the decode GEMV (`CausalLM.pack` sizes its workspace)."""
+        return self.in_proj_weight, self.out_proj.weight
 
     def _project(self, x: torch.Tensor):
         """q|k|v (conv input, [N, C]), z [N, Hv, Dv] or [N, Hk, ratio, Dv], b and a [N, Hk, ratio]:
-        views of the projections after `pack`; before it, q|k|v is gathered from the checkpoint's order."""
+        views of the one projection after `pack`; before it, q|k|v is gathered from the checkpoint's
+        order."""
         n, r = x.shape[0], self.ratio
+        if self.in_proj_weight is not None:
+            out = linear(x, self.in_proj_weight, None, self.gemv_ws)
+            z_end = self.conv_dim + self.hv * self.dv
+            b, a = out[:, z_end:].view(n, self.hk, 2 * r).split([r, r], dim=-1)
+            return out[:, : self.conv_dim], out[:, self.conv_dim : z_end].view(n, self.hv, self.dv), b, a
         qkvz = linear(x, self.in_proj_qkvz.weight)
         b, a = linear(x, self.in_proj_ba.weight).view(n, self.hk, 2 * r).split([r, r], dim=-1)
-        if self.qkvz_by_part:
-            return qkvz[:, : self.conv_dim], qkvz[:, self.conv_dim :].view(n, self.hv, self.dv), b, a
         qkvz = qkvz.view(n, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
@@ -125,7 +137,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = delta_gates(a, b, self.A_log, self.dt_bias)
             o = self._reads(states, mixed.contiguous(), g, beta, weight)
         o = self.norm(o.reshape(x.shape[0], self.hv, self.dv).contiguous(), z).reshape(x.shape[0], -1)
-        return linear(o, self.out_proj.weight)
+        return linear(o, self.out_proj.weight, None, self.gemv_ws)
 
     def _reads(self, states: RecurrentStates, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                weight: torch.Tensor) -> torch.Tensor:
@@ -192,6 +204,7 @@ class GatedAttention(nn.Module):
         # `pack`: gate | q | k | v rows in one tensor (q_proj's rows regrouped, gates first), each
         # projection's weight a view of it. Non-persistent, as Attention.qkv_weight.
         self.register_buffer("gqkv_weight", None, persistent=False)
+        self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -207,10 +220,14 @@ class GatedAttention(nn.Module):
         w.copy_(torch.cat([per_head[:, 1].reshape(-1, w.shape[1]), per_head[:, 0].reshape(-1, w.shape[1])]))
         self.gqkv_weight = stack_views(list(projs), "weight")
 
+    def gemv_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The weights `linear` runs through the decode GEMV (`CausalLM.pack` sizes its workspace)."""
+        return self.gqkv_weight, self.o_proj.weight
+
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d, hd = x.shape[0], self.head_dim, self.n_heads * self.head_dim
         if self.gqkv_weight is not None and use_triton(x):
-            out = linear(x, self.gqkv_weight)
+            out = linear(x, self.gqkv_weight, None, self.gemv_ws)
             gate = out[:, :hd]
             q, k, v = k_rope.qk_norm_rope_triton(
                 out[:, hd:], rope.positions, rope.rotary.inv_freq, rope.rotary.scale, self.q_norm.weight,
@@ -229,7 +246,7 @@ class GatedAttention(nn.Module):
             q = apply_rotary(self.q_norm(q), cos, sin).to(v.dtype)
             k = apply_rotary(self.k_norm(k), cos, sin).to(v.dtype)
         o = attn.attend(self.kv_idx, q, k, v).reshape(n, hd)
-        return self.o_proj(o * torch.sigmoid(gate))
+        return linear(o * torch.sigmoid(gate), self.o_proj.weight, self.o_proj.bias, self.gemv_ws)
 
 
 class SharedGatedMoE(MoE):
@@ -310,10 +327,10 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @torch.no_grad()
     def pack(self) -> None:
-        super().pack()
-        for m in self.modules():
+        for m in self.modules():  # first: the shared GEMV workspace is sized from the packed shapes
             if isinstance(m, (GatedDeltaNet, GatedAttention)):
                 m.pack()
+        super().pack()
 
     @property
     def num_attention_layers(self) -> int:

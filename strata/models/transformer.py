@@ -94,14 +94,15 @@ class CausalLM(nn.Module):
                 packed.append(m)
             elif isinstance(m, MoE):
                 m.pack_experts()
+            elif not isinstance(m, MLP) and callable(getattr(m, "gemv_weights", None)):
+                # Another architecture's layer, packed by its model (MoE experts' MLPs stay out).
+                packed.append(m)
         head = self.lm_head.weight
         if self.model.embed_tokens.weight.is_cuda and triton_available():
             # One split-K workspace serves every GEMV of the model: the launches run one after another
             # and each leaves its counters at zero; sized so no shape's partials overlap another's
             # counters (`shared_split_k_numel`).
-            shapes = [tuple(head.shape)] + [tuple(t.shape) for m in packed for t in (
-                (m.qkv_weight, m.o_proj.weight) if isinstance(m, Attention) else (m.gate_up_weight, m.down_proj.weight))
-                if t is not None]
+            shapes = [tuple(head.shape)] + [tuple(t.shape) for m in packed for t in m.gemv_weights() if t is not None]
             shapes += [tuple(m.shared_head.head.weight.shape) for m in self.modules()
                        if getattr(getattr(m, "shared_head", None), "head", None) is not None]
             # The batch-invariant GEMM's decode-sized launches take their split ranges' partials there too.
