@@ -20,7 +20,7 @@ from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import use_triton
 from strata.kernels.causal_conv import causal_conv1d_varlen
-from strata.kernels.gated_delta import gated_delta_step_ref, gated_delta_varlen
+from strata.kernels.gated_delta import gated_delta_varlen
 from strata.kernels.gated_delta_decode import causal_conv1d_decode, delta_gates, gated_delta_decode_with_gating
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
 from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear, stack_views
@@ -134,16 +134,16 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._heads(conv_out, repeat=False)
             o = gated_delta_decode_with_gating(q, k, v, a, b, self.A_log, self.dt_bias, rec_st, states.index)
         else:
-            g, beta = delta_gates(a, b, self.A_log, self.dt_bias)
-            o = self._reads(states, mixed.contiguous(), g, beta, weight)
+            o = self._reads(states, mixed.contiguous(), a, b, weight)
         o = self.norm(o.reshape(x.shape[0], self.hv, self.dv).contiguous(), z).reshape(x.shape[0], -1)
         return linear(o, self.out_proj.weight, None, self.gemv_ws)
 
-    def _reads(self, states: RecurrentStates, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def _reads(self, states: RecurrentStates, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                weight: torch.Tensor) -> torch.Tensor:
         """Steps with prompt chunks: the conv over every sequence in one varlen call, then the delta
         rule likewise over the plain ones; verification chunks (`keep`) token by token, their states
         after each row kept."""
+        g, beta = delta_gates(a, b, self.A_log, self.dt_bias)
         conv_st, rec_st = states.conv(self.linear_idx), states.recurrent(self.linear_idx)
         for r0, n, slot, fresh, keep in states.spans:
             if keep:  # before the conv replaces the window
@@ -164,8 +164,7 @@ class GatedDeltaNet(nn.Module):
         for r0, n, slot, fresh, keep in states.spans:
             if keep:
                 rows = slice(r0, r0 + n)
-                o[rows], rec_st[slot] = self._verify(states, slot, q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                                     None if fresh else rec_st[slot])
+                o[rows] = self._verify(states, slot, conv_out[rows], a[rows], b[rows], fresh)
         return o
 
     def _keep_windows(self, states: RecurrentStates, slot: int, x: torch.Tensor, past: torch.Tensor | None) -> None:
@@ -177,16 +176,22 @@ class GatedDeltaNet(nn.Module):
         for t in range(x.shape[0]):
             rows[slot, t] = full[:, t + 1 : t + 1 + width]
 
-    def _verify(self, states: RecurrentStates, slot: int, q, k, v, g, beta, s0: torch.Tensor | None):
-        """A verification chunk token by token, the recurrent state after each row kept."""
-        rows = states.recurrent_rows(self.linear_idx)
-        s = torch.zeros(1, *rows.shape[2:], device=v.device) if s0 is None else s0[None]
+    def _verify(self, states: RecurrentStates, slot: int, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                fresh: bool) -> torch.Tensor:
+        """A verification chunk token by token through the decode step (its kernel on CUDA, so that a
+        verified row is computed as the plain decode of the same token is), the state updated in place
+        and kept after each row."""
+        rec_st, rows = states.recurrent(self.linear_idx), states.recurrent_rows(self.linear_idx)
+        if fresh:
+            rec_st[slot].zero_()
+        q, k, v = self._heads(conv_out, repeat=False)
+        index = torch.full((1,), slot, dtype=torch.long, device=v.device)
         outs = []
         for t in range(v.shape[0]):
-            o, s = gated_delta_step_ref(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)
-            rows[slot, t] = s[0]
-            outs.append(o)
-        return torch.cat(outs), s[0]
+            outs.append(gated_delta_decode_with_gating(q[t : t + 1], k[t : t + 1], v[t : t + 1], a[t : t + 1],
+                                                       b[t : t + 1], self.A_log, self.dt_bias, rec_st, index))
+            rows[slot, t] = rec_st[slot]
+        return torch.cat(outs)
 
 
 class GatedAttention(nn.Module):
