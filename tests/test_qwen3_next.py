@@ -302,6 +302,17 @@ def test_speculation_output_equals_plain(mtp_dir, next_model, monkeypatch, kw):
     """Drafts from an oracle that knows the plain output, right or wrong by a fixed pattern: all
     accepted, only the first, or none. A linear layer's state then goes back to the row of the last
     accepted draft (or stays), and the output must still be the plain greedy one."""
+    _speculate_with_the_oracle(mtp_dir, next_model, monkeypatch, dict(kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_speculation_output_equals_plain(mtp_dir, next_model, monkeypatch):
+    """The same on CUDA in fp32: verification rows through the delta-rule kernel, rolled back by row."""
+    _speculate_with_the_oracle(mtp_dir, next_model, monkeypatch, dict(spec=2, device="cuda", dtype="float32"))
+
+
+def _speculate_with_the_oracle(mtp_dir, next_model, monkeypatch, kw):
     from strata.spec import drafter as drafter_mod
 
     path = mtp_dir[0]
@@ -323,7 +334,6 @@ def test_speculation_output_equals_plain(mtp_dir, next_model, monkeypatch, kw):
         return out
 
     monkeypatch.setattr(drafter_mod.MTPDrafter, "_picks", oracle)
-    kw = dict(kw)
     if kw.pop("concurrent", False):  # reads on their own stage, drafts verified on the decode lane
         monkeypatch.setenv("STRATA_PIPED_CONCURRENT", "1")
     e = _engine(path, **{"parallel": 2, **kw})
