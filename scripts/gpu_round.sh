@@ -2,8 +2,9 @@
 # One device call that runs named steps (GPU tests, sweeps, benchmarks; see the case list) and packs
 # every JSON/PNG they write into $OUT/results.tgz (a device call brings back at most 8 files), the
 # combined log into $OUT/round.log (/work/.library/device/METHOD.md: check and time everything at once).
-# The GPU image lacks gguf, fastapi, uvicorn and pydantic: carry their wheels in .whl/ (the device
-# tool's README says how) and this script installs them first.
+# The GPU image lacks gguf, fastapi, uvicorn, pydantic, openai and fla-core: `bash
+# scripts/device_wheels.sh --vocab` puts their wheels in .whl/ (and the grammar-cost step's vocab in
+# .cache/); carry ".whl" (and ".cache") and this script installs them first.
 #   bash scripts/gpu_round.sh tests kernels decode read ...
 set -uo pipefail
 OUT=${OUT:-gpu_out}
