@@ -233,17 +233,27 @@ def test_stop_ends_a_long_generation_and_frees_the_slot(servers, driver):
     base, _ = servers
     fill(driver, "max_tokens", str(CTX - 300))  # room for the first exchange, sent again
     fill(driver, "seed", "")
-    send_message(driver, "Tell me a long story.")
-    wait_for(lambda: len(page_state(driver)["text"]) > 20, "the long reply to start")
-    wait_for(lambda: "decoding" in page_state(driver)["slots"], "the dashboard to show a decoding slot")
-    if os.environ.get("WEBUI_SCREENSHOT"):
-        generated = "return document.querySelector('#slots [data-state=decoding] [data-figure=gen] .figure-value')" \
-                    "?.textContent.split('/')[0] ?? '0';"
-        wait_for(lambda: int(js(driver, generated)) >= 40, "the dashboard to count 40 tokens")
-        js(driver, "document.querySelector('.side').scrollTop = 0; document.activeElement.blur();")
-        driver.save_screenshot(os.environ["WEBUI_SCREENSHOT"])
-    driver.find_element("id", "stop").click()
-    wait_for(lambda: page_state(driver)["status"] == "stopped", "the reply to show it was stopped")
+    # The reply is sampled with a fresh seed: now and then the small model ends it (EOS) before the
+    # click lands. Such a reply shows "done", not "stopped"; then ask again, at most twice more.
+    for retries in range(3):
+        send_message(driver, "Tell me a long story.")
+        wait_for(lambda: len(page_state(driver)["text"]) > 20 or page_state(driver)["status"] == "done",
+                 "the long reply to start")
+        wait_for(lambda: "decoding" in page_state(driver)["slots"] or page_state(driver)["status"] == "done",
+                 "the dashboard to show a decoding slot")
+        if os.environ.get("WEBUI_SCREENSHOT"):
+            generated = "return document.querySelector('#slots [data-state=decoding] [data-figure=gen] .figure-value')" \
+                        "?.textContent.split('/')[0] ?? '0';"
+            wait_for(lambda: int(js(driver, generated)) >= 40, "the dashboard to count 40 tokens")
+            js(driver, "document.querySelector('.side').scrollTop = 0; document.activeElement.blur();")
+            driver.save_screenshot(os.environ["WEBUI_SCREENSHOT"])
+        driver.find_element("id", "stop").click()
+        wait_for(lambda: page_state(driver)["status"] in ("stopped", "done"), "the reply to end")
+        if page_state(driver)["status"] == "stopped":
+            break
+        wait_for(lambda: all_idle(driver), "every slot to be idle again")
+        driver.find_element("id", "new-chat").click()  # the next try's history fits max_tokens as the first's
+    assert page_state(driver)["status"] == "stopped", "three sampled replies ended before the stop"
     stopped_at = page_state(driver)["text"]
     wait_for(lambda: all_idle(driver), "the server to free the slot")
     generated = []
@@ -255,7 +265,7 @@ def test_stop_ends_a_long_generation_and_frees_the_slot(servers, driver):
     assert generated[0] == generated[1], "the stopped request is still generating"
     state = page_state(driver)
     assert state["text"] == stopped_at and not state["sendDisabled"] and state["stopDisabled"]
-    assert state["replies"] == 2
+    assert state["replies"] == (2 if retries == 0 else 1)  # the first exchange and this reply, or a new chat's
     driver.find_element("id", "new-chat").click()
     assert page_state(driver)["replies"] == 0
     assert severe_logs(driver) == []
