@@ -230,6 +230,59 @@ def test_gated_attention_packed_and_fused(monkeypatch, dtype):
     _assert_close(run(), before, fp32_tol=1e-5, bf16_tol=3e-2, bf16_max_mismatch=None)
 
 
+# ---- the shared expert as one more expert of the fused MoE kernels ---------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_gated_expert_kernel(dtype):
+    _, _, x, g = _gated_add_inputs(3, 48, dtype, seed=51)
+    w = torch.rand(3, 5, generator=_gen(52)).to(DEV)
+    ids = torch.randint(0, 9, (3, 5), generator=_gen(53)).to(DEV)
+    got_w, got_ids = activation.append_gated_expert_triton(x, g, w, ids, 9)
+    ref_w, ref_ids = activation.append_gated_expert_ref(x, g, w, ids, 9)
+    assert torch.equal(got_ids, ref_ids) and got_ids.dtype == ids.dtype
+    assert torch.equal(got_w[:, :5], w)
+    torch.testing.assert_close(got_w[:, 5], ref_w[:, 5], rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+def _shared_moe():
+    cfg = ModelConfig.from_hf(dict(model_type="qwen3_next", vocab_size=16, hidden_size=32, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6,
+                                   num_experts_per_tok=2, moe_intermediate_size=16,
+                                   shared_expert_intermediate_size=16, intermediate_size=16,
+                                   full_attention_interval=4))
+    torch.manual_seed(3)
+    moe = qwen3_next.SharedGatedMoE(cfg).requires_grad_(False)
+    for p in moe.parameters():
+        p.copy_(0.3 * torch.randn_like(p))
+    return moe
+
+
+def test_shared_expert_stacked_after_the_routed_ones(monkeypatch):
+    """`pack_experts` stacks the shared expert as expert E (its weights views of the stack, which
+    MLP.pack keeps); a decode step can then run it inside the fused kernels: the same output as the
+    routed experts plus the gated shared expert (CPU: the kernels interpreted, the path forced on)."""
+    moe = _shared_moe().to(torch.bfloat16)  # the fused kernels serve 16-bit rows
+    x = torch.randn(3, 32, generator=_gen(61)).to(torch.bfloat16)
+    before = moe(x)
+    moe.pack_experts()
+    moe.shared_expert.pack()
+    assert moe.w13_ext.shape[0] == 7 and moe.w13.shape[0] == 6 and moe.w13.data_ptr() == moe.w13_ext.data_ptr()
+    assert moe.shared_expert.gate_up_weight.data_ptr() == moe.w13_ext[6].data_ptr()
+    assert moe.shared_expert.down_proj.weight.data_ptr() == moe.w2_ext[6].data_ptr()
+    assert not moe.fused_shared  # the pack-time probe needs CUDA
+    assert torch.equal(moe(x), before)  # the unfused path, now on views of the stacks
+    moe.fused_shared = True
+    monkeypatch.setattr(qwen3_next, "use_triton", lambda t: True)
+    pairs = []
+    fused = qwen3_next.k_moe.moe_experts_decode_triton
+    monkeypatch.setattr(qwen3_next.k_moe, "moe_experts_decode_triton",
+                        lambda x, ids, *a: pairs.append(ids) or fused(x, ids, *a))
+    got = moe(x)
+    assert len(pairs) == 1 and pairs[0].shape == (3, 3) and (pairs[0][:, 2] == 6).all()
+    # One rounding in the fused combine against the module's three: within a few bf16 steps.
+    assert ((got.float() - before.float()).abs().max() / before.float().abs().max()).item() < 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)

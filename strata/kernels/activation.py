@@ -9,7 +9,9 @@ for bit there; the interpreter's exp may differ from torch's CPU exp in the last
 Also the sigmoid-gated add of a shared expert (Qwen3-Next's MoE): `routed + sigmoid(x · g) * shared`
 with torch's roundings in the dtype (the gate's dot rounded, its sigmoid rounded, the product rounded,
 the sum rounded), one program per row instead of five launches (cuBLAS's dot and its reduce, sigmoid,
-mul, add). Only the dot's summation order differs from cuBLAS's.
+mul, add). Only the dot's summation order differs from cuBLAS's. Or, where the shared expert runs as
+one more expert of the fused MoE kernels, `append_gated_expert`: its slot appended to each token's
+routed (weight, id) pairs, the weight `sigmoid(x · g)` rounded as the module rounds it.
 """
 
 from __future__ import annotations
@@ -143,3 +145,62 @@ def sigmoid_gated_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tenso
     if use_triton(x) and x.dim() == 2 and isinstance(gate_weight, torch.Tensor):
         return sigmoid_gated_add_triton(routed, shared, x, gate_weight)
     return sigmoid_gated_add_ref(routed, shared, x, gate_weight)
+
+
+def append_gated_expert_ref(x: torch.Tensor, gate_weight: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                            slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], gate_weight [1, H], weights [T, k] fp32, ids [T, k] → ([T, k + 1] fp32, [T, k + 1]): the
+    routed pairs, then expert `slot` at weight sigmoid(x @ gate_weightᵀ) (in x's dtype, then fp32)."""
+    gate = torch.sigmoid(F.linear(x, gate_weight)).float()
+    return torch.cat([weights, gate], dim=1), torch.cat([ids, torch.full_like(ids[:, :1], slot)], dim=1)
+
+
+@jit
+def _append_gated_expert_kernel(x_ptr, x_stride, g_ptr, w_ptr, ids_ptr, w_out_ptr, ids_out_ptr, h, top_k, slot,
+                                BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+                                USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for h0 in range(0, h, BLOCK):
+        ok = h0 + cols < h
+        xv = tl.load(x_ptr + row * x_stride + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += xv * tl.load(g_ptr + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    logit = tl.sum(acc, axis=0).to(dtype).to(tl.float32)
+    if USE_LIBDEVICE:
+        e = libdevice.exp(-logit)
+    else:
+        e = tl.exp(-logit)
+    gate = tl.div_rn(1.0, 1.0 + e).to(dtype).to(tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < top_k
+    tl.store(w_out_ptr + row * (top_k + 1) + ks, tl.load(w_ptr + row * top_k + ks, mask=k_ok), mask=k_ok)
+    tl.store(ids_out_ptr + row * (top_k + 1) + ks, tl.load(ids_ptr + row * top_k + ks, mask=k_ok), mask=k_ok)
+    tl.store(w_out_ptr + row * (top_k + 1) + top_k, gate)
+    tl.store(ids_out_ptr + row * (top_k + 1) + top_k, slot)
+
+
+def append_gated_expert_triton(x: torch.Tensor, gate_weight: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                               slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `append_gated_expert_ref`, one launch; weights and ids contiguous."""
+    t, h = x.shape
+    k = ids.shape[1]
+    if (x.stride(1) != 1 or gate_weight.shape != (1, h) or gate_weight.dtype != x.dtype
+            or not gate_weight.is_contiguous() or weights.shape != (t, k) or weights.dtype != torch.float32
+            or not weights.is_contiguous() or not ids.is_contiguous()):
+        raise ValueError(f"expected x [T, H] with contiguous rows, gate_weight [1, H] in x's dtype, contiguous fp32 "
+                         f"weights and ids [T, k]; got x {tuple(x.shape)} {x.dtype}, gate_weight "
+                         f"{tuple(gate_weight.shape)} {gate_weight.dtype}, weights {tuple(weights.shape)} "
+                         f"{weights.dtype}, ids {tuple(ids.shape)}")
+    w_out = torch.empty((t, k + 1), dtype=torch.float32, device=x.device)
+    ids_out = torch.empty((t, k + 1), dtype=ids.dtype, device=x.device)
+    if t == 0:
+        return w_out, ids_out
+    block = min(triton.next_power_of_2(h), BLOCK_COLS)
+    on = use_pdl(x)
+    _append_gated_expert_kernel[(t,)](x, x.stride(0), gate_weight, weights, ids, w_out, ids_out, h, k, slot,
+                                      BLOCK=block, BLOCK_K=triton.next_power_of_2(k), USE_LIBDEVICE=x.is_cuda,
+                                      USE_PDL=on, launch_pdl=on, num_warps=max(1, min(4, block // 256)))
+    return w_out, ids_out

@@ -292,6 +292,8 @@ class MLP(nn.Module):
         self.gate_up_q = take_quantized([self.gate_proj, self.up_proj], dtype)
         if self.gate_up_q is not None:
             return
+        if self.gate_up_weight is not None:  # stacked already (a shared expert inside its MoE's stack)
+            return
         if any(p.weight.requires_grad or p.weight.is_meta for p in (self.gate_proj, self.up_proj)):
             return
         self.gate_up_weight = stack_views([self.gate_proj, self.up_proj], "weight")

@@ -136,7 +136,7 @@ def _grouped_mm_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
-def _moe_decode_works(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+def moe_decode_works(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
     """One call of the fused decode kernels on the real weights, checked against their reference, at
     pack time: a kernel this device cannot build or run leaves the grouped path serving every step."""
     e, two_i, h = w13.shape
@@ -186,6 +186,10 @@ class MoE(nn.Module):
         # Stacked expert weights, set by pack_experts(). Non-persistent: the checkpoint names stay HF's.
         self.register_buffer("w13", None, persistent=False)  # [E, 2*I, H]: gate rows, then up rows
         self.register_buffer("w2", None, persistent=False)  # [E, H, I]
+        # With `pack_experts(extra=...)`: every expert, the extra one (a shared expert) last; w13 and w2
+        # are views of their first E rows.
+        self.register_buffer("w13_ext", None, persistent=False)
+        self.register_buffer("w2_ext", None, persistent=False)
         self.sort_ws: torch.Tensor | None = None  # the token sort's counters (CUDA), set by pack_experts()
         self.batch_invariant = False  # CausalLM.set_batch_invariant
         # --quantize fp8: (w13, its scales, w2, its scales) in e4m3 instead of w13 / w2 (`quantize_fp8`).
@@ -194,15 +198,18 @@ class MoE(nn.Module):
         self.quant: tuple | None = None
 
     @torch.no_grad()
-    def pack_experts(self) -> str:
+    def pack_experts(self, extra: MLP | None = None) -> str:
         """Stack the experts' weights into `w13`/`w2` and make each expert's weights views of them
         (no second copy), then pick the path. Call after the weights are on their final device and
-        dtype: moving the module afterwards copies the views apart. Returns `self.path`."""
+        dtype: moving the module afterwards copies the views apart. `extra`: an MLP of the experts'
+        shape stacked after them (`w13_ext`/`w2_ext`; its gate|up a view too), for a subclass that
+        runs it as one more expert. Returns `self.path`."""
         from strata.kernels.quant import moe_q
 
         if moe_q.pack_quantized(self):  # experts the loader kept quantized: stacked as blocks
             return self.path
-        params = [p for m in self.experts for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
+        members = list(self.experts) + ([extra] if extra is not None else [])
+        params = [p for m in members for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
         if any(p.requires_grad for p in params) or any(p.is_meta for p in params):
             # The grouped path reads the stacked buffers, which autograd would not train.
             self.path = "loop"
@@ -210,24 +217,27 @@ class MoE(nn.Module):
         first = self.experts[0]
         inter, hidden = first.gate_proj.weight.shape
         ref = first.gate_proj.weight
-        w13 = torch.empty(self.num_experts, 2 * inter, hidden, device=ref.device, dtype=ref.dtype)
-        w2 = torch.empty(self.num_experts, hidden, inter, device=ref.device, dtype=ref.dtype)
-        for e, m in enumerate(self.experts):
+        w13 = torch.empty(len(members), 2 * inter, hidden, device=ref.device, dtype=ref.dtype)
+        w2 = torch.empty(len(members), hidden, inter, device=ref.device, dtype=ref.dtype)
+        for e, m in enumerate(members):
             w13[e, :inter].copy_(m.gate_proj.weight)
             w13[e, inter:].copy_(m.up_proj.weight)
             w2[e].copy_(m.down_proj.weight)
             m.gate_proj.weight = nn.Parameter(w13[e, :inter], requires_grad=False)
             m.up_proj.weight = nn.Parameter(w13[e, inter:], requires_grad=False)
             m.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
-        self.w13, self.w2 = w13, w2
+        if extra is not None:
+            extra.gate_up_weight = w13[-1]  # packed already: MLP.pack leaves it
+            self.w13_ext, self.w2_ext = w13, w2
+        self.w13, self.w2 = w13[: self.num_experts], w2[: self.num_experts]
         if self.gate.weight.dtype != torch.float32:
             self.gate.weight_f32 = self.gate.weight.detach().float()
         if w13.is_cuda and triton_available():
             self.sort_ws = k_sort.sort_tokens_workspace(w13.device)
             self.gate.route_ws = k_moe_inv.router_workspace(self.num_experts, hidden, w13.device)
-        if _grouped_mm_works(w13, w2):
+        if _grouped_mm_works(self.w13, self.w2):
             self.path = "grouped"
-            self.decode_kernel = _moe_decode_works(w13, w2, self.num_experts_per_tok)
+            self.decode_kernel = moe_decode_works(self.w13, self.w2, self.num_experts_per_tok)
         else:
             # On CUDA a step must not read expert counts on the host (CUDA graphs, overlapped steps).
             self.path = "masked" if w13.is_cuda else "loop"

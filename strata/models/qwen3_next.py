@@ -16,6 +16,7 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.kernels import activation as k_act
+from strata.kernels import moe_decode as k_moe
 from strata.kernels import norm as k_norm
 from strata.kernels import rope as k_rope
 from strata.kernels import use_triton
@@ -24,7 +25,7 @@ from strata.kernels.gated_delta import gated_delta_varlen
 from strata.kernels.gated_delta_decode import causal_conv1d_decode, delta_gates, gated_delta_decode_with_gating
 from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
 from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear, stack_views
-from strata.models.moe import MoE
+from strata.models.moe import MoE, moe_decode_works
 from strata.models.transformer import CausalLM
 
 
@@ -83,8 +84,9 @@ class GatedDeltaNet(nn.Module):
         from the checkpoint's order (per key head: q, k, then the v and z of its `ratio` value heads)
         to q | k | v | z, each head-major, then in_proj_ba's rows below them."""
         w = self.in_proj_qkvz.weight
+        projs = (self.in_proj_qkvz, self.in_proj_ba)
         if self.in_proj_weight is not None or any(p.weight.is_meta or p.weight.requires_grad or "quant_raw" in p.__dict__
-                                                  for p in (self.in_proj_qkvz, self.in_proj_ba)):
+                                                  for p in projs):
             return
         rv = self.ratio * self.dv
         parts = w.view(self.hk, 2 * self.dk + 2 * rv, -1).split([self.dk, self.dk, rv, rv], dim=1)
@@ -261,8 +263,34 @@ class SharedGatedMoE(MoE):
         super().__init__(cfg.replace(n_shared_experts=0))
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.fused_shared = False  # `pack_experts`: the shared expert runs inside the fused decode kernels
+
+    @torch.no_grad()
+    def pack_experts(self, extra: MLP | None = None) -> str:
+        """The routed experts' stacks, with the shared expert stacked after them when it has their shape,
+        so that a decode step runs it as one more (token, expert) pair of the fused kernels, weighted by
+        its gate (`fused_shared`), where it took two GEMVs, a SiLU·mul and the gated add."""
+        shared, first = self.shared_expert, self.experts[0]
+        linears = (shared.gate_proj, shared.up_proj, shared.down_proj)
+        same = all(a.weight.shape == b.weight.shape for a, b in zip(linears, (first.gate_proj, first.up_proj,
+                                                                             first.down_proj)))
+        kept_quantized = any("quant_raw" in lin.__dict__ for lin in linears)
+        path = super().pack_experts(extra=shared if same and not kept_quantized else None)
+        self.fused_shared = self.w13_ext is not None and moe_decode_works(self.w13_ext, self.w2_ext,
+                                                                          self.num_experts_per_tok + 1)
+        return path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.fused_shared and self.w13_ext is not None and not self.batch_invariant
+                and x.dim() == 2 and x.dtype == self.w13_ext.dtype and use_triton(x)
+                and k_moe.moe_decode_supported(x.shape[0], self.num_experts_per_tok + 1, x.shape[1],
+                                               self.w2_ext.shape[2], x.dtype)):
+            w, ids, _ = self.gate(x)
+            if self.keep_routing:
+                self.last_expert_ids = ids.detach()
+            w, ids = k_act.append_gated_expert_triton(x, self.shared_expert_gate.weight, w.contiguous(),
+                                                      ids.contiguous(), self.num_experts)
+            return k_moe.moe_experts_decode_triton(x, ids, w, self.w13_ext, self.w2_ext)
         return k_act.sigmoid_gated_add(super().forward(x), self.shared_expert(x), x, self.shared_expert_gate.weight)
 
 

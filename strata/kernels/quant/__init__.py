@@ -220,7 +220,7 @@ def quantize_fp8(model: torch.nn.Module) -> int:
             done += 2
         elif isinstance(m, MoE) and m.w13 is not None:
             m.fp8 = (*fp8_format.quantize_experts(m.w13), *fp8_format.quantize_experts(m.w2))
-            m.w13 = m.w2 = None
+            m.w13 = m.w2 = m.w13_ext = m.w2_ext = None
             m.decode_kernel = False
             drop(*(lin for e in m.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)))
             done += 2
