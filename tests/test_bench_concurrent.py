@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from strata.cli import main
 
 SUMMARY_FIELDS = ("alloc_growth_bytes", "itl_during_over_idle", "read_beside_over_alone", "short_ttft_s",
@@ -62,6 +64,26 @@ def test_bench_concurrent_random_shape(tmp_path):
     assert not res["needle"]["run"] and s["needle_total"] == 0  # random weights: no tokenizer
     assert s["drafts_accepted"] is None
     assert res["runs"][1]["env"]["STRATA_PIPED_CONCURRENT_SMB"] == "1"
+
+
+def test_bench_concurrent_quantized_weights():
+    """`--quant Q8_0` (issue 11's Q8_0 arm): the random weights kept quantized, the name (and so the
+    default JSON) carrying the format; refused beside a checkpoint. Only the load: the read stage's
+    thread and the decode thread cannot both run Triton's interpreter, which the quantized kernels
+    take on the CPU here, so the bench itself runs with it on the GPU."""
+    import argparse
+
+    import torch
+
+    from strata.bench import concurrent as bench
+    from strata.kernels.quant import qweights_of
+
+    args = argparse.Namespace(model=None, quant="Q8_0", shape="tiny", seed=0)
+    loaded, name = bench._load(args, torch.device("cpu"), torch.float32)
+    assert name == "tiny_Q8_0" and {q.ggml_type for q in qweights_of(loaded.model)} == {"Q8_0"}
+    with pytest.raises(SystemExit, match="--quant"):
+        bench._load(argparse.Namespace(model="default", quant="Q8_0", shape="tiny", seed=0), torch.device("cpu"),
+                    torch.float32)
 
 
 def test_bench_concurrent_embedded_model_with_spec_and_needle(tmp_path):

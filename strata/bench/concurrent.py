@@ -403,11 +403,14 @@ def summarize(runs: list[dict], lengths: list[int], needle_by_arm: dict | None) 
 # ---- entry ------------------------------------------------------------------------------------------
 
 def _load(args, device: torch.device, dtype: torch.dtype):
+    if args.model and args.quant:
+        raise SystemExit("--quant makes random --shape weights kept quantized, not a checkpoint's")
     if args.model:
         loaded = load_model(None if args.model == "default" else args.model, device=device, dtype=dtype,
                             progress=False)
         return loaded, "default" if args.model == "default" else os.path.basename(os.path.normpath(args.model))
-    return random_model(args.shape, device, dtype, seed=args.seed), args.shape
+    name = args.shape + (f"_{args.quant}" if args.quant else "")
+    return random_model(args.shape, device, dtype, seed=args.seed, quant=args.quant), name
 
 
 def _prompt_ids(loaded, n: int, seed: int) -> list[int]:
@@ -480,7 +483,7 @@ def _run(args) -> int:
             for row in r["lengths"]:
                 row.pop("timeline", None)
     info = {"bench": "concurrent", "shape": name, "model": loaded.path, "device": str(device), "dtype": args.dtype,
-            "kv": args.kv, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "kv": args.kv, "quant": args.quant, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "chunk": args.chunk, "lengths": lengths, "pairs": args.pairs,
             "spec": args.spec, "giveway_tokens": giveway, "stall_s": STALL_S, "read_sms": args.read_sms,
             "arms": {arm: {sw.name: v for sw, v in env} for arm, env in ARMS.items()},
@@ -557,6 +560,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--kv", default="auto", choices=["auto", "bf16", "int8"], help="KV cache storage")
+    p.add_argument("--quant", default=None,
+                   help="random --shape weights kept quantized in this GGUF format (Q8_0, Q4_K, IQ3_S, ...), as "
+                        "`strata bench quant` makes them; the default out name gains it")
     p.add_argument("--lengths", type=_int_list, default=None,
                    help=f"prompt tokens of the reads (default: those of {DEFAULT_LENGTHS} within the model's context)")
     p.add_argument("--pairs", type=int, default=3, help="interleaved pairs of arms, a fresh engine per arm")
