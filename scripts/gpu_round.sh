@@ -134,6 +134,8 @@ step() {  # name, seconds, command...
       # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
       concurrent-q8) step concurrent-q8 400 $B concurrent --shape qwen3-8b --quant Q8_0 --pairs ${SMS_PAIRS:-3} \
           --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b_Q8_0_sms${READ_SMS:-64}_cuda.json ;;
+      concurrent-128k) step concurrent-128k 560 $B concurrent --shape qwen3-8b-128k --lengths 32768,131072 \
+          --pairs ${SMS_PAIRS:-3} --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b-128k_sms${READ_SMS:-64}_cuda.json ;;
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
       next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py tests/test_kernel_gated_delta_decode.py tests/test_kernels_qwen3_next.py -k "next or causal or decode" ;;
