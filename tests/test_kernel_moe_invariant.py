@@ -20,7 +20,6 @@ rounding); the layer against `_loop`: fp32 1e-5, bf16 3e-2 (h13 rounded to bf16 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -39,16 +38,11 @@ from strata.kernels.moe_invariant import (
 )
 from strata.kernels.moe_sort import sort_tokens_ref
 from test_kernel_matmul import _bf16_dot, kstep_dot  # noqa: F401 (fixtures)
-from test_kernel_matmul import rel_err, seed_of
+from test_kernel_matmul import CUDA, DEV, needs_cuda, needs_interpreter, rel_err, seed_of
 from test_moe_packed import BASE, random_moe
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="models the interpreter's dot")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 

@@ -20,7 +20,6 @@ bf16 step apart from the reference's).
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -50,15 +49,11 @@ from strata.kernels.quant.invariant import (
     supports,
 )
 
-from test_kernel_matmul import rel_err, seed_of, split_ranges  # noqa: F401 (a fixture)
+from test_kernel_matmul import split_ranges  # noqa: F401 (a fixture)
+from test_kernel_matmul import CUDA, DEV, needs_cuda, needs_interpreter, rel_err, seed_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="models the interpreter's dot")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 FMTS = pytest.mark.parametrize("fmt", FORMATS)

@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.config import ModelConfig
 from strata.kernels import activation, norm, rope
+from strata.models import moe as moe_module
 from strata.models import qwen3_next
 from strata.models.attention import CausalBatch
 from strata.models.layers import RopeInputs, Rotary, apply_rotary
 from strata.models.qwen3_next import GatedAttention, GatedRMSNorm, ZeroCentredRMSNorm
 from test_kernels_small import CUDA, DEV, DTYPES, EPS, _assert_close, _gen, _randn, _rope_args, _rope_inputs
+from test_qwen3_next import randomized, tiny_next_config
 
 
 def _offset_weight(h, dtype, seed=1):
@@ -196,16 +197,8 @@ def test_qk_norm_rope_zero_centred(dtype, head_dim, rotary_dim):
 
 
 def _attention_layer(dtype):
-    cfg = ModelConfig.from_hf(dict(model_type="qwen3_next", vocab_size=16, hidden_size=32, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
-                                   linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=16,
-                                   full_attention_interval=4))
-    torch.manual_seed(0)
-    layer = GatedAttention(cfg, 0).requires_grad_(False)
-    for p in layer.parameters():
-        p.copy_(0.3 * torch.randn_like(p))
-    return cfg, layer.to(dtype)
+    cfg = tiny_next_config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5)
+    return cfg, randomized(GatedAttention(cfg, 0)).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -245,16 +238,9 @@ def test_append_gated_expert_kernel(dtype):
 
 
 def _shared_moe():
-    cfg = ModelConfig.from_hf(dict(model_type="qwen3_next", vocab_size=16, hidden_size=32, num_hidden_layers=4,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6,
-                                   num_experts_per_tok=2, moe_intermediate_size=16,
-                                   shared_expert_intermediate_size=16, intermediate_size=16,
-                                   full_attention_interval=4))
-    torch.manual_seed(3)
-    moe = qwen3_next.SharedGatedMoE(cfg).requires_grad_(False)
-    for p in moe.parameters():
-        p.copy_(0.3 * torch.randn_like(p))
-    return moe
+    cfg = tiny_next_config(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                           shared_expert_intermediate_size=16)
+    return randomized(qwen3_next.SharedGatedMoE(cfg), seed=3)
 
 
 def test_shared_expert_stacked_after_the_routed_ones(monkeypatch):
@@ -271,8 +257,8 @@ def test_shared_expert_stacked_after_the_routed_ones(monkeypatch):
     assert moe.shared_expert.down_proj.weight.data_ptr() == moe.w2_ext[6].data_ptr()
     assert not moe.fused_shared  # the pack-time probe needs CUDA
     assert torch.equal(moe(x), before)  # the unfused path, now on views of the stacks
-    moe.fused_shared = True
-    monkeypatch.setattr(qwen3_next, "use_triton", lambda t: True)
+    moe.fused_shared = moe.decode_kernel = True
+    monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
     pairs = []
     fused = qwen3_next.k_moe.moe_experts_decode_triton
     monkeypatch.setattr(qwen3_next.k_moe, "moe_experts_decode_triton",

@@ -94,18 +94,30 @@ def test_conv_in_pieces_and_steps_equals_whole():
     torch.testing.assert_close(whole, ref)
 
 
+def tiny_next_config(**overrides) -> ModelConfig:
+    """A small qwen3_next config for one-layer tests (one full-attention layer in four)."""
+    base = dict(model_type="qwen3_next", vocab_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, intermediate_size=16,
+                full_attention_interval=4)
+    return ModelConfig.from_hf({**base, **overrides})
+
+
+def randomized(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """`module` frozen, every parameter drawn from 0.3 · N(0, 1) (its zero or one inits would hide
+    layout mistakes)."""
+    torch.manual_seed(seed)
+    module.requires_grad_(False)
+    for p in module.parameters():
+        p.copy_(0.3 * torch.randn_like(p))
+    return module
+
+
 def test_packed_projection_gives_the_same_layer_output():
     """`GatedDeltaNet.pack` reorders in_proj_qkvz's rows so that q|k|v and z are views of its output:
     the layer's output (a decode step and a chunk, fresh states each) is the same as before packing."""
-    cfg = ModelConfig.from_hf(dict(model_type="qwen3_next", vocab_size=16, hidden_size=32, num_hidden_layers=4,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                   linear_value_head_dim=6, linear_conv_kernel_dim=4, intermediate_size=16,
-                                   full_attention_interval=4))
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(cfg, 0).requires_grad_(False)
-    for p in layer.parameters():
-        p.copy_(0.3 * torch.randn_like(p))
+    cfg = tiny_next_config()
+    layer = randomized(GatedDeltaNet(cfg, 0))
     x = torch.randn(7, 32)
 
     def run():

@@ -253,9 +253,7 @@ class MoE(nn.Module):
             out = self._grouped_invariant(x, w, ids)  # never the fused decode kernel: its order is its own
         elif self.fp8 is not None or self.quant is not None:
             out = self._grouped(x, w, ids)
-        # The dtype test is on host metadata (no sync): under autocast x may differ from the weights.
-        elif (self.decode_kernel and x.dtype == self.w13.dtype and use_triton(x)
-                and k_moe.moe_decode_supported(x.shape[0], ids.shape[1], x.shape[1], self.w2.shape[2], x.dtype)):
+        elif self.decode_kernels_serve(x, ids.shape[1], self.w13):
             out = k_moe.moe_experts_decode_triton(x, ids, w, self.w13, self.w2)
         elif self.path == "grouped" and x.dtype == self.w13.dtype:
             out = self._grouped(x, w, ids)
@@ -266,6 +264,13 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def decode_kernels_serve(self, x: torch.Tensor, pairs: int, w13: torch.Tensor | None) -> bool:
+        """Whether the fused decode kernels run this step's experts over the stack `w13` with `pairs`
+        experts a token (probed at pack; the stack's dtype; few tokens; CUDA)."""
+        # The dtype test is on host metadata (no sync): under autocast x may differ from the weights.
+        return (self.decode_kernel and w13 is not None and x.dtype == w13.dtype and use_triton(x)
+                and k_moe.moe_decode_supported(x.shape[0], pairs, x.shape[1], w13.shape[1] // 2, x.dtype))
 
     def _loop(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)

@@ -281,10 +281,8 @@ class SharedGatedMoE(MoE):
         return path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.fused_shared and self.w13_ext is not None and not self.batch_invariant
-                and x.dim() == 2 and x.dtype == self.w13_ext.dtype and use_triton(x)
-                and k_moe.moe_decode_supported(x.shape[0], self.num_experts_per_tok + 1, x.shape[1],
-                                               self.w2_ext.shape[2], x.dtype)):
+        if (self.fused_shared and not self.batch_invariant and x.dim() == 2
+                and self.decode_kernels_serve(x, self.num_experts_per_tok + 1, self.w13_ext)):
             w, ids, _ = self.gate(x)
             if self.keep_routing:
                 self.last_expert_ids = ids.detach()
