@@ -112,6 +112,8 @@ step() {  # name, seconds, command...
       tests-final) step tests-final 150 $T tests/test_gpu.py tests/test_kernel_moe_decode.py ;;
       tests) step tests 500 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_moe_packed.py tests/test_gpu_graphs.py tests/test_device_sampling.py tests/test_kernel_kv_dequant.py ;;
       moe-kernel) step moe-kernel 200 $T tests/test_kernel_moe_decode.py ;;
+      files) step files ${FILES_S:-300} $T $FILES ;;  # FILES="tests/a.py tests/b.py -k ...": any tests by name
+      moe-tests) step moe-tests 300 $T tests/test_kernel_moe_decode.py tests/test_moe_packed.py tests/test_kernels_moe_routing.py --durations=5 ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       profile8) step profile8 120 python3 scripts/profile_step.py --batch 8 --top 12 ;;
       read) step read 240 $B read --chunks 512,2048,8192 --lengths 4096,32768 --repeats 1 --out $R/read_qwen3-8b_cuda.json ;;
@@ -136,6 +138,9 @@ step() {  # name, seconds, command...
           --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b_Q8_0_sms${READ_SMS:-64}_cuda.json ;;
       concurrent-128k) step concurrent-128k 560 $B concurrent --shape qwen3-8b-128k --lengths 32768,131072 \
           --pairs ${SMS_PAIRS:-3} --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b-128k_sms${READ_SMS:-64}_cuda.json ;;
+      # Issue 11's zero growth, both weight formats, one pair (the 3-pair steps above measure the rest).
+      growth-check) for q in bf16 Q8_0; do step growth-$q 200 $B concurrent --shape qwen3-8b $([ $q = Q8_0 ] && echo --quant Q8_0) \
+          --pairs 1 --read-sms 64 --lengths 4096,32768 --out $R/concurrent_growth_${q}_cuda.json; done ;;
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
       next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py tests/test_kernel_gated_delta_decode.py tests/test_kernels_qwen3_next.py -k "next or causal or decode" ;;

@@ -118,6 +118,27 @@ def test_the_guard_fails_without_the_reservation(monkeypatch):
     e.close()
 
 
+def test_the_warm_up_takes_small_steps_after_the_largest(monkeypatch):
+    """The stage's warm-up reads the largest step, then the small ones (a short prompt, a read's last
+    chunk), each until the cache stops growing (on the CPU: two steps each)."""
+    from strata.runner.read_stage import WARM_UP_SMALL_STEPS
+
+    _set(monkeypatch, piped=True, guard=True)
+    sizes = []
+    submit = ReadStage.submit
+
+    def spy(self, out, beside_decode=False):
+        sizes.append(sum(c.num_tokens for c in out.chunks))
+        return submit(self, out, beside_decode)
+
+    monkeypatch.setattr(ReadStage, "submit", spy)
+    e = _engine()
+    n = e.read_stage.max_tokens
+    want = [n] + [k for k in WARM_UP_SMALL_STEPS if k < n]
+    assert sizes == [k for k in want for _ in range(2)] and sizes[-1] == 1
+    e.close()
+
+
 # ---- on the device ------------------------------------------------------------------------------------
 
 def _gpu_reads_beside_decoding(e: LLMEngine, lengths, vocab: int):
@@ -173,13 +194,15 @@ def test_reads_beside_decoding_take_the_green_stream_and_follow_the_previous_one
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_cuda_reads_beside_decoding_allocate_nothing(monkeypatch):
     """Qwen3-8B shapes, bf16: 8K-64K reads beside a decoding slot with all three switches and the guard
-    on (AllocationGrowth on any growth), the same tokens as with the concurrent read off."""
+    on (AllocationGrowth on any growth), the same tokens as with the concurrent read off. Two reads end
+    in a short chunk and one is short: their activations come from the allocator's small-block pool,
+    which grew by a segment before the warm-up took small steps too."""
     import torch
 
     from strata.bench.random_model import random_model
 
     loaded = random_model("qwen3-8b-128k", "cuda", torch.bfloat16)
-    lengths = [8192, 16384, 32768, 65536]
+    lengths = [8192, 16384 + 32, 24, 32768 + 5, 65536]
     cfg = EngineConfig(device="cuda", dtype="bfloat16", ctx=65536 + 64, parallel=2, chunk_size=2048,
                        max_num_batched_tokens=2048, kv_size=2 * (65536 + 128))
     _set(monkeypatch, piped=True, split=True, smb=True, guard=True)

@@ -48,6 +48,8 @@ UPLOAD_BYTES_PER_TOKEN = 32  # reserve_uploads: T x K x 4 bytes with K = 8 int32
 
 
 WARM_UP_MAX_STEPS = 4
+# Small read steps warmed after the largest (see `ReadStage.warm_up`): a short prompt, a read's last chunk.
+WARM_UP_SMALL_STEPS = (256, 128, 96, 64, 48, 32, 16, 8, 1)
 
 
 @dataclass
@@ -186,36 +188,43 @@ class ReadStage:
             self.prefill.reserve_draft_kv()
 
     def warm_up(self) -> None:
-        """One read step of the largest size through the stage, on its stream, so torch's caching
-        allocator holds the read's activations before the first real read. Its request reads token 0
-        into the padding block (block 0, whose K/V nobody reads) and samples greedily (no seed used);
-        its uploads go through a ring of their own, so this ring's reservation is what later reads get."""
+        """Read steps through the stage, on its stream, so torch's caching allocator holds the read's
+        activations before the first real read: the largest step, then small ones (`WARM_UP_SMALL_STEPS`),
+        whose activations under 1 MiB come from the allocator's small-block pool, kept per stream (a
+        short prompt or a read's last chunk grew it by a 2 MiB segment on the H200 when only the largest
+        step had run). Its request reads token 0 into the padding block (block 0, whose K/V nobody reads)
+        and samples greedily (no seed used); its uploads go through a ring of their own, so this ring's
+        reservation is what later reads get."""
+        # One prompt token past the step, and within the context: a step that does not sample needs the
+        # next token (the MTP layer's input when the stage writes draft K/V).
+        n = min(self.max_tokens, self.runner.max_model_len - 1)
+        ring, self.up_ring = self.up_ring, UpRing(self.device, n * UPLOAD_BYTES_PER_TOKEN)
+        try:
+            # The caching allocator keeps blocks per stream: with a green-context stream, both warm up.
+            for beside_decode in (False, True) if self.green_stream is not None else (False,):
+                for size in (n, *(k for k in WARM_UP_SMALL_STEPS if k < n)):
+                    self._warm_steps(size, beside_decode)
+        finally:
+            self.up_ring = ring
+            self.reads_total = 0
+
+    def _warm_steps(self, n: int, beside_decode: bool) -> None:
+        """Steps of `n` tokens until the cache stops growing: the runner keeps the last step's hidden
+        states while the next one runs, so the steady state holds more than one step's activations, and
+        the allocator's first placements can leave no block large enough for a later one."""
         from strata.params import SamplingParams
         from strata.sched.request import Request
         from strata.sched.scheduler import ScheduledChunk, SchedulerOutput
 
-        # One prompt token past the step, and within the context: a step that does not sample needs the
-        # next token (the MTP layer's input when the stage writes draft K/V).
-        n = min(self.max_tokens, self.runner.max_model_len - 1)
         req = Request("__read_warm_up__", [0] * (n + 1), SamplingParams(max_tokens=1), slot=0)
         req.block_ids = [0] * -(-(n + 1) // self.runner.pool.block_size)
-        ring, self.up_ring = self.up_ring, UpRing(self.device, n * UPLOAD_BYTES_PER_TOKEN)
         cuda = self.device.type == "cuda"
-        try:
-            # Steps until the cache stops growing: the runner keeps the last step's hidden states while
-            # the next one runs, so the steady state holds more than one step's activations, and the
-            # allocator's first placements can leave no block large enough for a later one.
-            # The caching allocator keeps blocks per stream: with a green-context stream, both warm up.
-            for beside_decode in (False, True) if self.green_stream is not None else (False,):
-                for i in range(WARM_UP_MAX_STEPS):
-                    before = torch.cuda.memory_reserved(self.device) if cuda else 0
-                    self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, i % 2 == 1)]), beside_decode)
-                    self.poll(block=True)
-                    if i >= 1 and (not cuda or torch.cuda.memory_reserved(self.device) == before):
-                        break
-        finally:
-            self.up_ring = ring
-            self.reads_total = 0
+        for i in range(WARM_UP_MAX_STEPS):
+            before = torch.cuda.memory_reserved(self.device) if cuda else 0
+            self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, i % 2 == 1)]), beside_decode)
+            self.poll(block=True)
+            if i >= 1 and (not cuda or torch.cuda.memory_reserved(self.device) == before):
+                break
 
     def follow(self, stream) -> None:
         """The stage's next work waits for what `stream` has queued (the drafter's copies out of this
