@@ -96,7 +96,8 @@ step() {  # name, seconds, command...
       # A second slot decoding throughout: solo reads (prompt-chunk graph steps) against shared eager steps.
       prefix8b-busy) step prefix8b-busy 300 $B prefix --shape qwen3-8b --busy --out $R/prefix_busy_qwen3-8b_cuda.json ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
-      moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing ;;
+      moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing
+        TAIL=60 step moe-route-sweep 300 python3 -m strata.kernels.moe_routing --sweep ;;
       decode-nopdl) STRATA_PDL=0 step decode-nopdl 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_nopdl.json ;;
       decode-sync) step decode-sync 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --no-async-scheduling --out $R/decode_quick_sync.json ;;
       moe-decode1) step moe-decode1 150 $B decode --shape qwen3-30b-a3b --batch 1,8 --no-hf --repeats 1 --out $R/decode_moe_quick.json ;;

@@ -130,11 +130,21 @@ def _exp(v, USE_LIBDEVICE: tl.constexpr):
 def _first_max(key, avail, cols, BLOCK: tl.constexpr):
     """Per row: the largest key among the `avail` columns and the lowest column holding it. NaN ranks
     above everything, as in torch.topk, so a row of NaN logits (overflowed activations) still picks
-    valid experts instead of an id past the end."""
-    masked = tl.where(avail, tl.where(key == key, key, float("inf")), float("-inf"))
-    best = tl.max(masked, axis=1)
-    col = tl.min(tl.where(avail & (masked == best[:, None]), cols[None, :], BLOCK), axis=1)
-    return best, col
+    valid experts instead of an id past the end.
+
+    One reduction instead of a max and then a min over the columns holding it: each key's bits, made
+    order-preserving as an int32 (negative floats' magnitude bits flipped; -0.0 taken as +0.0, which
+    float comparison calls equal), form the high word of an int64 whose low word ranks lower columns
+    higher; columns not available take the lowest high word, below every float."""
+    masked = tl.where(key == key, key, float("inf"))
+    bits = tl.where(masked == 0.0, 0, masked.to(tl.int32, bitcast=True))
+    ordered = tl.where(avail, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483648)
+    packed = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - cols)[None, :].to(tl.int64)
+    best = tl.max(packed, axis=1)
+    col = (BLOCK - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+    best_ordered = (best >> 32).to(tl.int32)
+    best_bits = best_ordered ^ ((best_ordered >> 31) & 0x7FFFFFFF)
+    return best_bits.to(tl.float32, bitcast=True), col
 
 
 @jit
@@ -181,9 +191,12 @@ def _route_rows(logits_ptr, logits_stride, rows, row_ok, bias_ptr, w_ptr, ids_pt
     picked_id = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     total = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for j in range(top_k):
-        _best_key, col = _first_max(key, avail, cols, BLOCK_E)
-        hit = cols[None, :] == col[:, None]
-        w = tl.sum(tl.where(hit, weights, 0.0), axis=1)  # exact: one value among zeros
+        best_key, col = _first_max(key, avail, cols, BLOCK_E)
+        if HAS_BIAS or GROUPED:
+            w = tl.sum(tl.where(cols[None, :] == col[:, None], weights, 0.0), axis=1)  # exact: one value among zeros
+        else:
+            # The key is the weight. Weights are at most 1, so an infinite key stood for a NaN weight.
+            w = tl.where(best_key == float("inf"), float("nan"), best_key)
         total += w
         picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
         picked_id = tl.where(kcols[None, :] == j, col[:, None], picked_id)
@@ -471,5 +484,42 @@ def bench_routing(device="cuda", runs: int = 100, dtype=torch.bfloat16) -> list[
     return rows
 
 
+def sweep_router_configs(device="cuda", runs: int = 100, dtype=torch.bfloat16, t: int = 1,
+                         shapes=("qwen3-30b-a3b", "qwen3-next-80b-a3b")) -> list[dict]:
+    """µs per fused-router call at T tokens over experts per program, H per step and warps, for each
+    `BENCH_ROUTERS` shape, best first: what `router_decode_config` should pick (the routing tail, run
+    by the last program with the kernel's warps, may want fewer warps than the logits)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name in shapes:
+        e, h, settings = BENCH_ROUTERS[name]
+        weight = torch.randn(e, h, device=device, generator=gen) * h ** -0.5
+        if settings["scoring"] == "sigmoid":
+            settings = dict(settings, bias=torch.randn(e, device=device, generator=gen) * 0.1)
+        ws = router_decode_workspace(device)
+        xs = [torch.randn(t, h, device=device, generator=gen).to(dtype) for _ in range(8)]
+        default = router_decode_config(e, h)
+        configs = [RouterDecodeConfig(be, bh, w) for be in (1, 2) for bh in (256, 512, 1024) for w in (1, 2, 4)
+                   if DECODE_BLOCK_T * be * bh // (32 * w) <= 128]  # the product tile: ≤ 128 fp32 a thread
+        timed = []
+        for cfg in configs + [default] * (default not in configs):
+            us = time_us([lambda x=x, c=cfg: router_decode_triton(x, weight, workspace=ws, config=c, **settings)
+                          for x in xs], runs)
+            timed.append(dict(shape=name, t=t, config=cfg, us=us))
+        timed.sort(key=lambda r: r["us"])
+        for r in timed[:6]:
+            print(f"{name:>18} T={t} {r['us']:7.2f} us  {r['config']}{'  (default)' if r['config'] == default else ''}")
+        print(f"{name:>18} T={t} default {next(r['us'] for r in timed if r['config'] == default):7.2f} us  {default}",
+              flush=True)
+        rows += timed
+    return rows
+
+
 if __name__ == "__main__":
-    bench_routing()
+    import sys
+
+    if "--sweep" in sys.argv:
+        for tokens in (1, 8):
+            sweep_router_configs(t=tokens)
+    else:
+        bench_routing()
