@@ -179,6 +179,13 @@ step() {  # name, seconds, command...
       matmul-sweep) TAIL=80 step matmul-sweep 400 python3 -m strata.kernels.matmul --sweep ;;
       determinism) for m in off on; do step determinism-$m 500 $B determinism --shape qwen3-8b --clients 64 --parallel 8 \
           --chunk 512 $([ $m = on ] && echo "--batch-invariant --costs") --out $R/determinism_${m}_cuda.json; done ;;
+      # Issue 15 over weights kept quantized: the server matrix and the mode's costs, per format.
+      determinism-quant) for q in ${DET_QUANTS:-Q8_0 FP8}; do for m in off on; do step determinism-$q-$m 500 $B determinism \
+          --shape qwen3-8b --quant $q --clients 64 --parallel 8 --chunk 512 $([ $m = on ] && echo "--batch-invariant --costs") \
+          --out $R/determinism_${q}_${m}_cuda.json; done; done ;;
+      # Issue 11's Q8_0 arm at smaller read contexts (its decode ITL was 1.71x idle at 64 SMs).
+      concurrent-q8-sms) for n in ${READ_SMS_LIST:-48 32}; do step concurrent-q8-sms$n 300 $B concurrent --shape qwen3-8b \
+          --quant Q8_0 --pairs ${SMS_PAIRS:-1} --read-sms $n --lengths 32768 --out $R/concurrent_qwen3-8b_Q8_0_sms${n}_cuda.json; done ;;
       fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py tests/test_kernel_fp8_rows.py ;;
       fp8-sweep) TAIL=80 step fp8-sweep 300 python3 -m strata.kernels.quant.fp8 --sweep ;;
       *) echo "unknown step $s" ;;

@@ -22,6 +22,27 @@ def test_bench_read_and_decode_write_json(tmp_path):
     assert [r["batch"] for r in rows] == [1, 2] and rows[1]["new_tokens"] == 6
 
 
+def test_bench_read_and_decode_on_weights_kept_quantized(tmp_path):
+    """--quant: the random weights kept quantized (a GGUF format) or made FP8 at load; Strata only."""
+    from strata.bench.throughput import default_out
+
+    out = tmp_path / "decode_q8.json"
+    assert main(["bench", "decode", "--shape", "tiny-256", "--quant", "Q8_0", "--no-hf", "--batch", "1",
+                 "--prompt", "8", "--tokens", "4", "--device", "cpu", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["quant"] == "Q8_0" and res["rows"][0]["new_tokens"] == 3 and res["rows"][0]["strata_tok_s"] > 0
+    out = tmp_path / "read_fp8.json"
+    assert main(["bench", "read", "--shape", "tiny-256", "--quant", "FP8", "--no-hf", "--lengths", "32",
+                 "--device", "cpu", "--repeats", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["quant"] == "FP8"
+    with pytest.raises(SystemExit, match="--no-hf"):
+        main(["bench", "read", "--shape", "tiny-256", "--quant", "FP8", "--device", "cpu"])
+    import torch
+
+    assert default_out("decode", "qwen3-8b", "int8", torch.device("cuda"), "Q8_0") == \
+        "bench/results/decode_qwen3-8b_Q8_0_int8_cuda.json"
+
+
 def test_bench_kv_reports_agreement(tmp_path):
     out = tmp_path / "kv.json"
     assert main(["bench", "kv", "--device", "cpu", "--max-tokens", "256", "--window", "128", "--chunk", "64",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from strata.bench.determinism import COST_FIELDS, build_prompts, compare_answers, peak_in_flight, tally
 from strata.cli import main
 
@@ -89,3 +91,17 @@ def test_the_batch_invariant_server_gives_bitwise_equal_answers(tmp_path):
     assert res["batch_invariant"] is True and res["peak_in_flight"] >= 2
     assert res["alone_metrics"]["prefix_cache_hits"] >= 1  # alone reads start after the cached blocks
     assert (res["altered"], res["logprobs_altered"]) == (0, 0)
+
+
+def test_the_batch_invariant_server_over_q8_0_weights(tmp_path):
+    """--shape --quant Q8_0: random weights kept quantized (the CPU runs their dequantized rows through the
+    padded linear); with --batch-invariant every answer equals its run alone, bitwise."""
+    out = tmp_path / "det_q8.json"
+    assert main(["bench", "determinism", "--shape", "tiny-256", "--quant", "Q8_0", "--device", "cpu", "--dtype",
+                 "float32", "--clients", "3", "--parallel", "3", "--max-tokens", "6", "--prompts", "10,70",
+                 "--chunk", "32", "--batch-invariant", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["quant"] == "Q8_0" and res["model"] == "tiny-256" and res["peak_in_flight"] >= 2
+    assert (res["requests"], res["altered"], res["logprobs_altered"]) == (3, 0, 0)
+    with pytest.raises(SystemExit, match="--shape"):
+        main(["bench", "determinism", "--quant", "Q8_0", "--device", "cpu"])

@@ -179,13 +179,17 @@ def run(args) -> int:
     device, dtype = cfg.resolved_device, cfg.resolved_dtype
     # Costs first: their engines free themselves between arms, while the server's engine below may
     # still hold its pool (through the server's threads) when the run ends (an OOM on the H200).
-    costs = measure_costs(args.cost_shape, device, dtype) if args.costs else {k: None for k in COST_FIELDS}
+    if args.quant and not args.shape:
+        raise SystemExit("--quant makes random --shape weights kept quantized: it needs --shape")
+    costs = (measure_costs(args.cost_shape, device, dtype, args.quant) if args.costs
+             else {k: None for k in COST_FIELDS})
     limit = cfg.ctx - args.max_tokens
     if args.shape:  # random weights; token ids drawn at random, texts from a tokenizer that names every id
         from strata.bench.random_model import random_model, shape_config, synthetic_tokenizer
 
         vocab = shape_config(args.shape).vocab_size
-        loaded = random_model(args.shape, device, getattr(torch, dtype), tokenizer=synthetic_tokenizer(vocab))
+        loaded = random_model(args.shape, device, getattr(torch, dtype), tokenizer=synthetic_tokenizer(vocab),
+                              quant=args.quant)
         eng = LLMEngine(cfg, progress=False, loaded=loaded)
         gen = torch.Generator().manual_seed(0)
         source = torch.randint(0, vocab, (max(args.prompts) + args.clients + 64,), generator=gen).tolist()
@@ -207,6 +211,7 @@ def run(args) -> int:
     eng.close()
     info = {
         "bench": "determinism", "model": args.model or args.shape or "default", "device": device, "dtype": dtype,
+        "quant": args.quant,
         "batch_invariant": args.batch_invariant,
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "config": {"clients": args.clients, "parallel": args.parallel, "max_tokens": args.max_tokens,
@@ -221,7 +226,7 @@ def run(args) -> int:
         "alone_metrics": res["alone_metrics"], "seconds": seconds,
         **costs, "cost_shape": args.cost_shape if args.costs else None, "cost_note": COST_NOTE, "per_request": rows,
     }
-    out = args.out or f"bench/results/determinism_{device.split(':')[0]}.json"
+    out = args.out or f"bench/results/determinism{'_' + args.quant if args.quant else ''}_{device.split(':')[0]}.json"
     save(info, out, _draw)
     title = (f"determinism: {info['requests']} requests, {args.clients} at once on {args.parallel} slots "
              f"({info['gpu'] or device}, {dtype}, chunk {chunk}, prefix cache {'on' if cfg.prefix_cache else 'off'}): "
@@ -235,14 +240,15 @@ def run(args) -> int:
     return 0
 
 
-def measure_costs(shape: str, device: str, dtype: str) -> dict:
-    """COST_FIELDS at `shape` (random weights): decode batch 1 and 8, reads of 4K and 32K tokens, each
-    timed with the switch off, then on, through the decode and read benches' own code."""
+def measure_costs(shape: str, device: str, dtype: str, quant: str | None = None) -> dict:
+    """COST_FIELDS at `shape` (random weights, kept quantized in `quant` when given): decode batch 1 and
+    8, reads of 4K and 32K tokens, each timed with the switch off, then on, through the decode and read
+    benches' own code."""
     import torch
 
     from strata.bench import throughput as tp
 
-    common = dict(shape=shape, device=device, dtype=dtype, kv="auto", repeats=1, seed=0, no_hf=True,
+    common = dict(shape=shape, device=device, dtype=dtype, kv="auto", repeats=1, seed=0, no_hf=True, quant=quant,
                   no_cuda_graph=False, no_async_scheduling=False, no_ceilings=True, http=False)
     speeds: dict[tuple, float] = {}
     for on in (False, True):
@@ -289,6 +295,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--shape", default=None, help="random weights at this shape instead of MODEL (e.g. qwen3-8b)")
     p.add_argument("--batch-invariant", action="store_true", help="the server runs with --batch-invariant")
+    p.add_argument("--quant", default=None, choices=["Q8_0", "FP8"],
+                   help="--shape's random weights (and --costs') kept quantized: the formats the invariant mode serves")
     p.add_argument("--costs", action="store_true",
                    help="also time decode b1/b8 and reads of 4K/32K with the switch off and on (the cost ratios)")
     p.add_argument("--cost-shape", default="qwen3-8b", help="the shape --costs times (random weights)")

@@ -110,7 +110,16 @@ def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, see
     `LLMEngine(cfg, loaded=...)`: packed and in eval mode, as `load_model` leaves it. `quant` (a GGUF
     type of `strata.kernels.quant`, or a mix of them such as "Q4_K_M": `strata.kernels.quant.mixes`): the linear weights a GGUF load would keep quantized (MoE experts
     included) are random blocks of that format instead, as `load_model(keep_quantized=True)` leaves
-    them; weights whose rows are not whole blocks of the format stay float."""
+    them; weights whose rows are not whole blocks of the format stay float. `quant="FP8"`: the float
+    weights made e4m3 after packing, as `--quantize fp8` does at load."""
+    if quant == "FP8":
+        from strata.kernels.quant import quantize_fp8
+
+        loaded = random_model(shape, device, dtype, seed, tokenizer)
+        quantize_fp8(loaded.model)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the float weights quantize_fp8 dropped
+        return loaded
     device = torch.device(device)
     cfg = shape_config(shape)
     with torch.device("meta"):

@@ -116,13 +116,17 @@ def _ceiling(ceilings: dict | None, key: str, unit: float) -> float | None:
 
 # ---- read -------------------------------------------------------------------------------------------
 
+def _random_weights(args, device, dtype) -> LoadedModel:
+    return random_model(args.shape, device, dtype, seed=args.seed, quant=getattr(args, "quant", None))
+
+
 def _strata_read(args, device, dtype, ceilings, info) -> list[dict]:
     chunks = args.chunks or [args.chunk]
     lengths = args.lengths
     mc = shape_config(args.shape)
     check_context(mc, max(lengths), args.shape)
     prompts = _prompts(mc.vocab_size, lengths, args.seed)
-    loaded, info["model_init_s"] = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed), device)
+    loaded, info["model_init_s"] = timed(lambda: _random_weights(args, device, dtype), device)
     ctx = max(lengths) + 8
     loaded = room_for_reads(loaded, ctx)
     rows = []
@@ -206,7 +210,7 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
     mc = shape_config(args.shape)
     ctx = args.prompt + args.tokens + 8
     check_context(mc, args.prompt + args.tokens, args.shape)
-    loaded, info["model_init_s"] = timed(lambda: random_model(args.shape, device, dtype, seed=args.seed), device)
+    loaded, info["model_init_s"] = timed(lambda: _random_weights(args, device, dtype), device)
     grammar = getattr(args, "grammar", None)
     if grammar and not getattr(args, "tokenizer", None):
         raise SystemExit("--grammar json needs --tokenizer: a vocab GGUF (e.g. .cache/llama-cpp-vocab-0.3.16/"
@@ -336,19 +340,22 @@ def _hf_decode(args, device, dtype, ceilings, info, rows: list[dict]) -> None:
 
 # ---- entry ------------------------------------------------------------------------------------------
 
-def default_out(which: str, shape: str, kv: str, device: torch.device) -> str:
-    return f"bench/results/{which}_{shape}{'_int8' if kv == 'int8' else ''}_{device.type}.json"
+def default_out(which: str, shape: str, kv: str, device: torch.device, quant: str | None = None) -> str:
+    return (f"bench/results/{which}_{shape}{'_' + quant if quant else ''}{'_int8' if kv == 'int8' else ''}"
+            f"_{device.type}.json")
 
 
 def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, args.dtype)
+    if getattr(args, "quant", None) and not args.no_hf:
+        raise SystemExit("--quant times Strata's kept-quantized weights only: add --no-hf")
     if args.which == "decode" and args.http and 1 not in args.batch:
         print("--http measures batch 1; its numbers go in the top-level `http` object only", flush=True)
     info: dict = {"bench": args.which, "shape": args.shape, "device": str(device), "dtype": args.dtype,
-                  "kv": args.kv, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                  "torch": torch.__version__}
+                  "kv": args.kv, "quant": getattr(args, "quant", None),
+                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__}
     mc = shape_config(args.shape)
     info["params"] = {"total": roofline.total_params(mc), "active_per_token": roofline.active_params_per_token(mc)}
     info["ceilings"] = _ceilings(args, device, dtype)
@@ -358,7 +365,7 @@ def run(args) -> int:
         hf_arm(args, device, dtype, info["ceilings"], info, rows)
     info["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     info["rows"] = rows
-    out = args.out or default_out(args.which, args.shape, args.kv, device)
+    out = args.out or default_out(args.which, args.shape, args.kv, device, getattr(args, "quant", None))
     if not args.out and getattr(args, "tokenizer", None):  # beside the plain arm's file, not over it
         out = out.removesuffix(".json") + f"_{'grammar-' + args.grammar if args.grammar else 'masked'}.json"
     save(info, out, _draw)
@@ -435,7 +442,11 @@ def add_parsers(sub) -> None:
         p.add_argument("--no-async-scheduling", action="store_true", help="EngineConfig(async_scheduling=False)")
         p.add_argument("--no-ceilings", action="store_true", help="skip the copy/GEMM ceilings (fractions null)")
         p.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
-        p.add_argument("--out", default=None, help="default: bench/results/{which}_{shape}[_int8]_{device}.json")
+        p.add_argument("--quant", default=None,
+                       help="random weights kept quantized: a GGUF format (Q8_0, Q4_K, IQ3_S, ...) or FP8 (made at "
+                            "load, as --quantize fp8); Strata only (HF runs bf16: use --no-hf)")
+        p.add_argument("--out", default=None,
+                       help="default: bench/results/{which}_{shape}[_{quant}][_int8]_{device}.json")
         if which == "read":
             p.add_argument("--lengths", type=_int_list, default=[4096, 32768])
             p.add_argument("--chunks", type=_int_list, default=None,
