@@ -21,17 +21,8 @@ import torch
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.gated_delta import causal_conv1d_ref
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.triton_import import jit, tl, triton
 from strata.transfer import to_device  # pinned: a pageable upload would wait for the device
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the references work, the kernels are never launched
-
-    def jit(fn):
-        return fn
 
 
 Span = tuple[int, int, int, bool]  # first row, rows, state index, fresh

@@ -41,17 +41,7 @@ import torch.nn.functional as F
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.gated_delta import causal_conv1d_step_ref, gated_delta_step_ref
 from strata.kernels.pdl import pdl_prologue
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the references work, the kernels are never launched
-
-    def jit(fn):
-        return fn
+from strata.kernels.triton_import import jit, libdevice, tl, triton
 
 
 L2_EPS = 1e-6  # `gated_delta.l2_normalize`'s epsilon

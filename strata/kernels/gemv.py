@@ -57,18 +57,11 @@ from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
+from strata.kernels.triton_import import jit, libdevice, tl
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-
-    jit = triton.jit
+if tl is not None:
     constexpr = tl.constexpr
-except ImportError:  # CPU-only installs: the references work, the kernels are never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+else:  # CPU-only installs: the kernels are never launched
 
     def constexpr(value):
         return value

@@ -14,16 +14,7 @@ import torch
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference serves
-
-    def jit(fn):
-        return fn
+from strata.kernels.triton_import import jit, tl
 
 
 def gather_dequant_ref(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

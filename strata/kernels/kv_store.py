@@ -17,17 +17,7 @@ import torch
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the references work, the kernels are never launched
-
-    def jit(fn):
-        return fn
+from strata.kernels.triton_import import jit, libdevice, tl, triton
 
 
 def _quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,16 +72,7 @@ from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.tiles import grouped_tile
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl
 
 
 NUM_SMS = 132  # H200; a constant, not a device query, so the configuration depends on shapes only

@@ -66,16 +66,7 @@ from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.moe_q import _expert_of_tile
 from strata.kernels.splitk import shared_split_k_numel, split_k_parts
 from strata.kernels.tiles import grouped_tile
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the references work, the kernels are never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl, triton
 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -23,16 +23,7 @@ import torch
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.moe_routing import MAX_EXPERTS
 from strata.kernels.pdl import pdl_prologue
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernels are never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl, triton
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,12 @@ a prefetch reads nothing into registers, so it cannot observe a write it should 
 
 from __future__ import annotations
 
+from strata.kernels.triton_import import jit, tl
+
 try:
-    import triton
-    import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    jit = triton.jit
 except ImportError:  # CPU-only installs: the kernels are never launched
-
-    def jit(fn):
-        return fn
+    pass
 
 
 @jit

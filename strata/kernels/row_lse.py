@@ -15,16 +15,7 @@ from __future__ import annotations
 import torch
 
 from strata.kernels import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
-
-    def jit(fn):
-        return fn
+from strata.kernels.triton_import import jit, tl
 
 
 BLOCK = 4096

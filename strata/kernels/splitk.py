@@ -10,15 +10,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the kernels are never launched
-
-    def jit(fn):
-        return fn
+from strata.kernels.triton_import import jit, tl
 
 
 @jit

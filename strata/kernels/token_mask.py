@@ -17,16 +17,7 @@ import torch
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
-
-    def jit(fn):
-        return fn
+from strata.kernels.triton_import import jit, tl, triton
 
 
 BLOCK_TOKENS = 1024  # 32 mask words per program

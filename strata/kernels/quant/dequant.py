@@ -36,16 +36,7 @@ from strata.kernels.quant.iq3_s import _dequant_tile as iq3_s_tile
 from strata.kernels.quant.q4_k import _dequant_tile as q4_k_tile, _low_columns as q4_k_low_columns
 from strata.kernels.quant.q6_k import _dequant_tile as q6_k_tile, _low_columns as q6_k_low_columns
 from strata.kernels.quant.q8_0 import _dequant_tile as q8_0_tile
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernels are never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl
 
 
 OUT_DTYPES = (torch.bfloat16, torch.float16)

@@ -39,16 +39,7 @@ from strata.kernels.splitk import (
     split_k_store,
     split_k_views,
 )
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl, triton
 
 
 GROUP = 32

@@ -18,16 +18,7 @@ import torch
 
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl
 
 
 E4M3_MAX = 448.0

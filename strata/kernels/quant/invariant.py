@@ -71,16 +71,7 @@ from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant import QWeight, QWeightStack
 from strata.kernels.splitk import split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.tiles import grouped_tile
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernels are never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl
 
 
 FORMATS = ("Q8_0", "FP8")

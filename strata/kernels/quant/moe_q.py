@@ -58,16 +58,7 @@ from strata.kernels.quant.q6_k import kernel_planes as q6k_kernel_planes
 from strata.kernels.quant.q8_0 import _dequant_tile as q8_dequant_tile
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.timing import time_us
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl, triton
 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -44,16 +44,7 @@ from strata.kernels.quant.dp4a import (
     workspace_for,
 )
 from strata.kernels.splitk import split_k_range, split_k_store
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference works, the kernel is never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl
 
 
 LM_HEAD_SHAPE = (151936, 4096)  # Qwen3's LM head, Q6_K in a Q4_K_M file

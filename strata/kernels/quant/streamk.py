@@ -61,16 +61,7 @@ from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.q8_0 import (SUPPORTED_DTYPES, Q8Config, _block_k, _cdiv, _check_planes, check_config,
                                        matmul_ref, q8_tile_product)
 from strata.kernels.tiles import grouped_tile
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the reference runs, the kernel is never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl
 
 
 FLAG_BYTES = 4096  # the pool's head: int32 ticket counter + one flag per program, for any launch
