@@ -42,17 +42,7 @@ import torch.nn.functional as F
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.timing import time_us
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: the references work, the kernels are never launched
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, libdevice, tl
 
 
 MAX_EXPERTS = 512
