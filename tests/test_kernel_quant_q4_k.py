@@ -12,11 +12,17 @@ Tolerances, relative Frobenius error of the product:
   fp16 2e-3, bf16 4e-3;
 - against the fp32 dequantize-then-matmul reference: fp32 1e-5, fp16 2e-3, bf16 1e-2 (the weights'
   rounding to bf16 adds ~2^-9 relative per weight).
+
+Q6_K's tests (tests/test_kernel_quant_q6_k.py) share these helpers and the tests that take the
+`kquant` fixture: imported there, they run on the format that module's fixture gives.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -34,7 +40,6 @@ from strata.kernels.quant.q4_k import (
     gemv_q4k,
     gemv_workspace_numel,
     matmul,
-    matmul_ref,
     random_raw,
     repack,
 )
@@ -52,11 +57,55 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
 
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def rel_frobenius(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@dataclass(frozen=True)
+class KQuantFormat:
+    """A K-quant format under test: its kernel module and what the shared tests call it by."""
+
+    module: ModuleType
+    gemv: Callable  # the dequantizing GEMV (`gemv_q4k`, ...)
+    gemm: Callable
+    qtype: gguf.GGMLQuantizationType
+    decode_switch: object  # its STRATA_*_DECODE
+    gemm_block_k: int  # values per K step of `test_gemm_configs`' small tiles
+
+    def weight(self, n, k, seed, device=DEV):
+        raw = self.module.random_raw(n, k, seed)
+        return raw, self.module.repack(torch.from_numpy(raw).to(device))
+
+    def gguf_bits(self, raw: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, self.qtype))).view(torch.int32)
+
+    def check_product(self, out, x, planes, n, k):
+        dtype = x.dtype
+        err = rel_frobenius(out, self.module.matmul_ref(x, planes, n, k))
+        assert err <= TOL_SEMANTICS[dtype], f"vs matmul_ref: {err:.3g} > {TOL_SEMANTICS[dtype]}"
+        err = rel_frobenius(out, x.float() @ self.module.dequantize(planes, n, k).t())
+        assert err <= TOL_FP32_REF[dtype], f"vs fp32 reference: {err:.3g} > {TOL_FP32_REF[dtype]}"
+
+
+Q4K = KQuantFormat(q4_k, gemv_q4k, gemm_q4k, gguf.GGMLQuantizationType.Q4_K, ENV.Q4K_DECODE, gemm_block_k=128)
+make_weight = Q4K.weight
+check_product = Q4K.check_product
+
+
+@pytest.fixture
+def kquant() -> KQuantFormat:
+    return Q4K
+
+
 @pytest.fixture(autouse=True)
-def dequantizing_decode(monkeypatch):
+def dequantizing_decode(monkeypatch, kquant):
     """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
-    a few rows (tested in tests/test_kernel_quant_dp4a.py)."""
-    monkeypatch.setenv(ENV.Q4K_DECODE.name, "dequant")
+    a few rows (tested in tests/test_kernel_quant_dp4a.py and tests/test_kernel_quant_q6k_dp4a.py)."""
+    monkeypatch.setenv(kquant.decode_switch.name, "dequant")
 
 
 @pytest.fixture(autouse=True)
@@ -83,19 +132,6 @@ def _interpreter_dot_reads_bf16(monkeypatch):
     monkeypatch.setattr(builder, "create_dot", create_dot)
 
 
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def make_weight(n, k, seed, device=DEV):
-    raw = random_raw(n, k, seed)
-    return raw, repack(torch.from_numpy(raw).to(device))
-
-
-def rel_frobenius(out, ref) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 def test_constants():
     assert (q4_k.GGML_TYPE, BLOCK_VALUES, BLOCK_BYTES) == ("Q4_K", 256, 144)
     qt = gguf.GGMLQuantizationType.Q4_K
@@ -103,13 +139,13 @@ def test_constants():
 
 
 @pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (33, 1024)])
-def test_dequantize_bit_exact_against_gguf(n, k):
-    raw, planes = make_weight(n, k, seed_of("deq", n, k), device="cpu")
-    assert raw.dtype == np.uint8 and raw.shape == (n, k // 256 * 144)
-    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
-    got = dequantize(planes, n, k)
+def test_dequantize_bit_exact_against_gguf(kquant, n, k):
+    raw, planes = kquant.weight(n, k, seed_of("deq", n, k), device="cpu")
+    assert raw.dtype == np.uint8 and raw.shape == (n, k // 256 * kquant.module.BLOCK_BYTES)
+    got = kquant.module.dequantize(planes, n, k)
     assert got.dtype == torch.float32 and got.shape == (n, k)
-    assert torch.equal(got.view(torch.int32), torch.from_numpy(np.ascontiguousarray(ref)).view(torch.int32))
+    assert torch.equal(got.view(torch.int32), kquant.gguf_bits(raw))
+    ref = gguf.quants.dequantize(raw, kquant.qtype)
     assert np.isfinite(ref).all() and 0.005 < ref.std() < 0.05, "random_raw magnitudes"
 
 
@@ -123,18 +159,23 @@ def test_dequantize_extreme_fields():
     fields = np.array([[60000.0, -1e-7], [-0.5, 6e-8]], dtype=np.float16).view(np.uint8).reshape(2, 4)
     raw[3, :, 0:4] = fields
     raw = raw.reshape(n, -1)
-    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
     got = dequantize(repack(torch.from_numpy(raw)), n, k)
-    assert torch.equal(got.view(torch.int32), torch.from_numpy(np.ascontiguousarray(ref)).view(torch.int32))
+    assert torch.equal(got.view(torch.int32), Q4K.gguf_bits(raw))
+
+
+def repacked(fmt: KQuantFormat, n, k):
+    """A random weight's raw blocks and planes, checked for what every format's planes share: at most
+    10% over the file's bytes, contiguous, on DEV."""
+    raw, planes = fmt.weight(n, k, seed_of("planes"))
+    total = sum(t.numel() * t.element_size() for t in planes.values())
+    assert raw.nbytes <= total <= 1.1 * raw.nbytes
+    assert all(t.is_contiguous() and t.device.type == DEV for t in planes.values())
+    return raw, planes
 
 
 def test_repack_planes():
     n, k = 10, 768
-    raw, planes = make_weight(n, k, seed_of("planes"))
-    raw_bytes = raw.nbytes
-    total = sum(t.numel() * t.element_size() for t in planes.values())
-    assert raw_bytes <= total <= 1.1 * raw_bytes
-    assert all(t.is_contiguous() and t.device.type == DEV for t in planes.values())
+    _, planes = repacked(Q4K, n, k)
     assert planes["qs"].shape == (n, k // 2) and planes["scales"].shape == (n, k // 16)
     assert planes["d_dmin"].shape == (n, k // 128) and planes["d_dmin"].dtype == torch.float16
     assert int(planes["scales"].max()) < 64
@@ -147,26 +188,16 @@ def run_poisoned(fn, x, n, *args, **kwargs):
     return out
 
 
-def check_product(out, x, planes, n, k):
-    dtype = x.dtype
-    sem = matmul_ref(x, planes, n, k)
-    err = rel_frobenius(out, sem)
-    assert err <= TOL_SEMANTICS[dtype], f"vs matmul_ref: {err:.3g} > {TOL_SEMANTICS[dtype]}"
-    fp32 = x.float() @ dequantize(planes, n, k).t()
-    err = rel_frobenius(out, fp32)
-    assert err <= TOL_FP32_REF[dtype], f"vs fp32 reference: {err:.3g} > {TOL_FP32_REF[dtype]}"
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("m,n,k", [(1, 96, 512), (3, 40, 256), (16, 64, 512), (40, 72, 256)])
-def test_matmul_matches_reference(m, n, k, dtype):
+def test_matmul_matches_reference(kquant, m, n, k, dtype):
     """Through `matmul` (GEMV for M ≤ 16, GEMM above), N that the tiles do not fill."""
-    _, planes = make_weight(n, k, seed_of("mm", m, n, k))
+    _, planes = kquant.weight(n, k, seed_of("mm", m, n, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed_of("x", m, n, k))).to(DEV, dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
-    assert matmul(x, planes, n, k, out).data_ptr() == out.data_ptr()
+    assert kquant.module.matmul(x, planes, n, k, out).data_ptr() == out.data_ptr()
     assert torch.isfinite(out).all()
-    check_product(out, x, planes, n, k)
+    kquant.check_product(out, x, planes, n, k)
 
 
 # (m, n, k, config): split-K even and uneven, wider tiles, 128-value steps
@@ -178,17 +209,25 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"m{c[0]}-n{c[1]}-k{c[2]}-s{c[3].split_k}")
-def test_gemv_split_k(case, dtype):
+def gemv_case_id(case) -> str:
+    return f"m{case[0]}-n{case[1]}-k{case[2]}-s{case[3].split_k}"
+
+
+def check_gemv_split_k(fmt: KQuantFormat, case, dtype):
     m, n, k, cfg = case
-    _, planes = make_weight(n, k, seed_of("gemv", case))
+    _, planes = fmt.weight(n, k, seed_of("gemv", case))
     wide = torch.randn(m, k + 32, generator=torch.Generator().manual_seed(seed_of("gx", case))).to(DEV, dtype)
     x = wide[:, 16:k + 16]  # a row stride wider than K
-    ws = torch.zeros(gemv_workspace_numel(n, k, cfg), dtype=torch.int32, device=DEV)
-    out = run_poisoned(gemv_q4k, x, n, planes, n, k, workspace=ws, config=cfg)
+    ws = torch.zeros(fmt.module.gemv_workspace_numel(n, k, cfg), dtype=torch.int32, device=DEV)
+    out = run_poisoned(fmt.gemv, x, n, planes, n, k, workspace=ws, config=cfg)
     assert (ws[:-(-n // cfg.block_n)] == 0).all(), "split counters not reset"
-    check_product(out, x, planes, n, k)
+    fmt.check_product(out, x, planes, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", GEMV_CASES, ids=gemv_case_id)
+def test_gemv_split_k(case, dtype):
+    check_gemv_split_k(Q4K, case, dtype)
 
 
 @pytest.mark.parametrize("config", [None, GemvConfig(32, 128, split_k=2)], ids=["auto", "split2"])
@@ -206,51 +245,65 @@ def test_gemv_batch_invariant(config):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("m", [16, 40], ids=["gemv", "gemm"])
-def test_kernels_dequantize_exactly(m, dtype):
-    """One-hot rows of x pick single weight columns (low and high nibbles, both sub-blocks of a
-    pair, several super-blocks): the product is then the kernel's own dequantized weight in x's
-    dtype, which must equal `dequantize` rounded to that dtype bit for bit."""
+def test_kernels_dequantize_exactly(kquant, m, dtype):
+    """One-hot rows of x pick single weight columns (low and high nibbles, every sub-block, several
+    super-blocks): the product is then the kernel's own dequantized weight in x's dtype, which must
+    equal `dequantize` rounded to that dtype bit for bit."""
     n, k = 48, 512
-    _, planes = make_weight(n, k, seed_of("onehot", m))
+    _, planes = kquant.weight(n, k, seed_of("onehot", m))
     cols = torch.randperm(k, generator=torch.Generator().manual_seed(m))[:m]
     x = torch.zeros(m, k, dtype=dtype, device=DEV)
     x[torch.arange(m), cols.to(DEV)] = 1
-    out = matmul(x, planes, n, k)
-    expect = dequantize(planes, n, k)[:, cols.to(DEV)].t().to(dtype)
+    out = kquant.module.matmul(x, planes, n, k)
+    expect = kquant.module.dequantize(planes, n, k)[:, cols.to(DEV)].t().to(dtype)
     assert torch.equal(out, expect)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gemm_configs(dtype):
+def test_gemm_configs(kquant, dtype):
     """The GEMM with small tiles: row and column tiles cut by M and N, several K steps, a row stride
     wider than K (x a column slice)."""
     m, n, k = 40, 72, 512
-    _, planes = make_weight(n, k, seed_of("gemm"))
+    _, planes = kquant.weight(n, k, seed_of("gemm"))
     wide = torch.randn(m, k + 16, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
     x = wide[:, :k]
-    out = run_poisoned(gemm_q4k, x, n, planes, n, k, config=GemmConfig(32, 32, 128, group_m=2, num_warps=4))
-    check_product(out, x, planes, n, k)
+    cfg = GemmConfig(32, 32, kquant.gemm_block_k, group_m=2, num_warps=4)
+    out = run_poisoned(kquant.gemm, x, n, planes, n, k, config=cfg)
+    kquant.check_product(out, x, planes, n, k)
 
 
-def test_rejects_bad_arguments():
+def test_rejects_bad_arguments(kquant):
     n, k = 16, 256
-    _, planes = make_weight(n, k, 1)
+    _, planes = kquant.weight(n, k, 1)
     x = torch.randn(2, k, device=DEV)
+    matmul = kquant.module.matmul
     with pytest.raises(ValueError):
         matmul(x[:, :128], planes, n, k)
     with pytest.raises(ValueError):
         matmul(x, {**planes, "scales": planes["scales"][:, :4]}, n, k)
     with pytest.raises(ValueError):
         matmul(x, planes, n, k, out=torch.empty(2, n, dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError):
+        kquant.module.repack(torch.zeros(2, 200, dtype=torch.uint8))
 
 
-def test_reference_path_off_the_kernels(monkeypatch):
+@pytest.mark.parametrize("switch", ["auto", "dp4a", "dequant"])
+def test_an_empty_batch_under_every_decode_kernel(kquant, monkeypatch, switch):
+    """No rows (or no weight rows) give an empty product, whichever decode kernel the switch picks."""
+    monkeypatch.setenv(kquant.decode_switch.name, switch)
+    n, k = 16, 256
+    _, planes = kquant.weight(n, k, 2)
+    out = kquant.module.matmul(torch.empty(0, k, dtype=torch.bfloat16, device=DEV), planes, n, k)
+    assert out.shape == (0, n) and out.dtype == torch.bfloat16
+
+
+def test_reference_path_off_the_kernels(kquant, monkeypatch):
     """Where the kernels do not run (CPU without the interpreter), `matmul` is `matmul_ref`."""
     n, k = 24, 256
-    _, planes = make_weight(n, k, 2, device="cpu")
+    _, planes = kquant.weight(n, k, 2, device="cpu")
     x = torch.randn(3, k).to(torch.bfloat16)
-    monkeypatch.setattr(q4_k, "kernels_run", lambda t, kernel: False)
-    assert torch.equal(matmul(x, planes, n, k), matmul_ref(x, planes, n, k))
+    monkeypatch.setattr(kquant.module, "kernels_run", lambda t, kernel: False)
+    assert torch.equal(kquant.module.matmul(x, planes, n, k), kquant.module.matmul_ref(x, planes, n, k))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,19 +312,43 @@ def test_reference_path_off_the_kernels(monkeypatch):
 GPU_SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]
 
 
+def check_real_shape(fmt: KQuantFormat, n, k, m):
+    """16-bit x at a real shape: the product, run to run and with and without a workspace. Returns the
+    planes and the workspace."""
+    _, planes = fmt.weight(n, k, seed_of("gpu", n, k), device="cuda")
+    ws = torch.zeros(max(1, fmt.module.gemv_workspace_numel(n, k)), dtype=torch.int32, device="cuda")
+    matmul = fmt.module.matmul
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
+        out = matmul(x, planes, n, k, workspace=ws)
+        fmt.check_product(out, x, planes, n, k)
+        assert torch.equal(matmul(x, planes, n, k, workspace=ws), out), "run to run"
+        assert torch.equal(matmul(x, planes, n, k), out), "with and without a workspace"
+    return planes, ws
+
+
+def check_split_gemv_graph(fmt: KQuantFormat, x, planes, n, k):
+    """A split-K GEMV of x [16, K] at a real shape: the product, and its CUDA-graph replay's bits."""
+    out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
+    cfg = GemvConfig(64, 128, split_k=5)
+    ws = torch.zeros(fmt.module.gemv_workspace_numel(n, k, cfg), dtype=torch.int32, device="cuda")
+    expect = fmt.gemv(x, planes, n, k, workspace=ws, config=cfg)
+    fmt.check_product(expect, x, planes, n, k)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fmt.gemv(x, planes, n, k, out, workspace=ws, config=cfg)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 512])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gpu_real_shapes(n, k, m):
-    _, planes = make_weight(n, k, seed_of("gpu", n, k), device="cuda")
-    ws = torch.zeros(max(1, gemv_workspace_numel(n, k)), dtype=torch.int32, device="cuda")
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
-        out = matmul(x, planes, n, k, workspace=ws)
-        check_product(out, x, planes, n, k)
-        assert torch.equal(matmul(x, planes, n, k, workspace=ws), out), "run to run"
-        assert torch.equal(matmul(x, planes, n, k), out), "with and without a workspace"
+    planes, _ = check_real_shape(Q4K, n, k, m)
     if m > 16:
         x = torch.randn(m, k, device="cuda") * 0.5
         check_product(matmul(x, planes, n, k), x, planes, n, k)  # fp32 x through the IEEE dot
@@ -286,25 +363,16 @@ def test_gpu_batch_invariant_and_graph():
     full = matmul(x, planes, n, k)
     for rows in (slice(5, 6), slice(2, 9)):
         assert torch.equal(matmul(x[rows].clone(), planes, n, k), full[rows])
-    out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
-    cfg = GemvConfig(64, 128, split_k=5)
-    ws = torch.zeros(gemv_workspace_numel(n, k, cfg), dtype=torch.int32, device="cuda")
-    expect = gemv_q4k(x, planes, n, k, workspace=ws, config=cfg)
-    check_product(expect, x, planes, n, k)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv_q4k(x, planes, n, k, out, workspace=ws, config=cfg)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, expect)
+    check_split_gemv_graph(Q4K, x, planes, n, k)
 
 
 @needs_cuda
 @pytest.mark.gpu
-def test_gpu_speed_report():
+def test_gpu_speed_report(kquant):
     """Prints GB/s of weight bytes at M = 1 and TFLOP/s at M = 4096 (no assertion)."""
-    rows = q4_k.bench(ms=(1, 4096), shapes=[("", n, k) for n, k in GPU_SHAPES])
+    rows = kquant.module.bench(ms=(1, 4096), shapes=[("", n, k) for n, k in GPU_SHAPES])
+    name = kquant.module.GGML_TYPE
+    key = name.lower().replace("_", "")  # `microbench.bench_format`'s row keys
     for r in rows:
-        print(f"Q4_K {r['n']}x{r['k']} M={r['m']}: {r['q4k_gbs']:.0f} GB/s, {r['q4k_tflops']:.1f} TFLOP/s "
-              f"(bf16 dense {r['bf16_gbs']:.0f} GB/s, {r['bf16_tflops']:.1f} TFLOP/s)")
+        print(f"{name} {r['n']}x{r['k']} M={r['m']}: {r[key + '_gbs']:.0f} GB/s, {r[key + '_tflops']:.1f} "
+              f"TFLOP/s (bf16 dense {r['bf16_gbs']:.0f} GB/s, {r['bf16_tflops']:.1f} TFLOP/s)")

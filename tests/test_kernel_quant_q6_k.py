@@ -12,29 +12,50 @@ Tolerances, relative Frobenius error of the product:
   fp16 2e-3, bf16 4e-3;
 - against the fp32 dequantize-then-matmul reference: fp32 1e-5, fp16 2e-3, bf16 1e-2 (the weights'
   rounding to bf16 adds ~2^-9 relative per weight).
+
+The tests imported from tests/test_kernel_quant_q4_k.py are Q4_K's and Q6_K's alike: collected here,
+they take Q6_K from this module's `kquant` fixture.
 """
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
+from test_kernel_quant_q4_k import (  # noqa: F401  (the shared tests and the decode switch's fixture)
+    DEV,
+    TOL_FP32_REF,
+    KQuantFormat,
+    check_gemv_split_k,
+    check_real_shape,
+    check_split_gemv_graph,
+    dequantizing_decode,
+    gemv_case_id,
+    needs_cuda,
+    rel_frobenius,
+    repacked,
+    seed_of,
+    test_an_empty_batch_under_every_decode_kernel,
+    test_dequantize_bit_exact_against_gguf,
+    test_gemm_configs,
+    test_gpu_speed_report,
+    test_kernels_dequantize_exactly,
+    test_matmul_matches_reference,
+    test_reference_path_off_the_kernels,
+    test_rejects_bad_arguments,
+)
 
 from strata.env import ENV
 from strata.kernels.quant import q6_k
 from strata.kernels.quant.q6_k import (
     BLOCK_BYTES,
     BLOCK_VALUES,
-    GemmConfig,
     GemvConfig,
     dequantize,
     gemm_q6k,
     gemv_q6k,
     gemv_workspace_numel,
     matmul,
-    matmul_ref,
     random_raw,
     repack,
 )
@@ -43,54 +64,21 @@ gguf = pytest.importorskip("gguf")
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-TOL_SEMANTICS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3}
-TOL_FP32_REF = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DTYPE_IDS = ["fp32", "fp16", "bf16"]
 QT6 = gguf.GGMLQuantizationType.Q6_K
+Q6K = KQuantFormat(q6_k, gemv_q6k, gemm_q6k, QT6, ENV.Q6K_DECODE, gemm_block_k=256)
+make_weight = Q6K.weight
+gguf_bits = Q6K.gguf_bits
+check_product = Q6K.check_product
 
 
-@pytest.fixture(autouse=True)
-def dequantizing_decode(monkeypatch):
-    """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
-    a few rows (tested in tests/test_kernel_quant_q6k_dp4a.py)."""
-    monkeypatch.setenv(ENV.Q6K_DECODE.name, "dequant")
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def make_weight(n, k, seed, device=DEV):
-    raw = random_raw(n, k, seed)
-    return raw, repack(torch.from_numpy(raw).to(device))
-
-
-def rel_frobenius(out, ref) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def gguf_bits(raw: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, QT6))).view(torch.int32)
+@pytest.fixture
+def kquant() -> KQuantFormat:
+    return Q6K
 
 
 def test_constants():
     assert (q6_k.GGML_TYPE, BLOCK_VALUES, BLOCK_BYTES) == ("Q6_K", 256, 210)
     assert gguf.GGML_QUANT_SIZES[QT6] == (BLOCK_VALUES, BLOCK_BYTES)
-
-
-@pytest.mark.parametrize("n,k", [(1, 256), (7, 512), (33, 1024)])
-def test_dequantize_bit_exact_against_gguf(n, k):
-    raw, planes = make_weight(n, k, seed_of("deq", n, k), device="cpu")
-    assert raw.dtype == np.uint8 and raw.shape == (n, k // 256 * 210)
-    got = dequantize(planes, n, k)
-    assert got.dtype == torch.float32 and got.shape == (n, k)
-    assert torch.equal(got.view(torch.int32), gguf_bits(raw))
-    ref = gguf.quants.dequantize(raw, QT6)
-    assert np.isfinite(ref).all() and 0.005 < ref.std() < 0.05, "random_raw magnitudes"
 
 
 def test_dequantize_extreme_fields():
@@ -110,43 +98,13 @@ def test_dequantize_extreme_fields():
 
 def test_repack_planes():
     n, k = 10, 768
-    raw, planes = make_weight(n, k, seed_of("planes"))
-    total = sum(t.numel() * t.element_size() for t in planes.values())
-    assert raw.nbytes <= total <= 1.1 * raw.nbytes
-    assert all(t.is_contiguous() and t.device.type == DEV for t in planes.values())
+    raw, planes = repacked(Q6K, n, k)
     want = {"ql": ((n, k // 2), torch.uint8), "qh": ((n, k // 4), torch.uint8),
             "scales": ((n, k // 16), torch.int8), "d": ((n, k // 256), torch.float32)}
     assert {name: (tuple(t.shape), t.dtype) for name, t in planes.items()} == want
     blocks = raw.reshape(n, -1, BLOCK_BYTES)
     assert np.array_equal(planes["qh"].cpu().numpy(), blocks[:, :, 128:192].reshape(n, -1))
     assert np.array_equal(planes["d"].cpu().numpy(), blocks[:, :, 208:].copy().view(np.float16)[..., 0])
-
-
-def run_poisoned(fn, x, n, *args, **kwargs):
-    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
-    got = fn(x, *args, out=out, **kwargs)
-    assert got.data_ptr() == out.data_ptr() and torch.isfinite(out).all(), "unwritten NaN poison"
-    return out
-
-
-def check_product(out, x, planes, n, k):
-    dtype = x.dtype
-    err = rel_frobenius(out, matmul_ref(x, planes, n, k))
-    assert err <= TOL_SEMANTICS[dtype], f"vs matmul_ref: {err:.3g} > {TOL_SEMANTICS[dtype]}"
-    err = rel_frobenius(out, x.float() @ dequantize(planes, n, k).t())
-    assert err <= TOL_FP32_REF[dtype], f"vs fp32 reference: {err:.3g} > {TOL_FP32_REF[dtype]}"
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("m,n,k", [(1, 96, 512), (3, 40, 256), (16, 64, 512), (40, 72, 256)])
-def test_matmul_matches_reference(m, n, k, dtype):
-    """Through `matmul` (GEMV for M ≤ 16, GEMM above), N that the tiles do not fill."""
-    _, planes = make_weight(n, k, seed_of("mm", m, n, k))
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed_of("x", m, n, k))).to(DEV, dtype)
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
-    assert matmul(x, planes, n, k, out).data_ptr() == out.data_ptr()
-    assert torch.isfinite(out).all()
-    check_product(out, x, planes, n, k)
 
 
 # (m, n, k, config): split-K even and uneven, wider tiles, 256-value steps
@@ -158,16 +116,9 @@ GEMV_CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"m{c[0]}-n{c[1]}-k{c[2]}-s{c[3].split_k}")
+@pytest.mark.parametrize("case", GEMV_CASES, ids=gemv_case_id)
 def test_gemv_split_k(case, dtype):
-    m, n, k, cfg = case
-    _, planes = make_weight(n, k, seed_of("gemv", case))
-    wide = torch.randn(m, k + 32, generator=torch.Generator().manual_seed(seed_of("gx", case))).to(DEV, dtype)
-    x = wide[:, 16:k + 16]  # a row stride wider than K
-    ws = torch.zeros(gemv_workspace_numel(n, k, cfg), dtype=torch.int32, device=DEV)
-    out = run_poisoned(gemv_q6k, x, n, planes, n, k, workspace=ws, config=cfg)
-    assert (ws[:-(-n // cfg.block_n)] == 0).all(), "split counters not reset"
-    check_product(out, x, planes, n, k)
+    check_gemv_split_k(Q6K, case, dtype)
 
 
 @pytest.mark.parametrize("config,ms", [(None, range(1, 16)), (GemvConfig(16, 128, split_k=2), (1, 6, 15))],
@@ -182,57 +133,6 @@ def test_gemv_batch_invariant(config, ms):
     full = gemv_q6k(x, planes, n, k, workspace=ws, config=config)
     for m in ms:
         assert torch.equal(gemv_q6k(x[:m], planes, n, k, workspace=ws, config=config), full[:m]), m
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("m", [16, 40], ids=["gemv", "gemm"])
-def test_kernels_dequantize_exactly(m, dtype):
-    """One-hot rows of x pick single weight columns (low and high nibbles, every run, several
-    super-blocks): the product is then the kernel's own dequantized weight in x's dtype, which must
-    equal `dequantize` rounded to that dtype bit for bit."""
-    n, k = 48, 512
-    _, planes = make_weight(n, k, seed_of("onehot", m))
-    cols = torch.randperm(k, generator=torch.Generator().manual_seed(m))[:m]
-    x = torch.zeros(m, k, dtype=dtype, device=DEV)
-    x[torch.arange(m), cols.to(DEV)] = 1
-    out = matmul(x, planes, n, k)
-    expect = dequantize(planes, n, k)[:, cols.to(DEV)].t().to(dtype)
-    assert torch.equal(out, expect)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gemm_configs(dtype):
-    """The GEMM with small tiles and 256-value steps: row and column tiles cut by M and N, several K
-    steps, a row stride wider than K (x a column slice)."""
-    m, n, k = 40, 72, 512
-    _, planes = make_weight(n, k, seed_of("gemm"))
-    wide = torch.randn(m, k + 16, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
-    x = wide[:, :k]
-    out = run_poisoned(gemm_q6k, x, n, planes, n, k, config=GemmConfig(32, 32, 256, group_m=2, num_warps=4))
-    check_product(out, x, planes, n, k)
-
-
-def test_rejects_bad_arguments():
-    n, k = 16, 256
-    _, planes = make_weight(n, k, 1)
-    x = torch.randn(2, k, device=DEV)
-    with pytest.raises(ValueError):
-        matmul(x[:, :128], planes, n, k)
-    with pytest.raises(ValueError):
-        matmul(x, {**planes, "scales": planes["scales"][:, :4]}, n, k)
-    with pytest.raises(ValueError):
-        matmul(x, planes, n, k, out=torch.empty(2, n, dtype=torch.float16, device=DEV))
-    with pytest.raises(ValueError):
-        repack(torch.zeros(2, 200, dtype=torch.uint8))
-
-
-def test_reference_path_off_the_kernels(monkeypatch):
-    """Where the kernels do not run (CPU without the interpreter), `matmul` is `matmul_ref`."""
-    n, k = 24, 256
-    _, planes = make_weight(n, k, 2, device="cpu")
-    x = torch.randn(3, k).to(torch.bfloat16)
-    monkeypatch.setattr(q6_k, "kernels_run", lambda t, kernel: False)
-    assert torch.equal(matmul(x, planes, n, k), matmul_ref(x, planes, n, k))
 
 
 def test_registered_format():
@@ -314,14 +214,7 @@ GPU_SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096)]
 @pytest.mark.parametrize("m", [1, 8, 512])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gpu_real_shapes(n, k, m):
-    _, planes = make_weight(n, k, seed_of("gpu", n, k), device="cuda")
-    ws = torch.zeros(max(1, gemv_workspace_numel(n, k)), dtype=torch.int32, device="cuda")
-    for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
-        out = matmul(x, planes, n, k, workspace=ws)
-        check_product(out, x, planes, n, k)
-        assert torch.equal(matmul(x, planes, n, k, workspace=ws), out), "run to run"
-        assert torch.equal(matmul(x, planes, n, k), out), "with and without a workspace"
+    planes, ws = check_real_shape(Q6K, n, k, m)
     x = torch.randn(m, k, device="cuda") * 0.5
     check_product(matmul(x, planes, n, k, workspace=ws), x, planes, n, k)  # fp32 x through the IEEE dot
 
@@ -349,28 +242,7 @@ def test_gpu_batch_invariant_and_graph():
     full = matmul(x, planes, n, k, workspace=ws)
     for m in range(1, 16):
         assert torch.equal(matmul(x[:m].clone(), planes, n, k, workspace=ws), full[:m]), m
-    out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
-    cfg = GemvConfig(64, 128, split_k=5)
-    ws = torch.zeros(gemv_workspace_numel(n, k, cfg), dtype=torch.int32, device="cuda")
-    expect = gemv_q6k(x, planes, n, k, workspace=ws, config=cfg)
-    check_product(expect, x, planes, n, k)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv_q6k(x, planes, n, k, out, workspace=ws, config=cfg)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, expect)
-
-
-@needs_cuda
-@pytest.mark.gpu
-def test_gpu_speed_report():
-    """Prints GB/s of weight bytes at M = 1 and TFLOP/s at M = 4096 (no assertion)."""
-    rows = q6_k.bench(ms=(1, 4096), shapes=[("", n, k) for n, k in GPU_SHAPES])
-    for r in rows:
-        print(f"Q6_K {r['n']}x{r['k']} M={r['m']}: {r['q6k_gbs']:.0f} GB/s, {r['q6k_tflops']:.1f} TFLOP/s "
-              f"(bf16 dense {r['bf16_gbs']:.0f} GB/s, {r['bf16_tflops']:.1f} TFLOP/s)")
+    check_split_gemv_graph(Q6K, x, planes, n, k)
 
 
 def test_the_writer_makes_blocks_gguf_reads_back():

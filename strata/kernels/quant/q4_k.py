@@ -48,39 +48,42 @@ from __future__ import annotations
 
 import sys
 import statistics
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from strata.env import ENV
-from strata.kernels.quant.dp4a import decode_kernel
-from strata.kernels import kernels_run, use_pdl
+from strata.kernels import kernels_run
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
+from strata.kernels.quant.dp4a import decode_kernel
+from strata.kernels.quant.kquant_host import (
+    BLOCK_VALUES,
+    GEMV_MAX_ROWS,
+    NUM_SMS,
+    SUPPORTED_DTYPES,
+    GemmConfig,
+    GemvConfig,
+    check_planes,
+    check_raw,
+    check_x_out,
+    decode_workspace_numel,
+    launch_gemm,
+    launch_gemv,
+    random_block_bytes,
+    reference_matmul,
+    split_gemv_config,
+    tiled_gemm_config,
+)
 from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format, weight_copies
-from strata.kernels.timing import time_us
+from strata.kernels.splitk import split_k_reduce
 from strata.kernels.tiles import grouped_tile
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: dequantize and the reference work, the kernels never launch
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.timing import time_us
+from strata.kernels.triton_import import jit, tl
 
 
 GGML_TYPE = "Q4_K"
-BLOCK_VALUES = 256
 BLOCK_BYTES = 144
 
-GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
-NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Rows up to which STRATA_Q4K_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
 # 9.9-28.1 us against 18.4-52.1 at M = 1, 25.4-122.5 against 18.8-52.3 at M = 8; the linear
 # interpolation crosses at M = 2.8-5.2. Rows 2-7 were interpolated, not measured.
@@ -94,11 +97,8 @@ DP4A_MAX_ROWS = 2
 def random_raw(n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [N, K/256·144] of valid Q4_K blocks with weights of std ~0.02: positive fp16 d and dmin
     of sane size, random bytes for the packed scales/mins and the quants."""
-    if k % BLOCK_VALUES:
-        raise ValueError(f"K={k} is not a multiple of {BLOCK_VALUES}")
-    rng = np.random.default_rng(seed)
-    nb = n * (k // BLOCK_VALUES)
-    blocks = rng.integers(0, 256, size=(nb, BLOCK_BYTES), dtype=np.uint8)
+    rng, blocks = random_block_bytes(n, k, seed, BLOCK_BYTES)
+    nb = len(blocks)
     # E[scale·q] ≈ 31.5·7.5 and E[min] ≈ 31.5: dmin ≈ 7.5·d centres the values on ~0, and d ≈ 1e-4
     # gives a spread of ~0.02.
     d = (rng.uniform(0.6, 1.4, nb) * 1.0e-4).astype(np.float16)
@@ -108,16 +108,9 @@ def random_raw(n: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(n, k // BLOCK_VALUES * BLOCK_BYTES)
 
 
-def _check_raw(raw: torch.Tensor) -> tuple[int, int]:
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % BLOCK_BYTES:
-        raise ValueError(f"raw: expected uint8 [N, K/{BLOCK_VALUES}·{BLOCK_BYTES}], "
-                         f"got {raw.dtype} {tuple(raw.shape)}")
-    return raw.shape[0], raw.shape[1] // BLOCK_BYTES
-
-
 def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     """The file's blocks → the kernels' planes (module docstring), on raw's device, torch ops only."""
-    n, nb = _check_raw(raw)
+    n, nb = check_raw(GGML_TYPE, raw, BLOCK_BYTES)
     blocks = raw.contiguous().view(n, nb, BLOCK_BYTES)
     # Packed 6-bit fields, bytes 0-3: scales 0-3 (low 6 bits) + top 2 bits of scales 4-7; bytes 4-7:
     # mins 0-3 + top 2 bits of mins 4-7; bytes 8-11: low 4 bits of scales 4-7 | of mins 4-7 << 4.
@@ -132,15 +125,8 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
-    shapes = {"qs": ((n, k // 2), torch.uint8), "scales": ((n, k // 16), torch.uint8),
-              "d_dmin": ((n, k // 128), torch.float16)}
-    if k % BLOCK_VALUES:
-        raise ValueError(f"K={k} is not a multiple of {BLOCK_VALUES}")
-    for name, (shape, dtype) in shapes.items():
-        t = planes.get(name)
-        if t is None or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            got = None if t is None else (tuple(t.shape), t.dtype)
-            raise ValueError(f"Q4_K plane {name!r}: expected contiguous {dtype} {shape}, got {got}")
+    check_planes(GGML_TYPE, planes, k, {"qs": ((n, k // 2), torch.uint8), "scales": ((n, k // 16), torch.uint8),
+                                        "d_dmin": ((n, k // 128), torch.float16)})
 
 
 def pair_fields(planes: dict[str, torch.Tensor], n: int, k: int):
@@ -166,9 +152,7 @@ def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
 def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The definition: fp32 product of x and the dequantized weight rounded to x's dtype, rounded once."""
-    w = dequantize(planes, n, k).to(x.dtype).float()
-    y = F.linear(x.float(), w).to(x.dtype)
-    return y if out is None else out.copy_(y)
+    return reference_matmul(dequantize(planes, n, k), x, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,34 +285,6 @@ def _gemm_kernel(x_ptr, x_stride, qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, out_s
 # Configurations (by reasoning for the H200; UNTIMED)
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int  # weight rows per program (the MMA's M side): 16, 32, 64 or 128
-    block_k: int  # values per step, a power of two >= 128 dividing K
-    split_k: int = 1  # programs per row tile, each over an equal share (±1) of the K steps
-    num_stages: int = 4
-
-    @property
-    def num_warps(self) -> int:
-        # One warp per 16 weight rows. The dequantized tile is produced directly in the MMA operand
-        # layout, and the MMA gives each warp 16 rows: more warps than BLOCK_N/16 would hold copies
-        # of the same rows and repeat the whole dequantization per copy (seen in the sm_90 SASS).
-        return self.block_n // 16
-
-    def programs(self, n: int) -> int:
-        return _cdiv(n, self.block_n) * self.split_k
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int  # values per step, a power of two >= 128 dividing K
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-
-
 # GEMV. The loop body costs 7.7-8.3 instructions per weight value in the sm_90 SASS (nibble
 # extraction, the 2^23 trick, the FMA, bf16 packing, shared-memory reads) against 0.58 bytes of HBM:
 # at 4.8 TB/s that is ~2x the H200's ~33 T lane-instructions/s, so batch 1 is ALU-bound (about half
@@ -348,21 +304,9 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _heuristic_gemv(n: int, k: int) -> GemvConfig:
-    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
-    block_k = 256 if k % 256 == 0 and k >= 8192 else 128
-    steps, tiles = k // block_k, _cdiv(n, block_n)
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2))
-    return GemvConfig(block_n, block_k, split, num_stages=3 if block_k == 256 else 4)
-
-
 def gemv_config(n: int, k: int) -> GemvConfig:
     """A function of (N, K) only: what makes a row's result independent of M ≤ 16."""
-    return GEMV_CONFIGS.get((n, k)) or _heuristic_gemv(n, k)
+    return GEMV_CONFIGS.get((n, k)) or split_gemv_config(n, k, 256 if k % 256 == 0 and k >= 8192 else 128)
 
 
 def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
@@ -370,31 +314,20 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
     stage 32 KB of x and 8 KB of quants, plus the dequantized tiles the wgmma reads from shared
     memory (~150 KB, 176 registers, no spills when compiled for sm_90); 64-row tiles for short reads.
     fp32 x (IEEE dot on the FMA units, a correctness path): 64x64 tiles, which do not spill."""
-    if dtype == torch.float32:
-        return GemmConfig(64, 64, 128, num_warps=8, num_stages=2)
-    return GemmConfig(64 if m <= 64 else 128, 128, 128, num_warps=8, num_stages=3)
+    return tiled_gemm_config(m, dtype, fp32_tile=64)
 
 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
     without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
     configurations, whatever STRATA_Q4K_DECODE says: the switch is read per call, the workspace made once."""
-    if config is not None:
-        return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
-    from strata.kernels.quant import dp4a, q4_k_dp4a
+    from strata.kernels.quant import q4_k_dp4a
 
-    cfg = gemv_config(n, k)
-    parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    return dp4a.shared_workspace_numel(n, parts, q4_k_dp4a.gemv_config(n, k))
+    return decode_workspace_numel(n, k, config, gemv_config, q4_k_dp4a.gemv_config)
 
 
 def _decode_kernel(rows: int) -> str:
     return decode_kernel(ENV.Q4K_DECODE, rows, DP4A_MAX_ROWS)
-
-
-def _check_block_k(block_k: int, k: int) -> None:
-    if block_k < 128 or block_k & (block_k - 1) or k % block_k:
-        raise ValueError(f"block_k={block_k}: a power of two >= 128 dividing K={k} expected")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,24 +340,6 @@ def _check_call(x: torch.Tensor, planes, n: int, k: int, out: torch.Tensor | Non
     return check_x_out(x, planes["qs"].device, n, k, out, allocate)
 
 
-def check_x_out(x: torch.Tensor, device: torch.device, n: int, k: int, out: torch.Tensor | None,
-                allocate: bool = True) -> torch.Tensor | None:
-    """x [M, K] and out [M, N] of a product with a weight on `device` (the K-quant formats share it):
-    `out`, or a new one when `allocate`, or None."""
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"x: expected [M, {k}] bf16/fp16/fp32 with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")
-    if x.device != device:
-        raise ValueError(f"x on {x.device}, weight on {device}")
-    m = x.shape[0]
-    if out is None:
-        return torch.empty((m, n), dtype=x.dtype, device=x.device) if allocate else None
-    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
-        raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {out.dtype} "
-                         f"{tuple(out.shape)} strides {out.stride()}")
-    return out
-
-
 def _planes_args(planes):
     return planes["qs"], planes["scales"].view(torch.int32), planes["d_dmin"].view(torch.int32)
 
@@ -434,45 +349,16 @@ def gemv_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
     """The decode kernel, x [M ≤ 16, K]. A split-K configuration uses `workspace` (zeroed int32 of ≥
     `gemv_workspace_numel` elements, left zeroed; not shared by concurrent streams) or allocates one."""
     out = _check_call(x, planes, n, k, out)
-    m = x.shape[0]
-    if m > GEMV_MAX_ROWS:
-        raise ValueError(f"gemv_q4k: M={m} > {GEMV_MAX_ROWS}")
-    cfg = config or gemv_config(n, k)
-    _check_block_k(cfg.block_k, k)
-    if cfg.block_n not in (16, 32, 64, 128) or not 1 <= cfg.split_k <= k // cfg.block_k:
-        raise ValueError(f"invalid {cfg} for K={k}")
-    if m == 0:
-        return out
-    tiles = _cdiv(n, cfg.block_n)
-    counters = partials = out  # placeholders, untouched without split-K
-    if cfg.split_k > 1:
-        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS, x.device)
-    on = use_pdl(x)
-    _gemv_kernel[(tiles * cfg.split_k,)](
-        x, x.stride(0), *_planes_args(planes), out, out.stride(0), partials, counters, m, n, k,
-        BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        IEEE_DOT=x.dtype == torch.float32, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    return out
+    return launch_gemv(_gemv_kernel, "gemv_q4k", x, _planes_args(planes), n, k, out, workspace,
+                       config or gemv_config(n, k))
 
 
 def gemm_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
              *, config: GemmConfig | None = None) -> torch.Tensor:
     """The prompt-read kernel, any M (used for M > 16)."""
     out = _check_call(x, planes, n, k, out)
-    m = x.shape[0]
-    cfg = config or gemm_config(m, n, k, x.dtype)
-    _check_block_k(cfg.block_k, k)
-    if m == 0:
-        return out
-    on = use_pdl(x)
-    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
-    _gemm_kernel[grid](
-        x, x.stride(0), *_planes_args(planes), out, out.stride(0), m, n, k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IEEE_DOT=x.dtype == torch.float32, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    return out
+    return launch_gemm(_gemm_kernel, x, _planes_args(planes), n, k, out,
+                       config or gemm_config(x.shape[0], n, k, x.dtype))
 
 
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
@@ -483,12 +369,13 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
     if not kernels_run(x, _gemv_kernel):
         _check_call(x, planes, n, k, out, allocate=False)
         return matmul_ref(x, planes, n, k, out)
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        if _decode_kernel(x.shape[0]) == "dp4a" and x.dtype != torch.float32:
+    m = x.shape[0]
+    if m <= GEMV_MAX_ROWS:
+        if m > 0 and x.dtype != torch.float32 and _decode_kernel(m) == "dp4a":
             from strata.kernels.quant.q4_k_dp4a import q4k_gemv_dp4a
 
-            _check_call(x, planes, n, k, out, allocate=False)
-            return q4k_gemv_dp4a(x, planes, n, k, out, workspace=workspace)
+            out = _check_call(x, planes, n, k, out)
+            return out if n == 0 else q4k_gemv_dp4a(x, planes, n, k, out, workspace=workspace)
         return gemv_q4k(x, planes, n, k, out, workspace=workspace)
     return gemm_q4k(x, planes, n, k, out)
 

@@ -56,36 +56,39 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from strata.env import ENV
-from strata.kernels import kernels_run, use_pdl
+from strata.kernels import kernels_run
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import decode_kernel
 from strata.kernels.quant.iq3_s import _dot
-from strata.kernels.quant.q4_k import GemmConfig, GemvConfig, check_x_out
-from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_range, split_k_store, split_k_views
+from strata.kernels.quant.kquant_host import (
+    BLOCK_VALUES,
+    GEMV_MAX_ROWS,
+    NUM_SMS,
+    SUPPORTED_DTYPES,
+    GemmConfig,
+    GemvConfig,
+    check_planes,
+    check_raw,
+    check_x_out,
+    decode_workspace_numel,
+    launch_gemm,
+    launch_gemv,
+    random_block_bytes,
+    reference_matmul,
+    split_gemv_config,
+    tiled_gemm_config,
+)
 from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format
+from strata.kernels.splitk import split_k_range, split_k_store
 from strata.kernels.tiles import grouped_tile
-
-try:
-    import triton
-    import triton.language as tl
-
-    jit = triton.jit
-except ImportError:  # CPU-only installs: dequantize and the reference work, the kernels never launch
-
-    def jit(fn=None, **_options):
-        return fn if fn is not None else (lambda f: f)
+from strata.kernels.triton_import import jit, tl
 
 
 GGML_TYPE = "Q6_K"
-BLOCK_VALUES = 256
 BLOCK_BYTES = 210
 
-GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
-NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Rows up to which STRATA_Q6K_DECODE=auto runs the dp4a GEMV (`q6_k_dp4a.py`). H200, the four Qwen3-8B
 # shapes and the 151,936-row head (`python -m strata.kernels.quant.q6_k_dp4a`): dp4a 15.4-318 us against
 # 22.3-528 at M = 1, 38.7-1191 against 22.1-542 at M = 8; the linear interpolation crosses at M = 2.3-3.0.
@@ -100,11 +103,8 @@ DP4A_MAX_ROWS = 2
 def random_raw(n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [N, K/256·210] of valid Q6_K blocks with weights of std ~0.02: random quant bytes and
     int8 scales, a positive fp16 d of sane size."""
-    if k % BLOCK_VALUES:
-        raise ValueError(f"K={k} is not a multiple of {BLOCK_VALUES}")
-    rng = np.random.default_rng(seed)
-    nb = n * (k // BLOCK_VALUES)
-    blocks = rng.integers(0, 256, size=(nb, BLOCK_BYTES), dtype=np.uint8)
+    rng, blocks = random_block_bytes(n, k, seed, BLOCK_BYTES)
+    nb = len(blocks)
     # RMS of a random int8 scale ~74 and of q − 32 ~18.5: d ≈ 1.5e-5 gives a spread of ~0.02 (an fp16
     # subnormal, which the kernels must widen exactly too).
     d = (rng.uniform(0.6, 1.4, nb) * 1.5e-5).astype(np.float16)
@@ -114,10 +114,7 @@ def random_raw(n: int, k: int, seed: int) -> np.ndarray:
 
 def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     """The file's blocks → the kernels' planes (module docstring), on raw's device, torch ops only."""
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % BLOCK_BYTES:
-        raise ValueError(f"Q6_K raw: expected uint8 [N, K/{BLOCK_VALUES}·{BLOCK_BYTES}], "
-                         f"got {raw.dtype} {tuple(raw.shape)}")
-    n, nb = raw.shape[0], raw.shape[1] // BLOCK_BYTES
+    n, nb = check_raw(GGML_TYPE, raw, BLOCK_BYTES)
     blocks = raw.contiguous().view(n, nb, BLOCK_BYTES)
     return {"ql": blocks[:, :, 0:128].reshape(n, nb * 128).contiguous(),
             "qh": blocks[:, :, 128:192].reshape(n, nb * 64).contiguous(),
@@ -126,15 +123,8 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
-    if k % BLOCK_VALUES:
-        raise ValueError(f"K={k} is not a multiple of {BLOCK_VALUES}")
-    want = {"ql": ((n, k // 2), torch.uint8), "qh": ((n, k // 4), torch.uint8),
-            "scales": ((n, k // 16), torch.int8), "d": ((n, k // 256), torch.float32)}
-    for name, (shape, dtype) in want.items():
-        t = planes.get(name)
-        if t is None or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            got = None if t is None else (tuple(t.shape), t.dtype)
-            raise ValueError(f"Q6_K plane {name!r}: expected contiguous {dtype} {shape}, got {got}")
+    check_planes(GGML_TYPE, planes, k, {"ql": ((n, k // 2), torch.uint8), "qh": ((n, k // 4), torch.uint8),
+                                        "scales": ((n, k // 16), torch.int8), "d": ((n, k // 256), torch.float32)})
 
 
 def quants(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
@@ -158,9 +148,7 @@ def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
 def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The definition: fp32 product of x and the dequantized weight rounded to x's dtype, rounded once."""
-    w = dequantize(planes, n, k).to(x.dtype).float()
-    y = F.linear(x.float(), w).to(x.dtype)
-    return y if out is None else out.copy_(y)
+    return reference_matmul(dequantize(planes, n, k), x, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,10 +286,6 @@ def _gemm_kernel(x_ptr, x_stride, ql_ptr, qh_ptr, scales_ptr, d_ptr, out_ptr, ou
 # Configurations (q4_k.py's reasoning for the H200; not swept)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def gemv_config(n: int, k: int) -> GemvConfig:
     """A function of (N, K) only: what makes a row's result independent of M ≤ 16. As Q4_K's decode
     loop, this one should be bound by instructions, not bytes (0.82 bytes per value against ~7.5
@@ -309,11 +293,7 @@ def gemv_config(n: int, k: int) -> GemvConfig:
     warp group; 128 rows once those alone give two programs per SM), 128 values per step (one
     128-value half per row; 53 KB of shared memory at 4 stages, 96 registers), split-K up to about 3
     programs per SM with ≥ 2 steps each: 384 programs at 4096x4096, 4096x12288 and 12288x4096."""
-    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
-    block_k = 128
-    steps, tiles = k // block_k, _cdiv(n, block_n)
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2))
-    return GemvConfig(block_n, block_k, split, num_stages=4)
+    return split_gemv_config(n, k, block_k=128)
 
 
 def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
@@ -321,31 +301,20 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
     (per stage 32 KB of x and ~14 KB of weight planes), 64-row tiles for short reads. fp32 x (IEEE
     dot on the FMA units, a correctness path): 32x32 tiles, 8 warps (64x64 spilled 1.5 KB in the
     sm_90a compile; this one 176 bytes)."""
-    if dtype == torch.float32:
-        return GemmConfig(32, 32, 128, num_warps=8, num_stages=2)
-    return GemmConfig(64 if m <= 64 else 128, 128, 128, num_warps=8, num_stages=3)
+    return tiled_gemm_config(m, dtype, fp32_tile=32)
 
 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
     without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
     configurations, whatever STRATA_Q6K_DECODE says: the switch is read per call, the workspace made once."""
-    if config is not None:
-        return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
-    from strata.kernels.quant import dp4a, q6_k_dp4a
+    from strata.kernels.quant import q6_k_dp4a
 
-    cfg = gemv_config(n, k)
-    parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    return dp4a.shared_workspace_numel(n, parts, q6_k_dp4a.gemv_config(n, k))
+    return decode_workspace_numel(n, k, config, gemv_config, q6_k_dp4a.gemv_config)
 
 
 def _decode_kernel(rows: int) -> str:
     return decode_kernel(ENV.Q6K_DECODE, rows, DP4A_MAX_ROWS)
-
-
-def _check_block_k(block_k: int, k: int) -> None:
-    if block_k < 128 or block_k & (block_k - 1) or k % block_k:
-        raise ValueError(f"block_k={block_k}: a power of two >= 128 dividing K={k} expected")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,50 +333,21 @@ def kernel_planes(planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
             planes["d"])
 
 
-def _common(x: torch.Tensor, num_warps: int, num_stages: int) -> dict:
-    on = use_pdl(x)
-    return dict(IEEE_DOT=x.dtype == torch.float32, INTERPRETED=not x.is_cuda, USE_PDL=on, launch_pdl=on,
-                num_warps=num_warps, num_stages=num_stages)
-
-
 def gemv_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
              *, workspace: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """The decode kernel, x [M ≤ 16, K]. A split-K configuration uses `workspace` (zeroed int32 of ≥
     `gemv_workspace_numel` elements, left zeroed; not shared by concurrent streams) or allocates one."""
     out = _check_call(x, planes, n, k, out)
-    m = x.shape[0]
-    if m > GEMV_MAX_ROWS:
-        raise ValueError(f"gemv_q6k: M={m} > {GEMV_MAX_ROWS}")
-    cfg = config or gemv_config(n, k)
-    _check_block_k(cfg.block_k, k)
-    if cfg.block_n not in (16, 32, 64, 128) or not 1 <= cfg.split_k <= k // cfg.block_k:
-        raise ValueError(f"invalid {cfg} for K={k}")
-    if m == 0 or n == 0:
-        return out
-    counters = partials = out  # placeholders, untouched without split-K
-    if cfg.split_k > 1:
-        counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS, x.device)
-    _gemv_kernel[(_cdiv(n, cfg.block_n) * cfg.split_k,)](
-        x, x.stride(0), *kernel_planes(planes), out, out.stride(0), partials, counters, m, n, k,
-        BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        **_common(x, cfg.num_warps, cfg.num_stages))
-    return out
+    return launch_gemv(_gemv_kernel, "gemv_q6k", x, kernel_planes(planes), n, k, out, workspace,
+                       config or gemv_config(n, k), INTERPRETED=not x.is_cuda)
 
 
 def gemm_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
              *, config: GemmConfig | None = None) -> torch.Tensor:
     """The prompt-read kernel, any M (used for M > 16)."""
     out = _check_call(x, planes, n, k, out)
-    m = x.shape[0]
-    cfg = config or gemm_config(m, n, k, x.dtype)
-    _check_block_k(cfg.block_k, k)
-    if m == 0 or n == 0:
-        return out
-    _gemm_kernel[(_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)](
-        x, x.stride(0), *kernel_planes(planes), out, out.stride(0), m, n, k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        **_common(x, cfg.num_warps, cfg.num_stages))
-    return out
+    return launch_gemm(_gemm_kernel, x, kernel_planes(planes), n, k, out,
+                       config or gemm_config(x.shape[0], n, k, x.dtype), INTERPRETED=not x.is_cuda)
 
 
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
