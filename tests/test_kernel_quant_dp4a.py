@@ -20,6 +20,8 @@ operands as raw integers, which only Q4_K's own tests patch).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import zlib
 
 import pytest
@@ -167,6 +169,7 @@ def test_gpu_q4k_shapes_and_batch_invariance(n, k):
     (64, 256, 1, None, torch.bfloat16),
     (40, 512, 3, Dp4aConfig(32, 128, split_k=3), torch.float32),  # half super-blocks, a partial row tile
     (16, 512, 2, Dp4aConfig(16, 64, split_k=4), torch.float32),  # two sub-blocks per step
+    (32, 512, 8, Dp4aConfig(16, 256, split_k=2, num_warps=8), torch.bfloat16),  # DP4A_MAX_ROWS rows
 ])
 def test_iq3s_matches_definition(n, k, m, cfg, dtype):
     planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("w3", n, k))))
@@ -272,7 +275,7 @@ def test_config_for_splits_by_powers_of_two():
     wide = {(4096, 4096): Dp4aConfig(64, 256, 8), (6144, 4096): Dp4aConfig(128, 256, 8),
             (24576, 4096): Dp4aConfig(128, 256, 2), (4096, 12288): Dp4aConfig(64, 256, 8)}
     for (n, k), cfg in wide.items():
-        assert q4d.gemv_config(n, k) == cfg and iqd.gemv_config(n, k) == cfg
+        assert q4d.gemv_config(n, k) == cfg and iqd.gemv_config(n, k) == replace(cfg, num_warps=8)
     assert dp4a.config_for(64, 256) == Dp4aConfig(64, 256, 1)  # one step: no split
     assert dp4a.config_for(40, 192, block_ks=(256, 128, 64)) == Dp4aConfig(64, 64, 1)
 

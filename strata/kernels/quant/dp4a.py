@@ -188,6 +188,20 @@ def _pairwise_sum(t, G: tl.constexpr):
 
 
 @jit
+def _pairwise_sum_mid(t, G: tl.constexpr):
+    """t [R, G, C] -> [R, C]: `_pairwise_sum` over the middle axis (G in 1, 2, 4, 8), the same tree."""
+    R: tl.constexpr = t.shape[0]
+    C: tl.constexpr = t.shape[2]
+    if G == 8:
+        t = tl.sum(tl.reshape(t, (R, 4, 2, C)), axis=2)
+    if G >= 4:
+        t = tl.sum(tl.reshape(t, (R, 2, 2, C)), axis=2)
+    if G >= 2:
+        t = tl.sum(tl.reshape(t, (R, 1, 2, C)), axis=2)
+    return tl.reshape(t, (R, C))
+
+
+@jit
 def _quantize_row(xv):
     """xv fp32 [G, 32] -> (int32 words [G, 8] of the int8 quants, four per word in memory order; dx
     fp32 [G]): `quantize_ref` element for element."""
