@@ -28,7 +28,7 @@ import torch
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     Dp4aConfig,
-    _dp4a,
+    _dp4a_words,
     _pairwise_sum,
     _quantize_row,
     accumulate_ref,
@@ -118,12 +118,12 @@ def _q4k_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, sw_ptr, dw_ptr, out_ptr, out_
             xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=in_batch,
                          other=0.0).to(tl.float32)  # [G, 32]
             xw, dx = _quantize_row(xv)  # words [G, 8], dx [G]
-            xs = tl.sum(_dp4a(xw, ones, EMULATE), axis=1)  # [G]: Σ xq of each run
+            xs = _dp4a_words(xw, ones, EMULATE)  # [G]: Σ xq of each run
             xw_lo, xw_hi = tl.split(tl.permute(tl.reshape(xw, (P, 2, 8)), (0, 2, 1)))  # [P, 8] each
             dx_lo, dx_hi = tl.split(tl.reshape(dx, (P, 2)))
             xs_lo, xs_hi = tl.split(tl.reshape(xs.to(tl.float32), (P, 2)))
-            s_lo = tl.sum(_dp4a(q_lo, xw_lo[None, :, :], EMULATE), axis=2).to(tl.float32)  # [BLOCK_N, P]
-            s_hi = tl.sum(_dp4a(q_hi, xw_hi[None, :, :], EMULATE), axis=2).to(tl.float32)
+            s_lo = _dp4a_words(q_lo, tl.broadcast_to(xw_lo[None, :, :], q_lo.shape), EMULATE).to(tl.float32)
+            s_hi = _dp4a_words(q_hi, tl.broadcast_to(xw_hi[None, :, :], q_hi.shape), EMULATE).to(tl.float32)
             a = sc_lo * dx_lo[None, :] * s_lo
             b = sc_hi * dx_hi[None, :] * s_hi
             c = m_lo * dx_lo[None, :] * xs_lo[None, :]

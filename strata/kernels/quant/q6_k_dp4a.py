@@ -34,7 +34,7 @@ from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     SWEEP_SHAPES,
     Dp4aConfig,
-    _dp4a,
+    _dp4a_words,
     _pairwise_sum,
     _quantize_row,
     launch,
@@ -100,8 +100,8 @@ def _run_pairs(qw, sc, xw, dx, ones, EMULATE: tl.constexpr):
     BN: tl.constexpr = qw.shape[0]
     H: tl.constexpr = qw.shape[1]
     xw = tl.reshape(xw, (H, 2, 2, 4))
-    xs = tl.sum(_dp4a(xw, ones, EMULATE), axis=3)  # [H, 2, 2]: Σ xq of each sub-block
-    s = tl.sum(_dp4a(qw, xw[None, :, :, :, :], EMULATE), axis=4)  # [BN, H, 2, 2]: Σ q·xq, exact
+    xs = _dp4a_words(xw, ones, EMULATE)  # [H, 2, 2]: Σ xq of each sub-block
+    s = _dp4a_words(qw, tl.broadcast_to(xw[None, :, :, :, :], qw.shape), EMULATE)  # [BN, H, 2, 2]: Σ q·xq, exact
     t = tl.sum(sc * (s - 32 * xs[None, :, :, :]), axis=3)  # [BN, H, 2]: T of each run, exact
     terms = t.to(tl.float32) * tl.reshape(dx, (H, 2))[None, :, :]
     return tl.sum(terms, axis=2)  # two terms: one addition
