@@ -95,6 +95,7 @@ step() {  # name, seconds, command...
       prefix8b) step prefix8b 200 $B prefix --shape qwen3-8b --out $R/prefix_qwen3-8b_cuda.json ;;
       # A second slot decoding throughout: solo reads (prompt-chunk graph steps) against shared eager steps.
       prefix8b-busy) step prefix8b-busy 300 $B prefix --shape qwen3-8b --busy --out $R/prefix_busy_qwen3-8b_cuda.json ;;
+      sweep-wide-head) TAIL=20 step sweep-wide-head 300 python3 scripts/sweep_attention.py --only decode-wide-head ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing
         TAIL=60 step moe-route-sweep 300 python3 -m strata.kernels.moe_routing --sweep ;;

@@ -2,7 +2,8 @@
 `strata/kernels/attention.py` (a development tool; the engine never autotunes).
 
     python scripts/sweep_attention.py                  # prefill tile rows, then the decode split table
-    python scripts/sweep_attention.py --only decode    # one section (prefill | decode | decode-configs)
+    python scripts/sweep_attention.py --only decode    # one section (prefill | decode | decode-configs
+                                                       # | decode-wide-head: Qwen3-Next's heads of 256)
     python scripts/sweep_attention.py --json out.json  # also write every decode measurement
 
 Decode: one query per sequence (Qwen3-8B heads, 32 / 8 x 128, pool block size 16) at contexts 576, 4K and
@@ -36,9 +37,11 @@ MAX_COPIES = 128  # launches per graph at most
 COLD_BYTES = 256 << 20  # copies of the caches per graph until this many K/V bytes: well past the 50 MB L2
 
 
-def _setup(seqs, int8: bool, copies: int = 1):
+def _setup(seqs, int8: bool, copies: int = 1, heads=(HQ, HKV, D)):
     """q / out / lengths for `seqs` [(q_len, ctx)], and `copies` independent block tables (each over
-    its own blocks of one pool) so that a graph of launches can read different memory each time."""
+    its own blocks of one pool) so that a graph of launches can read different memory each time;
+    `heads`: (query heads, KV heads, head size)."""
+    hq, hkv, d = heads
     blocks = [math.ceil(c / BS) for _, c in seqs]
     num_blocks = 1 + copies * sum(blocks)
     ids = torch.randperm(num_blocks - 1, device="cuda").int() + 1
@@ -48,7 +51,7 @@ def _setup(seqs, int8: bool, copies: int = 1):
         for r, nb in enumerate(blocks):
             tables[c, r, :nb] = ids[off:off + nb]
             off += nb
-    shape = (num_blocks * BS, HKV, D)
+    shape = (num_blocks * BS, hkv, d)
     if int8:
         k = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
         v = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
@@ -59,7 +62,7 @@ def _setup(seqs, int8: bool, copies: int = 1):
         v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         ks = vs = None
     n = sum(q for q, _ in seqs)
-    q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     starts = torch.tensor([0] + [q for q, _ in seqs][:-1], device="cuda").cumsum(0).int()
     lens = torch.tensor([q for q, _ in seqs], dtype=torch.int32, device="cuda")
     ctx = torch.tensor([c for _, c in seqs], dtype=torch.int32, device="cuda")
@@ -70,7 +73,8 @@ def _setup(seqs, int8: bool, copies: int = 1):
 def _call(case, splits, ws, tables=None):
     A.paged_attention_triton(case["q"], case["k"], case["v"], case["tables"] if tables is None else tables,
                              case["starts"], case["lens"], case["ctx"], case["out"], block_size=BS,
-                             max_q_len=case["max_q"], scale=D ** -0.5, k_scale=case["ks"], v_scale=case["vs"],
+                             max_q_len=case["max_q"], scale=case["q"].shape[-1] ** -0.5, k_scale=case["ks"],
+                             v_scale=case["vs"],
                              num_splits=splits, workspace=ws)
 
 
@@ -221,9 +225,41 @@ def sweep_decode_configs(num_sms: int) -> None:
     A.select_config.cache_clear()
 
 
+WIDE_HEADS = (16, 2, 256)  # Qwen3-Next's gated attention
+WIDE_HEAD_CONFIGS = ((2, 64), (4, 32), (4, 64), (8, 32))  # (warps, key tile); (2, 64): the 128-head tiles
+
+
+def sweep_decode_wide_head(num_sms: int) -> None:
+    """Decode tiles for heads of 256 (DECODE_CONFIG_WIDE_HEAD), graph-timed: per context and batch,
+    each (warps, key tile) at each MIN_SPLIT_KEYS, µs per launch over cold copies of the caches."""
+    hq, hkv, d = WIDE_HEADS
+    base = (A.DECODE_CONFIG_WIDE_HEAD, A.MIN_SPLIT_KEYS)
+    print(f"decode, heads {hq}/{hkv} x {d}, bf16: us per launch for (warps, key tile) x MIN_SPLIT_KEYS")
+    print(f"{'ctx':>6} {'batch':>5} | " + " ".join(f"w{w}/kv{t}:" + ",".join(str(m) for m in (64, 128, 256))
+                                                   for w, t in WIDE_HEAD_CONFIGS))
+    for ctx, batch in itertools.product(DECODE_CONTEXTS, (1, 8)):
+        seqs = [(1, ctx)] * batch
+        kv_bytes = batch * ctx * hkv * d * 2 * 2
+        case = _setup(seqs, False, min(MAX_COPIES, math.ceil(COLD_BYTES / kv_bytes)), WIDE_HEADS)
+        ws = A.SplitWorkspace(batch, hq, d, MAX_SPLITS, "cuda")
+        cells = []
+        for w, tile in WIDE_HEAD_CONFIGS:
+            A.DECODE_CONFIG_WIDE_HEAD = A.TileConfig(16, w, 2, tile)
+            for min_keys in (64, 128, 256):
+                A.MIN_SPLIT_KEYS = min_keys
+                A.select_config.cache_clear()
+                splits = A.choose_num_splits(batch, 1, hkv, MAX_MODEL_LEN, num_sms, MAX_SPLITS)
+                cells.append(_graph_us(case, splits, ws))
+        print(f"{ctx:>6} {batch:>5} | " + " ".join(f"{u:6.1f}" for u in cells), flush=True)
+        del case, ws
+        torch.cuda.empty_cache()
+    A.DECODE_CONFIG_WIDE_HEAD, A.MIN_SPLIT_KEYS = base
+    A.select_config.cache_clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("prefill", "decode", "decode-configs"))
+    parser.add_argument("--only", choices=("prefill", "decode", "decode-configs", "decode-wide-head"))
     parser.add_argument("--prefill-configs", default="",
                         help="only these prefill configs, 'tile,block_m,warps,stages;...' (default: all)")
     parser.add_argument("--json", help="write the decode measurements here")
@@ -237,6 +273,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
+    if args.only == "decode-wide-head":
+        sweep_decode_wide_head(num_sms)
     if args.only == "decode-configs":
         sweep_decode_configs(num_sms)
 

@@ -122,6 +122,8 @@ CPU_CASES = [  # (dtype, int8, hkv, group, head_dim, block_size, num_splits, tol
     (torch.float16, False, 1, 2, 32, 4, 1, 5e-3),
     (torch.float32, True, 2, 2, 16, 16, 2, 1e-5),
     (torch.float16, True, 1, 4, 16, 4, 1, 5e-3),
+    (torch.float16, False, 1, 8, 256, 16, 2, 5e-3),  # Qwen3-Next's heads: their own decode tiles
+    (torch.float32, True, 1, 8, 256, 16, 1, 1e-5),
 ]
 
 
@@ -237,6 +239,20 @@ def test_gpu_matches_reference(kind, batch, int8, num_splits):
     out = run(paged_attention, case, num_splits, ws)
     check(out, run(paged_attention_ref, case), seqs, q_start, 2e-2)
 
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind,batch", [("decode", 1), ("decode", 8), ("verify", 8), ("mixed", 3)])
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_gpu_wide_heads_match_reference(kind, batch, int8):
+    """Qwen3-Next's attention heads (2 KV heads of 256, groups of 8): their decode tiles and the
+    prompt tiles of heads wider than 128."""
+    seed = seed_of("wide", kind, batch, int8)
+    case, seqs, q_start = make_case(seed, gpu_batch(seed, kind, batch), dtype=torch.bfloat16, int8=int8,
+                                    **dict(GPU_SHAPE, hkv=2, group=8, head_dim=256))
+    ws = workspace_for(case, 8)
+    check(run(paged_attention, case, 8, ws), run(paged_attention_ref, case), seqs, q_start, 2e-2)
 
 
 @pytest.mark.gpu

@@ -109,6 +109,13 @@ INVARIANT_SPLIT_KEYS = 256
 # Heads of 256: a 128-row query tile (64 KiB of bf16) and two stages of 64-key K and V tiles (128 KiB)
 # fit the H200's 227 KiB; the 256 x 128 wide tiles asked for 384 KiB (Qwen3-Next reads, untuned).
 PREFILL_CONFIG_WIDE_HEAD = TileConfig(block_m=128, num_warps=8, num_stages=2)
+# Heads of 256 in decode-sized steps: the 128-head tile shapes spilled in the sm_90 compile
+# (scripts/sass_loops.py: ~400 local loads and stores with 2 warps and 64-key tiles, ~200 for int8 with
+# 4 warps and 128-key tiles), and the Qwen3-Next profile had its decode attention at 24 us a layer over
+# 512 keys. Four warps over 32-key (int8: 64-key) tiles compile without spills; not yet timed
+# (`sweep_attention.py --only decode-wide-head`).
+DECODE_CONFIG_WIDE_HEAD = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=32)
+DECODE_CONFIG_WIDE_HEAD_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=64)
 
 
 @lru_cache(maxsize=256)
@@ -116,7 +123,8 @@ def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool 
                   head_dim: int = 128, invariant: bool = False) -> TileConfig:
     """Tile shape for a launch (`fp32`: 4-byte queries); reads the module constants, so a sweep that
     changes them clears the cache. Heads wider than 128 (Qwen3-Next's 256) halve what shared memory
-    holds per key: two stages, and prompt-sized steps one warp group over 64-key tiles."""
+    holds per key: two stages, prompt-sized steps one warp group over 64-key tiles, and decode-sized
+    steps their own tiles (DECODE_CONFIG_WIDE_HEAD)."""
     if invariant:
         cfg = INVARIANT_CONFIG
         return TileConfig(max(cfg.block_m, triton.next_power_of_2(group)), cfg.num_warps, cfg.num_stages, cfg.kv_tile)
@@ -125,6 +133,9 @@ def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool 
         cfg = DECODE_CONFIG_INT8 if is_int8 else DECODE_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(rows))
         kv_tile = KV_TILE_INT8 if is_int8 else KV_TILE
+        if head_dim > 128:
+            cfg = DECODE_CONFIG_WIDE_HEAD_INT8 if is_int8 else DECODE_CONFIG_WIDE_HEAD
+            return TileConfig(block_m, cfg.num_warps, cfg.num_stages, cfg.kv_tile)
     else:
         wide = max_q_len >= PREFILL_WIDE_MIN_Q and not fp32
         cfg = (PREFILL_CONFIG_INT8 if is_int8 else PREFILL_CONFIG) if wide else PREFILL_CONFIG_NARROW
