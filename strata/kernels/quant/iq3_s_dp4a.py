@@ -50,8 +50,9 @@ def gemv_config(n: int, k: int) -> Dp4aConfig:
     """128 or 64 rows (`dp4a.wide_config`) x 256 values (one super-block) per step, split-K to about
     four programs per SM: 6144 x 4096 -> 128 rows split 8 (the sweep's best at M = 1), 24576 x 4096 ->
     128 split 2 (best: split 4), 4096 x 4096 and 4096 x 12288 -> 64 split 8 (best: 128 rows split 8).
-    Eight warps: with four, the kernel's per-thread tiles spill at 128 rows from M = 1 (and 64 rows at
-    M = 8) in the sm_90 compile; with eight none of M 1-8 spills (`scripts/sass_loops.py`)."""
+    Eight warps: with four, the kernel's per-thread tiles spill at 128 rows from M = 1 (thousands of
+    local loads and stores at M = 8) in the sm_90 compile; with eight, M = 1-4 compile without spills
+    and M = 8 at 128 rows spills ~80 instructions (`scripts/sass_loops.py`, tests/sm90_cases.py)."""
     return replace(wide_config(n, k, block_ks=(256,)), num_warps=8)
 
 

@@ -1,0 +1,109 @@
+"""Kernels of the decode path at the configurations the engine launches, compiled for sm_90 without a GPU
+(`scripts/sass_loops.py`). Run as a script in a process of its own (`tests/test_kernels_compile_sm90.py`
+does): the test process interprets every kernel (TRITON_INTERPRET=1), and an interpreted kernel cannot
+be compiled. Prints {case: {"error", "spills", "ops"}} as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+from sass_loops import sass  # noqa: E402
+
+from strata.kernels import attention, gemv, moe_routing  # noqa: E402
+from strata.kernels.quant import dp4a, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a  # noqa: E402
+
+OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+SPLIT_K_ARGS = dict(out_ptr="*bf16", out_stride="i32", partial_ptr="*fp32", counter_ptr="*i32", m="i32", n="i32",
+                    k="i32")
+QKV = (6144, 4096)
+
+
+def bf16_gemv(n: int, k: int):
+    cfg = gemv.gemv_config(n, k)
+    sig = dict(x_ptr="*bf16", x_stride="i32", w_ptr="*bf16", scale_ptr="*bf16", bias_ptr="*bf16", **SPLIT_K_ARGS)
+    const = dict(BLOCK_M=gemv.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                 EVEN_N=n % cfg.block_n == 0, HAS_BIAS=False, SILU_MUL=False, IEEE_DOT=False, USE_LIBDEVICE=True,
+                 USE_PDL=True, PREFETCH_BLOCKS=0, W8="")
+    return gemv._gemv_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
+
+
+def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1]):
+    kernel, weights, module = {
+        "Q8_0": (dp4a._q8_gemv_dp4a_kernel, dict(qw_ptr="*i32", d_ptr="*fp16"), dp4a),
+        "Q4_K": (q4_k_dp4a._q4k_gemv_dp4a_kernel, dict(qw_ptr="*i32", sw_ptr="*i32", dw_ptr="*i32"), q4_k_dp4a),
+        "Q6_K": (q6_k_dp4a._q6k_gemv_dp4a_kernel, dict(ql_ptr="*i32", qh_ptr="*i32", sc_ptr="*i32", d_ptr="*fp16"),
+                 q6_k_dp4a),
+        "IQ3_S": (iq3_s_dp4a._iq3s_gemv_dp4a_kernel, dict(qs_ptr="*i32", qh_ptr="*u8", signs_ptr="*i32",
+                                                          scales_ptr="*u8", d_ptr="*fp16", grid_ptr="*i32"), iq3_s_dp4a),
+    }[fmt]
+    cfg = module.gemv_config(n, k)
+    sig = dict(x_ptr="*bf16", x_stride="i32", **weights, **SPLIT_K_ARGS)
+    const = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EMULATE=False,
+                 USE_PDL=True)
+    return kernel, sig, const, cfg.num_warps, cfg.num_stages, False  # launched without FMA contraction
+
+
+def decode_attention(head_dim: int, group: int, int8: bool):
+    cfg = attention.select_config(1, group, int8, False, head_dim)
+    kv = "*i8" if int8 else "*bf16"
+    names = ("q_ptr k_ptr v_ptr ks_ptr vs_ptr out_ptr table_ptr q_start_ptr q_len_ptr ctx_len_ptr ws_acc_ptr ws_m_ptr "
+             "ws_l_ptr ws_count_ptr").split()
+    types = ["*bf16", kv, kv, "*fp32", "*fp32", "*bf16", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32", "*fp32",
+             "*i32"]
+    sig = dict(zip(names, types))
+    sig.update({s: "i32" for s in ("stride_qn stride_qh stride_k_slot stride_kh stride_v_slot stride_vh stride_ks_slot "
+                                   "stride_ksh stride_vs_slot stride_vsh stride_on stride_oh stride_table stride_wa_n "
+                                   "stride_wa_h stride_wa_s stride_wm_n stride_wm_h stride_wc_n").split()})
+    sig.update(qk_scale="fp32", num_q_tiles="i32", num_splits="i32", min_split_keys="i32")
+    const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=max(1, cfg.block_m // group), BLOCK_N=cfg.kv_tile,
+                 HEAD_DIM=head_dim, BLOCK_SIZE=16, IS_INT8=int8, SPLIT=True, DOT_PREC="tf32", INVARIANT=False,
+                 USE_PDL=True)
+    return attention._paged_attention_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
+
+
+def router(e: int = 512, h: int = 2048, top_k: int = 10):
+    cfg = moe_routing.router_decode_config(e, h)
+    sig = dict(x_ptr="*bf16", x_stride="i32", weight_ptr="*fp32", logits_ptr="*fp32", counter_ptr="*i32",
+               bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", n_tokens="i32", hidden="i32", n_experts="i32",
+               top_k="i32", group_size="i32", n_group="i32", topk_group="i32", scale="fp32")
+    const = dict(BLOCK_T=moe_routing.DECODE_BLOCK_T, BLOCK_EP=cfg.block_e, BLOCK_H=cfg.block_h, BLOCK_E=e,
+                 BLOCK_K=1 << (top_k - 1).bit_length(), BLOCK_G=1, SIGMOID=False, NORM=True, HAS_BIAS=False,
+                 GROUPED=False, USE_LIBDEVICE=True, NUM_STAGES=cfg.num_stages, USE_PDL=True)
+    return moe_routing._router_decode_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
+
+
+CASES = {
+    "gemv_bf16_qkv": lambda: bf16_gemv(*QKV),
+    "gemv_bf16_down": lambda: bf16_gemv(4096, 12288),
+    **{f"dp4a_{fmt}_m{rows}": (lambda fmt=fmt, rows=rows: dp4a_gemv(fmt, rows))
+       for fmt in ("Q8_0", "Q4_K", "Q6_K") for rows in (1, 4)},
+    **{f"dp4a_IQ3_S_{n}_m{rows}": (lambda n=n, rows=rows: dp4a_gemv("IQ3_S", rows, n, 4096))
+       for n in (6144, 4096) for rows in (1, 4, 8)},  # 128 and 64 rows a program
+    "attention_decode_h128": lambda: decode_attention(128, 4, False),
+    "attention_decode_h256": lambda: decode_attention(256, 8, False),
+    "attention_decode_h256_int8": lambda: decode_attention(256, 8, True),
+    "router_e512": router,
+}
+
+
+def main(names: list[str]) -> None:
+    out = {}
+    for name in names or CASES:
+        try:
+            kernel, sig, const, warps, stages, fusion = CASES[name]()
+            text = sass(kernel, sig, const, warps, stages, fusion)
+            out[name] = {"error": None, "spills": text.count("LDL") + text.count("STL"),
+                         "ops": sorted({m.group(1) for m in OPCODE.finditer(text)})}
+        except Exception as exc:  # reported per case: the test names the one that failed and why
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "spills": None, "ops": []}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

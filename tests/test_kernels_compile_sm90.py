@@ -1,0 +1,78 @@
+"""The decode path's kernels compile for sm_90 (the H200) at the configurations the engine launches, on a
+machine without a GPU (`tests/sm90_cases.py`, in a process of its own: this one interprets the kernels).
+The interpreter checks the kernels' semantics but not their compile, which once refused a kernel only on
+the device (a plain float global). This machine's Triton may be newer than the device's, so a pass here
+is a strong hint, not proof.
+
+Two tile choices were made because the alternatives spilled registers in this compile: the IQ3_S dp4a
+GEMV at eight warps, and the decode attention tiles for heads of 256. Those cases assert no spills, so a
+change that brings spills back shows before device time is spent on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+pytestmark = pytest.mark.skipif(not all(os.path.exists(os.path.join(TOOLS, t)) for t in ("ptxas", "nvdisasm")),
+                                reason="Triton's NVIDIA backend tools are not installed")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "sm90_cases.py")
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _case(compiled: dict, name: str) -> dict:
+    case = compiled[name]
+    assert case["error"] is None, case["error"]
+    return case
+
+
+@pytest.mark.parametrize("name", ["gemv_bf16_qkv", "gemv_bf16_down"])
+def test_bf16_gemv_on_tensor_cores(compiled, name):
+    ops = _case(compiled, name)["ops"]
+    assert "HGMMA" in ops or "HMMA" in ops  # the swap-AB product
+
+
+@pytest.mark.parametrize("name", [f"dp4a_{f}_m{m}" for f in ("Q8_0", "Q4_K", "Q6_K") for m in (1, 4)])
+def test_dp4a_gemvs_use_packed_dots(compiled, name):
+    assert "IDP" in _case(compiled, name)["ops"]
+
+
+@pytest.mark.parametrize("name", [f"dp4a_IQ3_S_{n}_m{m}" for n in (6144, 4096) for m in (1, 4)])
+def test_iq3s_dp4a_gemv_does_not_spill(compiled, name):
+    case = _case(compiled, name)
+    assert "IDP" in case["ops"] and case["spills"] == 0
+
+
+@pytest.mark.parametrize("name", ["dp4a_IQ3_S_6144_m8", "dp4a_IQ3_S_4096_m8"])
+def test_iq3s_dp4a_gemv_at_eight_rows(compiled, name):
+    """DP4A_MAX_ROWS: 128 rows a program spill a little there (~80 local loads and stores, against
+    thousands at four warps); 64 rows do not."""
+    case = _case(compiled, name)
+    assert "IDP" in case["ops"] and case["spills"] < 200
+
+
+@pytest.mark.parametrize("name", ["attention_decode_h256", "attention_decode_h256_int8"])
+def test_decode_attention_on_heads_of_256_does_not_spill(compiled, name):
+    assert _case(compiled, name)["spills"] == 0
+
+
+def test_decode_attention_on_heads_of_128(compiled):
+    case = _case(compiled, "attention_decode_h128")
+    assert "HMMA" in case["ops"] and "ATOMG" in case["ops"] and case["spills"] == 0  # MMA tiles, split tickets
+
+
+def test_router_of_512_experts(compiled):
+    assert "ATOMG" in _case(compiled, "router_e512")["ops"]  # the last program's ticket
