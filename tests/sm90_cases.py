@@ -10,13 +10,15 @@ import os
 import re
 import sys
 
+import triton
+
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 from sass_loops import sass  # noqa: E402
 
-from strata.kernels import attention, gemv, moe_routing  # noqa: E402
-from strata.kernels.quant import dp4a, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a  # noqa: E402
+from strata.kernels import attention, gemv, moe_routing, norm  # noqa: E402
+from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a  # noqa: E402
 
 OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 SPLIT_K_ARGS = dict(out_ptr="*bf16", out_stride="i32", partial_ptr="*fp32", counter_ptr="*i32", m="i32", n="i32",
@@ -31,6 +33,31 @@ def bf16_gemv(n: int, k: int):
                  EVEN_N=n % cfg.block_n == 0, HAS_BIAS=False, SILU_MUL=False, IEEE_DOT=False, USE_LIBDEVICE=True,
                  USE_PDL=True, PREFETCH_BLOCKS=0, W8="")
     return gemv._gemv_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
+
+
+def fp8_gemv(n: int, k: int):
+    """The decode GEMV over e4m3 weights with a column scale (W8, the hardware conversion)."""
+    cfg = fp8.gemv_config(n, k)
+    sig = dict(x_ptr="*bf16", x_stride="i32", w_ptr="*i32", scale_ptr="*fp32", bias_ptr="*bf16", **SPLIT_K_ARGS)
+    const = dict(BLOCK_M=gemv.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                 EVEN_N=n % cfg.block_n == 0, HAS_BIAS=False, SILU_MUL=False, IEEE_DOT=False, USE_LIBDEVICE=True,
+                 USE_PDL=True, PREFETCH_BLOCKS=0, W8=gemv.W8_CONVERSIONS[0])
+    return gemv._gemv_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
+
+
+def fp8_rows_quantize():
+    sig = dict(x_ptr="*bf16", x_stride="i32", q_ptr="*fp8e4nv", s_ptr="*fp32", m="i32", k="i32")
+    const = dict(FP8_MAX=fp8_rows.E4M3_MAX, BLOCK_K=fp8_rows.BLOCK_K, USE_PDL=True)
+    return fp8_rows._quantize_rows_kernel, sig, const, 4, 3, True
+
+
+def fused_add_rms_norm(hidden: int = 4096, zero_centred: bool = False):
+    block = min(triton.next_power_of_2(hidden), norm.MAX_ROW_BLOCK)
+    sig = dict(x_ptr="*bf16", x_stride="i32", res_ptr="*bf16", res_stride="i32", w_ptr="*bf16", out_ptr="*bf16",
+               out_stride="i32", n_cols="i32", n_cols_f="fp32", eps="fp32")
+    const = dict(HAS_RESIDUAL=True, ZERO_CENTRED=zero_centred, BLOCK=block, NUM_CHUNKS=-(-hidden // block),
+                 USE_PDL=True)
+    return norm._rms_norm_kernel, sig, const, min(16, max(1, block // 512)), 3, True
 
 
 def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1]):
@@ -89,6 +116,11 @@ CASES = {
     "attention_decode_h256": lambda: decode_attention(256, 8, False),
     "attention_decode_h256_int8": lambda: decode_attention(256, 8, True),
     "router_e512": router,
+    "gemv_fp8_qkv": lambda: fp8_gemv(*QKV),
+    "gemv_fp8_down": lambda: fp8_gemv(4096, 12288),
+    "fp8_rows_quantize": fp8_rows_quantize,
+    "rms_norm_add": fused_add_rms_norm,
+    "rms_norm_add_zero_centred": lambda: fused_add_rms_norm(2048, True),
 }
 
 

@@ -76,3 +76,15 @@ def test_decode_attention_on_heads_of_128(compiled):
 
 def test_router_of_512_experts(compiled):
     assert "ATOMG" in _case(compiled, "router_e512")["ops"]  # the last program's ticket
+
+
+@pytest.mark.parametrize("name", ["gemv_fp8_qkv", "gemv_fp8_down"])
+def test_fp8_gemv_converts_in_registers(compiled, name):
+    case = _case(compiled, name)
+    assert ("HGMMA" in case["ops"] or "HMMA" in case["ops"]) and case["spills"] == 0
+
+
+@pytest.mark.parametrize("name", ["fp8_rows_quantize", "rms_norm_add", "rms_norm_add_zero_centred"])
+def test_row_kernels_compile(compiled, name):
+    """One program a row; fp8_rows is the kernel that once compiled only in the interpreter."""
+    assert _case(compiled, name)["spills"] == 0
