@@ -35,6 +35,7 @@ from strata.kernels.quant.dp4a import (
     Dp4aConfig,
     _dp4a,
     _pairwise_sum_mid,
+    _quantize_row,
     accumulate_ref,
     launch,
     quantize_ref,
@@ -102,13 +103,9 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
         # x's rows quantized per sub-block (`quantize_ref`), as words of four int8 quants: [G, BLOCK_M, 8].
         xv = tl.load(x_ptr + rows[None, :, None] * x_stride + (kb * BLOCK_K + g * 32)[:, None, None] + j[None, None, :],
                      mask=(rows < m)[None, :, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(xv), axis=2)
-        c127 = tl.full((G, BLOCK_M), 127.0, tl.float32)
-        inv = tl.where(amax > 0, tl.div_rn(c127, amax), 0.0)
-        xv = xv * inv[:, :, None]
-        q = ((xv + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even, as in `_quantize_row`
-        xwords = tl.sum(tl.reshape((q & 255) << ((j % 4) * 8)[None, None, :], (G, BLOCK_M, 8, 4)), axis=3)
-        dx = tl.div_rn(amax, c127)
+        xwords, dx = _quantize_row(tl.reshape(xv, (G * BLOCK_M, 32)))
+        xwords = tl.reshape(xwords, (G, BLOCK_M, 8))
+        dx = tl.reshape(dx, (G, BLOCK_M))
         s = tl.zeros((BLOCK_N, G, BLOCK_M), dtype=tl.int32)
         for w in tl.static_range(8):  # the sub-block's eight grid words, each a thread's own
             if w < 4:
