@@ -40,20 +40,14 @@ def sass(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stag
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([nvdisasm, "-hex", f.name] if False else [nvdisasm, f.name], check=True,
-                              capture_output=True, text=True).stdout
+        return subprocess.run([nvdisasm, f.name], check=True, capture_output=True, text=True).stdout
 
 
 def loops(text: str) -> list[tuple[int, int, int, collections.Counter]]:
     """(start, end, instructions, opcode histogram) of each loop: a branch back to an earlier address."""
     insts = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in map(LINE.search, text.splitlines()) if m]
-    labels = {}
-    for line in text.splitlines():
-        lab = re.match(r"\.(L_x_\d+):", line.strip())
-        if lab:
-            labels[lab.group(1)] = None
     # nvdisasm prints a label line before the instruction it names: map labels to the next address.
-    pending = []
+    labels, pending = {}, []
     for line in text.splitlines():
         lab = re.match(r"\.(L_x_\d+):", line.strip())
         if lab:
