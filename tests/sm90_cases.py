@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 from sass_loops import sass  # noqa: E402
 
-from strata.kernels import attention, gemv, moe_routing, norm  # noqa: E402
+from strata.kernels import attention, gemv, moe_decode, moe_routing, norm  # noqa: E402
 from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a  # noqa: E402
 
 OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
@@ -58,6 +58,27 @@ def fused_add_rms_norm(hidden: int = 4096, zero_centred: bool = False):
     const = dict(HAS_RESIDUAL=True, ZERO_CENTRED=zero_centred, BLOCK=block, NUM_CHUNKS=-(-hidden // block),
                  USE_PDL=True)
     return norm._rms_norm_kernel, sig, const, min(16, max(1, block // 512)), 3, True
+
+
+def moe_gate_up(hidden: int, inter: int):
+    cfg = moe_decode.moe_decode_config(hidden, inter)
+    sig = dict(x_ptr="*bf16", x_stride="i32", ids_ptr="*i64", ids_stride_t="i32", ids_stride_j="i32", w13_ptr="*bf16",
+               act_ptr="*bf16", hidden="i32", inter="i32", top_k="i32")
+    const = dict(BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
+                 EVEN=inter % cfg.gate_up_block_i == 0 and hidden % cfg.gate_up_block_h == 0,
+                 NUM_STAGES=cfg.gate_up_stages, USE_LIBDEVICE=True, USE_PDL=True)
+    return moe_decode._gate_up_kernel, sig, const, cfg.gate_up_warps, cfg.gate_up_stages, True
+
+
+def moe_down_combine(hidden: int, inter: int):
+    cfg = moe_decode.moe_decode_config(hidden, inter)
+    sig = dict(act_ptr="*bf16", ids_ptr="*i64", ids_stride_t="i32", ids_stride_j="i32", wts_ptr="*fp32",
+               wts_stride_t="i32", wts_stride_j="i32", w2_ptr="*bf16", out_ptr="*bf16", out_stride="i32",
+               hidden="i32", inter="i32", top_k="i32")
+    const = dict(BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, K_CHUNKS=-(-inter // cfg.down_block_k),
+                 EVEN=inter % cfg.down_block_k == 0 and hidden % cfg.down_block_h == 0,
+                 NUM_STAGES=cfg.down_stages, USE_PDL=True)
+    return moe_decode._down_combine_kernel, sig, const, cfg.down_warps, cfg.down_stages, True
 
 
 def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1]):
@@ -121,6 +142,10 @@ CASES = {
     "fp8_rows_quantize": fp8_rows_quantize,
     "rms_norm_add": fused_add_rms_norm,
     "rms_norm_add_zero_centred": lambda: fused_add_rms_norm(2048, True),
+    "moe_gate_up_30b": lambda: moe_gate_up(2048, 768),
+    "moe_down_30b": lambda: moe_down_combine(2048, 768),
+    "moe_gate_up_next": lambda: moe_gate_up(2048, 512),
+    "moe_down_next": lambda: moe_down_combine(2048, 512),
 }
 
 

@@ -88,3 +88,9 @@ def test_fp8_gemv_converts_in_registers(compiled, name):
 def test_row_kernels_compile(compiled, name):
     """One program a row; fp8_rows is the kernel that once compiled only in the interpreter."""
     assert _case(compiled, name)["spills"] == 0
+
+
+@pytest.mark.parametrize("name", ["moe_gate_up_30b", "moe_down_30b", "moe_gate_up_next", "moe_down_next"])
+def test_fused_moe_decode_kernels_compile(compiled, name):
+    """Qwen3-30B-A3B's (I = 768) and Qwen3-Next's (I = 512) expert sizes."""
+    _case(compiled, name)
