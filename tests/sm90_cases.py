@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 from sass_loops import sass  # noqa: E402
 
-from strata.kernels import attention, gemv, moe_decode, moe_routing, norm  # noqa: E402
+from strata.kernels import activation, attention, gemv, moe_decode, moe_routing, norm  # noqa: E402
 from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a  # noqa: E402
 
 OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
@@ -79,6 +79,21 @@ def moe_down_combine(hidden: int, inter: int):
                  EVEN=inter % cfg.down_block_k == 0 and hidden % cfg.down_block_h == 0,
                  NUM_STAGES=cfg.down_stages, USE_PDL=True)
     return moe_decode._down_combine_kernel, sig, const, cfg.down_warps, cfg.down_stages, True
+
+
+def shared_expert_gate(kind: str, hidden: int = 2048, top_k: int = 10):
+    """Qwen3-Next's gated shared expert: added to the routed output, or appended as one more expert."""
+    block = min(triton.next_power_of_2(hidden), activation.BLOCK_COLS)
+    warps = max(1, min(4, block // 256))
+    if kind == "add":
+        sig = dict(routed_ptr="*bf16", shared_ptr="*bf16", x_ptr="*bf16", g_ptr="*bf16", out_ptr="*bf16",
+                   routed_stride="i32", shared_stride="i32", x_stride="i32", h="i32")
+        const = dict(BLOCK=block, USE_LIBDEVICE=True, USE_PDL=True)
+        return activation._sigmoid_gated_add_kernel, sig, const, warps, 3, True
+    sig = dict(x_ptr="*bf16", x_stride="i32", g_ptr="*bf16", w_ptr="*fp32", ids_ptr="*i64", w_out_ptr="*fp32",
+               ids_out_ptr="*i64", h="i32", top_k="i32", slot="i32")
+    const = dict(BLOCK=block, BLOCK_K=triton.next_power_of_2(top_k), USE_LIBDEVICE=True, USE_PDL=True)
+    return activation._append_gated_expert_kernel, sig, const, warps, 3, True
 
 
 def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1]):
@@ -146,6 +161,8 @@ CASES = {
     "moe_down_30b": lambda: moe_down_combine(2048, 768),
     "moe_gate_up_next": lambda: moe_gate_up(2048, 512),
     "moe_down_next": lambda: moe_down_combine(2048, 512),
+    "shared_expert_add": lambda: shared_expert_gate("add"),
+    "shared_expert_append": lambda: shared_expert_gate("append"),
 }
 
 

@@ -90,7 +90,8 @@ def test_row_kernels_compile(compiled, name):
     assert _case(compiled, name)["spills"] == 0
 
 
-@pytest.mark.parametrize("name", ["moe_gate_up_30b", "moe_down_30b", "moe_gate_up_next", "moe_down_next"])
+@pytest.mark.parametrize("name", ["moe_gate_up_30b", "moe_down_30b", "moe_gate_up_next", "moe_down_next",
+                                  "shared_expert_add", "shared_expert_append"])
 def test_fused_moe_decode_kernels_compile(compiled, name):
-    """Qwen3-30B-A3B's (I = 768) and Qwen3-Next's (I = 512) expert sizes."""
+    """Qwen3-30B-A3B's (I = 768) and Qwen3-Next's (I = 512) expert sizes; Qwen3-Next's gated shared expert."""
     _case(compiled, name)

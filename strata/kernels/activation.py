@@ -86,12 +86,11 @@ def sigmoid_gated_add_ref(routed: torch.Tensor, shared: torch.Tensor, x: torch.T
 
 
 @jit
-def _sigmoid_gated_add_kernel(routed_ptr, shared_ptr, x_ptr, g_ptr, out_ptr, routed_stride, shared_stride, x_stride,
-                              h, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
+def _sigmoid_gate(x_ptr, x_stride, g_ptr, row, h, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    """sigmoid(x[row] · g) as torch computes it in x's dtype (the dot and the sigmoid each rounded to it),
+    returned in fp32: the dot over H in blocks of BLOCK, one fp32 lane each, summed at the end."""
     cols = tl.arange(0, BLOCK)
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for h0 in range(0, h, BLOCK):
         ok = h0 + cols < h
@@ -103,6 +102,17 @@ def _sigmoid_gated_add_kernel(routed_ptr, shared_ptr, x_ptr, g_ptr, out_ptr, rou
     else:
         e = tl.exp(-logit)
     gate = tl.div_rn(1.0, 1.0 + e).to(dtype).to(tl.float32)
+    return gate
+
+
+@jit
+def _sigmoid_gated_add_kernel(routed_ptr, shared_ptr, x_ptr, g_ptr, out_ptr, routed_stride, shared_stride, x_stride,
+                              h, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    dtype = out_ptr.dtype.element_ty
+    gate = _sigmoid_gate(x_ptr, x_stride, g_ptr, row, h, BLOCK, USE_LIBDEVICE)
     for h0 in range(0, h, BLOCK):
         ok = h0 + cols < h
         sv = tl.load(shared_ptr + row * shared_stride + h0 + cols, mask=ok, other=0.0).to(tl.float32)
@@ -151,19 +161,7 @@ def _append_gated_expert_kernel(x_ptr, x_stride, g_ptr, w_ptr, ids_ptr, w_out_pt
                                 USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for h0 in range(0, h, BLOCK):
-        ok = h0 + cols < h
-        xv = tl.load(x_ptr + row * x_stride + h0 + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += xv * tl.load(g_ptr + h0 + cols, mask=ok, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    logit = tl.sum(acc, axis=0).to(dtype).to(tl.float32)
-    if USE_LIBDEVICE:
-        e = libdevice.exp(-logit)
-    else:
-        e = tl.exp(-logit)
-    gate = tl.div_rn(1.0, 1.0 + e).to(dtype).to(tl.float32)
+    gate = _sigmoid_gate(x_ptr, x_stride, g_ptr, row, h, BLOCK, USE_LIBDEVICE)
     ks = tl.arange(0, BLOCK_K)
     k_ok = ks < top_k
     tl.store(w_out_ptr + row * (top_k + 1) + ks, tl.load(w_ptr + row * top_k + ks, mask=k_ok), mask=k_ok)
