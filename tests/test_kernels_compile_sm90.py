@@ -4,9 +4,11 @@ The interpreter checks the kernels' semantics but not their compile, which once 
 the device (a plain float global). This machine's Triton may be newer than the device's, so a pass here
 is a strong hint, not proof.
 
-Two tile choices were made because the alternatives spilled registers in this compile: the IQ3_S dp4a
-GEMV at eight warps, and the decode attention tiles for heads of 256. Those cases assert no spills, so a
-change that brings spills back shows before device time is spent on it."""
+Spill counts are recorded (`spills`) but asserted only where a kernel had none and its speed was
+measured that way. Two earlier choices made here to avoid spills were slower on the H200: the IQ3_S dp4a
+GEMV rewritten to spill less (1.22-1.38x slower at M = 1, reverted), and 32-key decode tiles for heads of
+256 (64-key tiles, which spill in this compile, ran 12-15% faster at 4K and 32K keys). So for those
+kernels the tests assert what they compile to, and the tiles follow the device's sweeps."""
 
 from __future__ import annotations
 
@@ -50,23 +52,15 @@ def test_dp4a_gemvs_use_packed_dots(compiled, name):
     assert "IDP" in _case(compiled, name)["ops"]
 
 
-@pytest.mark.parametrize("name", [f"dp4a_IQ3_S_{n}_m{m}" for n in (6144, 4096) for m in (1, 4)])
-def test_iq3s_dp4a_gemv_does_not_spill(compiled, name):
-    case = _case(compiled, name)
-    assert "IDP" in case["ops"] and case["spills"] == 0
-
-
-@pytest.mark.parametrize("name", ["dp4a_IQ3_S_6144_m8", "dp4a_IQ3_S_4096_m8"])
-def test_iq3s_dp4a_gemv_at_eight_rows(compiled, name):
-    """DP4A_MAX_ROWS: 128 rows a program spill a little there (~80 local loads and stores, against
-    thousands at four warps); 64 rows do not."""
-    case = _case(compiled, name)
-    assert "IDP" in case["ops"] and case["spills"] < 200
+@pytest.mark.parametrize("name", [f"dp4a_IQ3_S_{n}_m{m}" for n in (6144, 4096) for m in (1, 4, 8)])
+def test_iq3s_dp4a_gemv_uses_packed_dots(compiled, name):
+    assert "IDP" in _case(compiled, name)["ops"]
 
 
 @pytest.mark.parametrize("name", ["attention_decode_h256", "attention_decode_h256_int8"])
-def test_decode_attention_on_heads_of_256_does_not_spill(compiled, name):
-    assert _case(compiled, name)["spills"] == 0
+def test_decode_attention_on_heads_of_256_uses_mma_tiles(compiled, name):
+    ops = _case(compiled, name)["ops"]
+    assert "HMMA" in ops and "ATOMG" in ops  # MMA tiles, split tickets
 
 
 def test_decode_attention_on_heads_of_128(compiled):

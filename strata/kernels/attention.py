@@ -109,12 +109,11 @@ INVARIANT_SPLIT_KEYS = 256
 # Heads of 256: a 128-row query tile (64 KiB of bf16) and two stages of 64-key K and V tiles (128 KiB)
 # fit the H200's 227 KiB; the 256 x 128 wide tiles asked for 384 KiB (Qwen3-Next reads, untuned).
 PREFILL_CONFIG_WIDE_HEAD = TileConfig(block_m=128, num_warps=8, num_stages=2)
-# Heads of 256 in decode-sized steps: the 128-head tile shapes spilled in the sm_90 compile
-# (scripts/sass_loops.py: ~400 local loads and stores with 2 warps and 64-key tiles, ~200 for int8 with
-# 4 warps and 128-key tiles), and the Qwen3-Next profile had its decode attention at 24 us a layer over
-# 512 keys. Four warps over 32-key (int8: 64-key) tiles compile without spills; not yet timed
-# (`sweep_attention.py --only decode-wide-head`).
-DECODE_CONFIG_WIDE_HEAD = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=32)
+# Heads of 256 in decode-sized steps, four warps over 64-key tiles: the H200 sweep
+# (`sweep_attention.py --only decode-wide-head`, bench/results/attn_sweep_wide_head_cuda.txt) had them
+# fastest at 5 of 6 (context, batch) points, 12-15% ahead of 32-key tiles at 4K and 32K; the Qwen3-Next
+# profile's decode attention went from 24 to 15.7 us a layer with 32-key tiles.
+DECODE_CONFIG_WIDE_HEAD = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=64)
 DECODE_CONFIG_WIDE_HEAD_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=64)
 
 

@@ -288,13 +288,13 @@ class RouterDecodeConfig:
 
 
 def router_decode_config(num_experts: int, hidden: int) -> RouterDecodeConfig:
-    """A function of (E, H) only. One expert per program up to 512 experts (8 KB of weight each at H
-    2048), so all of a layer's rows stream at once, a few programs per SM; the product tile [4 tokens,
-    BLOCK_E, BLOCK_H] is 4096 fp32 (32 registers a thread). On the H200 one expert per program gave
-    7.9 µs at E 128 (`python -m strata.kernels.moe_routing`), while E 512 with four per program (the
-    earlier cap of 128 programs) took 16.3 µs in the Qwen3-Next profile: each program then walked
-    32 KB in a chain of dependent loads. E 512 at one per program is not yet timed."""
-    block_e = min(16, _pow2_at_least(_cdiv(num_experts, 512)))
+    """A function of (E, H) only. One expert per program up to 256 experts (8 KB of weight each at H
+    2048), two beyond, so all of a layer's rows stream at once, a few programs per SM; the product tile
+    [4 tokens, BLOCK_E, BLOCK_H] is 4096 fp32 (32 registers a thread). On the H200
+    (`python -m strata.kernels.moe_routing --sweep`): E 128 7.65 us at one expert per program; E 512
+    14.2 us at two experts over 512-wide steps, against 17.3 at one over 1024 (15.8 and 20.5 at T = 8).
+    Four per program (the earlier cap of 128 programs) had taken 16.3 us in the Qwen3-Next profile."""
+    block_e = min(16, _pow2_at_least(_cdiv(num_experts, 256)))
     block_h = max(16, min(_pow2_at_least(hidden), 1024 // block_e))
     return RouterDecodeConfig(block_e, block_h)
 

@@ -19,11 +19,13 @@ not depend on M or on the other rows, from run to run.
 The interpreter (TRITON_INTERPRET=1, the only way the kernel runs on CPU tensors) cannot run inline
 PTX: there `dp4a` is emulated with shifts and integer multiplies, which give the same integers.
 
-Each thread adds the dp4a products of the words it holds (`_dp4a_words`): a tl.sum over the word
-axis of a [rows, groups, 8] tile let Triton spread the words over a warp's lanes and add them with
-shuffles. In the offline sm_90 compile (`scripts/sass_loops.py`) that took the Q8_0 loop from 4.7 to
-3.2 instructions per weight at M = 1 (Q4_K 3.8 to 2.4, Q6_K 4.0 to 3.2; 3.7 to 2.2 per weight and row
-at M = 4), with the same bits (the interpreter compared both); not yet timed.
+From two rows on, each thread adds the dp4a products of the words it holds (`_dp4a_words`): a
+tl.sum over the word axis of a [rows, groups, 8] tile lets Triton spread the words over a warp's lanes
+and add them with shuffles. Timed on the H200 (the fifth round's sweep against the fourth's, whose
+dequantizing GEMV times agree within 2%): at M = 8 the in-thread sums run 0.78-0.92x the time (Q6_K
+0.61-0.75x), at M = 1 1.01-1.11x (Q6_K 0.84-0.91x), though the sm_90 compile counts fewer instructions
+per weight at both. So Q8_0 and Q4_K keep the lane sum at M = 1 (IN_THREAD = BLOCK_M > 1); Q6_K adds in
+the thread at every M. Both give the same integers.
 
 STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes): 1.6-1.8x
 faster at M = 1, 1.2-1.6x slower at M = 8; whole-model decode at batch 1 went from 175 to 279 tok/s.
@@ -206,31 +208,20 @@ def _dp4a_words4(a, b, EMULATE: tl.constexpr):
 
 
 @jit
-def _dp4a_words(a, b, EMULATE: tl.constexpr):
-    """Σ over the last axis (4 or 8 words) of `_dp4a(a, b)`, a and b of one shape: the words taken apart
-    first (tl.split halves a trailing axis of 2), so each thread adds the products of the elements it
-    holds. A tl.sum over that axis let Triton spread it over a warp's lanes: shuffles to add them, a
-    third of the Q8_0 GEMV's loop in the sm_90 compile. Exact in int32: the order does not matter."""
+def _dp4a_words(a, b, EMULATE: tl.constexpr, IN_THREAD: tl.constexpr = True):
+    """Σ over the last axis (4 or 8 words) of `_dp4a(a, b)`, a and b of one shape. IN_THREAD: the words
+    taken apart first (tl.split halves a trailing axis of 2), so each thread adds the products of the
+    elements it holds; otherwise a tl.sum over the axis, which Triton spreads over a warp's lanes and
+    adds with shuffles (faster at M = 1, see the module docstring). Exact in int32: the order does not
+    matter."""
+    if not IN_THREAD:
+        return tl.sum(_dp4a(a, b, EMULATE), axis=len(a.shape) - 1)
     if a.shape[-1] == 8:
         a_even, a_odd = tl.split(tl.reshape(a, a.shape[:-1] + [4, 2]))
         b_even, b_odd = tl.split(tl.reshape(b, b.shape[:-1] + [4, 2]))
         return _dp4a_words4(a_even, b_even, EMULATE) + _dp4a_words4(a_odd, b_odd, EMULATE)
     else:
         return _dp4a_words4(a, b, EMULATE)
-
-
-@jit
-def _pairwise_sum_mid(t, G: tl.constexpr):
-    """t [R, G, C] -> [R, C]: `_pairwise_sum` over the middle axis (G in 1, 2, 4, 8), the same tree."""
-    R: tl.constexpr = t.shape[0]
-    C: tl.constexpr = t.shape[2]
-    if G == 8:
-        t = tl.sum(tl.reshape(t, (R, 4, 2, C)), axis=2)
-    if G >= 4:
-        t = tl.sum(tl.reshape(t, (R, 2, 2, C)), axis=2)
-    if G >= 2:
-        t = tl.sum(tl.reshape(t, (R, 1, 2, C)), axis=2)
-    return tl.reshape(t, (R, C))
 
 
 @jit
@@ -256,6 +247,7 @@ def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, pa
                          SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     G: tl.constexpr = BLOCK_K // 32
+    IN_THREAD: tl.constexpr = BLOCK_M > 1
     tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
@@ -276,7 +268,7 @@ def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, pa
             in_batch = tl.full((G, 32), r, tl.int32) < m
             xv = tl.load(x_ptrs + r * x_stride, mask=in_batch, other=0.0).to(tl.float32)  # [G, 32]
             xw, dx = _quantize_row(xv)
-            isum = _dp4a_words(wq, tl.broadcast_to(xw[None, :, :], wq.shape), EMULATE)  # [BLOCK_N, G], exact
+            isum = _dp4a_words(wq, tl.broadcast_to(xw[None, :, :], wq.shape), EMULATE, IN_THREAD)  # [BLOCK_N, G]
             term = isum.to(tl.float32) * dw * dx[None, :]
             step = _pairwise_sum(term, G)  # [BLOCK_N]
             acc = tl.where(rows[None, :] == r, acc + step[:, None], acc)

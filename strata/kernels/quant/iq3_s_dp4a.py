@@ -8,25 +8,23 @@ mask `m` (0x01 per negative lane), (word ^ 0xFF·m) + m negates exactly those la
 never carries into the next lane for g ≥ 1). Per 32-value sub-block the exact int32 sum against x's
 int8 quants (`dp4a.quantize_ref`) is scaled once by d·(1 + 2·scale)·dx.
 
-Layout: a program's tensors are [rows, sub-blocks], and the eight grid words of a sub-block are an
-unrolled loop inside the thread that holds it, so their dp4a sums need no exchange between threads.
-An earlier version held the words as a third tensor axis, which Triton spread over a warp's lanes:
-its sums then took shuffles, and in the sm_90 compile its loop ran 9.3 SASS instructions per weight
-at M = 1 (3.7 per weight and row at M = 8) against 5.8 (2.0) now (`scripts/sass_loops.py`).
-
 Semantics (`gemv_iq3s_dp4a_ref`): term = (d·(1 + 2·scale)) · dx · S per sub-block (fp32, in that order;
 the first product is exact), a step's sub-blocks added by the pairwise tree, steps in K order,
 split-K partials in split order. A row's result does not depend on the other rows.
 
-STATUS: the earlier version, timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B
-shapes): 2.3-2.8x faster at M = 1, still 1.1-1.3x faster at M = 8; whole-model decode at batch 1 went
-from 74 to 180 (later 202) tok/s. This one gives the same bits (the interpreter tests) and is not yet
-timed. `iq3_s.matmul` takes it up to `iq3_s.DP4A_MAX_ROWS` rows by default (STRATA_IQ3S_DECODE=auto).
+STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes): 2.3-2.8x
+faster at M = 1, still 1.1-1.3x faster at M = 8; whole-model decode at batch 1 went from 74 to 180
+(later 202) tok/s. `iq3_s.matmul` takes it up to `iq3_s.DP4A_MAX_ROWS` rows by default
+(STRATA_IQ3S_DECODE=auto).
+
+Tried and measured (the fifth H200 round, bench/results/dp4a_sweep_round5_cuda.txt): the eight grid
+words of a sub-block unrolled inside the thread that holds it, tensors [rows, sub-blocks], eight warps.
+It cut the sm_90 loop from 9.3 to 5.8 SASS instructions per weight and gave the same bits, yet ran
+1.22-1.38x slower at M = 1 (0.75-0.99x at M = 8) and took batch-1 decode from 202 to 120 tok/s: at
+M = 1 this GEMV waits on memory, and the count of instructions did not predict it. Reverted.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -34,7 +32,7 @@ from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     Dp4aConfig,
     _dp4a,
-    _pairwise_sum_mid,
+    _pairwise_sum,
     _quantize_row,
     accumulate_ref,
     launch,
@@ -50,11 +48,8 @@ from strata.kernels.triton_import import jit, tl
 def gemv_config(n: int, k: int) -> Dp4aConfig:
     """128 or 64 rows (`dp4a.wide_config`) x 256 values (one super-block) per step, split-K to about
     four programs per SM: 6144 x 4096 -> 128 rows split 8 (the sweep's best at M = 1), 24576 x 4096 ->
-    128 split 2 (best: split 4), 4096 x 4096 and 4096 x 12288 -> 64 split 8 (best: 128 rows split 8).
-    Eight warps: with four, the kernel's per-thread tiles spill at 128 rows from M = 1 (thousands of
-    local loads and stores at M = 8) in the sm_90 compile; with eight, M = 1-4 compile without spills
-    and M = 8 at 128 rows spills ~80 instructions (`scripts/sass_loops.py`, tests/sm90_cases.py)."""
-    return replace(wide_config(n, k, block_ks=(256,)), num_warps=8)
+    128 split 2 (best: split 4), 4096 x 4096 and 4096 x 12288 -> 64 split 8 (best: 128 rows split 8)."""
+    return wide_config(n, k, block_ks=(256,))
 
 
 def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
@@ -74,6 +69,12 @@ def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int,
     return accumulate_ref(db[None] * dx[:, None, :] * sums, block_k // 32)
 
 
+@jit
+def _lane_mask(bits):
+    """Four sign bits (int32 in 0..15) -> 0x01 in each byte lane whose bit is set."""
+    return (bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)
+
+
 @jit(do_not_specialize=["m"])
 def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr,
                            out_stride, partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr,
@@ -91,34 +92,26 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_begin, kb_end):
         sub = kb * G + g  # the step's 32-value sub-blocks
-        at = w_rows[:, None] * (k // 32) + sub[None, :]  # [BLOCK_N, G]: one element per sub-block
-        idx_lo = tl.load(qs_ptr + 2 * at)  # grid index bytes 0-3 (qs as int32 words)
-        idx_hi = tl.load(qs_ptr + 2 * at + 1)  # 4-7
-        qh = tl.load(qh_ptr + at).to(tl.int32)  # their ninth bits
-        bits = tl.load(signs_ptr + at)  # one sign bit per value
+        idx = tl.load(qs_ptr + w_rows[:, None, None] * (k // 4) + (sub * 8)[None, :, None]
+                      + word[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 8]: a grid index per 4 values
+        qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [BLOCK_N, G]
+        idx |= ((qh[:, :, None] >> word[None, None, :]) & 1) << 8
+        mags = tl.load(grid_ptr + idx)  # four magnitudes per word, one per byte lane
+        bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
+        lanes = _lane_mask((bits[:, :, None] >> (word * 4)[None, None, :]) & 15)
+        wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
         sc = tl.load(scales_ptr + w_rows[:, None] * (k // 64) + (sub // 2)[None, :]).to(tl.int32)
         sc = (sc >> ((sub % 2) * 4)[None, :]) & 15
         d = tl.load(d_ptr + w_rows[:, None] * (k // 256) + (sub // 8)[None, :]).to(tl.float32)
         db = d * (1 + 2 * sc).to(tl.float32)  # [BLOCK_N, G], exact
-        # x's rows quantized per sub-block (`quantize_ref`), as words of four int8 quants: [G, BLOCK_M, 8].
-        xv = tl.load(x_ptr + rows[None, :, None] * x_stride + (kb * BLOCK_K + g * 32)[:, None, None] + j[None, None, :],
-                     mask=(rows < m)[None, :, None], other=0.0).to(tl.float32)
-        xwords, dx = _quantize_row(tl.reshape(xv, (G * BLOCK_M, 32)))
-        xwords = tl.reshape(xwords, (G, BLOCK_M, 8))
-        dx = tl.reshape(dx, (G, BLOCK_M))
-        s = tl.zeros((BLOCK_N, G, BLOCK_M), dtype=tl.int32)
-        for w in tl.static_range(8):  # the sub-block's eight grid words, each a thread's own
-            if w < 4:
-                byte = (idx_lo >> (8 * w)) & 255
-            else:
-                byte = (idx_hi >> (8 * (w - 4))) & 255
-            mags = tl.load(grid_ptr + (byte | (((qh >> w) & 1) << 8)))  # four magnitudes, a byte each
-            # The word's four sign bits spread to 0x01 per lane: their products with 0x204081 never overlap.
-            lanes = (((bits >> (4 * w)) & 15) * 0x204081) & 0x01010101
-            wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
-            xw = tl.sum(tl.where(word[None, None, :] == w, xwords, 0), axis=2)  # [G, BLOCK_M]
-            s += _dp4a(wq[:, :, None], xw[None, :, :], EMULATE)  # exact int32
-        acc += _pairwise_sum_mid(db[:, :, None] * dx[None, :, :] * s.to(tl.float32), G)
+        for r in tl.static_range(BLOCK_M):
+            in_batch = tl.full((G, 32), r, tl.int32) < m
+            xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=in_batch,
+                         other=0.0).to(tl.float32)  # [G, 32]
+            xw, dx = _quantize_row(xv)
+            s = tl.sum(_dp4a(wq, xw[None, :, :], EMULATE), axis=2).to(tl.float32)  # [BLOCK_N, G], exact
+            step = _pairwise_sum(db * dx[None, :] * s, G)
+            acc = tl.where(rows[None, :] == r, acc + step[:, None], acc)
     split_k_store(acc, out_ptr, out_stride, partial_ptr, counter_ptr, tile, split, cols, rows, n, m,
                   SPLIT_K, BLOCK_M, BLOCK_N)
 
@@ -128,7 +121,7 @@ def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch
                    config: Dp4aConfig | None = None) -> torch.Tensor:
     """x [M ≤ 16, K] (contiguous rows) @ IQ3_S planes (`grid`: iq3_s.grid_table on x's device) -> [M, N]
     in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one."""
-    weights = (planes["qs"].view(torch.int32), planes["qh"], planes["signs"], planes["scales"], planes["d"], grid)
+    weights = (planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid)
     return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)
 
 

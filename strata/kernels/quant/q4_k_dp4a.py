@@ -90,6 +90,7 @@ def _q4k_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, sw_ptr, dw_ptr, out_ptr, out_
     pdl_prologue(USE_PDL)
     G: tl.constexpr = BLOCK_K // 32
     P: tl.constexpr = BLOCK_K // 64
+    IN_THREAD: tl.constexpr = BLOCK_M > 1  # the lane sum at M = 1 (dp4a.py)
     tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
@@ -118,14 +119,14 @@ def _q4k_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, sw_ptr, dw_ptr, out_ptr, out_
             xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=in_batch,
                          other=0.0).to(tl.float32)  # [G, 32]
             xw, dx = _quantize_row(xv)  # words [G, 8], dx [G]
-            xs = _dp4a_words(xw, ones, EMULATE)  # [G]: Σ xq of each run
+            xs = _dp4a_words(xw, ones, EMULATE, IN_THREAD)  # [G]: Σ xq of each run
             xw_lo, xw_hi = tl.split(tl.permute(tl.reshape(xw, (P, 2, 8)), (0, 2, 1)))  # [P, 8] each
             dx_lo, dx_hi = tl.split(tl.reshape(dx, (P, 2)))
             xs_lo, xs_hi = tl.split(tl.reshape(xs.to(tl.float32), (P, 2)))
-            s_lo = _dp4a_words(q_lo, tl.broadcast_to(xw_lo[None, :, :], q_lo.shape), EMULATE).to(tl.float32)
-            s_hi = _dp4a_words(q_hi, tl.broadcast_to(xw_hi[None, :, :], q_hi.shape), EMULATE).to(tl.float32)
-            a = sc_lo * dx_lo[None, :] * s_lo
-            b = sc_hi * dx_hi[None, :] * s_hi
+            s_lo = _dp4a_words(q_lo, tl.broadcast_to(xw_lo[None, :, :], q_lo.shape), EMULATE, IN_THREAD)
+            s_hi = _dp4a_words(q_hi, tl.broadcast_to(xw_hi[None, :, :], q_hi.shape), EMULATE, IN_THREAD)
+            a = sc_lo * dx_lo[None, :] * s_lo.to(tl.float32)
+            b = sc_hi * dx_hi[None, :] * s_hi.to(tl.float32)
             c = m_lo * dx_lo[None, :] * xs_lo[None, :]
             e = m_hi * dx_hi[None, :] * xs_hi[None, :]
             term = d * (a + b) - dmin * (c + e)
