@@ -187,6 +187,9 @@ step() {  # name, seconds, command...
       # Issue 11's Q8_0 arm at smaller read contexts (its decode ITL was 1.71x idle at 64 SMs).
       concurrent-q8-sms) for n in ${READ_SMS_LIST:-48 32}; do step concurrent-q8-sms$n 300 $B concurrent --shape qwen3-8b \
           --quant Q8_0 --pairs ${SMS_PAIRS:-1} --read-sms $n --lengths 32768 --out $R/concurrent_qwen3-8b_Q8_0_sms${n}_cuda.json; done ;;
+      # The Q8_0 GEMM with the dp4a GEMV's arithmetic: bitwise against the GEMV's rows, then timed.
+      mmq) step mmq-tests 200 $T tests/test_kernel_quant_mmq.py
+        TAIL=60 step mmq-bench 300 python3 -m strata.kernels.quant.q8_0_mmq ;;
       fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py tests/test_kernel_fp8_rows.py ;;
       fp8-sweep) TAIL=80 step fp8-sweep 300 python3 -m strata.kernels.quant.fp8 --sweep ;;
       *) echo "unknown step $s" ;;

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from sass_loops import sass  # noqa: E402
 
 from strata.kernels import activation, attention, gemv, moe_decode, moe_routing, norm  # noqa: E402
-from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a  # noqa: E402
+from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a, q8_0_mmq  # noqa: E402
 
 OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 SPLIT_K_ARGS = dict(out_ptr="*bf16", out_stride="i32", partial_ptr="*fp32", counter_ptr="*i32", m="i32", n="i32",
@@ -49,6 +49,16 @@ def fp8_rows_quantize():
     sig = dict(x_ptr="*bf16", x_stride="i32", q_ptr="*fp8e4nv", s_ptr="*fp32", m="i32", k="i32")
     const = dict(FP8_MAX=fp8_rows.E4M3_MAX, BLOCK_K=fp8_rows.BLOCK_K, USE_PDL=True)
     return fp8_rows._quantize_rows_kernel, sig, const, 4, 3, True
+
+
+def q8_mmq(m: int, n: int = QKV[0], k: int = QKV[1]):
+    """The Q8_0 GEMM with the dp4a GEMV's arithmetic (a read's shape), not on the decode path itself."""
+    cfg = q8_0_mmq.mmq_config(m, n, k)
+    sig = dict(xq_ptr="*i8", dx_ptr="*fp32", qs_ptr="*i8", d_ptr="*fp16", out_ptr="*bf16", out_stride="i32",
+               m="i32", n="i32", k="i32")
+    const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                 GROUP_M=cfg.group_m, USE_PDL=True)
+    return q8_0_mmq._mmq_kernel, sig, const, cfg.num_warps, cfg.num_stages, False
 
 
 def fused_add_rms_norm(hidden: int = 4096, zero_centred: bool = False):
@@ -163,6 +173,7 @@ CASES = {
     "moe_down_next": lambda: moe_down_combine(2048, 512),
     "shared_expert_add": lambda: shared_expert_gate("add"),
     "shared_expert_append": lambda: shared_expert_gate("append"),
+    "q8_mmq_4096": lambda: q8_mmq(4096),
 }
 
 

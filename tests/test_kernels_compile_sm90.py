@@ -89,3 +89,8 @@ def test_row_kernels_compile(compiled, name):
 def test_fused_moe_decode_kernels_compile(compiled, name):
     """Qwen3-30B-A3B's (I = 768) and Qwen3-Next's (I = 512) expert sizes; Qwen3-Next's gated shared expert."""
     _case(compiled, name)
+
+
+def test_q8_mmq_on_int8_tensor_cores(compiled):
+    """The Q8_0 GEMM with the dp4a GEMV's arithmetic: its group sums on the int8 warpgroup MMA."""
+    assert "IGMMA" in _case(compiled, "q8_mmq_4096")["ops"]
