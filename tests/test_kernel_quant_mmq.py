@@ -11,14 +11,14 @@ M = 4096 against the GEMV's and against M = 17.
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from strata.kernels.quant import dp4a, q8_0
 from strata.kernels.quant import q8_0_mmq as mmq
 from strata.kernels.quant.dp4a import Dp4aConfig
+from test_kernel_quant_dp4a import make_x as dp4a_make_x
+from test_kernel_quant_dp4a import planes_of, seed_of
 
 pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
@@ -26,20 +26,10 @@ pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 CUDA = torch.cuda.is_available()
 
 
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def planes_of(n, k, seed, device="cpu"):
-    return q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed)).to(device))
-
-
 def make_x(m, k, dtype, seed, device="cpu", pad=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k + pad, generator=gen, device=device).to(dtype)
-    x[0, :32] = 0.0  # a zero group: dx 0
+    x = dp4a_make_x(m, k, dtype, seed, device, pad)  # its first row opens with a zero group: dx 0
     x[-1, 32:64] *= 1e3  # a group far from the others' scale
-    return x[:, :k]
+    return x
 
 
 def gemv_rows(x, planes, cfg: Dp4aConfig):
