@@ -51,9 +51,9 @@ def fp8_rows_quantize():
     return fp8_rows._quantize_rows_kernel, sig, const, 4, 3, True
 
 
-def q8_mmq(m: int, n: int = QKV[0], k: int = QKV[1]):
+def q8_mmq(n: int = QKV[0], k: int = QKV[1]):
     """The Q8_0 GEMM with the dp4a GEMV's arithmetic (a read's shape), not on the decode path itself."""
-    cfg = q8_0_mmq.mmq_config(m, n, k)
+    cfg = q8_0_mmq.mmq_config(n, k)
     sig = dict(xq_ptr="*i8", dx_ptr="*fp32", qs_ptr="*i8", d_ptr="*fp16", out_ptr="*bf16", out_stride="i32",
                m="i32", n="i32", k="i32")
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
@@ -173,7 +173,7 @@ CASES = {
     "moe_down_next": lambda: moe_down_combine(2048, 512),
     "shared_expert_add": lambda: shared_expert_gate("add"),
     "shared_expert_append": lambda: shared_expert_gate("append"),
-    "q8_mmq_4096": lambda: q8_mmq(4096),
+    "q8_mmq_qkv": q8_mmq,
 }
 
 

@@ -81,7 +81,7 @@ def test_matmul_row_does_not_depend_on_the_batch():
 
 def test_config_keeps_the_gemv_step_and_ranges():
     for n, k in dp4a.SWEEP_SHAPES:
-        gemv, cfg = dp4a.gemv_config(n, k), mmq.mmq_config(4096, n, k)
+        gemv, cfg = dp4a.gemv_config(n, k), mmq.mmq_config(n, k)
         assert (cfg.block_k, cfg.split_k) == (gemv.block_k, gemv.split_k)
     with pytest.raises(ValueError):
         mmq.q8_mmq(torch.zeros(2, 96), torch.zeros(4, 96, dtype=torch.int8), torch.zeros(4, 3, dtype=torch.float16))

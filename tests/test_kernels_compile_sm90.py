@@ -93,4 +93,4 @@ def test_fused_moe_decode_kernels_compile(compiled, name):
 
 def test_q8_mmq_on_int8_tensor_cores(compiled):
     """The Q8_0 GEMM with the dp4a GEMV's arithmetic: its group sums on the int8 warpgroup MMA."""
-    assert "IGMMA" in _case(compiled, "q8_mmq_4096")["ops"]
+    assert "IGMMA" in _case(compiled, "q8_mmq_qkv")["ops"]

@@ -152,15 +152,20 @@ def accumulate_ref(terms: torch.Tensor, per_step: int) -> torch.Tensor:
     return acc
 
 
-def gemv_dp4a_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, block_k: int) -> torch.Tensor:
-    """fp32 [M, N]: the kernel's result before its rounding to x's dtype, with its summation order
-    (steps of `block_k` values in K order, groups in a step by the pairwise tree; no split-K)."""
+def group_terms_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, N, K/32]: each group's (isum · d) · dx, the kernel's term before any addition."""
     n, k = qs.shape
     xq, dx = quantize_ref(x)
     groups = k // GROUP
     # Integer sums of at most 32 · 127² are exact in fp32.
     sums = torch.einsum("mgj,ngj->mng", xq.view(-1, groups, GROUP).float(), qs.view(n, groups, GROUP).float())
-    return accumulate_ref(sums * d.float()[None] * dx[:, None, :], block_k // GROUP)
+    return sums * d.float()[None] * dx[:, None, :]
+
+
+def gemv_dp4a_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, block_k: int) -> torch.Tensor:
+    """fp32 [M, N]: the kernel's result before its rounding to x's dtype, with its summation order
+    (steps of `block_k` values in K order, groups in a step by the pairwise tree; no split-K)."""
+    return accumulate_ref(group_terms_ref(x, qs, d), block_k // GROUP)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ class MmqConfig:
     group_m: int = 8
 
 
-def mmq_config(m: int, n: int, k: int) -> MmqConfig:
+def mmq_config(n: int, k: int) -> MmqConfig:
     """The GEMV's step and ranges (`dp4a.gemv_config(n, k)`, which fix the bits) over 64 x 128 tiles on
     eight warps: of the tiles compiled for sm_90 (`tests/sm90_cases.py`), the one with the fewest
     spilled instructions (~400; 128 x 128 ~1,400). Untimed."""
@@ -61,11 +61,8 @@ def mmq_ref(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, block_k: int, sp
     """fp32 [M, N]: the GEMV's value before its rounding to x's dtype, split-K ranges included (range
     s covers steps [s · S / split_k, (s + 1) · S / split_k) of S = K / block_k; their sums added in
     range order)."""
-    n, k = qs.shape
-    xq, dx = dp4a.quantize_ref(x)
-    groups = k // GROUP
-    sums = torch.einsum("mgj,ngj->mng", xq.view(-1, groups, GROUP).float(), qs.view(n, groups, GROUP).float())
-    terms = sums * d.float()[None] * dx[:, None, :]
+    k = qs.shape[1]
+    terms = dp4a.group_terms_ref(x, qs, d)
     per_step, steps = block_k // GROUP, k // block_k
     total = None
     for s in range(split_k):
@@ -163,17 +160,16 @@ def _mmq_kernel(xq_ptr, dx_ptr, qs_ptr, d_ptr, out_ptr, out_stride, m, n, k, BLO
 # Host side
 
 
-def quantize_rows(x: torch.Tensor, xq: torch.Tensor | None = None,
-                  dx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (contiguous rows, K % 32 == 0) -> (xq int8 [M, K], dx fp32 [M, K/32]): `dp4a.quantize_ref`
-    bit for bit, written into `xq`/`dx` when given."""
+    bit for bit."""
     from strata.kernels import use_pdl
 
     m, k = x.shape
     if k % GROUP or x.stride(1) != 1:
         raise ValueError(f"quantize_rows: x {tuple(x.shape)} needs K % 32 == 0 and contiguous rows")
-    xq = torch.empty(m, k, dtype=torch.int8, device=x.device) if xq is None else xq
-    dx = torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device) if dx is None else dx
+    xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    dx = torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device)
     block_g = 8
     on = use_pdl(x)
     _quantize_kernel[(m, triton.cdiv(k // GROUP, block_g))](x, x.stride(0), xq.view(torch.int32), dx, k,
@@ -193,7 +189,7 @@ def q8_mmq(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor
     n = qs.shape[0]
     if k % 64:  # the GEMV's steps are 64-256 values
         raise ValueError(f"q8_mmq: K={k} is not a multiple of 64")
-    cfg = config or mmq_config(m, n, k)
+    cfg = config or mmq_config(n, k)
     if k % cfg.block_k or qs.shape[1] != k or not 1 <= cfg.split_k <= k // cfg.block_k:
         raise ValueError(f"q8_mmq: x {tuple(x.shape)}, qs {tuple(qs.shape)}, {cfg}")
     xq, dx = quantize_rows(x)
