@@ -118,6 +118,11 @@ step() {  # name, seconds, command...
       moe-tests) step moe-tests 300 $T tests/test_kernel_moe_decode.py tests/test_moe_packed.py tests/test_kernels_moe_routing.py --durations=5 ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       profile8) step profile8 120 python3 scripts/profile_step.py --batch 8 --top 12 ;;
+      # Where a batch-1 decode step's time goes with weights kept quantized (bf16 beside them).
+      profile-quant) for q in ${PROFILE_QUANTS:-bf16 Q8_0 Q4_K}; do TAIL=30 step profile-$q 150 python3 scripts/profile_step.py \
+          --batch 1 --top 20 $([ $q != bf16 ] && echo --quant $q); done ;;
+      # The batch-invariant quantized GEMM against the formats' own kernels and cuBLAS (issue 15's cost).
+      invariant-q-bench) TAIL=60 step invariant-q-bench 300 python3 -m strata.kernels.quant.invariant ${INV_MS:-1,8,512,4096} ;;
       read) step read 240 $B read --chunks 512,2048,8192 --lengths 4096,32768 --repeats 1 --out $R/read_qwen3-8b_cuda.json ;;
       read-int8) step read-int8 200 $B read --kv int8 --chunks 512,8192 --lengths 32768 --no-hf --repeats 1 --out $R/read_qwen3-8b_int8_cuda.json ;;
       decode) step decode 300 $B decode --batch 1,8,32 --tokens 64 --repeats 1 --http --out $R/decode_qwen3-8b_cuda.json ;;

@@ -2,7 +2,7 @@
 kernels of one eager step (torch.profiler), grouped by name. A development tool, not a benchmark:
 `strata bench` owns the published numbers.
 
-    python scripts/profile_step.py --shape qwen3-8b --batch 1 --prompt 512
+    python scripts/profile_step.py --shape qwen3-8b --batch 1 --prompt 512 [--quant Q4_K]
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--kv", default="auto")
+    ap.add_argument("--quant", default=None, help="weights kept quantized: a GGUF type or mix (Q8_0, Q4_K_M, ...) or FP8")
     ap.add_argument("--spec", type=int, default=0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefetch-sweep", default="",
                     help="graph replay time per STRATA_GEMV_PREFETCH_MB value, e.g. 0,8,16,32 (graphs recaptured)")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    loaded = random_model(a.shape, dev, torch.bfloat16)
+    loaded = random_model(a.shape, dev, torch.bfloat16, quant=a.quant)
     cfg = EngineConfig(device="cuda", dtype="bfloat16", parallel=a.batch, ctx=a.prompt + 256, kv=a.kv,
                        kv_size=(a.prompt + 256) * a.batch, chunk_size=8192, max_num_batched_tokens=8192)
     eng = LLMEngine(cfg, progress=False, loaded=loaded)

@@ -13,9 +13,11 @@ what else is in the batch (`matmul`: ≤ MAX_ROWS rows the GEMV, more this kerne
 
 It is not the invariant kernel that `--batch-invariant` runs today (`invariant.py`, x in 16 bits
 against the dequantized weight); the arithmetic differs (x rounded to int8 per group, as llama.cpp's
-MMQ and the default decode path do). STATUS: built and checked bitwise against the GEMV in the
-interpreter; not yet timed or checked on the device (`python -m strata.kernels.quant.q8_0_mmq`, and
-the `-m gpu` test in tests/test_kernel_quant_mmq.py).
+MMQ and the default decode path do). STATUS: bitwise the GEMV's rows in the interpreter and on the
+H200 (tests/test_kernel_quant_mmq.py; `python -m strata.kernels.quant.q8_0_mmq` at the Qwen3-8B shapes,
+M = 17 … 4096), but slow: 52-69 TFLOP/s, 13.6x cuBLAS on the bf16 weight at M = 4096
+(bench/results/q8_0_mmq_bench_cuda.txt). Each group's fp32 epilogue over the whole output tile runs on
+the CUDA cores and bounds it; `--batch-invariant` does not use it (docs/DETERMINISM.md).
 
 Launched without FMA contraction, as the GEMV is: a contracted `(isum · d) · dx + …` would round
 differently from it. PDL prologue first, launched with `launch_pdl`.
@@ -48,7 +50,7 @@ class MmqConfig:
 def mmq_config(n: int, k: int) -> MmqConfig:
     """The GEMV's step and ranges (`dp4a.gemv_config(n, k)`, which fix the bits) over 64 x 128 tiles on
     eight warps: of the tiles compiled for sm_90 (`tests/sm90_cases.py`), the one with the fewest
-    spilled instructions (~400; 128 x 128 ~1,400). Untimed."""
+    spilled instructions (~400; 128 x 128 ~1,400). Not swept on the device (module docstring)."""
     gemv = dp4a.gemv_config(n, k)
     return MmqConfig(64, 128, gemv.block_k, gemv.split_k, num_warps=8)
 
