@@ -1,7 +1,7 @@
 """Kernels of the decode path at the configurations the engine launches, compiled for sm_90 without a GPU
 (`scripts/sass_loops.py`). Run as a script in a process of its own (`tests/test_kernels_compile_sm90.py`
 does): the test process interprets every kernel (TRITON_INTERPRET=1), and an interpreted kernel cannot
-be compiled. Prints {case: {"error", "spills", "ops"}} as JSON."""
+be compiled. Prints {case: {"error", "spills", "ops", "global_loads"}} as JSON."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def shared_expert_gate(kind: str, hidden: int = 2048, top_k: int = 10):
     return activation._append_gated_expert_kernel, sig, const, warps, 3, True
 
 
-def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1]):
+def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1], shared_grid: bool = False):
     kernel, weights, module = {
         "Q8_0": (dp4a._q8_gemv_dp4a_kernel, dict(qw_ptr="*i32", d_ptr="*fp16"), dp4a),
         "Q4_K": (q4_k_dp4a._q4k_gemv_dp4a_kernel, dict(qw_ptr="*i32", sw_ptr="*i32", dw_ptr="*i32"), q4_k_dp4a),
@@ -118,7 +118,7 @@ def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1]):
     cfg = module.gemv_config(n, k)
     sig = dict(x_ptr="*bf16", x_stride="i32", **weights, **SPLIT_K_ARGS)
     const = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EMULATE=False,
-                 USE_PDL=True)
+                 USE_PDL=True, **(dict(SHARED_GRID=shared_grid) if fmt == "IQ3_S" else {}))
     return kernel, sig, const, cfg.num_warps, cfg.num_stages, False  # launched without FMA contraction
 
 
@@ -158,6 +158,8 @@ CASES = {
        for fmt in ("Q8_0", "Q4_K", "Q6_K") for rows in (1, 4)},
     **{f"dp4a_IQ3_S_{n}_m{rows}": (lambda n=n, rows=rows: dp4a_gemv("IQ3_S", rows, n, 4096))
        for n in (6144, 4096) for rows in (1, 4, 8)},  # 128 and 64 rows a program
+    **{f"dp4a_IQ3_S_shared_grid_m{rows}": (lambda rows=rows: dp4a_gemv("IQ3_S", rows, shared_grid=True))
+       for rows in (1, 8)},
     "attention_decode_h128": lambda: decode_attention(128, 4, False),
     "attention_decode_h256": lambda: decode_attention(256, 8, False),
     "attention_decode_h256_int8": lambda: decode_attention(256, 8, True),
@@ -183,8 +185,9 @@ def main(names: list[str]) -> None:
         try:
             kernel, sig, const, warps, stages, fusion = CASES[name]()
             text = sass(kernel, sig, const, warps, stages, fusion)
-            out[name] = {"error": None, "spills": text.count("LDL") + text.count("STL"),
-                         "ops": sorted({m.group(1) for m in OPCODE.finditer(text)})}
+            ops = [m.group(1) for m in OPCODE.finditer(text)]
+            out[name] = {"error": None, "spills": text.count("LDL") + text.count("STL"), "ops": sorted(set(ops)),
+                         "global_loads": ops.count("LDG")}
         except Exception as exc:  # reported per case: the test names the one that failed and why
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "spills": None, "ops": []}
     print(json.dumps(out))

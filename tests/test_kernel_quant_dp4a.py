@@ -185,6 +185,40 @@ def test_iq3s_matches_definition(n, k, m, cfg, dtype):
     assert not ws[: -(-n // cfg.block_n)].any()
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
+@pytest.mark.parametrize("n,k,m,cfg", [(40, 512, 3, Dp4aConfig(32, 256, split_k=2)),
+                                       (16, 512, 1, Dp4aConfig(16, 256, split_k=1))])
+def test_iq3s_shared_grid_gives_the_same_words(n, k, m, cfg, monkeypatch):
+    """The grid gathered from shared memory (tl.gather) or loaded from the global table: the same bits,
+    whether asked for by argument or by STRATA_IQ3S_GRID."""
+    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("wg", n, k))))
+    grid = iq3_s.grid_table(torch.device("cpu"))
+    x = make_x(m, k, torch.float32, seed_of("xg", n, k, m))
+    ws = torch.zeros(max(1, iqd.workspace_numel(n, k, cfg)), dtype=torch.int32)
+    base = iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=False)
+    assert torch.equal(iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=True), base)
+    monkeypatch.setenv("STRATA_IQ3S_GRID", "shared")
+    assert torch.equal(iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg), base)
+    assert ((base.float() - iqd.gemv_iq3s_dp4a_ref(x, planes, n, k, cfg.block_k)).abs().max()
+            / base.abs().max()).item() <= 2e-6
+    monkeypatch.setenv("STRATA_IQ3S_GRID", "smem")
+    with pytest.raises(ValueError, match="STRATA_IQ3S_GRID"):
+        iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
+def test_gpu_iq3s_shared_grid_gives_the_same_bits(n, k):
+    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("gpug", n, k))).cuda())
+    grid = iq3_s.grid_table(torch.device("cuda"))
+    ws = planes["workspace"]
+    for m in (1, 3, 8):
+        x = make_x(m, k, torch.bfloat16, seed_of("gxg", n, k, m), "cuda")
+        assert torch.equal(iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, shared_grid=True),
+                           iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, shared_grid=False))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])

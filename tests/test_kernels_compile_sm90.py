@@ -57,6 +57,15 @@ def test_iq3s_dp4a_gemv_uses_packed_dots(compiled, name):
     assert "IDP" in _case(compiled, name)["ops"]
 
 
+@pytest.mark.parametrize("name", [f"dp4a_IQ3_S_shared_grid_m{m}" for m in (1, 8)])
+def test_iq3s_shared_grid_gathers_from_shared_memory(compiled, name):
+    """STRATA_IQ3S_GRID=shared: the grid's gathers leave global memory (tl.gather through shared memory),
+    so the kernel issues fewer global loads than the same configuration reading the global table."""
+    shared, rows = _case(compiled, name), name.rsplit("_m", 1)[1]
+    assert "IDP" in shared["ops"] and "LDS" in shared["ops"]
+    assert shared["global_loads"] < _case(compiled, f"dp4a_IQ3_S_6144_m{rows}")["global_loads"]
+
+
 @pytest.mark.parametrize("name", ["attention_decode_h256", "attention_decode_h256_int8"])
 def test_decode_attention_on_heads_of_256_uses_mma_tiles(compiled, name):
     ops = _case(compiled, name)["ops"]

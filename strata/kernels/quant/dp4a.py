@@ -285,11 +285,11 @@ def _q8_gemv_dp4a_kernel(x_ptr, x_stride, qw_ptr, d_ptr, out_ptr, out_stride, pa
 
 
 def launch(kernel, x: torch.Tensor, weights: tuple, n: int, k: int, out: torch.Tensor | None,
-           workspace: torch.Tensor | None, cfg: Dp4aConfig, k_multiple: int) -> torch.Tensor:
+           workspace: torch.Tensor | None, cfg: Dp4aConfig, k_multiple: int, **constexprs) -> torch.Tensor:
     """Checks x [M ≤ 16, K] (contiguous rows, K a multiple of `k_multiple`) and the configuration, makes
     `out` when None, takes the split-K views of `workspace` (zeroed int32; None allocates one) and runs
     a dp4a GEMV kernel of this family: (x, x_stride, *weights, out, out_stride, partials, counters, m, n,
-    k) and the constexprs BLOCK_M/N/K, SPLIT_K, EMULATE, USE_PDL."""
+    k) and the constexprs BLOCK_M/N/K, SPLIT_K, EMULATE, USE_PDL (and the kernel's own `constexprs`)."""
     from strata.kernels import use_pdl
 
     m = x.shape[0]
@@ -311,7 +311,7 @@ def launch(kernel, x: torch.Tensor, weights: tuple, n: int, k: int, out: torch.T
         # No FMA contraction: the scaled group sums and their tree are the correctly rounded operations the
         # reference states. Contracted, the compiler fused them differently per BLOCK_M (= M rounded up),
         # and a row's bits changed with the batch on the H200.
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **constexprs)
     return out
 
 

@@ -26,8 +26,11 @@ M = 1 this GEMV waits on memory, and the count of instructions did not predict i
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from strata.env import ENV
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     Dp4aConfig,
@@ -75,12 +78,25 @@ def _lane_mask(bits):
     return (bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)
 
 
+@jit
+def _grid_words(grid_ptr, idx, table, SHARED_GRID: tl.constexpr):
+    """The grid words at `idx` (int32 [BLOCK_N, G, 8], 0..511). SHARED_GRID: gathered from `table` (the
+    512 words, loaded once a program), which Triton lowers through shared memory; else loaded from the
+    global table (L1)."""
+    if SHARED_GRID:
+        flat = tl.reshape(idx, (idx.numel,))
+        return tl.reshape(tl.gather(table, flat, 0), idx.shape)
+    else:
+        return tl.load(grid_ptr + idx)
+
+
 @jit(do_not_specialize=["m"])
 def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr,
                            out_stride, partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                           EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
+                           EMULATE: tl.constexpr, USE_PDL: tl.constexpr, SHARED_GRID: tl.constexpr):
     pdl_prologue(USE_PDL)
+    table = tl.load(grid_ptr + tl.arange(0, 512)) if SHARED_GRID else 0
     G: tl.constexpr = BLOCK_K // 32
     tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,7 +112,7 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
                       + word[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 8]: a grid index per 4 values
         qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [BLOCK_N, G]
         idx |= ((qh[:, :, None] >> word[None, None, :]) & 1) << 8
-        mags = tl.load(grid_ptr + idx)  # four magnitudes per word, one per byte lane
+        mags = _grid_words(grid_ptr, idx, table, SHARED_GRID)  # four magnitudes per word, one per byte lane
         bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
         lanes = _lane_mask((bits[:, :, None] >> (word * 4)[None, None, :]) & 15)
         wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
@@ -116,13 +132,25 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
                   SPLIT_K, BLOCK_M, BLOCK_N)
 
 
+def _shared_grid() -> bool:
+    where = ENV.IQ3S_GRID.get()
+    if where not in ("shared", "global"):
+        raise ValueError(f"STRATA_IQ3S_GRID={where!r}: expected 'shared' or 'global'")
+    return where == "shared"
+
+
 def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int,
                    out: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
-                   config: Dp4aConfig | None = None) -> torch.Tensor:
+                   config: Dp4aConfig | None = None, shared_grid: bool | None = None) -> torch.Tensor:
     """x [M ≤ 16, K] (contiguous rows) @ IQ3_S planes (`grid`: iq3_s.grid_table on x's device) -> [M, N]
-    in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one."""
+    in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one.
+    `shared_grid`: the grid gathered from shared memory or from the global table (the same words); None
+    asks STRATA_IQ3S_GRID."""
+    if shared_grid is None:
+        shared_grid = _shared_grid()
     weights = (planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid)
-    return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)
+    return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256,
+                  SHARED_GRID=shared_grid)
 
 
 def sweep() -> None:
@@ -137,7 +165,42 @@ def sweep() -> None:
                   lambda n, k, cfg: 1 if cfg is None else workspace_numel(n, k, cfg), 110 / 256)
 
 
+def compare_shared_grid(shapes=None, ms=(1, 8), runs: int = 30) -> None:
+    """Per Qwen3-8B shape and M (CUDA): µs of the grid gathered from the global table (L1) against
+    from shared memory, at the shipped configuration and its 64/128-row twin, interleaved, weight copies
+    cycled past L2; whether the two give the same bits."""
+    from strata.kernels.quant import iq3_s
+    from strata.kernels.quant.dp4a import SWEEP_SHAPES
+    from strata.kernels.timing import time_us
+
+    grid = iq3_s.grid_table(torch.device("cuda"))
+    for n, k in shapes or SWEEP_SHAPES:
+        planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed=n + k)).cuda())
+        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (300 << 20) // (n * k)))]
+        qbytes = n * k * 110 / 256
+        base = gemv_config(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            for cfg in (base, Dp4aConfig(192 - base.block_n, base.block_k, base.split_k, base.num_warps)):
+                ws = torch.zeros(max(1, workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
+                same = torch.equal(iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=False),
+                                   iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=True))
+                t = {sh: [] for sh in (False, True)}
+                for _ in range(2):
+                    for sh in (False, True):
+                        t[sh].append(time_us([lambda p=p, sh=sh: iq3s_gemv_dp4a(x, p, grid, n, k, out, workspace=ws,
+                                                                                 config=cfg, shared_grid=sh)
+                                              for p in copies], runs))
+                g, s = min(t[False]), min(t[True])
+                print(f"IQ3_S {n}x{k} M={m} {cfg.block_n}x{cfg.block_k} split {cfg.split_k}: global {g:7.2f} us "
+                      f"{qbytes / g / 1e3:5.0f} GB/s | shared {s:7.2f} us {qbytes / s / 1e3:5.0f} GB/s | "
+                      f"{g / s:4.2f}x | same bits {same}", flush=True)
+        del copies, planes
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         raise SystemExit("the IQ3_S dp4a micro-benchmark needs a CUDA device")
-    sweep()
+    compare_shared_grid() if "--shared-grid" in sys.argv else sweep()
