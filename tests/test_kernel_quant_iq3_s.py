@@ -142,8 +142,12 @@ def check_one_hot_rows(n: int, k: int, m: int, device: str) -> None:
     assert torch.equal(got, torch.from_numpy(gguf_reference(raw, n, k))[:, picks].t())
 
 
+@pytest.mark.parametrize("grid", ["global", "shared"])
 @pytest.mark.parametrize("m", [16, 40])
-def test_kernels_dequantize_exactly(m):
+def test_kernels_dequantize_exactly(m, grid, monkeypatch):
+    """The GEMV (16 rows) and the GEMM (40), with the grid from the global table or through shared
+    memory (STRATA_IQ3S_GRID)."""
+    monkeypatch.setenv(ENV.IQ3S_GRID.name, grid)
     check_one_hot_rows(40, 512, m, "cpu")
 
 
@@ -302,7 +306,9 @@ def test_gpu_dequantize_bit_exact(n, k):
 @needs_cuda
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 @pytest.mark.parametrize("m", [16, 512])
-def test_gpu_kernels_dequantize_exactly(n, k, m):
+@pytest.mark.parametrize("grid", ["global", "shared"])
+def test_gpu_kernels_dequantize_exactly(n, k, m, grid, monkeypatch):
+    monkeypatch.setenv(ENV.IQ3S_GRID.name, grid)
     check_one_hot_rows(n, k, m, "cuda")
 
 

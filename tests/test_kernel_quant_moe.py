@@ -121,6 +121,20 @@ def test_kernel_matches_reference(fmt, case, dtype):
         assert torch.equal(grouped_matmul(xs, stack, offs), got)
 
 
+@pytest.mark.parametrize("case", ["decode", "swap"])
+def test_iq3s_shared_grid_gives_the_same_bits(case, monkeypatch):
+    """IQ3_S experts with the grid gathered through shared memory (STRATA_IQ3S_GRID=shared): the same
+    bits as from the global table."""
+    e, counts, config = CASES[case]
+    stack = QExpertStack.from_raw("IQ3_S", raw_stack("IQ3_S", e, 64, 256, seed=11))
+    xs = torch.randn(sum(counts), 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    outs = []
+    for grid in ("global", "shared"):
+        monkeypatch.setenv("STRATA_IQ3S_GRID", grid)
+        outs.append(moe_q.grouped_matmul_triton(xs, stack, offs_of(counts), config=config))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_kernel_edge_cases():
     """No rows; every row in the last expert; offs of the wrong dtype refused."""
     stack = QExpertStack.from_raw("Q8_0", raw_stack("Q8_0", 4, 32, 64, seed=1))

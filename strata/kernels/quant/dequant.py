@@ -33,6 +33,7 @@ from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant import format_module, random_blocks
 from strata.kernels.quant import iq3_s, q4_k, q6_k, q8_0
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3_s_tile
+from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
 from strata.kernels.quant.q4_k import _dequant_tile as q4_k_tile, _low_columns as q4_k_low_columns
 from strata.kernels.quant.q6_k import _dequant_tile as q6_k_tile, _low_columns as q6_k_low_columns
 from strata.kernels.quant.q8_0 import _dequant_tile as q8_0_tile
@@ -114,13 +115,14 @@ def _q4_k_kernel(qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, n, k, BLOCK_N: tl.cons
 
 @jit
 def _iq3_s_kernel(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr, SHARED_GRID: tl.constexpr):
     pdl_prologue(USE_PDL)
+    table = grid_table_words(grid_ptr, SHARED_GRID)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w_rows = tl.minimum(rows, n - 1).to(tl.int64)
-    w = iq3_s_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, w_rows, k0, k, BLOCK_N, BLOCK_K,
-                   INTERPRETED)
+    w = iq3_s_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, w_rows, k0, k, BLOCK_N, BLOCK_K,
+                   INTERPRETED, SHARED_GRID)
     _store_rows(out_ptr, w.to(out_ptr.dtype.element_ty), rows, n, k, k0 + tl.arange(0, BLOCK_K))
 
 
@@ -189,7 +191,7 @@ def dequantize_into_triton(ggml_type: str, planes: dict[str, torch.Tensor], n: i
         iq3_s._check_planes(planes, n, k)
         weights = (planes["qs"], planes["signs"], planes["qh"], planes["scales"], planes["d"],
                    iq3_s.grid_table(out.device))
-        _iq3_s_kernel[grid](*weights, dest, n, k, INTERPRETED=interpreted, **common)
+        _iq3_s_kernel[grid](*weights, dest, n, k, INTERPRETED=interpreted, SHARED_GRID=grid_in_shared(), **common)
     else:
         q6_k._check_planes(planes, n, k)
         _q6_k_kernel[grid](*q6_k.kernel_planes(planes), dest, n, k, INTERPRETED=interpreted, **common)

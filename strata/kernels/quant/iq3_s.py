@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from strata.env import ENV
 from strata.kernels.quant import iq3_s_dp4a
+from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words, grid_words
 from strata.kernels.quant.dp4a import decode_kernel, shared_workspace_numel
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
@@ -261,9 +262,11 @@ def _byte_plane(db, word, signs, J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K
 
 
 @jit
-def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, rows64, k0, k,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 [BLOCK_N, BLOCK_K] weights of rows `rows64` (int64 [BLOCK_N], valid rows), K from k0.
+def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, rows64, k0, k,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                  SHARED_GRID: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_K] weights of rows `rows64` (int64 [BLOCK_N], valid rows), K from k0. The
+    grid words come from `table` through shared memory or from the global table (`grid_words`).
 
     The groups of 4 are laid out [group in sub-block, sub-block, row] and permuted to rows-first only
     at the end: the grid gather has no contiguity, and the compiler then makes dim 0 the lanes' fastest
@@ -280,7 +283,7 @@ def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, rows64
     scale = (scale_byte >> ((sub % 2) * 4)) & 15
     db = (d * (1 + 2 * scale).to(tl.float32))[None, :, :]
     index = qs | (((qh[None, :, :] >> t) & 1) << 8)
-    word = tl.load(grid_ptr + index)
+    word = grid_words(grid_ptr, index, table, SHARED_GRID)
     group_signs = signs[None, :, :] >> (4 * t)  # bit j: value 4t + j
     w0 = _byte_plane(db, word, group_signs, 0, BLOCK_N, BLOCK_K, INTERPRETED)
     w1 = _byte_plane(db, word, group_signs, 1, BLOCK_N, BLOCK_K, INTERPRETED)
@@ -304,8 +307,9 @@ def _dot(a, b, acc, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
 def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, out_stride,
                  partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, SHARED_GRID: tl.constexpr):
     pdl_prologue(USE_PDL)
+    table = grid_table_words(grid_ptr, SHARED_GRID)
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -322,8 +326,8 @@ def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(step_begin, step_end):
         k0 = step * BLOCK_K
-        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, rows64, k0, k, BLOCK_N, BLOCK_K,
-                          INTERPRETED)
+        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, rows64, k0, k, BLOCK_N,
+                          BLOCK_K, INTERPRETED, SHARED_GRID)
         xt = tl.load(x_ptr + xrows[None, :] * x_stride + (k0 + offs_k)[:, None], mask=xrow_ok[None, :], other=0.0)
         acc = _dot(w.to(x_ptr.dtype.element_ty), xt, acc, IEEE_DOT, INTERPRETED)
 
@@ -341,8 +345,10 @@ def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
 @jit
 def _gemm_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, out_stride,
                  m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
+                 GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr,
+                 SHARED_GRID: tl.constexpr):
     pdl_prologue(USE_PDL)
+    table = grid_table_words(grid_ptr, SHARED_GRID)
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -354,8 +360,8 @@ def _gemm_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
     for step in range(0, k // BLOCK_K):
         k0 = step * BLOCK_K
         xt = tl.load(x_ptrs)
-        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, rows64, k0, k, BLOCK_N, BLOCK_K,
-                          INTERPRETED)
+        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, rows64, k0, k, BLOCK_N,
+                          BLOCK_K, INTERPRETED, SHARED_GRID)
         acc = _dot(xt, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, IEEE_DOT, INTERPRETED)
         x_ptrs += BLOCK_K
     out_ptrs = out_ptr + xrows.to(tl.int64)[:, None] * out_stride + cols[None, :]
@@ -398,7 +404,7 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
     check_config(cfg, k, gemv)
     on = use_pdl(x)
     common = dict(IEEE_DOT=x.dtype == torch.float32, INTERPRETED=not x.is_cuda, USE_PDL=on, launch_pdl=on,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED_GRID=grid_in_shared())
     weights = (planes["qs"], planes["signs"], planes["qh"], planes["scales"], planes["d"], grid_table(x.device))
     if not gemv:
         grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)

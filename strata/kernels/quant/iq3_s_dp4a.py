@@ -79,10 +79,19 @@ def _lane_mask(bits):
 
 
 @jit
-def _grid_words(grid_ptr, idx, table, SHARED_GRID: tl.constexpr):
-    """The grid words at `idx` (int32 [BLOCK_N, G, 8], 0..511). SHARED_GRID: gathered from `table` (the
-    512 words, loaded once a program), which Triton lowers through shared memory; else loaded from the
-    global table (L1)."""
+def grid_table_words(grid_ptr, SHARED_GRID: tl.constexpr):
+    """The 512 grid words in registers, once a program, for `grid_words` to gather from (0 when unused)."""
+    if SHARED_GRID:
+        return tl.load(grid_ptr + tl.arange(0, 512))
+    else:
+        return 0
+
+
+@jit
+def grid_words(grid_ptr, idx, table, SHARED_GRID: tl.constexpr):
+    """The grid words at `idx` (int32, any shape, 0..511). SHARED_GRID: gathered from `table`
+    (`grid_table_words`), which Triton lowers through shared memory; else loaded from the global table
+    (through L1, where 32 lanes' random words touch ~14 of its 16 lines)."""
     if SHARED_GRID:
         flat = tl.reshape(idx, (idx.numel,))
         return tl.reshape(tl.gather(table, flat, 0), idx.shape)
@@ -96,7 +105,7 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                            EMULATE: tl.constexpr, USE_PDL: tl.constexpr, SHARED_GRID: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = tl.load(grid_ptr + tl.arange(0, 512)) if SHARED_GRID else 0
+    table = grid_table_words(grid_ptr, SHARED_GRID)
     G: tl.constexpr = BLOCK_K // 32
     tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,7 +121,7 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
                       + word[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 8]: a grid index per 4 values
         qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [BLOCK_N, G]
         idx |= ((qh[:, :, None] >> word[None, None, :]) & 1) << 8
-        mags = _grid_words(grid_ptr, idx, table, SHARED_GRID)  # four magnitudes per word, one per byte lane
+        mags = grid_words(grid_ptr, idx, table, SHARED_GRID)  # four magnitudes per word, one per byte lane
         bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
         lanes = _lane_mask((bits[:, :, None] >> (word * 4)[None, None, :]) & 15)
         wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
@@ -132,7 +141,8 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
                   SPLIT_K, BLOCK_M, BLOCK_N)
 
 
-def _shared_grid() -> bool:
+def grid_in_shared() -> bool:
+    """STRATA_IQ3S_GRID: whether IQ3_S kernels gather grid words through shared memory."""
     where = ENV.IQ3S_GRID.get()
     if where not in ("shared", "global"):
         raise ValueError(f"STRATA_IQ3S_GRID={where!r}: expected 'shared' or 'global'")
@@ -147,7 +157,7 @@ def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch
     `shared_grid`: the grid gathered from shared memory or from the global table (the same words); None
     asks STRATA_IQ3S_GRID."""
     if shared_grid is None:
-        shared_grid = _shared_grid()
+        shared_grid = grid_in_shared()
     weights = (planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid)
     return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256,
                   SHARED_GRID=shared_grid)

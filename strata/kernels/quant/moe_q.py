@@ -50,6 +50,7 @@ from strata.kernels.quant import FORMATS, format_module
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
 from strata.kernels.quant.iq3_s import _dot as iq3s_dot
 from strata.kernels.quant.iq3_s import grid_table
+from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
 from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
 from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
 from strata.kernels.quant.q6_k import _dequant_tile as q6k_dequant_tile
@@ -246,9 +247,11 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: 
 def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, p3, p4, grid_ptr, tiles_m, n, k,
                     num_experts, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
-                    IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
+                    IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr,
+                    SHARED_GRID: tl.constexpr):
     pdl_prologue(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // 32  # Q8_0's scale groups per K step
+    table = grid_table_words(grid_ptr, SHARED_GRID)  # set for IQ3_S only
     dtype = x_ptr.dtype.element_ty
     tile_m, tile_n = grouped_tile(tl.program_id(0), tiles_m * BLOCK_M, n, BLOCK_M, BLOCK_N, GROUP_M)
     expert, row0, row_end = _expert_of_tile(offs_ptr, num_experts, tile_m, BLOCK_M, BLOCK_E)
@@ -282,8 +285,8 @@ def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, 
                     d_ptrs = p1 + w_rows[:, None] * (k // 32) + k0 // 32 + tl.arange(0, GROUPS)[None, :]
                     w = q8_dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, dtype)
                 else:  # IQ3_S: qs, signs, qh, scales, d and the grid table
-                    w = iq3s_dequant_tile(p0, p1, p2, p3, p4, grid_ptr, w_rows, k0, k, BLOCK_N, BLOCK_K,
-                                          INTERPRETED).to(dtype)
+                    w = iq3s_dequant_tile(p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, BLOCK_N, BLOCK_K,
+                                          INTERPRETED, SHARED_GRID).to(dtype)
                 xk = _load_x(x_ptr, x_stride, x_rows, k0 + tl.arange(0, BLOCK_K), SWAP_AB)
                 acc = _mma(xk, w, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
         if SWAP_AB:
@@ -344,7 +347,8 @@ def grouped_matmul_triton(xs: torch.Tensor, stack: QExpertStack, offs: torch.Ten
         FORMAT=_FORMAT_IDS[stack.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=max(16, triton.next_power_of_2(e)), GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
         IEEE_DOT=xs.dtype == torch.float32, INTERPRETED=not xs.is_cuda, USE_PDL=on, launch_pdl=on,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SHARED_GRID=stack.ggml_type == "IQ3_S" and grid_in_shared())
     return out
 
 
