@@ -209,19 +209,6 @@ def test_iq3s_shared_grid_gives_the_same_words(n, k, m, cfg, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
-def test_gpu_iq3s_shared_grid_gives_the_same_bits(n, k):
-    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("gpug", n, k))).cuda())
-    grid = iq3_s.grid_table(torch.device("cuda"))
-    ws = planes["workspace"]
-    for m in (1, 3, 8):
-        x = make_x(m, k, torch.bfloat16, seed_of("gxg", n, k, m), "cuda")
-        assert torch.equal(iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, shared_grid=True),
-                           iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, shared_grid=False))
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
 def test_gpu_iq3s_shapes_and_batch_invariance(n, k):
     planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("gpu3", n, k))).cuda())
     grid = iq3_s.grid_table(torch.device("cuda"))
@@ -232,6 +219,10 @@ def test_gpu_iq3s_shapes_and_batch_invariance(n, k):
     assert ((full.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
     for m in (1, 3):
         assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k, workspace=ws), full[:m])
+    for m in (1, 3, 8):  # the grid through shared memory: the same words, the same bits
+        for shared in (False, True):
+            assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k, workspace=ws,
+                                                  shared_grid=shared), full[:m])
 
 
 # ----------------------------------------------------------------------------------------------
