@@ -69,10 +69,11 @@ class _Env:
                          "(packed int8 dot products; strata/kernels/quant/iq3_s_dp4a.py) or 'auto' (dp4a up to 8 "
                          "rows, iq3_s.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 2.3-2.8x faster at M = 1, "
                          "1.1-1.3x at M = 8; batch-1 decode 74 -> 180 tok/s")
-    IQ3S_GRID = Switch("STRATA_IQ3S_GRID", str, "global",
-                       "where the IQ3_S dp4a GEMV gathers its grid words: 'global' (the 2 KB table through L1) or "
-                       "'shared' (copied to shared memory once a program; strata/kernels/quant/iq3_s_dp4a.py). The "
-                       "same words either way")
+    IQ3S_GRID = Switch("STRATA_IQ3S_GRID", str, "shared",
+                       "where the IQ3_S kernels gather their grid words: 'shared' (the 2 KB table copied to shared "
+                       "memory once a program, tl.gather) or 'global' (loaded through L1). The same words either "
+                       "way. H200: batch-1 decode 201.7 -> 205.0 tok/s at 8B shapes, 150.4 -> 184.1 at 30B-A3B "
+                       "(docs/QUANTIZATION.md)")
     Q4K_DECODE = Switch("STRATA_Q4K_DECODE", str, "auto",
                         "Q4_K decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores), 'dp4a' "
                         "(packed int8 dot products; strata/kernels/quant/q4_k_dp4a.py) or 'auto' (dp4a up to 2 "

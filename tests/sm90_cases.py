@@ -157,7 +157,7 @@ CASES = {
     **{f"dp4a_{fmt}_m{rows}": (lambda fmt=fmt, rows=rows: dp4a_gemv(fmt, rows))
        for fmt in ("Q8_0", "Q4_K", "Q6_K") for rows in (1, 4)},
     **{f"dp4a_IQ3_S_{n}_m{rows}": (lambda n=n, rows=rows: dp4a_gemv("IQ3_S", rows, n, 4096))
-       for n in (6144, 4096) for rows in (1, 4, 8)},  # 128 and 64 rows a program
+       for n in (6144, 4096) for rows in (1, 4, 8)},  # split 8 over 48 and 32 row tiles
     **{f"dp4a_IQ3_S_shared_grid_m{rows}": (lambda rows=rows: dp4a_gemv("IQ3_S", rows, shared_grid=True))
        for rows in (1, 8)},
     "attention_decode_h128": lambda: decode_attention(128, 4, False),

@@ -22,6 +22,13 @@ words of a sub-block unrolled inside the thread that holds it, tensors [rows, su
 It cut the sm_90 loop from 9.3 to 5.8 SASS instructions per weight and gave the same bits, yet ran
 1.22-1.38x slower at M = 1 (0.75-0.99x at M = 8) and took batch-1 decode from 202 to 120 tok/s: at
 M = 1 this GEMV waits on memory, and the count of instructions did not predict it. Reverted.
+
+Grid words through shared memory (`grid_words`, STRATA_IQ3S_GRID=shared, the default): the 512-word
+table is loaded once a program and gathered with tl.gather, which Triton lowers through shared memory,
+instead of 64 random global loads a thread per step through L1. Same words, same bits. The sixth H200
+round: this GEMV 1.04-1.07x at 128-row tiles (bench/results/iq3s_grid_cuda.txt), batch-1 decode 201.7
+-> 205.0 tok/s; the grouped MoE kernel's dequantizing tile, which shares `grid_words`, 1.22x at the
+30B-A3B shape (docs/QUANTIZATION.md).
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ from strata.kernels.quant.dp4a import (
     accumulate_ref,
     launch,
     quantize_ref,
+    config_for,
     sweep_against,
-    wide_config,
     workspace_for,
 )
 from strata.kernels.splitk import split_k_range, split_k_store
@@ -49,10 +56,11 @@ from strata.kernels.triton_import import jit, tl
 
 
 def gemv_config(n: int, k: int) -> Dp4aConfig:
-    """128 or 64 rows (`dp4a.wide_config`) x 256 values (one super-block) per step, split-K to about
-    four programs per SM: 6144 x 4096 -> 128 rows split 8 (the sweep's best at M = 1), 24576 x 4096 ->
-    128 split 2 (best: split 4), 4096 x 4096 and 4096 x 12288 -> 64 split 8 (best: 128 rows split 8)."""
-    return wide_config(n, k, block_ks=(256,))
+    """128 rows x 256 values (one super-block) per step, split-K to about four programs per SM
+    (`dp4a.config_for`): 6144 x 4096 -> split 8, 24576 x 4096 -> 2, 4096 x 4096 and 4096 x 12288 -> 8.
+    The H200 comparison of the sixth round (`--shared-grid`) ran those with 128 rows 1.04-1.10x faster
+    than with 64 when the grid is gathered from shared memory (the sweeps' best at M = 1 also had 128)."""
+    return config_for(n, k, block_ks=(256,), block_n=128)
 
 
 def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
