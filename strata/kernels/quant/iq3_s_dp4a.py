@@ -34,6 +34,7 @@ round: this GEMV 1.04-1.07x at 128-row tiles (bench/results/iq3s_grid_cuda.txt),
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -45,9 +46,9 @@ from strata.kernels.quant.dp4a import (
     _pairwise_sum,
     _quantize_row,
     accumulate_ref,
+    config_for,
     launch,
     quantize_ref,
-    config_for,
     sweep_against,
     workspace_for,
 )
@@ -185,7 +186,7 @@ def sweep() -> None:
 
 def compare_shared_grid(shapes=None, ms=(1, 8), runs: int = 30) -> None:
     """Per Qwen3-8B shape and M (CUDA): µs of the grid gathered from the global table (L1) against
-    from shared memory, at the shipped configuration and its 64/128-row twin, interleaved, weight copies
+    from shared memory, at the shipped configuration and its 64-row twin, interleaved, weight copies
     cycled past L2; whether the two give the same bits."""
     from strata.kernels.quant import iq3_s
     from strata.kernels.quant.dp4a import SWEEP_SHAPES
@@ -200,7 +201,7 @@ def compare_shared_grid(shapes=None, ms=(1, 8), runs: int = 30) -> None:
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            for cfg in (base, Dp4aConfig(192 - base.block_n, base.block_k, base.split_k, base.num_warps)):
+            for cfg in (base, replace(base, block_n=64)):
                 ws = torch.zeros(max(1, workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
                 same = torch.equal(iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=False),
                                    iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=True))
