@@ -97,15 +97,18 @@ def main() -> None:
         print(f"graph replay (device): p50 {statistics.median(times):.3f} ms  min {min(times):.3f} ms")
     if g is not None and a.prefetch_sweep:
         sweep_prefetch(eng, a.batch, [int(v) for v in a.prefetch_sweep.split(",")])
-    # One eager step's kernels.
+    # One eager step's kernels. The prompt-chunk graphs go too: a one-sequence decode step fits their
+    # smallest bucket, whose padded rows would take the many-row kernels instead of the decode GEMVs.
+    pg = eng.runner.prompt_graphs
     graphs, eng.runner.graphs = eng.runner.graphs, {}
+    prompt_graphs, pg.graphs = pg.graphs, {}
     eng.step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             eng.step()
         torch.cuda.synchronize()
-    eng.runner.graphs = graphs
+    eng.runner.graphs, pg.graphs = graphs, prompt_graphs
     per = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:

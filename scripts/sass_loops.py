@@ -26,14 +26,35 @@ os.environ.pop("TRITON_INTERPRET", None)  # the interpreter would replace the ke
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
+# Integer arguments the launches pass as multiples of 16 (shapes and row strides): the JIT specialises
+# such a value with tt.divisibility=16, as it does every 16-byte aligned pointer.
+ALIGNED_INTS = ("n", "k", "x_stride", "out_stride", "hidden", "inter")
+
+
+def launch_attrs(kernel, signature: dict, aligned_ints=ALIGNED_INTS) -> dict:
+    """The divisibility attributes the JIT would give a launch of `kernel` with 16-byte aligned tensors
+    and the `aligned_ints` arguments multiples of 16 (the arguments in `do_not_specialize` get none).
+    Without them the compile assumes nothing about alignment, and every load of a packed plane comes out
+    as scalar loads that the launched kernel does not issue."""
+    skip = set(getattr(kernel, "do_not_specialize", ()) or ())
+    names = kernel.arg_names
+    skip |= {names[i] for i in skip if isinstance(i, int)}
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+            if name in signature and name not in skip
+            and (signature[name].startswith("*") or name in aligned_ints)}
+
+
 def sass(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
-         fp_fusion: bool = True) -> str:
+         fp_fusion: bool = True, aligned: bool = True) -> str:
+    """SASS of `kernel` compiled for sm_90; `aligned`: specialised as a launch with aligned tensors
+    and shapes would be (`launch_attrs`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+    attrs = launch_attrs(kernel, signature) if aligned else {}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,
                                        "enable_fp_fusion": fp_fusion})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")

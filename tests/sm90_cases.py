@@ -112,7 +112,7 @@ def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1], shared_grid
         "Q4_K": (q4_k_dp4a._q4k_gemv_dp4a_kernel, dict(qw_ptr="*i32", sw_ptr="*i32", dw_ptr="*i32"), q4_k_dp4a),
         "Q6_K": (q6_k_dp4a._q6k_gemv_dp4a_kernel, dict(ql_ptr="*i32", qh_ptr="*i32", sc_ptr="*i32", d_ptr="*fp16"),
                  q6_k_dp4a),
-        "IQ3_S": (iq3_s_dp4a._iq3s_gemv_dp4a_kernel, dict(qs_ptr="*i32", qh_ptr="*u8", signs_ptr="*i32",
+        "IQ3_S": (iq3_s_dp4a._iq3s_gemv_dp4a_kernel, dict(qs_ptr="*u8", qh_ptr="*u8", signs_ptr="*i32",
                                                           scales_ptr="*u8", d_ptr="*fp16", grid_ptr="*i32"), iq3_s_dp4a),
     }[fmt]
     cfg = module.gemv_config(n, k)
