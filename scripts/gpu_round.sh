@@ -119,7 +119,8 @@ step() {  # name, seconds, command...
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       profile8) step profile8 120 python3 scripts/profile_step.py --batch 8 --top 12 ;;
       # Where a batch-1 decode step's time goes with weights kept quantized (bf16 beside them).
-      profile-quant) for q in ${PROFILE_QUANTS:-bf16 Q8_0 Q4_K}; do TAIL=30 step profile-$q 150 python3 scripts/profile_step.py \
+      # PROFILE_ENV="STRATA_PDL=0": kernel times without PDL's early launches (their waits count as kernel time).
+      profile-quant) for q in ${PROFILE_QUANTS:-bf16 Q8_0 Q4_K}; do TAIL=30 step profile-$q 150 env ${PROFILE_ENV:-} python3 scripts/profile_step.py \
           --batch 1 --top 20 $([ $q != bf16 ] && echo --quant $q); done ;;
       # IQ3_S's grid gathered from shared memory against the global table: bits, kernel times, batch-1 decode.
       iq3s-grid) TAIL=30 step iq3s-grid-tests 300 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_iq3_s.py \
@@ -129,6 +130,13 @@ step() {  # name, seconds, command...
           --out $R/quant_qwen3-8b_iq3s_${g}_cuda.json; done
         for g in global shared; do STRATA_IQ3S_GRID=$g step iq3s-grid-moe-$g 300 $B quant --shape qwen3-30b-a3b \
           --formats IQ3_S --out $R/quant_qwen3-30b-a3b_iq3s_${g}_cuda.json; done ;;
+      # IQ3_S with interleaved sign planes: every IQ3_S GPU test, the dp4a configurations, batch-1 decode.
+      iq3s) TAIL=40 step iq3s-tests 300 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_iq3_s.py \
+          tests/test_kernel_quant_dequant.py tests/test_kernel_quant_moe.py -k "iq3s or IQ3_S or iq3_s"
+        TAIL=60 step iq3s-sweep 300 python3 -m strata.kernels.quant.iq3_s_dp4a
+        step iq3s-quant 200 $B quant --shape qwen3-8b --formats IQ3_S --out $R/quant_qwen3-8b_iq3s_cuda.json
+        step iq3s-quant-moe 300 $B quant --shape qwen3-30b-a3b --formats IQ3_S --out $R/quant_qwen3-30b-a3b_iq3s_cuda.json ;;
+      iq3s-regs) TAIL=30 step iq3s-regs 200 python3 scripts/iq3s_registers.py ;;
       # The batch-invariant quantized GEMM against the formats' own kernels and cuBLAS (issue 15's cost).
       invariant-q-bench) TAIL=60 step invariant-q-bench 300 python3 -m strata.kernels.quant.invariant ${INV_MS:-1,8,512,4096} ;;
       read) step read 240 $B read --chunks 512,2048,8192 --lengths 4096,32768 --repeats 1 --out $R/read_qwen3-8b_cuda.json ;;

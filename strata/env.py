@@ -66,9 +66,9 @@ class _Env:
                        "279 tok/s")
     IQ3S_DECODE = Switch("STRATA_IQ3S_DECODE", str, "auto",
                          "IQ3_S decode GEMV (M <= 16, 16-bit x): 'dequant' (weights to bf16, tensor cores), 'dp4a' "
-                         "(packed int8 dot products; strata/kernels/quant/iq3_s_dp4a.py) or 'auto' (dp4a up to 8 "
-                         "rows, iq3_s.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 2.3-2.8x faster at M = 1, "
-                         "1.1-1.3x at M = 8; batch-1 decode 74 -> 180 tok/s")
+                         "(packed int8 dot products; strata/kernels/quant/iq3_s_dp4a.py) or 'auto' (dp4a up to 4 "
+                         "rows, iq3_s.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 1.9-2.2x faster at M = 1, "
+                         "0.74-0.85x at M = 8; batch-1 decode 74 -> 230 tok/s")
     IQ3S_GRID = Switch("STRATA_IQ3S_GRID", str, "shared",
                        "where the IQ3_S kernels gather their grid words: 'shared' (the 2 KB table copied to shared "
                        "memory once a program, tl.gather) or 'global' (loaded through L1). The same words either "

@@ -270,7 +270,7 @@ class Format:
 
 FORMATS = {f.name: f for f in (Format("Q8_0", ENV.Q8_DECODE, q8_0, dp4a, 3, 1e-3, True),
                                 Format("Q4_K", ENV.Q4K_DECODE, q4_k, q4d, 2, 2e-3, True),
-                                Format("IQ3_S", ENV.IQ3S_DECODE, iq3_s, iqd, 8, 5e-3, False))}
+                                Format("IQ3_S", ENV.IQ3S_DECODE, iq3_s, iqd, 4, 5e-3, False))}
 
 
 def test_switch_picks_by_rows():

@@ -23,6 +23,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from strata.env import ENV
 from strata.kernels.quant import QWeight
 from strata.kernels.quant import iq3_s as q
+from strata.kernels.quant import iq3_s_quantize as qz
 from strata.kernels.timing import time_us
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -103,6 +104,12 @@ def test_repack_planes_layout_and_size():
     blocks = raw.reshape(n, 2, 110)
     assert np.array_equal(planes["qs"].numpy(), blocks[:, :, 2:66].reshape(n, -1))
     assert np.array_equal(planes["d"].numpy().view(np.uint8), blocks[:, :, :2].reshape(n, -1))
+    # Signs interleaved: value 4t + j of a sub-block (bit 4t + j of the file's word) at bit 8j + t.
+    file_bits = np.unpackbits(blocks[:, :, 74:106].reshape(n, -1, 4), axis=-1, bitorder="little")  # [n, sub, v]
+    words = planes["signs"].numpy().view(np.uint32)
+    for v in range(32):
+        t, j = divmod(v, 4)
+        assert np.array_equal((words >> (8 * j + t)) & 1, file_bits[:, :, v])
 
 
 def test_split_k_workspace_stays_small():
@@ -233,17 +240,17 @@ def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
 
 def test_quantize_shape_dtype_and_roundtrip_paths():
     w = gaussian(3, 512, 0)
-    raw = q.quantize(w)
+    raw = qz.quantize(w)
     assert raw.dtype == np.uint8 and raw.shape == (3, 2 * 110)
     ref = gguf_reference(raw, 3, 512)
     ours = q.dequantize(q.repack(torch.from_numpy(raw)), 3, 512).numpy()
     assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
-    assert np.array_equal(q.quantize(w.astype(np.float64)), raw)
-    assert q.quantize(np.zeros((0, 256), np.float32)).shape == (0, 110)
+    assert np.array_equal(qz.quantize(w.astype(np.float64)), raw)
+    assert qz.quantize(np.zeros((0, 256), np.float32)).shape == (0, 110)
     with pytest.raises(ValueError):
-        q.quantize(np.zeros((2, 300), np.float32))
+        qz.quantize(np.zeros((2, 300), np.float32))
     with pytest.raises(ValueError):
-        q.quantize(np.full((1, 256), np.nan, np.float32))
+        qz.quantize(np.full((1, 256), np.nan, np.float32))
 
 
 def test_quantize_gaussian_error_bound_and_baseline():
@@ -251,12 +258,12 @@ def test_quantize_gaussian_error_bound_and_baseline():
     scale 15 with d = max|x| / (31 * 15) (the largest value on the grid's top), exact nearest entries."""
     n, k = 32, 1024
     w = gaussian(n, k, 0)
-    err = rel_rms(gguf_reference(q.quantize(w), n, k), w)
+    err = rel_rms(gguf_reference(qz.quantize(w), n, k), w)
     assert err < 0.135
     x = w.reshape(-1, 8, 32)
     d = (np.abs(x).max(axis=(1, 2)) / np.float32(465)).astype(np.float16).astype(np.float32)
-    index, _ = q._assign(np.abs(x), d, np.full((len(d), 8), 15))
-    magnitudes = q._grid_arrays()[0][index].reshape(x.shape)
+    index, _ = qz._assign(np.abs(x), d, np.full((len(d), 8), 15))
+    magnitudes = qz._grid_arrays()[0][index].reshape(x.shape)
     baseline = rel_rms((np.sign(x) * magnitudes * (31 * d)[:, None, None]).reshape(n, k), w)
     assert 0.15 < baseline < 0.17 and err < 0.85 * baseline  # measured 0.1598 and 0.81x
     assert err < 0.2 * rel_rms(np.zeros_like(w), w)  # zeroing: 1
@@ -272,7 +279,7 @@ def test_quantize_recovers_representable_weights_bit_for_bit(seed):
     raw[:, :, 2] = 4
     raw[:, :, 66] &= 0xFE
     w = gguf_reference(raw.reshape(n, -1), n, k)
-    got = gguf_reference(q.quantize(w), n, k)
+    got = gguf_reference(qz.quantize(w), n, k)
     assert np.array_equal(got.view(np.uint32), w.view(np.uint32))
 
 
@@ -281,7 +288,7 @@ def test_quantize_zeros_and_constant_rows(value):
     """Constants are a hard case for the d candidates (error 0.156 measured; d = c / 31 would be exact)."""
     w = np.full((2, 512), value, np.float32)
     w[1, :256] = 0.0
-    got = gguf_reference(q.quantize(w), 2, 512)
+    got = gguf_reference(qz.quantize(w), 2, 512)
     assert np.isfinite(got).all() and not got[1, :256].any()
     if value:
         assert rel_rms(got, w) < 0.2

@@ -10,7 +10,8 @@ factor is a small odd integer times an fp16, so the product is exact in fp32 in 
 dequantization is bit for bit gguf's.
 
 Planes (`repack`, 110 bytes per block, exactly the file's size): "qs" uint8 [N, K/4], "signs" int32
-[N, K/32] (a sub-block's 32 sign bits as one little-endian word), "qh" uint8 [N, K/32] (one byte per
+[N, K/32] (a sub-block's 32 sign bits as one word, interleaved: bit 8j + t is value 4t + j's, so group
+t's four signs sit at bit t of each byte, `interleave_signs`), "qh" uint8 [N, K/32] (one byte per
 sub-block), "scales" uint8 [N, K/64], "d" fp16 [N, K/256]; plus "workspace" int32 where the decode
 configuration of (N, K) or the dp4a one splits K (counters and fp32 partials for either). The grid is
 a 2 KB int32 [512] table (4 magnitudes packed per word) on each device, gathered by the kernels.
@@ -63,10 +64,13 @@ BLOCK_BYTES = 110
 GEMV_MAX_ROWS = 16  # M ≤ this runs the GEMV; its MMA pads x to this many rows
 NUM_SMS = 132  # H200; a constant so that configurations depend on (N, K) only
 WORKSPACE_MAX_FRACTION = 0.08  # split-K only where its workspace stays this small next to the weight
-# Rows up to which STRATA_IQ3S_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
-# 14.7-54.2 us against 34.1-154.0 at M = 1 and still 31.4-123.5 against 34.0-153.7 at M = 8; the
-# linear interpolation crosses at M = 9-12. Rows 2-7 were interpolated, 9-16 not measured.
-DP4A_MAX_ROWS = 8
+# Rows up to which STRATA_IQ3S_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes, with the
+# shared grid and interleaved signs (bench/results/iq3s_dp4a_sweep_round7_cuda.txt): dp4a 13.0-45.9 us
+# against 24.1-99.2 at M = 1, but 31.4-126.4 against 24.3-99.3 at M = 8. The dp4a GEMV runs
+# next_power_of_2(M) rows, so M = 5-7 cost what M = 8 does; at 3-4 rows (interpolated, not measured)
+# it is still ahead. (The fourth round's sweep, before both changes: the dequantizing GEMV took
+# 34.0-153.7 us at M = 8 and the limit was 8.)
+DP4A_MAX_ROWS = 4
 
 
 def _grid_words() -> torch.Tensor:
@@ -82,6 +86,11 @@ def _grid_words() -> torch.Tensor:
 
 
 GRID_WORDS = _grid_words()  # CPU; `grid_table` puts it on a device
+# Interleaved sign planes (`interleave_signs`): value v's sign at bit 8 (v % 4) + v // 4 of its sub-block's
+# word; _SPREAD_BYTE[x]: a byte x of the file's word (groups 2b, 2b + 1) spread to those bits for b = 0.
+SIGN_BIT = torch.tensor([8 * (v % 4) + v // 4 for v in range(32)], dtype=torch.int32)
+_SPREAD_BYTE = torch.tensor([sum(((x >> v) & 1) << int(SIGN_BIT[v]) for v in range(8)) for x in range(256)],
+                            dtype=torch.int64)
 
 
 def _decode_kernel(rows: int) -> str:
@@ -110,7 +119,7 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     field = lambda lo, hi: blocks[:, :, lo:hi].clone(memory_format=torch.contiguous_format)  # noqa: E731
     planes = {
         "qs": field(2, 66).view(n, k // 4),
-        "signs": field(74, 106).view(torch.int32).view(n, k // 32),
+        "signs": interleave_signs(field(74, 106).view(torch.int32).view(n, k // 32)),
         "qh": field(66, 74).view(n, k // 32),
         "scales": field(106, 110).view(n, k // 64),
         "d": field(0, 2).view(torch.float16).view(n, k // 256),
@@ -120,6 +129,18 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
         planes["workspace"] = torch.zeros(numel, dtype=torch.int32, device=raw.device)
     grid_table(raw.device)
     return planes
+
+
+def interleave_signs(signs: torch.Tensor) -> torch.Tensor:
+    """Sub-blocks' sign words (bit v: value v) with bit 4t + j moved to 8j + t: a group's four signs then
+    come out in byte lanes with one shift and one mask (`(word >> t) & 0x01010101`), as the dp4a GEMV
+    applies them, instead of a shift and a spread of four bits. Byte b of a word holds groups 2b and
+    2b + 1, so a 256-entry table spreads each byte and a shift by 2b places it."""
+    table = _SPREAD_BYTE.to(signs.device)
+    out = torch.zeros(signs.shape, dtype=torch.int64, device=signs.device)
+    for b in range(4):
+        out |= table[((signs >> (8 * b)) & 0xFF).long()] << (2 * b)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
 
 
 def decode_workspace_numel(n: int, k: int) -> int:
@@ -136,7 +157,7 @@ def signed_quants(planes: dict[str, torch.Tensor], n: int, k: int) -> tuple[torc
     device = qs.device
     high = ((qh.view(n, k // 32, 1) >> torch.arange(8, device=device)) & 1).view(n, k // 4)
     mags = (grid_table(device)[qs | (high << 8)].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
-    negative = (signs.view(n, k // 32, 1) >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+    negative = (signs.view(n, k // 32, 1) >> SIGN_BIT.to(device)) & 1
     # The sign is a multiplication, as gguf's, so a zero d keeps gguf's sign of zero.
     values = mags.float().view(n, k // 32, 32) * (1.0 - 2.0 * negative.float())
     scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
@@ -241,7 +262,7 @@ def check_config(cfg: TileConfig, k: int, gemv: bool) -> None:
 
 @jit
 def _magnitude_times(db, word, signs, J: tl.constexpr, INTERPRETED: tl.constexpr):
-    """db * (byte J of word), negated where bit J of signs is set: exact fp32 weights of one byte plane.
+    """db * (byte J of word), negated where bit 8J of signs is set: exact fp32 weights of one byte plane.
     The byte becomes the float 2^23 + byte by or-ing in 2^23's bits (I2F is quarter rate); one fma
     then gives db * byte exactly (the true value fits 20 bits; the interpreter's fma rounds twice).
     The sign is an xor of the sign bit."""
@@ -250,7 +271,7 @@ def _magnitude_times(db, word, signs, J: tl.constexpr, INTERPRETED: tl.constexpr
         v = db * (shifted - 8388608.0)
     else:
         v = tl.fma(shifted, db, db * -8388608.0)
-    return (v.to(tl.int32, bitcast=True) ^ ((signs >> J) << 31)).to(tl.float32, bitcast=True)
+    return (v.to(tl.int32, bitcast=True) ^ ((signs >> (8 * J)) << 31)).to(tl.float32, bitcast=True)
 
 
 @jit
@@ -284,7 +305,7 @@ def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table,
     db = (d * (1 + 2 * scale).to(tl.float32))[None, :, :]
     index = qs | (((qh[None, :, :] >> t) & 1) << 8)
     word = grid_words(grid_ptr, index, table, SHARED_GRID)
-    group_signs = signs[None, :, :] >> (4 * t)  # bit j: value 4t + j
+    group_signs = signs[None, :, :] >> t  # bit 8j: value 4t + j (interleaved planes)
     w0 = _byte_plane(db, word, group_signs, 0, BLOCK_N, BLOCK_K, INTERPRETED)
     w1 = _byte_plane(db, word, group_signs, 1, BLOCK_N, BLOCK_K, INTERPRETED)
     w2 = _byte_plane(db, word, group_signs, 2, BLOCK_N, BLOCK_K, INTERPRETED)
@@ -428,143 +449,6 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
         x, x.stride(0), *weights, out, out.stride(0), partials, counters, m, n, k, BLOCK_M=GEMV_MAX_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, **common)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Quantization (numpy, CPU): fp32 weights to raw blocks, for fidelity measurements
-
-SCALE_MULTIPLIERS = np.arange(1, 32, 2, dtype=np.float32)  # 1 + 2s for the 16 scales s
-# Candidate d per super-block: max|x| / (31 c), i.e. max|x| is c d (1 + 2 * 15) (15: the grid's top).
-D_DIVISORS = (12.0, 13.0, 14.0, 15.0)
-NEAREST_BINS = 32  # per coordinate, 0.5 wide: [0, 0.5), ..., [15.5, inf)
-QUANTIZE_CHUNK = 256  # super-blocks per step: keeps the [chunk, 16 scales, 256] arrays in cache
-
-
-@lru_cache(maxsize=1)
-def _grid_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """fp32 grid [512, 4]; the same as one complex128 per entry (one 16-byte gather per group); |g|²."""
-    words = GRID_WORDS.numpy().astype(np.uint32)
-    grid = ((words[:, None] >> np.array([0, 8, 16, 24], dtype=np.uint32)) & 0xFF).astype(np.float32)
-    return grid, grid.view(np.complex128).reshape(512), (grid * grid).sum(1)
-
-
-@lru_cache(maxsize=1)
-def _nearest_table() -> np.ndarray:
-    """uint16 [32⁴]: the grid entry nearest the centre of each cell of the 0.5-binned magnitude space,
-    key b0 + 32 b1 + 1024 b2 + 32768 b3. The squared distance is a sum of per-coordinate terms, so the
-    two coordinate pairs' [1024, 512] tables are summed one row of the (b2, b3) half at a time (~0.3 s, once)."""
-    grid = _grid_arrays()[0]
-    centres = (np.arange(NEAREST_BINS, dtype=np.float32) + 0.5) / 2
-    per_coord = (centres[:, None, None] - grid.T[None]) ** 2  # [bin, coordinate, entry]
-    low = (per_coord[None, :, 0] + per_coord[:, None, 1]).reshape(-1, 512)  # row 32 b1 + b0
-    high = (per_coord[None, :, 2] + per_coord[:, None, 3]).reshape(-1, 512)  # row 32 b3 + b2
-    return np.stack([np.argmin(low + row, axis=1) for row in high]).astype(np.uint16).reshape(-1)
-
-
-def _nearest_exact(t: np.ndarray) -> np.ndarray:
-    """Index of the grid entry nearest each row of t [G, 4]: argmax of t·g - |g|²/2 over all 512."""
-    grid, _, norm = _grid_arrays()
-    grid_t, half_norm = np.ascontiguousarray(grid.T), norm / 2
-    out = np.empty(len(t), dtype=np.int64)
-    score = np.empty((4096, 512), dtype=np.float32)
-    for i in range(0, len(t), 4096):
-        part = score[: len(t) - i]
-        np.matmul(t[i:i + 4096], grid_t, out=part)
-        part -= half_norm
-        out[i:i + 4096] = part.argmax(axis=1)
-    return out
-
-
-def _best_scales(a: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For |x| a [B, 8, 32] and d [B]: each sub-block's best scale s [B, 8] over all 16, and the
-    super-block's squared error [B] less Σa² (the same for every candidate). A scale's error is that of
-    each group of 4 at its grid entry nearest a / (d (1 + 2s)), found in `_nearest_table`: ||a - db g||²
-    = Σa² - 2 db a·g + db² |g|²."""
-    grid16, norm = _grid_arrays()[1:]
-    db = d[:, None] * SCALE_MULTIPLIERS  # [B, 16]
-    bins_per_unit = np.divide(2.0, db, out=np.zeros_like(db), where=db > 0)
-    t = a[:, None] * bins_per_unit[:, :, None, None]  # [B, 16, 8, 32], in bins
-    np.minimum(t, NEAREST_BINS - 0.5, out=t)
-    word = t.astype(np.uint8).view("<u4")  # a group's 4 bins, b0 in the low byte
-    key = (word & 0x1F) | ((word >> 3) & 0x3E0) | ((word >> 6) & 0x7C00) | ((word >> 9) & 0xF8000)
-    index = _nearest_table()[key]  # [B, 16, 8, 8]
-    g = grid16[index].view(np.float32).reshape(t.shape)
-    a_dot_g = np.einsum("bvj,bsvj->bsv", a, g)
-    err = db[:, :, None] * (db[:, :, None] * norm[index].sum(-1) - 2 * a_dot_g)  # [B, 16, 8]
-    s = err.argmin(axis=1)
-    return np.take_along_axis(err, s[:, None], axis=1)[:, 0].sum(-1), s
-
-
-def _assign(a: np.ndarray, d: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Exact nearest grid indices [B, 64] for d [B] and scales s [B, 8], and the squared error [B]."""
-    grid = _grid_arrays()[0]
-    db = d[:, None] * SCALE_MULTIPLIERS[s]
-    t = a * np.divide(1.0, db, out=np.zeros_like(db), where=db > 0)[:, :, None]
-    index = _nearest_exact(t.reshape(-1, 4)).reshape(len(d), 64)
-    err = ((a - grid[index].reshape(a.shape) * db[:, :, None]) ** 2).sum((1, 2))
-    return index, err
-
-
-def _fp16(d: np.ndarray) -> np.ndarray:
-    return np.minimum(d, 65504.0).astype(np.float16).astype(np.float32)
-
-
-def _quantize_chunk(x: np.ndarray) -> np.ndarray:
-    """Raw blocks [B, 110] of super-blocks x [B, 8, 32] (see `quantize`)."""
-    grid = _grid_arrays()[0]
-    a = np.abs(x)
-    amax = a.max(axis=(1, 2))
-    best_err, best_d, best_s = None, None, None
-    for divisor in D_DIVISORS:
-        d = _fp16(amax / (31 * divisor))
-        err, s = _best_scales(a, d)
-        if best_err is None:
-            best_err, best_d, best_s = err, d, s
-        else:
-            better = err < best_err
-            best_err = np.where(better, err, best_err)
-            best_d, best_s = np.where(better, d, best_d), np.where(better[:, None], s, best_s)
-    d, s = best_d, best_s
-    index, err = _assign(a, d, s)
-    # Least-squares d for these scales and entries, rounded to fp16, then re-assigned: kept where better.
-    q = grid[index].reshape(a.shape) * SCALE_MULTIPLIERS[s][:, :, None]
-    qq = (q * q).sum((1, 2))
-    refit = _fp16(np.divide((a * q).sum((1, 2)), qq, out=d.copy(), where=qq > 0))
-    index2, err2 = _assign(a, refit, s)
-    better = err2 < err
-    d, index = np.where(better, refit, d), np.where(better[:, None], index2, index)
-
-    blocks = np.empty((len(x), BLOCK_BYTES), dtype=np.uint8)
-    blocks[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
-    blocks[:, 2:66] = index & 0xFF
-    blocks[:, 66:74] = np.packbits((index >> 8).astype(np.uint8).reshape(-1, 8, 8), axis=-1, bitorder="little")[..., 0]
-    blocks[:, 74:106] = np.packbits((x < 0).reshape(-1, 32, 8), axis=-1, bitorder="little")[..., 0]
-    blocks[:, 106:110] = s[:, 0::2] | (s[:, 1::2] << 4)
-    return blocks
-
-
-def quantize(w: np.ndarray) -> np.ndarray:
-    """IQ3_S raw blocks (uint8 [N, K/256*110], the file's layout) approximating fp32 w [N, K].
-
-    Search, per super-block of 256 values: for each candidate d (fp16; the largest |x| divided by
-    31 × each of D_DIVISORS), each sub-block takes the scale s (all 16 tried) whose value multiplier
-    db = d (1 + 2s) gives the least squared error, each group of 4 values taking the grid entry nearest
-    |x| / db (signs are x's: every magnitude is positive); the candidate d with the least total error
-    wins. The scale search looks entries up in `_nearest_table` (exact at cell centres; ~0.3% more RMS
-    error than an exact search, measured); the winner's entries are then found exactly, and d is
-    refitted by least squares once. Relative RMS error on Gaussian weights: 0.129 (a [4096, 4096]
-    matrix: 11-15 s on 2 CPU cores). Weights that blocks represent exactly, each block's largest |x| being
-    465 d (scale 15, magnitude 15), come back bit for bit."""
-    w = np.asarray(w, dtype=np.float32)
-    if w.ndim != 2 or w.shape[1] % BLOCK_VALUES:
-        raise ValueError(f"IQ3_S quantize: expected [N, K] with K a multiple of {BLOCK_VALUES}, got {w.shape}")
-    if not np.isfinite(w).all():
-        raise ValueError("IQ3_S quantize: weights must be finite")
-    n, k = w.shape
-    x = w.reshape(-1, 8, 32)
-    blocks = [_quantize_chunk(x[i:i + QUANTIZE_CHUNK]) for i in range(0, len(x), QUANTIZE_CHUNK)]
-    blocks = np.concatenate(blocks) if blocks else np.empty((0, BLOCK_BYTES), dtype=np.uint8)
-    return blocks.reshape(n, k // BLOCK_VALUES * BLOCK_BYTES)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,19 +3,22 @@
 The dequantizing IQ3_S GEMV spends ~12-15 instructions per weight (grid gather, sign, fp32
 dequantization, bf16 packing, MMA operand moves) and decodes at 74 tok/s at 8B shapes on the H200.
 Here a grid word already holds its four magnitudes (odd integers 1-15) as bytes, so it goes to
-`dp4a` as it is once its signs are applied lane by lane: with the four sign bits spread to a byte
-mask `m` (0x01 per negative lane), (word ^ 0xFF·m) + m negates exactly those lanes (255 − g + 1 = 256 − g
-never carries into the next lane for g ≥ 1). Per 32-value sub-block the exact int32 sum against x's
-int8 quants (`dp4a.quantize_ref`) is scaled once by d·(1 + 2·scale)·dx.
+`dp4a` as it is once its signs are applied lane by lane: with the four sign bits as a byte mask `m`
+(0x01 per negative lane), (word ^ 0xFF·m) + m negates exactly those lanes (255 − g + 1 = 256 − g never
+carries into the next lane for g ≥ 1). The planes keep a sub-block's signs interleaved
+(`iq3_s.interleave_signs`: group t's four at bit t of each byte), so `m` is one shift and one mask;
+spreading four adjacent bits to the lanes took the file's order ~7 more instructions a word. Per
+32-value sub-block the exact int32 sum against x's int8 quants (`dp4a.quantize_ref`) is scaled once by
+d·(1 + 2·scale)·dx.
 
 Semantics (`gemv_iq3s_dp4a_ref`): term = (d·(1 + 2·scale)) · dx · S per sub-block (fp32, in that order;
 the first product is exact), a step's sub-blocks added by the pairwise tree, steps in K order,
 split-K partials in split order. A row's result does not depend on the other rows.
 
-STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes): 2.3-2.8x
-faster at M = 1, still 1.1-1.3x faster at M = 8; whole-model decode at batch 1 went from 74 to 180
-(later 202) tok/s. `iq3_s.matmul` takes it up to `iq3_s.DP4A_MAX_ROWS` rows by default
-(STRATA_IQ3S_DECODE=auto).
+STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes; the seventh
+round, both with the shared grid and interleaved signs): 1.9-2.2x faster at M = 1, 0.74-0.85x at M = 8;
+whole-model decode at batch 1 went from 74 to 180, then 202, 207 and 230 tok/s.
+`iq3_s.matmul` takes it up to `iq3_s.DP4A_MAX_ROWS` rows by default (STRATA_IQ3S_DECODE=auto).
 
 Tried and measured (the fifth H200 round, bench/results/dp4a_sweep_round5_cuda.txt): the eight grid
 words of a sub-block unrolled inside the thread that holds it, tensors [rows, sub-blocks], eight warps.
@@ -82,12 +85,6 @@ def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int,
 
 
 @jit
-def _lane_mask(bits):
-    """Four sign bits (int32 in 0..15) -> 0x01 in each byte lane whose bit is set."""
-    return (bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)
-
-
-@jit
 def grid_table_words(grid_ptr, SHARED_GRID: tl.constexpr):
     """The 512 grid words in registers, once a program, for `grid_words` to gather from (0 when unused)."""
     if SHARED_GRID:
@@ -129,10 +126,10 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
         idx = tl.load(qs_ptr + w_rows[:, None, None] * (k // 4) + (sub * 8)[None, :, None]
                       + word[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 8]: a grid index per 4 values
         qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [BLOCK_N, G]
-        idx |= ((qh[:, :, None] >> word[None, None, :]) & 1) << 8
+        idx |= ((qh << 8)[:, :, None] >> word[None, None, :]) & 256
         mags = grid_words(grid_ptr, idx, table, SHARED_GRID)  # four magnitudes per word, one per byte lane
         bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
-        lanes = _lane_mask((bits[:, :, None] >> (word * 4)[None, None, :]) & 15)
+        lanes = (bits[:, :, None] >> word[None, None, :]) & 0x01010101  # interleaved: 0x01 per negative lane
         wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
         sc = tl.load(scales_ptr + w_rows[:, None] * (k // 64) + (sub // 2)[None, :]).to(tl.int32)
         sc = (sc >> ((sub % 2) * 4)[None, :]) & 15

@@ -1,7 +1,7 @@
 """Quantizers: float weights → a format's raw GGUF blocks, for fidelity measurements and test files.
 
 Q8_0 uses the gguf package's own quantizer. The gguf package only dequantizes Q4_K, IQ3_S and Q6_K, so
-those are written here (IQ3_S's search lives beside its kernels, `iq3_s.quantize`). They are simple,
+those are written here (IQ3_S's search has its own module, `iq3_s_quantize.py`). They are simple,
 documented searches, not llama.cpp's importance-weighted ones, so their error is an upper bound on
 what a llama.cpp file of the same format would show.
 """
@@ -25,7 +25,7 @@ def quantize(ggml_type: str, w: np.ndarray) -> np.ndarray:
     if ggml_type == "Q4_K":
         return quantize_q4_k(w)
     if ggml_type == "IQ3_S":
-        from strata.kernels.quant.iq3_s import quantize as quantize_iq3_s
+        from strata.kernels.quant.iq3_s_quantize import quantize as quantize_iq3_s
 
         return quantize_iq3_s(w)
     if ggml_type == "Q6_K":
