@@ -97,6 +97,7 @@ step() {  # name, seconds, command...
       prefix8b-busy) step prefix8b-busy 300 $B prefix --shape qwen3-8b --busy --out $R/prefix_busy_qwen3-8b_cuda.json ;;
       sweep-wide-head) TAIL=20 step sweep-wide-head 300 python3 scripts/sweep_attention.py --only decode-wide-head ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
+      sweep-decode-short) TAIL=60 step sweep-decode-short 300 python3 scripts/sweep_attention.py --only decode-short ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing
         TAIL=60 step moe-route-sweep 300 python3 -m strata.kernels.moe_routing --sweep ;;
       decode-nopdl) STRATA_PDL=0 step decode-nopdl 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_nopdl.json ;;

@@ -3,7 +3,8 @@
 
     python scripts/sweep_attention.py                  # prefill tile rows, then the decode split table
     python scripts/sweep_attention.py --only decode    # one section (prefill | decode | decode-configs
-                                                       # | decode-wide-head: Qwen3-Next's heads of 256)
+                                                       # | decode-wide-head: Qwen3-Next's heads of 256
+                                                       # | decode-short: tiles at 576 / 4K / 32K keys)
     python scripts/sweep_attention.py --json out.json  # also write every decode measurement
 
 Decode: one query per sequence (Qwen3-8B heads, 32 / 8 x 128, pool block size 16) at contexts 576, 4K and
@@ -225,6 +226,37 @@ def sweep_decode_configs(num_sms: int) -> None:
     A.select_config.cache_clear()
 
 
+SHORT_TILES = ((64, 2, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 4, 3))  # key tile, warps, stages
+
+
+def sweep_decode_short(num_sms: int) -> None:
+    """bf16 decode tiles (key tile, warps, stages) x MIN_SPLIT_KEYS at 576, 4K and 32K keys, batches 1
+    and 8, graph-timed over cold copies: whether short contexts want other tiles than the 32K sweep's."""
+    base = (A.KV_TILE, A.DECODE_CONFIG, A.MIN_SPLIT_KEYS)
+    print("decode (bf16): us per launch for (key tile, warps, stages) x MIN_SPLIT_KEYS "
+          + " ".join(str(m) for m in (64, 128, 256)))
+    for ctx, batch in itertools.product((576, 4096, 32768), (1, 8)):
+        seqs = [(1, ctx)] * batch
+        case = _setup(seqs, False, min(MAX_COPIES, math.ceil(COLD_BYTES / (batch * ctx * HKV * D * 4))))
+        ws = A.SplitWorkspace(batch, HQ, D, MAX_SPLITS, "cuda")
+        splits = A.choose_num_splits(batch, 1, HKV, MAX_MODEL_LEN, num_sms, MAX_SPLITS)
+        for tile, warps, stages in SHORT_TILES:
+            A.KV_TILE, A.DECODE_CONFIG = tile, A.TileConfig(16, warps, stages)
+            cells = []
+            for min_keys in (64, 128, 256):
+                A.MIN_SPLIT_KEYS = min_keys
+                A.select_config.cache_clear()
+                try:
+                    cells.append(f"{_graph_us(case, splits, ws):8.2f}")
+                except Exception as exc:  # a tile that does not fit: reported, the others still run
+                    cells.append(f"fail({type(exc).__name__})")
+            print(f"  ctx {ctx:5d} batch {batch}: {tile:3d} {warps} {stages} |" + " ".join(cells), flush=True)
+        del case, ws
+        torch.cuda.empty_cache()
+    A.KV_TILE, A.DECODE_CONFIG, A.MIN_SPLIT_KEYS = base
+    A.select_config.cache_clear()
+
+
 WIDE_HEADS = (16, 2, 256)  # Qwen3-Next's gated attention
 WIDE_HEAD_CONFIGS = ((2, 64), (4, 32), (4, 64), (8, 32))  # (warps, key tile); (2, 64): the 128-head tiles
 
@@ -259,7 +291,7 @@ def sweep_decode_wide_head(num_sms: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("prefill", "decode", "decode-configs", "decode-wide-head"))
+    parser.add_argument("--only", choices=("prefill", "decode", "decode-configs", "decode-wide-head", "decode-short"))
     parser.add_argument("--prefill-configs", default="",
                         help="only these prefill configs, 'tile,block_m,warps,stages;...' (default: all)")
     parser.add_argument("--json", help="write the decode measurements here")
@@ -277,6 +309,8 @@ def main() -> None:
         sweep_decode_wide_head(num_sms)
     if args.only == "decode-configs":
         sweep_decode_configs(num_sms)
+    if args.only == "decode-short":
+        sweep_decode_short(num_sms)
 
 
 if __name__ == "__main__":
