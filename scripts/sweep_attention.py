@@ -205,10 +205,10 @@ def sweep_decode_configs(num_sms: int) -> None:
         ("b1@32K", [(1, 32768)], False), ("b8@32K", [(1, 32768)] * 8, False),
         ("b1@32K int8", [(1, 32768)], True), ("b8@32K int8", [(1, 32768)] * 8, True))}
     ws = A.SplitWorkspace(64, HQ, D, 64, "cuda")
-    base = (A.KV_TILE, A.KV_TILE_INT8, A.DECODE_CONFIG, A.DECODE_CONFIG_INT8)
+    base = (A.KV_TILE_DECODE, A.KV_TILE_INT8, A.DECODE_CONFIG, A.DECODE_CONFIG_INT8)
     print("decode configs: kv_tile warps stages waves -> GB/s of K+V per case (eager calls)")
     for tile, w, st, waves in list(itertools.product((64, 128), (2, 4), (3, 4), (2, 4))):
-        A.KV_TILE, A.KV_TILE_INT8 = tile, tile
+        A.KV_TILE_DECODE, A.KV_TILE_INT8 = tile, tile
         A.DECODE_CONFIG = A.DECODE_CONFIG_INT8 = A.TileConfig(16, w, st)
         A.select_config.cache_clear()
         res = []
@@ -222,7 +222,7 @@ def sweep_decode_configs(num_sms: int) -> None:
             except Exception as e:
                 res.append(f"{name} fail({type(e).__name__})")
         print(f"  {tile:3d} {w} {st} {waves}: " + " | ".join(res), flush=True)
-    A.KV_TILE, A.KV_TILE_INT8, A.DECODE_CONFIG, A.DECODE_CONFIG_INT8 = base
+    A.KV_TILE_DECODE, A.KV_TILE_INT8, A.DECODE_CONFIG, A.DECODE_CONFIG_INT8 = base
     A.select_config.cache_clear()
 
 
@@ -232,7 +232,7 @@ SHORT_TILES = ((64, 2, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (12
 def sweep_decode_short(num_sms: int) -> None:
     """bf16 decode tiles (key tile, warps, stages) x MIN_SPLIT_KEYS at 576, 4K and 32K keys, batches 1
     and 8, graph-timed over cold copies: whether short contexts want other tiles than the 32K sweep's."""
-    base = (A.KV_TILE, A.DECODE_CONFIG, A.MIN_SPLIT_KEYS)
+    base = (A.KV_TILE_DECODE, A.DECODE_CONFIG, A.MIN_SPLIT_KEYS)
     print("decode (bf16): us per launch for (key tile, warps, stages) x MIN_SPLIT_KEYS "
           + " ".join(str(m) for m in (64, 128, 256)))
     for ctx, batch in itertools.product((576, 4096, 32768), (1, 8)):
@@ -241,7 +241,7 @@ def sweep_decode_short(num_sms: int) -> None:
         ws = A.SplitWorkspace(batch, HQ, D, MAX_SPLITS, "cuda")
         splits = A.choose_num_splits(batch, 1, HKV, MAX_MODEL_LEN, num_sms, MAX_SPLITS)
         for tile, warps, stages in SHORT_TILES:
-            A.KV_TILE, A.DECODE_CONFIG = tile, A.TileConfig(16, warps, stages)
+            A.KV_TILE_DECODE, A.DECODE_CONFIG = tile, A.TileConfig(16, warps, stages)
             cells = []
             for min_keys in (64, 128, 256):
                 A.MIN_SPLIT_KEYS = min_keys
@@ -253,7 +253,7 @@ def sweep_decode_short(num_sms: int) -> None:
             print(f"  ctx {ctx:5d} batch {batch}: {tile:3d} {warps} {stages} |" + " ".join(cells), flush=True)
         del case, ws
         torch.cuda.empty_cache()
-    A.KV_TILE, A.DECODE_CONFIG, A.MIN_SPLIT_KEYS = base
+    A.KV_TILE_DECODE, A.DECODE_CONFIG, A.MIN_SPLIT_KEYS = base
     A.select_config.cache_clear()
 
 

@@ -39,6 +39,7 @@ def tiny_tiles(monkeypatch):
     ways and a CPU-sized prompt chunk spans several query tiles."""
     monkeypatch.setattr(A, "MIN_SPLIT_KEYS", 32)
     monkeypatch.setattr(A, "KV_TILE", 32)
+    monkeypatch.setattr(A, "KV_TILE_DECODE", 32)
     monkeypatch.setattr(A, "PREFILL_KV_TILE", 32)
     monkeypatch.setattr(A, "PREFILL_CONFIG", A.TileConfig(block_m=128, num_warps=4, num_stages=2))
     A.select_config.cache_clear()
@@ -64,7 +65,7 @@ def test_splits_follow_the_context_and_merge_in_one_launch(tiny_tiles):
     for (n, ctx), row in zip(seqs, q_start):
         if not n:
             continue
-        parts = expected_parts(n, ctx, GRID_SPLITS, A.KV_TILE)
+        parts = expected_parts(n, ctx, GRID_SPLITS, A.KV_TILE_DECODE)
         assert parts < GRID_SPLITS
         written = ~ws.m[row:row + n, :hq].isnan()  # [n, Hq, splits]: which partials some program stored
         if parts == 1:  # a single split writes its output directly

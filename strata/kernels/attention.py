@@ -47,8 +47,8 @@ FMA loops over D). Not yet invariant: (1) `choose_num_splits` lowers num_splits 
 caps it (the runner: 32), so contexts longer than num_splits * MIN_SPLIT_KEYS split by the batch's
 num_splits; (2) bf16/fp16 dots run on tensor cores with an instruction chosen by BLOCK_M (decode and
 prefill configs differ), whose accumulation order is not specified — invariance there needs one
-BLOCK_M / num_warps for all regimes; (3) the key tile differs by regime (bf16 decode and short chunks KV_TILE,
-long chunks PREFILL_KV_TILE; int8 decode KV_TILE_INT8, int8 prefill KV_TILE), which moves tile boundaries and so
+BLOCK_M / num_warps for all regimes; (3) the key tile differs by regime (bf16 decode KV_TILE_DECODE, short chunks
+KV_TILE, long chunks PREFILL_KV_TILE; int8 decode KV_TILE_INT8, int8 prefill KV_TILE), which moves tile boundaries and so
 the order in which a row's online softmax adds its keys.
 """
 
@@ -65,7 +65,8 @@ from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
 
 LOG2E = 1.4426950408889634
-KV_TILE = 64  # keys per tile of bf16/fp16/fp32 caches in decode-sized steps (prefill: PREFILL_KV_TILE)
+KV_TILE = 64  # keys per tile of bf16/fp16/fp32 caches in short prompt chunks (long: PREFILL_KV_TILE)
+KV_TILE_DECODE = 128  # ... in decode-sized steps (DECODE_CONFIG)
 KV_TILE_INT8 = 128  # int8 caches in decode-sized steps: the same bytes per tile as 64 bf16 keys
 MIN_SPLIT_KEYS = 256  # a sequence gets at most cdiv(ctx_len, MIN_SPLIT_KEYS) key splits
 
@@ -75,14 +76,15 @@ class TileConfig:
     block_m: int  # query rows per program (queries x heads of the group), a power of two >= 16
     num_warps: int
     num_stages: int
-    kv_tile: int = KV_TILE  # keys per tile; select_config sets it from KV_TILE / KV_TILE_INT8
+    kv_tile: int = KV_TILE  # keys per tile; select_config sets it from KV_TILE / KV_TILE_DECODE / KV_TILE_INT8
 
 
-# Decode and verify: few query rows, memory bound; small row blocks, splits fill the GPU. Chosen with
-# scripts/sweep_attention.py on the H200: 2 warps beat 4 for one sequence at 32K (1555 vs 1254 GB/s of
-# K/V) and for int8 at batch 8 (1569 vs 1000), within 2% elsewhere (measured before int8 used
-# KV_TILE_INT8 and word loads of V; `--only decode-configs` of the sweep re-measures).
-DECODE_CONFIG = TileConfig(block_m=16, num_warps=2, num_stages=3)
+# Decode and verify: few query rows, memory bound; small row blocks, splits fill the GPU. bf16: 128-key
+# tiles, 4 warps, 2 stages (`sweep_attention.py --only decode-short` on the H200, the seventh round,
+# bench/results/attn_sweep_decode_short_cuda.txt): against the 64-key, 2-warp, 3-stage tiles before,
+# 1.16x at 576 keys and 1.03x at 4K for one sequence, 1.09x at 32K, 1.08x at 4K and 32K for eight;
+# 0.97x only at 576 keys for eight.
+DECODE_CONFIG = TileConfig(block_m=16, num_warps=4, num_stages=2)
 # int8 decode: 128-key tiles converted in registers want 4 warps (sweep_attention.py --only decode-configs
 # on the H200: 2,075 GB/s of int8 at 8 sequences x 32K against 1,847 with 2 warps).
 DECODE_CONFIG_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=3)
@@ -131,7 +133,7 @@ def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool 
     if rows <= DECODE_MAX_ROWS:
         cfg = DECODE_CONFIG_INT8 if is_int8 else DECODE_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(rows))
-        kv_tile = KV_TILE_INT8 if is_int8 else KV_TILE
+        kv_tile = KV_TILE_INT8 if is_int8 else KV_TILE_DECODE
         if head_dim > 128:
             cfg = DECODE_CONFIG_WIDE_HEAD_INT8 if is_int8 else DECODE_CONFIG_WIDE_HEAD
             return TileConfig(block_m, cfg.num_warps, cfg.num_stages, cfg.kv_tile)
