@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from sass_loops import sass  # noqa: E402
 
 from strata.kernels import activation, attention, gemv, moe_decode, moe_routing, norm  # noqa: E402
-from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, q4_k_dp4a, q6_k_dp4a, q8_0_mmq  # noqa: E402
+from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, moe_decode_q, q4_k_dp4a, q6_k_dp4a, q8_0_mmq  # noqa: E402
 
 OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 SPLIT_K_ARGS = dict(out_ptr="*bf16", out_stride="i32", partial_ptr="*fp32", counter_ptr="*i32", m="i32", n="i32",
@@ -89,6 +89,33 @@ def moe_down_combine(hidden: int, inter: int):
                  EVEN=inter % cfg.down_block_k == 0 and hidden % cfg.down_block_h == 0,
                  NUM_STAGES=cfg.down_stages, USE_PDL=True)
     return moe_decode._down_combine_kernel, sig, const, cfg.down_warps, cfg.down_stages, True
+
+
+# The quantized MoE decode kernels' plane arguments by format (as moe_q._kernel_planes passes them).
+QMOE_PLANES = {"Q8_0": ("*i8", "*fp16", "*i8", "*i8", "*i8", "*i8"), "Q4_K": ("*u8", "*i32", "*i32", "*u8", "*u8", "*u8"),
+               "IQ3_S": ("*u8", "*i32", "*u8", "*u8", "*fp16", "*i32"),
+               "Q6_K": ("*i32", "*i32", "*i32", "*fp32", "*fp32", "*fp32"),
+               "FP8": ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32")}
+
+
+def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768):
+    """strata.kernels.quant.moe_decode_q at the Qwen3-30B-A3B shape, `decode_config`'s configuration."""
+    cfg = moe_decode_q.decode_config(fmt, hidden, inter)
+    planes = dict(zip(("p0", "p1", "p2", "p3", "p4", "grid_ptr"), QMOE_PLANES[fmt]))
+    ids = dict(ids_ptr="*i64", ids_stride_t="i32", ids_stride_j="i32")
+    common = dict(FORMAT=moe_decode_q.FORMAT_IDS[fmt], INTERPRETED=False, SHARED_GRID=fmt == "IQ3_S", USE_PDL=True)
+    if kernel == "gate_up":
+        sig = dict(x_ptr="*bf16", x_stride="i32", **ids, **planes, act_ptr="*bf16", hidden="i32", inter="i32",
+                   top_k="i32")
+        const = dict(BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k,
+                     ACC_K=moe_decode_q._acc_k(fmt, cfg.gate_up_block_k), NUM_STAGES=cfg.gate_up_stages,
+                     USE_LIBDEVICE=True, **common)
+        return moe_decode_q._gate_up_kernel, sig, const, cfg.gate_up_warps, cfg.gate_up_stages, True
+    sig = dict(act_ptr="*bf16", **ids, wts_ptr="*fp32", wts_stride_t="i32", wts_stride_j="i32", **planes,
+               out_ptr="*bf16", out_stride="i32", hidden="i32", inter="i32", top_k="i32")
+    const = dict(BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=moe_decode_q._acc_k(fmt, cfg.down_block_k),
+                 NUM_STAGES=cfg.down_stages, **common)
+    return moe_decode_q._down_kernel, sig, const, cfg.down_warps, cfg.down_stages, True
 
 
 def shared_expert_gate(kind: str, hidden: int = 2048, top_k: int = 10):
@@ -176,6 +203,8 @@ CASES = {
     "shared_expert_add": lambda: shared_expert_gate("add"),
     "shared_expert_append": lambda: shared_expert_gate("append"),
     "q8_mmq_qkv": q8_mmq,
+    **{f"qmoe_{kernel}_{fmt}": (lambda fmt=fmt, kernel=kernel: qmoe_decode(fmt, kernel))
+       for fmt in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8") for kernel in ("gate_up", "down")},
 }
 
 

@@ -105,3 +105,11 @@ def test_fused_moe_decode_kernels_compile(compiled, name):
 def test_q8_mmq_on_int8_tensor_cores(compiled):
     """The Q8_0 GEMM with the dp4a GEMV's arithmetic: its group sums on the int8 warpgroup MMA."""
     assert "IGMMA" in _case(compiled, "q8_mmq_qkv")["ops"]
+
+
+@pytest.mark.parametrize("name", [f"qmoe_{kernel}_{fmt}" for fmt in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8")
+                                  for kernel in ("gate_up", "down")])
+def test_quantized_moe_decode_multiplies_on_cuda_cores(compiled, name):
+    """One activation row a pair: the dequantized tiles meet it in FFMAs, with no MMA padding x to 16 rows."""
+    ops = _case(compiled, name)["ops"]
+    assert "FFMA" in ops and not any(op.startswith(("HMMA", "HGMMA")) for op in ops)

@@ -82,7 +82,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, out):
     e, two_i, h13 = w13.shape
     inter = two_i // 2
     if (h13 != h or two_i % 2 or w2.shape != (e, h, inter) or topk_ids.shape[0] != t
-            or topk_weights.shape != topk_ids.shape or w13.dtype != x.dtype or w2.dtype != x.dtype):
+            or topk_weights.shape != topk_ids.shape or w13.dtype != w2.dtype or w13.dtype not in (x.dtype, torch.float32)):
         raise ValueError(f"shapes/dtypes do not fit: x {tuple(x.shape)} {x.dtype}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)}, w13 {tuple(w13.shape)} {w13.dtype}, "
                          f"w2 {tuple(w2.shape)} {w2.dtype}")
@@ -93,7 +93,8 @@ def _check(x, topk_ids, topk_weights, w13, w2, out):
 
 def moe_experts_decode_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                            w2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The definition, with the rounding points of `MoE._grouped`, which the kernels reproduce:
+    """The definition, with the rounding points of `MoE._grouped`, which the kernels reproduce (weights in
+    x's dtype, or fp32: the exact values of quantized experts, `quant.moe_decode_q`):
     1. h13 = x_t @ w13[e]ᵀ accumulated in fp32, rounded to x.dtype (gate and up each);
     2. a = F.silu(gate) * up in x.dtype (silu in fp32 rounded, product in fp32 rounded);
     3. y = a @ w2[e]ᵀ accumulated in fp32, rounded to x.dtype;
@@ -155,13 +156,19 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, w13_pt
     dtype = act_ptr.dtype.element_ty
     gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
     up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
-    # torch's SwiGLU rounding, as strata.kernels.activation: silu rounded, then the product rounded.
+    tl.store(act_ptr + pair.to(tl.int64) * inter + rows, swiglu_rounded(gate, up, dtype, USE_LIBDEVICE), mask=row_ok)
+
+
+@jit
+def swiglu_rounded(gate, up, dtype: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    """silu(gate) · up in `dtype` from gate and up already rounded to it (held in fp32), with torch's
+    SwiGLU rounding as strata.kernels.activation: silu rounded, then the product rounded."""
     if USE_LIBDEVICE:
         e = libdevice.exp(-gate)
     else:
         e = tl.exp(-gate)
     silu = tl.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
-    tl.store(act_ptr + pair.to(tl.int64) * inter + rows, (silu * up).to(dtype), mask=row_ok)
+    return (silu * up).to(dtype)
 
 
 @jit

@@ -16,6 +16,7 @@ from strata.kernels import moe_invariant as k_moe_inv
 from strata.kernels import moe_routing as k_route
 from strata.kernels import moe_sort as k_sort
 from strata.kernels import triton_available, use_triton
+from strata.kernels.quant import moe_decode_q
 from strata.kernels.scratch import scratch
 from strata.models.layers import MLP, silu_mul
 
@@ -196,6 +197,8 @@ class MoE(nn.Module):
         self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # GGUF experts kept quantized: (w13, w2) `QExpertStack`s instead of w13 / w2 (`moe_q.pack_quantized`).
         self.quant: tuple | None = None
+        # The stacks of `fp8` or `quant` when decode-sized steps run `moe_decode_q`'s kernels (probed at pack).
+        self.qdecode: tuple | None = None
 
     @torch.no_grad()
     def pack_experts(self, extra: MLP | None = None) -> str:
@@ -251,6 +254,8 @@ class MoE(nn.Module):
             out = self._loop(x, w, ids)  # each expert's rows through the row-invariant linear, in expert order
         elif self.batch_invariant and self.w13 is not None and x.dtype == self.w13.dtype and use_triton(x):
             out = self._grouped_invariant(x, w, ids)  # never the fused decode kernel: its order is its own
+        elif self.qdecode is not None and moe_decode_q.serves(x, ids.shape[1], *self.qdecode):
+            out = moe_decode_q.moe_decode_q_triton(x, ids, w, *self.qdecode)
         elif self.fp8 is not None or self.quant is not None:
             out = self._grouped(x, w, ids)
         elif self.decode_kernels_serve(x, ids.shape[1], self.w13):

@@ -193,6 +193,7 @@ def quantize_fp8(model: torch.nn.Module) -> int:
     embeddings and the LM head stay as they are). Their float weights are dropped (left on the meta
     device). Returns the weights (stacks) converted."""
     from strata.kernels.quant import fp8 as fp8_format
+    from strata.kernels.quant import moe_decode_q
     from strata.models.layers import MLP, Attention
     from strata.models.moe import MoE
 
@@ -219,9 +220,12 @@ def quantize_fp8(model: torch.nn.Module) -> int:
             drop(m.gate_proj, m.up_proj, m.down_proj)
             done += 2
         elif isinstance(m, MoE) and m.w13 is not None:
+            dtype = m.w13.dtype
             m.fp8 = (*fp8_format.quantize_experts(m.w13), *fp8_format.quantize_experts(m.w2))
             m.w13 = m.w2 = m.w13_ext = m.w2_ext = None
             m.decode_kernel = False
+            m.qdecode = moe_decode_q.decode_stacks(moe_decode_q.Fp8Experts(*m.fp8[:2]),
+                                                   moe_decode_q.Fp8Experts(*m.fp8[2:]), m.num_experts_per_tok, dtype)
             drop(*(lin for e in m.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)))
             done += 2
     return done

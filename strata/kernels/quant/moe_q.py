@@ -385,6 +385,8 @@ def pack_quantized(moe: nn.Module) -> bool:
     copy, sort and routing workspaces) is set up the same way. Returns False, changing nothing, when
     no expert was kept quantized; where only some were, or formats differ within a stack, the kept
     ones are expanded to float parameters (router dtype) and False tells `pack_experts` to pack floats."""
+    from strata.kernels.quant import moe_decode_q
+
     linears = [(m.gate_proj, m.up_proj, m.down_proj) for m in moe.experts]
     raws = [[lin.__dict__.pop("quant_raw", None) for lin in trio] for trio in linears]
     flat = [r for trio in raws for r in trio]
@@ -410,7 +412,8 @@ def pack_quantized(moe: nn.Module) -> bool:
     if w13.device.type == "cuda" and triton_available():
         moe.sort_ws = k_sort.sort_tokens_workspace(w13.device)
         moe.gate.route_ws = k_route.router_decode_workspace(w13.device)
-    moe.decode_kernel = False  # the fused decode kernels read bf16 stacks
+    moe.decode_kernel = False  # the bf16 fused decode kernels; few-token steps take `moe_decode_q`'s if it serves:
+    moe.qdecode = moe_decode_q.decode_stacks(w13, w2, moe.num_experts_per_tok, dtype)
     moe.path = "grouped"
     return True
 

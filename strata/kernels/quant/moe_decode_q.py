@@ -1,0 +1,417 @@
+"""Routed MoE experts kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K, or `--quantize fp8`), decode-sized
+batches, in two launches.
+
+The quantized twin of `strata.kernels.moe_decode`: the same two kernels, the same rounding points
+(`moe_experts_decode_ref`), the weights read as their blocks from `QExpertStack`s (or e4m3 with a scale
+per row, `Fp8Experts`) and dequantized in registers. It replaces, at T ≤ 16 tokens, the grouped path's
+sort, gather, two grouped launches (over 16-row tiles, or `torch._scaled_grouped_mm` after quantizing
+the activations for FP8), SiLU·mul, weighting, scatter and sum (~9 launches a layer).
+
+- `_gate_up_kernel`, grid (T·k pairs, I / BLOCK_I): one pair's BLOCK_I gate rows and the matching up
+  rows of its expert, over H in BLOCK_K steps; writes silu(gate)·up for the pair to act [T·k, I].
+- `_down_kernel`, grid (T, H / BLOCK_H): per token and row block, the k experts' down rows in slot
+  order j = 0..k-1, each term rounded and weighted as the reference does, summed in fp32.
+
+Per K step a weight tile [rows, BLOCK_K] comes out of the format's `_dequant_tile` in fp32, exact (the
+GGUF values are small integers times fp16 scales; e4m3 values convert exactly, their row scale is
+applied once to the row's sum), and is multiplied elementwise with the activation row, each lane
+keeping its partial sums until the end (one row of x a pair: tensor cores would pad it to 16). So the
+products are those of the exact weights, and only the fp32 summation order (and, for FP8, where the
+scale is applied) differs from the reference.
+
+A pair's expert is read from `topk_ids` on the device; the grid comes from shapes only and nothing
+goes to the host, so the launches can be captured in a CUDA graph. Each program serves one pair
+(kernel 1) or one token (kernel 2) and the k-sum has a fixed order: a token's result does not depend
+on the other tokens.
+
+STATUS: correct against the reference in the interpreter and on the device (tests); configurations
+chosen by reasoning (`decode_config`), timed on the H200 by `python -m strata.kernels.quant.moe_decode_q`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.env import ENV
+from strata.kernels import kernels_run, use_pdl
+from strata.kernels import moe_decode as k_moe
+from strata.kernels.pdl import pdl_prologue
+from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
+from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
+from strata.kernels.quant.moe_q import _FORMAT_IDS, _MIN_BLOCK_K, QExpertStack, _kernel_planes
+from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
+from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
+from strata.kernels.quant.q6_k import _dequant_tile as q6k_dequant_tile
+from strata.kernels.quant.q6_k import _low_columns as q6k_low_columns
+from strata.kernels.quant.q8_0 import _dequant_tile as q8_dequant_tile
+from strata.kernels.timing import time_us
+from strata.kernels.triton_import import jit, tl, triton
+
+MAX_TOKENS = k_moe.MAX_TOKENS
+SUPPORTED_DTYPES = k_moe.SUPPORTED_DTYPES
+FORMAT_IDS = {**_FORMAT_IDS, "FP8": 4}  # the kernels' FORMAT constexpr: moe_q's ids, then e4m3
+MIN_BLOCK_K = {**_MIN_BLOCK_K, "FP8": 16}
+FORMATS = tuple(FORMAT_IDS)
+
+
+@dataclass
+class Fp8Experts:
+    """`--quantize fp8` experts as the kernels read them: e4m3 [E, N, K] and an fp32 scale per row [E, N]
+    (`fp8.quantize_experts`), with the members of `QExpertStack` the kernels and the reference use."""
+
+    w: torch.Tensor
+    scale: torch.Tensor
+    ggml_type: str = "FP8"
+
+    @property
+    def num_experts(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.w.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.w.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.device
+
+    def dequantize_expert(self, e: int) -> torch.Tensor:
+        return self.w[e].float() * self.scale[e].float()[:, None]
+
+
+def _planes(stack) -> tuple[torch.Tensor, ...]:
+    """The kernels' five plane pointers and grid table (unused slots repeat a plane)."""
+    if stack.ggml_type == "FP8":
+        w = stack.w.view(stack.num_experts * stack.n, stack.k)
+        scale = stack.scale.reshape(-1)
+        return w, scale, w, w, w, scale
+    return _kernel_planes(stack)
+
+
+@dataclass(frozen=True)
+class QMoeDecodeConfig:
+    gate_up_block_i: int  # gate (and up) rows per kernel-1 program
+    gate_up_block_k: int  # H per kernel-1 step
+    gate_up_warps: int
+    gate_up_stages: int
+    down_block_h: int  # output rows per kernel-2 program
+    down_block_k: int  # I per kernel-2 step
+    down_warps: int
+    down_stages: int
+
+
+def _block_k(ggml_type: str, k: int, preferred: int) -> int:
+    """The largest power of two ≤ preferred (and ≥ the format's least) dividing K."""
+    block = max(preferred, MIN_BLOCK_K[ggml_type])
+    while block > MIN_BLOCK_K[ggml_type] and k % block:
+        block //= 2
+    return block
+
+
+def decode_config(ggml_type: str, hidden: int, inter: int) -> QMoeDecodeConfig:
+    """A function of (format, H, I) only, so a token's result does not depend on T.
+
+    Qwen3-30B-A3B (H 2048, I 768), batch 1: kernel 1 runs 8 · 768 / 16 = 384 programs (~3 per SM),
+    each step dequantizing 2 × 16 × 256 weights; kernel 2 runs 2048 / 8 = 256 programs, each walking
+    8 experts' 8 × 768 rows. IQ3_S's dequantization builds wider intermediates (grid words, sign
+    lanes), so its steps are 128 values. By reasoning, then `bench` on the device."""
+    step = 128 if ggml_type == "IQ3_S" else 256
+    return QMoeDecodeConfig(gate_up_block_i=16, gate_up_block_k=_block_k(ggml_type, hidden, step), gate_up_warps=4,
+                            gate_up_stages=3, down_block_h=8, down_block_k=_block_k(ggml_type, inter, step),
+                            down_warps=4, down_stages=3)
+
+
+def supported(num_tokens: int, top_k: int, ggml_type: str, hidden: int, inter: int, dtype) -> bool:
+    least = MIN_BLOCK_K.get(ggml_type)
+    return (ggml_type in FORMAT_IDS and 1 <= num_tokens <= MAX_TOKENS and 1 <= top_k <= k_moe.MAX_TOP_K
+            and dtype in SUPPORTED_DTYPES and hidden % least == 0 and inter % least == 0 and inter >= 16)
+
+
+def _check(x, topk_ids, topk_weights, w13, w2, out):
+    t, h = x.shape if x.dim() == 2 else (None, None)
+    inter = w13.n // 2
+    if (x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape
+            or w13.k != h or w13.n % 2 or w2.n != h or w2.k != inter or w13.num_experts != w2.num_experts):
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)}, w13 [{w13.num_experts}, {w13.n}, {w13.k}], "
+                         f"w2 [{w2.num_experts}, {w2.n}, {w2.k}]")
+    if out is not None and (tuple(out.shape) != (t, h) or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out: expected [{t}, {h}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return t, topk_ids.shape[1], h, inter
+
+
+def moe_decode_q_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: `moe_experts_decode_ref` (its rounding points) on the exact fp32 weights of the
+    experts the tokens chose (each dequantized once)."""
+    _check(x, topk_ids, topk_weights, w13, w2, out)
+    used = torch.unique(topk_ids).tolist()
+    index = torch.full((w13.num_experts,), -1, dtype=torch.long)
+    index[used] = torch.arange(len(used))
+    ids = index.to(topk_ids.device)[topk_ids.long()]
+    f13 = torch.stack([w13.dequantize_expert(e) for e in used]).to(x.device)
+    f2 = torch.stack([w2.dequantize_expert(e) for e in used]).to(x.device)
+    return k_moe.moe_experts_decode_ref(x, ids, topk_weights, f13, f2, out)
+
+
+@jit
+def _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, x_row, FORMAT: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr):
+    """acc + the weight tile (rows `w_rows` of the flat planes, values k0 .. k0 + BLOCK_K) times the
+    activation row at x_row, elementwise in fp32. acc is [ROWS, BLOCK_K / 2] for Q4_K and Q6_K (their
+    tiles come as two halves), [ROWS, BLOCK_K] otherwise."""
+    if FORMAT == 1:  # Q4_K: low and high nibbles' halves, the high values 32 past the low ones
+        w_lo, w_hi = q4k_dequant_tile(p0, p1, p2, w_rows, k0, k, ROWS, BLOCK_K, tl.float32)
+        low = k0 + q4k_low_columns(BLOCK_K)
+        acc += w_lo * tl.load(x_row + low).to(tl.float32)[None, :]
+        acc += w_hi * tl.load(x_row + low + 32).to(tl.float32)[None, :]
+    elif FORMAT == 3:  # Q6_K: as Q4_K, 64 apart
+        w_lo, w_hi = q6k_dequant_tile(p0, p1, p2, p3, w_rows, k0, k, ROWS, BLOCK_K, tl.float32, INTERPRETED)
+        low = k0 + q6k_low_columns(BLOCK_K)
+        acc += w_lo * tl.load(x_row + low).to(tl.float32)[None, :]
+        acc += w_hi * tl.load(x_row + low + 64).to(tl.float32)[None, :]
+    else:
+        if FORMAT == 0:  # Q8_0: p0 qs int8 [rows, K], p1 d fp16 [rows, K/32]
+            GROUPS: tl.constexpr = BLOCK_K // 32
+            g = tl.arange(0, GROUPS)
+            q_ptrs = p0 + w_rows[:, None, None] * k + k0 + g[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+            d_ptrs = p1 + w_rows[:, None] * (k // 32) + k0 // 32 + g[None, :]
+            w = q8_dequant_tile(q_ptrs, d_ptrs, ROWS, BLOCK_K, tl.float32)
+        elif FORMAT == 2:  # IQ3_S: qs, signs, qh, scales, d and the grid
+            w = iq3s_dequant_tile(p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, ROWS, BLOCK_K,
+                                  INTERPRETED, SHARED_GRID)
+        else:  # FP8: p0 e4m3 [rows, K] (its row scale, p1, multiplies the row's sum: `_row_sum`)
+            w = tl.load(p0 + w_rows[:, None] * k + k0 + tl.arange(0, BLOCK_K)[None, :]).to(tl.float32)
+        acc += w * tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)[None, :]
+    return acc
+
+
+@jit
+def _row_sum(acc, scale_ptr, w_rows, dtype: tl.constexpr, FORMAT: tl.constexpr):
+    """A row's sum of products rounded to `dtype` (FP8: times the row's scale first), back in fp32."""
+    total = tl.sum(acc, axis=1)
+    if FORMAT == 4:
+        total = total * tl.load(scale_ptr + w_rows)
+    return total.to(dtype).to(tl.float32)
+
+
+@jit
+def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1, p2, p3, p4, grid_ptr, act_ptr,
+                    hidden, inter, top_k, FORMAT: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
+                    SHARED_GRID: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only
+    pair = tl.program_id(0)
+    token = pair // top_k
+    slot = pair % top_k
+    expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    row_ok = rows < inter
+    gate_rows = expert * (2 * inter) + tl.minimum(rows, inter - 1)  # rows past I re-read the last, never stored
+    up_rows = gate_rows + inter
+    x_row = x_ptr + token * x_stride
+    acc_gate = tl.zeros((BLOCK_I, ACC_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_I, ACC_K), dtype=tl.float32)
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
+        acc_gate = _fma_tile(acc_gate, p0, p1, p2, p3, p4, grid_ptr, table, gate_rows, k0, hidden, x_row, FORMAT,
+                             BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID)
+        acc_up = _fma_tile(acc_up, p0, p1, p2, p3, p4, grid_ptr, table, up_rows, k0, hidden, x_row, FORMAT,
+                           BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID)
+    dtype = act_ptr.dtype.element_ty
+    gate = _row_sum(acc_gate, p1, gate_rows, dtype, FORMAT)
+    up = _row_sum(acc_up, p1, up_rows, dtype, FORMAT)
+    tl.store(act_ptr + pair.to(tl.int64) * inter + rows, k_moe.swiglu_rounded(gate, up, dtype, USE_LIBDEVICE),
+             mask=row_ok)
+
+
+@jit
+def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stride_t, wts_stride_j, p0, p1, p2, p3,
+                 p4, grid_ptr, out_ptr, out_stride, hidden, inter, top_k, FORMAT: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    table = grid_table_words(grid_ptr, SHARED_GRID)
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < hidden
+    safe_rows = tl.minimum(rows, hidden - 1)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    # Slots in order 0..k-1: the fixed summation order of the reference's `.sum(1)`.
+    for slot in range(0, top_k):
+        expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
+        weight = tl.load(wts_ptr + token * wts_stride_t + slot * wts_stride_j).to(tl.float32)
+        w_rows = expert * hidden + safe_rows
+        a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
+        acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
+        for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
+            acc = _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
+                            BLOCK_K, INTERPRETED, SHARED_GRID)
+        y = _row_sum(acc, p1, w_rows, dtype, FORMAT)
+        total += (y * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * out_stride + rows, total.to(dtype), mask=row_ok)
+
+
+def _acc_k(ggml_type: str, block_k: int) -> int:
+    return block_k // 2 if ggml_type in ("Q4_K", "Q6_K") else block_k
+
+
+def _check_config(cfg: QMoeDecodeConfig, ggml_type: str, hidden: int, inter: int) -> None:
+    pow2 = lambda v, lo: v >= lo and v & (v - 1) == 0  # noqa: E731
+    least = MIN_BLOCK_K[ggml_type]
+    ok = (pow2(cfg.gate_up_block_i, 1) and pow2(cfg.down_block_h, 1) and pow2(cfg.gate_up_block_k, least)
+          and pow2(cfg.down_block_k, least) and hidden % cfg.gate_up_block_k == 0 and inter % cfg.down_block_k == 0
+          and (ggml_type != "IQ3_S" or max(cfg.gate_up_block_k, cfg.down_block_k) <= 256))
+    if not ok:
+        raise ValueError(f"invalid {ggml_type} {cfg} for H={hidden}, I={inter}")
+
+
+def moe_decode_q_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2, out: torch.Tensor | None = None, *,
+                        config: QMoeDecodeConfig | None = None) -> torch.Tensor:
+    """x [T ≤ 16, H] (contiguous rows), topk_ids [T, k] int32/int64, topk_weights [T, k] fp32, w13 the
+    gate|up stack [E, 2I, H] and w2 the down stack [E, H, I] of one format (`QExpertStack`s or
+    `Fp8Experts`) → out [T, H] in x.dtype.
+    Expert ids must be in [0, E) (not checked: that would read them on the host). The intermediate
+    [T·k, I] comes from torch.empty (the graph pool under capture). `config` overrides `decode_config`."""
+    t, k, h, inter = _check(x, topk_ids, topk_weights, w13, w2, out)
+    if w13.ggml_type != w2.ggml_type:
+        raise ValueError(f"one format for both stacks, got {w13.ggml_type} and {w2.ggml_type}")
+    fmt = w13.ggml_type
+    if x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"x: contiguous rows of bf16/fp16 ({x.dtype}, strides {x.stride()}); topk_ids "
+                         f"int32/int64 ({topk_ids.dtype})")
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    elif out.stride(1) != 1:
+        raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
+    if t == 0 or k == 0:
+        return out.zero_()
+    cfg = config or decode_config(fmt, h, inter)
+    _check_config(cfg, fmt, h, inter)
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    common = dict(FORMAT=FORMAT_IDS[fmt], INTERPRETED=not x.is_cuda,
+                  SHARED_GRID=fmt == "IQ3_S" and grid_in_shared())
+    on = use_pdl(x)
+    _gate_up_kernel[(t * k, triton.cdiv(inter, cfg.gate_up_block_i))](
+        x, x.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1), *_planes(w13), act, h, inter, k,
+        BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k, ACC_K=_acc_k(fmt, cfg.gate_up_block_k),
+        NUM_STAGES=cfg.gate_up_stages, USE_LIBDEVICE=x.is_cuda, USE_PDL=on, launch_pdl=on,
+        num_warps=cfg.gate_up_warps, **common)
+    _down_kernel[(t, triton.cdiv(h, cfg.down_block_h))](
+        act, topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
+        topk_weights.stride(1), *_planes(w2), out, out.stride(0), h, inter, k,
+        BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=_acc_k(fmt, cfg.down_block_k),
+        NUM_STAGES=cfg.down_stages, USE_PDL=on, launch_pdl=on, num_warps=cfg.down_warps, **common)
+    return out
+
+
+def serves(x: torch.Tensor, top_k: int, w13, w2) -> bool:
+    """Whether the kernels run this step (host metadata only: no sync)."""
+    return (w13.ggml_type == w2.ggml_type and x.dim() == 2 and x.stride(1) == 1 and kernels_run(x, _gate_up_kernel)
+            and supported(x.shape[0], top_k, w13.ggml_type, x.shape[1], w2.k, x.dtype))
+
+
+def fused_chosen() -> bool:
+    """STRATA_QMOE_DECODE: whether decode-sized steps may take these kernels ('fused') or keep the grouped path."""
+    choice = ENV.QMOE_DECODE.get()
+    if choice not in ("fused", "grouped"):
+        raise ValueError(f"STRATA_QMOE_DECODE={choice!r}: expected 'fused' or 'grouped'")
+    return choice == "fused"
+
+
+def decode_stacks(w13, w2, top_k: int, dtype: torch.dtype) -> tuple | None:
+    """(w13, w2) when decode-sized steps of a MoE layer over these stacks should take the kernels: CUDA,
+    STRATA_QMOE_DECODE=fused and the pack-time probe passing; else None (the grouped path serves)."""
+    if w13.device.type != "cuda" or not fused_chosen() or not moe_decode_q_works(w13, w2, top_k, dtype):
+        return None
+    return w13, w2
+
+
+def moe_decode_q_works(w13, w2, top_k: int, dtype: torch.dtype) -> bool:
+    """One call on the real stacks against the reference, at pack time (as `models.moe.moe_decode_works`):
+    a kernel this device cannot build or run leaves the grouped path serving every step."""
+    x = torch.randn(2, w13.k, device=w13.device, dtype=dtype)
+    if not serves(x, top_k, w13, w2):
+        return False
+    ids = torch.stack([torch.randperm(w13.num_experts, device=w13.device)[:top_k] for _ in range(2)])
+    w = torch.rand(2, top_k, device=w13.device)
+    try:
+        got = moe_decode_q_triton(x, ids, w, w13, w2)
+    except Exception as err:  # a compiler or launch failure: fall back rather than fail every step
+        import logging
+
+        logging.getLogger(__name__).warning("quantized MoE decode kernels unavailable (%s); using grouped GEMMs", err)
+        return False
+    ref = moe_decode_q_ref(x, ids, w, w13, w2)
+    return bool(((got.float() - ref.float()).norm() <= 1e-2 * ref.float().norm()).item())
+
+
+# ----------------------------------------------------------------------------------------------
+# Device benchmark (by hand on the GPU: python -m strata.kernels.quant.moe_decode_q)
+
+
+def bench(formats=FORMATS, tokens=(1, 4, 8, 16), runs: int = 50, routings: int = 8,
+          configs: dict[str, list[QMoeDecodeConfig]] | None = None) -> list[dict]:
+    """Per format and T at the Qwen3-30B-A3B shape: both kernels against the grouped path (`MoE._grouped`
+    over the same stacks: sort, gather, two `moe_q` (FP8: `_scaled_grouped_mm`) launches, SiLU·mul,
+    weighting, scatter, sum), µs,
+    GB/s of the distinct active experts' bytes, relative error against the reference. Each timed call
+    takes the next of `routings` random routings, so weights come from HBM. `configs`: more
+    configurations to time per format (the first row is `decode_config`'s)."""
+    from types import SimpleNamespace
+
+    from strata.kernels.moe_sort import sort_tokens_workspace
+    from strata.kernels.quant import fp8, random_blocks
+    from strata.models.moe import MoE
+
+    e, k, h, inter = (k_moe.BENCH_SHAPE[n] for n in ("experts", "top_k", "hidden", "inter"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    print(f"{'fmt':>6} {'T':>3} | {'fused us':>8} {'GB/s':>6} | {'grouped us':>10} {'GB/s':>6} | {'speedup':>7} "
+          f"{'rel err':>8} | config", flush=True)
+    for fmt in formats:
+        if fmt == "FP8":
+            f13, f2 = (fp8.quantize_experts((torch.randn(e, n, kk, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))
+                       for n, kk in ((2 * inter, h), (h, inter)))
+            w13, w2 = Fp8Experts(*f13), Fp8Experts(*f2)
+            module = SimpleNamespace(num_experts=e, quant=None, fp8=(*f13, *f2), sort_ws=sort_tokens_workspace("cuda"))
+            per_expert = sum(t.numel() * t.element_size() for t in (*f13, *f2)) / e
+        else:
+            w13 = QExpertStack.from_raw(fmt, random_blocks(fmt, e * 2 * inter, h, gen, "cuda").view(e, 2 * inter, -1))
+            w2 = QExpertStack.from_raw(fmt, random_blocks(fmt, e * h, inter, gen, "cuda").view(e, h, -1))
+            module = SimpleNamespace(num_experts=e, quant=(w13, w2), fp8=None, sort_ws=sort_tokens_workspace("cuda"))
+            per_expert = (w13.nbytes + w2.nbytes) / e
+        for cfg in [decode_config(fmt, h, inter), *((configs or {}).get(fmt, []))]:
+            for t in tokens:
+                x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+                routes = []
+                for _ in range(routings):
+                    w, ids = torch.rand(t, e, device="cuda", generator=gen).softmax(-1).topk(k, dim=-1)
+                    routes.append((ids, (w / w.sum(-1, keepdim=True)).float()))
+                out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
+                fused = time_us([lambda r=r: moe_decode_q_triton(x, r[0], r[1], w13, w2, out, config=cfg)
+                                 for r in routes], runs)
+                grouped = time_us([lambda r=r: MoE._grouped(module, x, r[1], r[0]) for r in routes], runs)
+                ids, w = routes[0]
+                got = moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
+                ref = moe_decode_q_ref(x, ids, w, w13, w2)
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                gbytes = int(torch.unique(ids).numel()) * per_expert / 1e3
+                row = dict(format=fmt, t=t, fused_us=fused, grouped_us=grouped, fused_gbs=gbytes / fused,
+                           grouped_gbs=gbytes / grouped, rel_err=err, config=str(cfg))
+                rows.append(row)
+                print(f"{fmt:>6} {t:>3} | {fused:8.2f} {row['fused_gbs']:6.0f} | {grouped:10.2f} "
+                      f"{row['grouped_gbs']:6.0f} | {grouped / fused:7.2f} {err:8.1e} | {cfg}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    wider = lambda f: QMoeDecodeConfig(32, _block_k(f, 2048, 128), 4, 3, 16, _block_k(f, 768, 128), 4, 3)  # noqa: E731
+    narrow = lambda f: QMoeDecodeConfig(8, _block_k(f, 2048, 256), 4, 3, 4, _block_k(f, 768, 256), 2, 3)  # noqa: E731
+    bench(configs={f: [wider(f), narrow(f)] for f in FORMATS})

@@ -1,0 +1,224 @@
+"""The quantized MoE decode kernels (strata.kernels.quant.moe_decode_q) against their reference, a token's
+result alone and in a batch, and the MoE layer serving decode steps through them.
+
+CPU: the kernels in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at E = 6, H and I of
+256 (96 for a Q8_0 and an FP8 case whose rows do not fill the tiles), T = 1-3, top-2/3, bf16 (two cases in fp16), with the
+default configuration and one forced to loop (several K steps in both kernels). GPU (`pytest -m gpu`):
+Qwen3-30B-A3B sizes (E = 128, top-8, H = 2048, I = 768) in every format and FP8, graph capture and the
+timing table against the grouped path (`-s`).
+
+Inputs are fresh per case (their own seeds); outputs start as NaN and are compared whole. Tolerances
+(against `moe_decode_q_ref`, the exact dequantized weights and the rounding points of `MoE._grouped`):
+the largest error over the largest |reference| ≤ 2e-2 in bf16 and 3e-3 in fp16, as the bf16 decode
+kernels' tests (the fp32 summation order can flip one rounding of h13 or y by an ulp, which the later
+steps carry), and the relative Frobenius error ≤ 5e-3 in bf16.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from strata.kernels.quant import format_module, fp8
+from strata.kernels.quant import moe_decode_q as mdq
+from strata.kernels.quant.moe_q import QExpertStack
+from test_kernel_quant_moe import interpreter_tiles, quantized_moe  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+MAX_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+FRO_TOL = 5e-3
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def fro_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def stacks(fmt: str, e: int, h: int, inter: int, seed: int):
+    if fmt == "FP8":  # `--quantize fp8`'s experts: e4m3 with a scale per row
+        gen = torch.Generator().manual_seed(seed)
+        return tuple(mdq.Fp8Experts(*fp8.quantize_experts(torch.randn(e, n, k, generator=gen) * 0.02))
+                     for n, k in ((2 * inter, h), (h, inter)))
+    mod = format_module(fmt)
+    raw13 = torch.from_numpy(mod.random_raw(e * 2 * inter, h, seed)).view(e, 2 * inter, -1)
+    raw2 = torch.from_numpy(mod.random_raw(e * h, inter, seed + 1)).view(e, h, -1)
+    return QExpertStack.from_raw(fmt, raw13), QExpertStack.from_raw(fmt, raw2)
+
+
+def routing(seed: int, t: int, k: int, e: int, h: int, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=gen) + 0.1
+    return x, ids, (w / w.sum(-1, keepdim=True)).float()
+
+
+def looping(fmt: str) -> mdq.QMoeDecodeConfig:
+    """The format's least K step in both kernels (several steps at K = 256), small row blocks."""
+    least = mdq.MIN_BLOCK_K[fmt]
+    return mdq.QMoeDecodeConfig(gate_up_block_i=8, gate_up_block_k=least, gate_up_warps=2, gate_up_stages=2,
+                                down_block_h=16, down_block_k=least, down_warps=2, down_stages=2)
+
+
+CASES = [  # (format, T, k, H, I, config)
+    ("Q8_0", 1, 2, 256, 256, None), ("Q8_0", 3, 3, 256, 96, "loop"), ("Q4_K", 2, 2, 256, 256, None),
+    ("Q4_K", 1, 3, 256, 256, "loop"), ("IQ3_S", 2, 3, 256, 256, None), ("IQ3_S", 1, 2, 256, 256, "loop"),
+    ("Q6_K", 2, 2, 256, 256, None), ("Q6_K", 1, 2, 256, 256, "loop"), ("FP8", 2, 3, 256, 96, None),
+    ("FP8", 1, 2, 128, 64, "loop"),
+]
+
+
+# Every case in bf16, two in fp16 (the interpreter's cost is per program and step).
+DTYPED = [(c, torch.bfloat16) for c in CASES] + [(CASES[0], torch.float16), (CASES[2], torch.float16)]
+
+
+@pytest.mark.parametrize("case,dtype", DTYPED,
+                         ids=[f"{c[0]}-t{c[1]}k{c[2]}-i{c[4]}-{c[5] or 'default'}-{str(d)[6:]}" for c, d in DTYPED])
+def test_matches_reference(case, dtype):
+    fmt, t, k, h, inter, cfg = case
+    if cfg == "loop":
+        cfg = looping(fmt)
+    elif inter % 64:  # rows of I = 96 fill the default 16-row blocks: take 64-row blocks, left part empty
+        cfg = mdq.QMoeDecodeConfig(64, 32, 4, 2, 64, 32, 4, 2)
+    w13, w2 = stacks(fmt, 6, h, inter, seed_of("stacks", case) % 10_000)
+    x, ids, w = routing(seed_of("route", case, dtype), t, k, 6, h, dtype)
+    out = torch.full((t, h), float("nan"), dtype=dtype)
+    got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, out, config=cfg)
+    assert got is out and torch.isfinite(out).all()
+    ref = mdq.moe_decode_q_ref(x, ids, w, w13, w2)
+    assert max_err(got, ref) <= MAX_TOL[dtype], max_err(got, ref)
+    if dtype == torch.bfloat16:
+        assert fro_err(got, ref) <= FRO_TOL
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "FP8"])
+def test_a_token_alone_equals_it_in_a_batch(fmt):
+    """Each program serves one pair or one token: token 1's row, bit for bit, alone and beside others."""
+    w13, w2 = stacks(fmt, 6, 256, 256, seed=7)
+    x, ids, w = routing(seed_of("batch", fmt), 3, 2, 6, 256, torch.bfloat16)
+    both = mdq.moe_decode_q_triton(x, ids, w, w13, w2)
+    alone = mdq.moe_decode_q_triton(x[1:2].clone(), ids[1:2].clone(), w[1:2].clone(), w13, w2)
+    assert torch.equal(both[1:2], alone)
+
+
+def test_switch(monkeypatch):
+    assert mdq.fused_chosen()
+    monkeypatch.setenv("STRATA_QMOE_DECODE", "grouped")
+    assert not mdq.fused_chosen()
+    monkeypatch.setenv("STRATA_QMOE_DECODE", "fast")
+    with pytest.raises(ValueError, match="STRATA_QMOE_DECODE"):
+        mdq.fused_chosen()
+
+
+def test_checks_and_support():
+    w13, w2 = stacks("Q8_0", 4, 64, 32, seed=3)
+    x, ids, w = routing(1, 2, 2, 4, 64, torch.bfloat16)
+    assert mdq.supported(2, 2, "Q8_0", 64, 32, torch.bfloat16)
+    assert not mdq.supported(17, 2, "Q8_0", 64, 32, torch.bfloat16)  # more tokens than a decode step
+    assert not mdq.supported(2, 2, "Q8_0", 64, 32, torch.float32)  # fp32 runs the grouped path
+    assert not mdq.supported(2, 2, "Q4_K", 64, 32, torch.bfloat16)  # K not a multiple of Q4_K's step
+    assert not mdq.supported(2, 2, "Q5_K", 64, 32, torch.bfloat16)
+    with pytest.raises(ValueError):
+        mdq.moe_decode_q_triton(x[:, :32], ids, w, w13, w2)  # H does not fit the stacks
+    with pytest.raises(ValueError):
+        mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=mdq.QMoeDecodeConfig(16, 48, 4, 2, 8, 32, 4, 2))
+    with pytest.raises(ValueError):
+        mdq.moe_decode_q_triton(x, ids, w, w2, w2)  # not a gate|up stack of this down stack
+
+
+def test_moe_layer_decodes_through_the_kernels(monkeypatch, interpreter_tiles):
+    """A packed MoE with kept Q8_0 experts: with the probe's flag set, a decode-sized step runs the fused
+    kernels (counted) and agrees with the layer's grouped path on the same stacks; a step of more
+    tokens than a decode step takes the grouped path."""
+    moe, _ = quantized_moe("Q8_0", seed=5, down_fmt="same")
+    moe = moe.to(torch.bfloat16)
+    assert moe.pack_experts() == "grouped" and moe.qdecode is None  # the probe runs on CUDA only
+    calls = []
+    real = mdq.moe_decode_q_triton
+    monkeypatch.setattr(mdq, "moe_decode_q_triton", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        grouped = moe(x)
+        moe.qdecode = moe.quant
+        fused = moe(x)
+        moe(torch.randn(mdq.MAX_TOKENS + 1, 256).to(torch.bfloat16))
+    assert calls == [2]
+    w, ids, _ = moe.gate(x)
+    assert fro_err(fused, mdq.moe_decode_q_ref(x, ids, w, *moe.quant)) <= FRO_TOL
+    assert fro_err(fused, grouped) <= 1e-2  # the grouped kernels round each weight to bf16 first
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+E30, K30, H30, I30 = 128, 8, 2048, 768  # Qwen3-30B-A3B
+
+
+def stacks_30b(fmt: str, seed: int):
+    from strata.kernels.quant import random_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if fmt == "FP8":
+        return tuple(mdq.Fp8Experts(*fp8.quantize_experts(torch.randn(E30, n, k, device="cuda", generator=gen) * 0.02))
+                     for n, k in ((2 * I30, H30), (H30, I30)))
+    return (QExpertStack.from_raw(fmt, random_blocks(fmt, E30 * 2 * I30, H30, gen, "cuda").view(E30, 2 * I30, -1)),
+            QExpertStack.from_raw(fmt, random_blocks(fmt, E30 * H30, I30, gen, "cuda").view(E30, H30, -1)))
+
+
+def routing_30b(seed: int, t: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, H30, device="cuda", generator=gen).to(torch.bfloat16)
+    w, ids = torch.rand(t, E30, device="cuda", generator=gen).softmax(-1).topk(K30, dim=-1)
+    return x, ids, (w / w.sum(-1, keepdim=True)).float()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8"])
+def test_gpu_30b_matches_reference_and_replays(fmt):
+    w13, w2 = stacks_30b(fmt, seed=len(fmt))
+    for t in (1, 4, 16):
+        x, ids, w = routing_30b(t, t)
+        got = mdq.moe_decode_q_triton(x, ids, w, w13, w2)
+        ref = mdq.moe_decode_q_ref(x, ids, w, w13, w2)
+        print(f"{fmt} T={t}: max err {max_err(got, ref):.2e}, rel err {fro_err(got, ref):.2e}")
+        assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= FRO_TOL
+        assert torch.equal(mdq.moe_decode_q_triton(x, ids, w, w13, w2), got), "not deterministic run to run"
+        assert torch.equal(mdq.moe_decode_q_triton(x[:1].clone(), ids[:1].clone(), w[:1].clone(), w13, w2), got[:1])
+    x, ids, w = routing_30b(0, 4)
+    out = torch.empty_like(x)
+    mdq.moe_decode_q_triton(x, ids, w, w13, w2, out)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            mdq.moe_decode_q_triton(x, ids, w, w13, w2, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    new_x, new_ids, new_w = routing_30b(1, 4)
+    x.copy_(new_x)
+    ids.copy_(new_ids)
+    w.copy_(new_w)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, mdq.moe_decode_q_triton(x, ids, w, w13, w2))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_speed_report():
+    """The kernels against the grouped path at the 30B-A3B shape (printed with -s; never asserted)."""
+    rows = mdq.bench(tokens=(1, 8), runs=20)
+    assert all(r["rel_err"] <= FRO_TOL for r in rows)
