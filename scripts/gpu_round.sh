@@ -92,7 +92,7 @@ step() {  # name, seconds, command...
       quant-moe) step quant-moe 400 $B quant --shape qwen3-30b-a3b --formats bf16,Q8_0,IQ3_S,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
       qmoe-bench) TAIL=80 step qmoe-bench 300 python3 -m strata.kernels.quant.moe_decode_q ;;
       quant-moe-grouped) STRATA_QMOE_DECODE=grouped step quant-moe-grouped 400 $B quant --shape qwen3-30b-a3b \
-          --formats ${QUANT_FORMATS:-Q8_0,IQ3_S} --out $R/quant_qwen3-30b-a3b_grouped_cuda.json ;;
+          --formats ${QMOE_FORMATS:-Q8_0,IQ3_S,FP8} --out $R/quant_qwen3-30b-a3b_grouped_cuda.json ;;
       profile-moe-quant) for q in ${PROFILE_QUANTS:-Q8_0 IQ3_S}; do TAIL=30 step profile-moe-$q 150 env ${PROFILE_ENV:-} \
           python3 scripts/profile_step.py --shape qwen3-30b-a3b --batch 1 --top 20 --quant $q; done ;;
       quant-fp8) step quant-fp8 200 $B quant --shape qwen3-8b --formats bf16,FP8 --out $R/quant_qwen3-8b_fp8_cuda.json ;;
