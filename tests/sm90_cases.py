@@ -5,6 +5,7 @@ be compiled. Prints {case: {"error", "spills", "ops", "global_loads"}} as JSON."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -98,22 +99,25 @@ QMOE_PLANES = {"Q8_0": ("*i8", "*fp16", "*i8", "*i8", "*i8", "*i8"), "Q4_K": ("*
                "FP8": ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32")}
 
 
-def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768):
+def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4a: bool = False):
     """strata.kernels.quant.moe_decode_q at the Qwen3-30B-A3B shape, `decode_config`'s configuration."""
-    cfg = moe_decode_q.decode_config(fmt, hidden, inter)
+    cfg = dataclasses.replace(moe_decode_q.decode_config(fmt, hidden, inter), dp4a=dp4a)
     planes = dict(zip(("p0", "p1", "p2", "p3", "p4", "grid_ptr"), QMOE_PLANES[fmt]))
+    if dp4a:
+        planes["p2"] = "*i32"  # the qs plane as words
     ids = dict(ids_ptr="*i64", ids_stride_t="i32", ids_stride_j="i32")
-    common = dict(FORMAT=moe_decode_q.FORMAT_IDS[fmt], INTERPRETED=False, SHARED_GRID=fmt == "IQ3_S", USE_PDL=True)
+    common = dict(FORMAT=moe_decode_q.FORMAT_IDS[fmt], INTERPRETED=False, SHARED_GRID=fmt == "IQ3_S", DP4A=dp4a,
+                  USE_PDL=True)
     if kernel == "gate_up":
         sig = dict(x_ptr="*bf16", x_stride="i32", **ids, **planes, act_ptr="*bf16", hidden="i32", inter="i32",
                    top_k="i32")
         const = dict(BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k,
-                     ACC_K=moe_decode_q._acc_k(fmt, cfg.gate_up_block_k), NUM_STAGES=cfg.gate_up_stages,
+                     ACC_K=moe_decode_q._acc_k(fmt, cfg.gate_up_block_k, dp4a), NUM_STAGES=cfg.gate_up_stages,
                      USE_LIBDEVICE=True, **common)
         return moe_decode_q._gate_up_kernel, sig, const, cfg.gate_up_warps, cfg.gate_up_stages, True
     sig = dict(act_ptr="*bf16", **ids, wts_ptr="*fp32", wts_stride_t="i32", wts_stride_j="i32", **planes,
                out_ptr="*bf16", out_stride="i32", hidden="i32", inter="i32", top_k="i32")
-    const = dict(BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=moe_decode_q._acc_k(fmt, cfg.down_block_k),
+    const = dict(BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=moe_decode_q._acc_k(fmt, cfg.down_block_k, dp4a),
                  NUM_STAGES=cfg.down_stages, **common)
     return moe_decode_q._down_kernel, sig, const, cfg.down_warps, cfg.down_stages, True
 
@@ -205,6 +209,8 @@ CASES = {
     "q8_mmq_qkv": q8_mmq,
     **{f"qmoe_{kernel}_{fmt}": (lambda fmt=fmt, kernel=kernel: qmoe_decode(fmt, kernel))
        for fmt in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8") for kernel in ("gate_up", "down")},
+    **{f"qmoe_{kernel}_Q8_0_dp4a": (lambda kernel=kernel: qmoe_decode("Q8_0", kernel, dp4a=True))
+       for kernel in ("gate_up", "down")},
 }
 
 

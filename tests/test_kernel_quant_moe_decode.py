@@ -16,6 +16,7 @@ steps carry), and the relative Frobenius error ≤ 5e-3 in bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -101,6 +102,25 @@ def test_matches_reference(case, dtype):
     assert max_err(got, ref) <= MAX_TOL[dtype], max_err(got, ref)
     if dtype == torch.bfloat16:
         assert fro_err(got, ref) <= FRO_TOL
+
+
+@pytest.mark.parametrize("t,cfg", [(1, None), (3, "loop")], ids=["t1", "t3-loop"])
+def test_q8_dp4a_tiles(t, cfg):
+    """Q8_0 with `dp4a`: x quantized per 32 values, against the definition with that quantization (and
+    within 2e-2 of the exact-weight reference), bit for bit a token alone and in a batch."""
+    cfg = dataclasses.replace(looping("Q8_0") if cfg else mdq.decode_config("Q8_0", 256, 256), dp4a=True)
+    if cfg.gate_up_block_k < 64:
+        cfg = dataclasses.replace(cfg, gate_up_block_k=64, down_block_k=64)
+    w13, w2 = stacks("Q8_0", 6, 256, 256, seed=11)
+    x, ids, w = routing(seed_of("dp4a", t), t, 2, 6, 256, torch.bfloat16)
+    got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
+    ref = mdq.moe_decode_q8_dp4a_ref(x, ids, w, w13, w2)
+    assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= FRO_TOL
+    assert fro_err(got, mdq.moe_decode_q_ref(x, ids, w, w13, w2)) <= 2e-2
+    assert torch.equal(mdq.moe_decode_q_triton(x[-1:].clone(), ids[-1:].clone(), w[-1:].clone(), w13, w2, config=cfg),
+                       got[-1:])
+    with pytest.raises(ValueError):
+        mdq.moe_decode_q_triton(x, ids, w, *stacks("Q4_K", 6, 256, 256, seed=1), config=cfg)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "FP8"])
@@ -214,6 +234,19 @@ def test_gpu_30b_matches_reference_and_replays(fmt):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, mdq.moe_decode_q_triton(x, ids, w, w13, w2))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_30b_q8_dp4a_tiles():
+    w13, w2 = stacks_30b("Q8_0", seed=3)
+    cfg = dataclasses.replace(mdq.decode_config("Q8_0", H30, I30), dp4a=True)
+    for t in (1, 8):
+        x, ids, w = routing_30b(10 + t, t)
+        got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
+        ref = mdq.moe_decode_q8_dp4a_ref(x, ids, w, w13, w2)
+        print(f"Q8_0 dp4a T={t}: max err {max_err(got, ref):.2e}, rel err {fro_err(got, ref):.2e}")
+        assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= FRO_TOL
 
 
 @pytest.mark.gpu

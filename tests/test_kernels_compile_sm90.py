@@ -113,3 +113,8 @@ def test_quantized_moe_decode_multiplies_on_cuda_cores(compiled, name):
     """One activation row a pair: the dequantized tiles meet it in FFMAs, with no MMA padding x to 16 rows."""
     ops = _case(compiled, name)["ops"]
     assert "FFMA" in ops and not any(op.startswith(("HMMA", "HGMMA")) for op in ops)
+
+
+@pytest.mark.parametrize("name", ["qmoe_gate_up_Q8_0_dp4a", "qmoe_down_Q8_0_dp4a"])
+def test_quantized_moe_decode_dp4a_tiles_use_packed_dots(compiled, name):
+    assert "IDP" in _case(compiled, name)["ops"]

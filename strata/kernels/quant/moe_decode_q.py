@@ -38,6 +38,8 @@ from strata.env import ENV
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels import moe_decode as k_moe
 from strata.kernels.pdl import pdl_prologue
+from strata.kernels.quant.dp4a import _dp4a_words as dp4a_words
+from strata.kernels.quant.dp4a import _quantize_row as dp4a_quantize_row
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
 from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
 from strata.kernels.quant.moe_q import _FORMAT_IDS, _MIN_BLOCK_K, QExpertStack, _kernel_planes
@@ -91,7 +93,10 @@ def _planes(stack) -> tuple[torch.Tensor, ...]:
         w = stack.w.view(stack.num_experts * stack.n, stack.k)
         scale = stack.scale.reshape(-1)
         return w, scale, w, w, w, scale
-    return _kernel_planes(stack)
+    planes = _kernel_planes(stack)
+    if stack.ggml_type == "Q8_0":  # the qs plane again as int32 words, for the dp4a tiles
+        return planes[0], planes[1], planes[0].view(torch.int32), *planes[3:]
+    return planes
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class QMoeDecodeConfig:
     down_block_k: int  # I per kernel-2 step
     down_warps: int
     down_stages: int
+    dp4a: bool = False  # Q8_0 only: x quantized per 32 values and packed int8 dots (`dp4a`), as the dense GEMV
 
 
 def _block_k(ggml_type: str, k: int, preferred: int) -> int:
@@ -159,13 +165,43 @@ def moe_decode_q_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return k_moe.moe_experts_decode_ref(x, ids, topk_weights, f13, f2, out)
 
 
+def moe_decode_q8_dp4a_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: QExpertStack,
+                           w2: QExpertStack) -> torch.Tensor:
+    """The definition with `dp4a` tiles (Q8_0): as `moe_decode_q_ref`, each product's input quantized per
+    32 values (`dp4a.group_terms_ref`: exact integer group sums scaled by d_w · dx) before the sum."""
+    from strata.kernels.quant.dp4a import group_terms_ref
+
+    t, k, h, inter = _check(x, topk_ids, topk_weights, w13, w2, None)
+    dtype, out = x.dtype, torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    for tok in range(t):
+        for j in range(k):
+            e = int(topk_ids[tok, j])
+            p13, p2 = w13.expert_planes(e), w2.expert_planes(e)
+            h13 = group_terms_ref(x[tok:tok + 1], p13["qs"], p13["d"]).sum(-1).to(dtype)[0]
+            act = (torch.nn.functional.silu(h13[:inter]) * h13[inter:]).unsqueeze(0)
+            y = group_terms_ref(act, p2["qs"], p2["d"]).sum(-1).to(dtype)[0]
+            out[tok] += (y * topk_weights[tok, j].float()).to(dtype).float()
+    return out.to(dtype)
+
+
 @jit
 def _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, x_row, FORMAT: tl.constexpr,
-              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr):
+              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr,
+              DP4A: tl.constexpr):
     """acc + the weight tile (rows `w_rows` of the flat planes, values k0 .. k0 + BLOCK_K) times the
     activation row at x_row, elementwise in fp32. acc is [ROWS, BLOCK_K / 2] for Q4_K and Q6_K (their
-    tiles come as two halves), [ROWS, BLOCK_K] otherwise."""
-    if FORMAT == 1:  # Q4_K: low and high nibbles' halves, the high values 32 past the low ones
+    tiles come as two halves), [ROWS, BLOCK_K] otherwise; with DP4A (Q8_0) [ROWS, BLOCK_K / 32], a
+    group's exact int32 sum of products with x quantized per 32 values, scaled by d_w · dx (`dp4a`)."""
+    if DP4A:  # p2: the qs plane as int32 words
+        GROUPS_4: tl.constexpr = BLOCK_K // 32
+        g4 = tl.arange(0, GROUPS_4)
+        wq = tl.load(p2 + w_rows[:, None, None] * (k // 4) + (k0 // 4 + g4 * 8)[None, :, None]
+                     + tl.arange(0, 8)[None, None, :])
+        dw = tl.load(p1 + w_rows[:, None] * (k // 32) + k0 // 32 + g4[None, :]).to(tl.float32)
+        xw, dx = dp4a_quantize_row(tl.load(x_row + k0 + g4[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32))
+        isum = dp4a_words(wq, tl.broadcast_to(xw[None, :, :], wq.shape), INTERPRETED, False)
+        acc += isum.to(tl.float32) * dw * dx[None, :]
+    elif FORMAT == 1:  # Q4_K: low and high nibbles' halves, the high values 32 past the low ones
         w_lo, w_hi = q4k_dequant_tile(p0, p1, p2, w_rows, k0, k, ROWS, BLOCK_K, tl.float32)
         low = k0 + q4k_low_columns(BLOCK_K)
         acc += w_lo * tl.load(x_row + low).to(tl.float32)[None, :]
@@ -204,7 +240,7 @@ def _row_sum(acc, scale_ptr, w_rows, dtype: tl.constexpr, FORMAT: tl.constexpr):
 def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1, p2, p3, p4, grid_ptr, act_ptr,
                     hidden, inter, top_k, FORMAT: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
                     ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
-                    SHARED_GRID: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
+                    SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only
     pair = tl.program_id(0)
@@ -220,9 +256,9 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1
     acc_up = tl.zeros((BLOCK_I, ACC_K), dtype=tl.float32)
     for k0 in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
         acc_gate = _fma_tile(acc_gate, p0, p1, p2, p3, p4, grid_ptr, table, gate_rows, k0, hidden, x_row, FORMAT,
-                             BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID)
+                             BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
         acc_up = _fma_tile(acc_up, p0, p1, p2, p3, p4, grid_ptr, table, up_rows, k0, hidden, x_row, FORMAT,
-                           BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID)
+                           BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
     dtype = act_ptr.dtype.element_ty
     gate = _row_sum(acc_gate, p1, gate_rows, dtype, FORMAT)
     up = _row_sum(acc_up, p1, up_rows, dtype, FORMAT)
@@ -234,7 +270,7 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1
 def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stride_t, wts_stride_j, p0, p1, p2, p3,
                  p4, grid_ptr, out_ptr, out_stride, hidden, inter, top_k, FORMAT: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, USE_PDL: tl.constexpr):
+                 INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     table = grid_table_words(grid_ptr, SHARED_GRID)
     token = tl.program_id(0)
@@ -252,14 +288,14 @@ def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stri
         acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
         for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
             acc = _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
-                            BLOCK_K, INTERPRETED, SHARED_GRID)
+                            BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
         y = _row_sum(acc, p1, w_rows, dtype, FORMAT)
         total += (y * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * out_stride + rows, total.to(dtype), mask=row_ok)
 
 
-def _acc_k(ggml_type: str, block_k: int) -> int:
-    return block_k // 2 if ggml_type in ("Q4_K", "Q6_K") else block_k
+def _acc_k(ggml_type: str, block_k: int, dp4a: bool = False) -> int:
+    return block_k // 32 if dp4a else block_k // 2 if ggml_type in ("Q4_K", "Q6_K") else block_k
 
 
 def _check_config(cfg: QMoeDecodeConfig, ggml_type: str, hidden: int, inter: int) -> None:
@@ -267,7 +303,8 @@ def _check_config(cfg: QMoeDecodeConfig, ggml_type: str, hidden: int, inter: int
     least = MIN_BLOCK_K[ggml_type]
     ok = (pow2(cfg.gate_up_block_i, 1) and pow2(cfg.down_block_h, 1) and pow2(cfg.gate_up_block_k, least)
           and pow2(cfg.down_block_k, least) and hidden % cfg.gate_up_block_k == 0 and inter % cfg.down_block_k == 0
-          and (ggml_type != "IQ3_S" or max(cfg.gate_up_block_k, cfg.down_block_k) <= 256))
+          and (ggml_type != "IQ3_S" or max(cfg.gate_up_block_k, cfg.down_block_k) <= 256)
+          and (not cfg.dp4a or (ggml_type == "Q8_0" and min(cfg.gate_up_block_k, cfg.down_block_k) >= 64)))
     if not ok:
         raise ValueError(f"invalid {ggml_type} {cfg} for H={hidden}, I={inter}")
 
@@ -296,17 +333,17 @@ def moe_decode_q_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     _check_config(cfg, fmt, h, inter)
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     common = dict(FORMAT=FORMAT_IDS[fmt], INTERPRETED=not x.is_cuda,
-                  SHARED_GRID=fmt == "IQ3_S" and grid_in_shared())
+                  SHARED_GRID=fmt == "IQ3_S" and grid_in_shared(), DP4A=cfg.dp4a)
     on = use_pdl(x)
     _gate_up_kernel[(t * k, triton.cdiv(inter, cfg.gate_up_block_i))](
         x, x.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1), *_planes(w13), act, h, inter, k,
-        BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k, ACC_K=_acc_k(fmt, cfg.gate_up_block_k),
+        BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k, ACC_K=_acc_k(fmt, cfg.gate_up_block_k, cfg.dp4a),
         NUM_STAGES=cfg.gate_up_stages, USE_LIBDEVICE=x.is_cuda, USE_PDL=on, launch_pdl=on,
         num_warps=cfg.gate_up_warps, **common)
     _down_kernel[(t, triton.cdiv(h, cfg.down_block_h))](
         act, topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
         topk_weights.stride(1), *_planes(w2), out, out.stride(0), h, inter, k,
-        BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=_acc_k(fmt, cfg.down_block_k),
+        BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=_acc_k(fmt, cfg.down_block_k, cfg.dp4a),
         NUM_STAGES=cfg.down_stages, USE_PDL=on, launch_pdl=on, num_warps=cfg.down_warps, **common)
     return out
 
@@ -414,4 +451,5 @@ def bench(formats=FORMATS, tokens=(1, 4, 8, 16), runs: int = 50, routings: int =
 if __name__ == "__main__":
     wider = lambda f: QMoeDecodeConfig(32, _block_k(f, 2048, 128), 4, 3, 16, _block_k(f, 768, 128), 4, 3)  # noqa: E731
     narrow = lambda f: QMoeDecodeConfig(8, _block_k(f, 2048, 256), 4, 3, 4, _block_k(f, 768, 256), 2, 3)  # noqa: E731
-    bench(configs={f: [wider(f), narrow(f)] for f in FORMATS})
+    dp4a = [QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3, dp4a=True), QMoeDecodeConfig(32, 256, 4, 3, 16, 256, 4, 3, dp4a=True)]
+    bench(configs={f: [wider(f), narrow(f), *(dp4a if f == "Q8_0" else [])] for f in FORMATS})
