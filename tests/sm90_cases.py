@@ -99,9 +99,13 @@ QMOE_PLANES = {"Q8_0": ("*i8", "*fp16", "*i8", "*i8", "*i8", "*i8"), "Q4_K": ("*
                "FP8": ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32")}
 
 
-def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4a: bool = False):
-    """strata.kernels.quant.moe_decode_q at the Qwen3-30B-A3B shape, `decode_config`'s configuration."""
-    cfg = dataclasses.replace(moe_decode_q.decode_config(fmt, hidden, inter), dp4a=dp4a)
+def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4a: bool | None = None):
+    """strata.kernels.quant.moe_decode_q at the Qwen3-30B-A3B shape, `decode_config`'s configuration
+    (`dp4a` overrides its choice of Q8_0 tiles, 128 values a step without it)."""
+    cfg = moe_decode_q.decode_config(fmt, hidden, inter)
+    if dp4a is not None:
+        cfg = dataclasses.replace(cfg, dp4a=dp4a, gate_up_block_k=256 if dp4a else 128, down_block_k=256 if dp4a else 128)
+    dp4a = cfg.dp4a
     planes = dict(zip(("p0", "p1", "p2", "p3", "p4", "grid_ptr"), QMOE_PLANES[fmt]))
     if dp4a:
         planes["p2"] = "*i32"  # the qs plane as words
@@ -209,7 +213,7 @@ CASES = {
     "q8_mmq_qkv": q8_mmq,
     **{f"qmoe_{kernel}_{fmt}": (lambda fmt=fmt, kernel=kernel: qmoe_decode(fmt, kernel))
        for fmt in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8") for kernel in ("gate_up", "down")},
-    **{f"qmoe_{kernel}_Q8_0_dp4a": (lambda kernel=kernel: qmoe_decode("Q8_0", kernel, dp4a=True))
+    **{f"qmoe_{kernel}_Q8_0_fma": (lambda kernel=kernel: qmoe_decode("Q8_0", kernel, dp4a=False))
        for kernel in ("gate_up", "down")},
 }
 

@@ -33,6 +33,9 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 MAX_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 FRO_TOL = 5e-3
+# Q8_0's dp4a tiles against their definition: a one-ulp flip of a rounded h13 value can move its group's
+# amax, and so the int8 codes of all 32 activations of the down projection's input (~2⁻⁸ each).
+DP4A_FRO_TOL = 1e-2
 
 
 def seed_of(*parts) -> int:
@@ -69,7 +72,7 @@ def routing(seed: int, t: int, k: int, e: int, h: int, dtype):
 def looping(fmt: str) -> mdq.QMoeDecodeConfig:
     """The format's least K step in both kernels (several steps at K = 256), small row blocks."""
     least = mdq.MIN_BLOCK_K[fmt]
-    return mdq.QMoeDecodeConfig(gate_up_block_i=8, gate_up_block_k=least, gate_up_warps=2, gate_up_stages=2,
+    return mdq.QMoeDecodeConfig(gate_up_block_i=16, gate_up_block_k=least, gate_up_warps=2, gate_up_stages=2,
                                 down_block_h=16, down_block_k=least, down_warps=2, down_stages=2)
 
 
@@ -98,10 +101,11 @@ def test_matches_reference(case, dtype):
     out = torch.full((t, h), float("nan"), dtype=dtype)
     got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, out, config=cfg)
     assert got is out and torch.isfinite(out).all()
-    ref = mdq.moe_decode_q_ref(x, ids, w, w13, w2)
+    dp4a = (cfg or mdq.decode_config(fmt, h, inter)).dp4a
+    ref = mdq.reference(x, ids, w, w13, w2, cfg)
     assert max_err(got, ref) <= MAX_TOL[dtype], max_err(got, ref)
     if dtype == torch.bfloat16:
-        assert fro_err(got, ref) <= FRO_TOL
+        assert fro_err(got, ref) <= (DP4A_FRO_TOL if dp4a else FRO_TOL)
 
 
 @pytest.mark.parametrize("t,cfg", [(1, None), (3, "loop")], ids=["t1", "t3-loop"])
@@ -115,7 +119,7 @@ def test_q8_dp4a_tiles(t, cfg):
     x, ids, w = routing(seed_of("dp4a", t), t, 2, 6, 256, torch.bfloat16)
     got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
     ref = mdq.moe_decode_q8_dp4a_ref(x, ids, w, w13, w2)
-    assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= FRO_TOL
+    assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= DP4A_FRO_TOL
     assert fro_err(got, mdq.moe_decode_q_ref(x, ids, w, w13, w2)) <= 2e-2
     assert torch.equal(mdq.moe_decode_q_triton(x[-1:].clone(), ids[-1:].clone(), w[-1:].clone(), w13, w2, config=cfg),
                        got[-1:])
@@ -150,6 +154,13 @@ def test_checks_and_support():
     assert not mdq.supported(2, 2, "Q8_0", 64, 32, torch.float32)  # fp32 runs the grouped path
     assert not mdq.supported(2, 2, "Q4_K", 64, 32, torch.bfloat16)  # K not a multiple of Q4_K's step
     assert not mdq.supported(2, 2, "Q5_K", 64, 32, torch.bfloat16)
+    assert mdq.supported(8, 2, "Q4_K", 256, 256, torch.bfloat16) and not mdq.supported(9, 2, "Q4_K", 256, 256,
+                                                                                       torch.bfloat16)
+    for fmt, cfg in (("Q8_0", mdq.QMoeDecodeConfig(16, 256, 4, 2, 8, 256, 4, 2)),  # measured wrong on the H200
+                     ("Q4_K", mdq.QMoeDecodeConfig(8, 256, 4, 2, 4, 256, 2, 2))):
+        with pytest.raises(ValueError):
+            mdq.moe_decode_q_triton(torch.randn(1, 256).to(torch.bfloat16), ids[:1], w[:1],
+                                    *stacks(fmt, 4, 256, 256, seed=2), config=cfg)
     with pytest.raises(ValueError):
         mdq.moe_decode_q_triton(x[:, :32], ids, w, w13, w2)  # H does not fit the stacks
     with pytest.raises(ValueError):
@@ -176,8 +187,8 @@ def test_moe_layer_decodes_through_the_kernels(monkeypatch, interpreter_tiles):
         moe(torch.randn(mdq.MAX_TOKENS + 1, 256).to(torch.bfloat16))
     assert calls == [2]
     w, ids, _ = moe.gate(x)
-    assert fro_err(fused, mdq.moe_decode_q_ref(x, ids, w, *moe.quant)) <= FRO_TOL
-    assert fro_err(fused, grouped) <= 1e-2  # the grouped kernels round each weight to bf16 first
+    assert fro_err(fused, mdq.reference(x, ids, w, *moe.quant)) <= DP4A_FRO_TOL  # Q8_0: dp4a tiles
+    assert fro_err(fused, grouped) <= 2e-2  # and the grouped kernels round each weight to bf16 instead
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -208,12 +219,13 @@ def routing_30b(seed: int, t: int):
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8"])
 def test_gpu_30b_matches_reference_and_replays(fmt):
     w13, w2 = stacks_30b(fmt, seed=len(fmt))
-    for t in (1, 4, 16):
+    for t in (1, 4, 8):
         x, ids, w = routing_30b(t, t)
         got = mdq.moe_decode_q_triton(x, ids, w, w13, w2)
-        ref = mdq.moe_decode_q_ref(x, ids, w, w13, w2)
+        ref = mdq.reference(x, ids, w, w13, w2)
         print(f"{fmt} T={t}: max err {max_err(got, ref):.2e}, rel err {fro_err(got, ref):.2e}")
-        assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= FRO_TOL
+        tol = DP4A_FRO_TOL if mdq.decode_config(fmt, H30, I30).dp4a else FRO_TOL
+        assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= tol
         assert torch.equal(mdq.moe_decode_q_triton(x, ids, w, w13, w2), got), "not deterministic run to run"
         assert torch.equal(mdq.moe_decode_q_triton(x[:1].clone(), ids[:1].clone(), w[:1].clone(), w13, w2), got[:1])
     x, ids, w = routing_30b(0, 4)
@@ -246,7 +258,7 @@ def test_gpu_30b_q8_dp4a_tiles():
         got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
         ref = mdq.moe_decode_q8_dp4a_ref(x, ids, w, w13, w2)
         print(f"Q8_0 dp4a T={t}: max err {max_err(got, ref):.2e}, rel err {fro_err(got, ref):.2e}")
-        assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= FRO_TOL
+        assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= DP4A_FRO_TOL
 
 
 @pytest.mark.gpu
@@ -254,4 +266,4 @@ def test_gpu_30b_q8_dp4a_tiles():
 def test_gpu_speed_report():
     """The kernels against the grouped path at the 30B-A3B shape (printed with -s; never asserted)."""
     rows = mdq.bench(tokens=(1, 8), runs=20)
-    assert all(r["rel_err"] <= FRO_TOL for r in rows)
+    assert all(r["rel_err"] <= DP4A_FRO_TOL for r in rows)
