@@ -34,6 +34,7 @@ from `python -m strata.kernels.quant.moe_decode_q` on the H200 (`_CONFIGS`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,7 @@ class QMoeDecodeConfig:
     down_warps: int
     down_stages: int
     dp4a: bool = False  # Q8_0 only: x quantized per 32 values and packed int8 dots (`dp4a`), as the dense GEMV
+    flat_down: bool = False  # kernel 2 walks (slot, K step) in one pipelined loop rather than a loop per slot
 
 
 def _block_k(ggml_type: str, k: int, preferred: int) -> int:
@@ -294,7 +296,8 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1
 def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stride_t, wts_stride_j, p0, p1, p2, p3,
                  p4, grid_ptr, out_ptr, out_stride, hidden, inter, top_k, FORMAT: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_PDL: tl.constexpr):
+                 INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, FLAT: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     table = grid_table_words(grid_ptr, SHARED_GRID)
     token = tl.program_id(0)
@@ -304,17 +307,33 @@ def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stri
     dtype = out_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
     # Slots in order 0..k-1: the fixed summation order of the reference's `.sum(1)`.
-    for slot in range(0, top_k):
-        expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
-        weight = tl.load(wts_ptr + token * wts_stride_t + slot * wts_stride_j).to(tl.float32)
-        w_rows = expert * hidden + safe_rows
-        a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
+    if FLAT:  # one loop over (slot, K step), so the pipeline runs across slots: a slot's sum ends in a branch
+        steps = inter // BLOCK_K
         acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
-        for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
+        for it in tl.range(0, top_k * steps, num_stages=NUM_STAGES):
+            slot = it // steps
+            k0 = (it - slot * steps) * BLOCK_K
+            expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
+            w_rows = expert * hidden + safe_rows
+            a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
             acc = _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
                             BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
-        y = _row_sum(acc, p1, w_rows, dtype, FORMAT)
-        total += (y * weight).to(dtype).to(tl.float32)
+            if k0 + BLOCK_K == inter:
+                weight = tl.load(wts_ptr + token * wts_stride_t + slot * wts_stride_j).to(tl.float32)
+                total += (_row_sum(acc, p1, w_rows, dtype, FORMAT) * weight).to(dtype).to(tl.float32)
+                acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
+    else:
+        for slot in range(0, top_k):
+            expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
+            weight = tl.load(wts_ptr + token * wts_stride_t + slot * wts_stride_j).to(tl.float32)
+            w_rows = expert * hidden + safe_rows
+            a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
+            acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
+            for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
+                acc = _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
+                                BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
+            y = _row_sum(acc, p1, w_rows, dtype, FORMAT)
+            total += (y * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * out_stride + rows, total.to(dtype), mask=row_ok)
 
 
@@ -367,20 +386,29 @@ def moe_decode_q_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     cfg = config or decode_config(fmt, h, inter)
     _check_config(cfg, fmt, h, inter)
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    _launch(x, topk_ids, topk_weights, w13, w2, act, out, cfg, "both")
+    return out
+
+
+def _launch(x, topk_ids, topk_weights, w13, w2, act, out, cfg: QMoeDecodeConfig, which: str) -> None:
+    """Kernel 1 into act, kernel 2 from it into out ("both"), or one of them ("gate_up", "down": `bench`)."""
+    (t, k), h, inter, fmt = topk_ids.shape, x.shape[1], act.shape[1], w13.ggml_type
     common = dict(FORMAT=FORMAT_IDS[fmt], INTERPRETED=not x.is_cuda,
                   SHARED_GRID=fmt == "IQ3_S" and grid_in_shared(), DP4A=cfg.dp4a)
     on = use_pdl(x)
-    _gate_up_kernel[(t * k, triton.cdiv(inter, cfg.gate_up_block_i))](
-        x, x.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1), *_planes(w13), act, h, inter, k,
-        BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k, ACC_K=_acc_k(fmt, cfg.gate_up_block_k, cfg.dp4a),
-        NUM_STAGES=cfg.gate_up_stages, USE_LIBDEVICE=x.is_cuda, USE_PDL=on, launch_pdl=on,
-        num_warps=cfg.gate_up_warps, **common)
-    _down_kernel[(t, triton.cdiv(h, cfg.down_block_h))](
-        act, topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
-        topk_weights.stride(1), *_planes(w2), out, out.stride(0), h, inter, k,
-        BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=_acc_k(fmt, cfg.down_block_k, cfg.dp4a),
-        NUM_STAGES=cfg.down_stages, USE_PDL=on, launch_pdl=on, num_warps=cfg.down_warps, **common)
-    return out
+    if which != "down":
+        _gate_up_kernel[(t * k, triton.cdiv(inter, cfg.gate_up_block_i))](
+            x, x.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1), *_planes(w13), act, h, inter, k,
+            BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k,
+            ACC_K=_acc_k(fmt, cfg.gate_up_block_k, cfg.dp4a), NUM_STAGES=cfg.gate_up_stages,
+            USE_LIBDEVICE=x.is_cuda, USE_PDL=on, launch_pdl=on, num_warps=cfg.gate_up_warps, **common)
+    if which != "gate_up":
+        _down_kernel[(t, triton.cdiv(h, cfg.down_block_h))](
+            act, topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
+            topk_weights.stride(1), *_planes(w2), out, out.stride(0), h, inter, k,
+            BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=_acc_k(fmt, cfg.down_block_k, cfg.dp4a),
+            NUM_STAGES=cfg.down_stages, FLAT=cfg.flat_down, USE_PDL=on, launch_pdl=on, num_warps=cfg.down_warps,
+            **common)
 
 
 def serves(x: torch.Tensor, top_k: int, w13, w2) -> bool:
@@ -446,7 +474,8 @@ def bench(formats=FORMATS, tokens=(1, 4, 8, 16), runs: int = 50, routings: int =
     e, k, h, inter = (k_moe.BENCH_SHAPE[n] for n in ("experts", "top_k", "hidden", "inter"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'fmt':>6} {'T':>3} | {'fused us':>8} {'GB/s':>6} | {'grouped us':>10} {'GB/s':>6} | {'speedup':>7} "
+    print(f"{'fmt':>6} {'T':>3} | {'fused us':>8} {'GB/s':>6} {'gate_up':>7} {'down':>7} | {'grouped us':>10} "
+          f"{'GB/s':>6} | {'speedup':>7} "
           f"{'rel err':>8} | config", flush=True)
     for fmt in formats:
         if fmt == "FP8":
@@ -468,26 +497,32 @@ def bench(formats=FORMATS, tokens=(1, 4, 8, 16), runs: int = 50, routings: int =
                     w, ids = torch.rand(t, e, device="cuda", generator=gen).softmax(-1).topk(k, dim=-1)
                     routes.append((ids, (w / w.sum(-1, keepdim=True)).float()))
                 out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
+                act = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
                 fused = time_us([lambda r=r: moe_decode_q_triton(x, r[0], r[1], w13, w2, out, config=cfg)
                                  for r in routes], runs)
+                parts = [time_us([lambda r=r, p=p: _launch(x, r[0], r[1], w13, w2, act, out, cfg, p) for r in routes],
+                                 runs) for p in ("gate_up", "down")]
                 grouped = time_us([lambda r=r: MoE._grouped(module, x, r[1], r[0]) for r in routes], runs)
                 ids, w = routes[0]
                 got = moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
                 ref = reference(x, ids, w, w13, w2, cfg)
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                 gbytes = int(torch.unique(ids).numel()) * per_expert / 1e3
-                row = dict(format=fmt, t=t, fused_us=fused, grouped_us=grouped, fused_gbs=gbytes / fused,
-                           grouped_gbs=gbytes / grouped, rel_err=err, config=str(cfg))
+                row = dict(format=fmt, t=t, fused_us=fused, gate_up_us=parts[0], down_us=parts[1],
+                           grouped_us=grouped, fused_gbs=gbytes / fused, grouped_gbs=gbytes / grouped, rel_err=err,
+                           config=str(cfg))
                 rows.append(row)
-                print(f"{fmt:>6} {t:>3} | {fused:8.2f} {row['fused_gbs']:6.0f} | {grouped:10.2f} "
-                      f"{row['grouped_gbs']:6.0f} | {grouped / fused:7.2f} {err:8.1e} | {cfg}", flush=True)
+                print(f"{fmt:>6} {t:>3} | {fused:8.2f} {row['fused_gbs']:6.0f} {parts[0]:7.2f} {parts[1]:7.2f} | "
+                      f"{grouped:10.2f} {row['grouped_gbs']:6.0f} | {grouped / fused:7.2f} {err:8.1e} | {cfg}", flush=True)
     return rows
 
 
 if __name__ == "__main__":
-    alternatives = {"Q8_0": [QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],  # the FFMA tiles it measured sound at
-                    "Q4_K": [QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],
-                    "IQ3_S": [QMoeDecodeConfig(16, 128, 4, 3, 8, 128, 4, 3)],
-                    "Q6_K": [QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3)],
-                    "FP8": [QMoeDecodeConfig(8, 256, 4, 3, 4, 256, 2, 3)]}
+    flat = {f: dataclasses.replace(decode_config(f, 2048, 768), flat_down=True) for f in FORMATS}
+    alternatives = {"Q8_0": [flat["Q8_0"], QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
+                             QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],  # the FFMA tiles measured sound
+                    "Q4_K": [flat["Q4_K"], QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],
+                    "IQ3_S": [flat["IQ3_S"], QMoeDecodeConfig(8, 256, 4, 3, 2, 256, 1, 3)],
+                    "Q6_K": [flat["Q6_K"], QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3)],
+                    "FP8": [flat["FP8"], QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3)]}
     bench(configs=alternatives)
