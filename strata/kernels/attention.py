@@ -66,7 +66,7 @@ from strata.kernels.pdl import pdl_prologue
 
 LOG2E = 1.4426950408889634
 KV_TILE = 64  # keys per tile of bf16/fp16/fp32 caches in short prompt chunks (long: PREFILL_KV_TILE)
-KV_TILE_DECODE = 128  # ... in decode-sized steps (DECODE_CONFIG)
+KV_TILE_DECODE = 64  # ... in decode-sized steps (DECODE_CONFIG)
 KV_TILE_INT8 = 128  # int8 caches in decode-sized steps: the same bytes per tile as 64 bf16 keys
 MIN_SPLIT_KEYS = 256  # a sequence gets at most cdiv(ctx_len, MIN_SPLIT_KEYS) key splits
 
@@ -79,12 +79,12 @@ class TileConfig:
     kv_tile: int = KV_TILE  # keys per tile; select_config sets it from KV_TILE / KV_TILE_DECODE / KV_TILE_INT8
 
 
-# Decode and verify: few query rows, memory bound; small row blocks, splits fill the GPU. bf16: 128-key
-# tiles, 4 warps, 2 stages (`sweep_attention.py --only decode-short` on the H200, the seventh round,
-# bench/results/attn_sweep_decode_short_cuda.txt): against the 64-key, 2-warp, 3-stage tiles before,
-# 1.16x at 576 keys and 1.03x at 4K for one sequence, 1.09x at 32K, 1.08x at 4K and 32K for eight;
-# 0.97x only at 576 keys for eight.
-DECODE_CONFIG = TileConfig(block_m=16, num_warps=4, num_stages=2)
+# Decode and verify: few query rows, memory bound; small row blocks, splits fill the GPU. Chosen with
+# scripts/sweep_attention.py on the H200: 2 warps beat 4 for one sequence at 32K (1555 vs 1254 GB/s of
+# K/V) and for int8 at batch 8 (1569 vs 1000), within 2% elsewhere. 128-key tiles with 4 warps and 2
+# stages ran the kernel alone 1.03-1.16x faster (`--only decode-short`), but with them the whole Q4_K
+# 8B-shape decode fell from 329 to 302 tok/s in two leases (bf16 +0.5%): docs/KERNELS.md.
+DECODE_CONFIG = TileConfig(block_m=16, num_warps=2, num_stages=3)
 # int8 decode: 128-key tiles converted in registers want 4 warps (sweep_attention.py --only decode-configs
 # on the H200: 2,075 GB/s of int8 at 8 sequences x 32K against 1,847 with 2 warps).
 DECODE_CONFIG_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=3)
