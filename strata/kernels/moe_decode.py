@@ -204,6 +204,15 @@ def _down_combine_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, 
     tl.store(out_ptr + token * out_stride + rows, total.to(dtype), mask=row_ok)
 
 
+def output_rows(x: torch.Tensor, out: torch.Tensor | None, t: int, h: int) -> torch.Tensor:
+    """`out` (checked for contiguous rows), or a new [T, H] in x's dtype."""
+    if out is None:
+        return torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if out.stride(1) != 1:
+        raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
+    return out
+
+
 def moe_experts_decode_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                               w2: torch.Tensor, out: torch.Tensor | None = None, *,
                               config: MoeDecodeConfig | None = None) -> torch.Tensor:
@@ -216,10 +225,7 @@ def moe_experts_decode_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
         raise ValueError("x needs contiguous rows and w13, w2 must be contiguous")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids: expected int32 or int64, got {topk_ids.dtype}")
-    if out is None:
-        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    elif out.stride(1) != 1:
-        raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
+    out = output_rows(x, out, t, h)
     if t == 0 or k == 0:
         return out.zero_()
     cfg = config or moe_decode_config(h, inter)

@@ -377,10 +377,7 @@ def moe_decode_q_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     if x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"x: contiguous rows of bf16/fp16 ({x.dtype}, strides {x.stride()}); topk_ids "
                          f"int32/int64 ({topk_ids.dtype})")
-    if out is None:
-        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    elif out.stride(1) != 1:
-        raise ValueError(f"out: expected contiguous rows, got strides {out.stride()}")
+    out = k_moe.output_rows(x, out, t, h)
     if t == 0 or k == 0:
         return out.zero_()
     cfg = config or decode_config(fmt, h, inter)
