@@ -5,7 +5,7 @@ The quantized twin of `strata.kernels.moe_decode`: the same two kernels, the sam
 (`moe_experts_decode_ref`), the weights read as their blocks from `QExpertStack`s (or e4m3 with a scale
 per row, `Fp8Experts`) and dequantized in registers. It replaces, at T ≤ 16 tokens, the grouped path's
 sort, gather, two grouped launches (over 16-row tiles, or `torch._scaled_grouped_mm` after quantizing
-the activations for FP8), SiLU·mul, weighting, scatter and sum (~9 launches a layer).
+the activations for FP8), SiLU·mul, weighting, scatter and sum (12 launches a layer on the H200).
 
 - `_gate_up_kernel`, grid (T·k pairs, I / BLOCK_I): one pair's BLOCK_I gate rows and the matching up
   rows of its expert, over H in BLOCK_K steps; writes silu(gate)·up for the pair to act [T·k, I].
@@ -134,10 +134,9 @@ def _block_k(ggml_type: str, k: int, preferred: int) -> int:
 _CONFIGS = {"Q8_0": (16, 256, 8, 256, 4, 4, True), "Q4_K": (16, 256, 8, 256, 4, 4, False),
             "IQ3_S": (8, 256, 4, 256, 4, 2, False), "Q6_K": (32, 128, 16, 128, 4, 4, False),
             "FP8": (16, 256, 8, 256, 4, 4, False)}
-# Past these many tokens the grouped path was as fast or faster (T = 16: Q4_K 318 µs fused against 245
-# grouped, Q6_K 317 against 344 with the wider rows but 407 with the first ones): the fused kernels
-# stream each pair's weights, so tokens sharing an expert each read it.
-MAX_TOKENS_BY_FORMAT = {"Q4_K": 8, "Q6_K": 8}
+# Past these many tokens the grouped path was faster (Q4_K at T = 16: 318 µs fused against 245 grouped):
+# the fused kernels stream each pair's weights, so tokens sharing an expert each read it.
+MAX_TOKENS_BY_FORMAT = {"Q4_K": 8}
 
 
 def decode_config(ggml_type: str, hidden: int, inter: int) -> QMoeDecodeConfig:
