@@ -108,7 +108,7 @@ def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4
         cfg = dataclasses.replace(cfg, dp4a=dp4a, gate_up_block_k=256 if dp4a else 128, down_block_k=256 if dp4a else 128)
     dp4a = cfg.dp4a
     planes = dict(zip(("p0", "p1", "p2", "p3", "p4", "grid_ptr"), QMOE_PLANES[fmt]))
-    if dp4a:
+    if dp4a and fmt == "Q8_0":
         planes["p2"] = "*i32"  # the qs plane as words
     ids = dict(ids_ptr="*i64", ids_stride_t="i32", ids_stride_j="i32")
     common = dict(FORMAT=moe_decode_q.FORMAT_IDS[fmt], INTERPRETED=False, SHARED_GRID=fmt == "IQ3_S", DP4A=dp4a,
@@ -217,6 +217,8 @@ CASES = {
     **{f"qmoe_{kernel}_Q8_0_fma": (lambda kernel=kernel: qmoe_decode("Q8_0", kernel, dp4a=False))
        for kernel in ("gate_up", "down")},
     **{f"qmoe_down_{fmt}_flat": (lambda fmt=fmt: qmoe_decode(fmt, "down", flat=True)) for fmt in ("Q8_0", "IQ3_S")},
+    **{f"qmoe_{kernel}_IQ3_S_dp4a": (lambda kernel=kernel: qmoe_decode("IQ3_S", kernel, dp4a=True))
+       for kernel in ("gate_up", "down")},
 }
 
 

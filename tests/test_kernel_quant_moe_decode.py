@@ -110,17 +110,18 @@ def test_matches_reference(case, dtype):
         assert fro_err(got, ref) <= (DP4A_FRO_TOL if dp4a else FRO_TOL)
 
 
-@pytest.mark.parametrize("t,cfg", [(1, None), (3, "loop")], ids=["t1", "t3-loop"])
-def test_q8_dp4a_tiles(t, cfg):
-    """Q8_0 with `dp4a`: x quantized per 32 values, against the definition with that quantization (and
-    within 2e-2 of the exact-weight reference), bit for bit a token alone and in a batch."""
-    cfg = dataclasses.replace(looping("Q8_0") if cfg else mdq.decode_config("Q8_0", 256, 256), dp4a=True)
+@pytest.mark.parametrize("fmt,t,cfg", [("Q8_0", 1, None), ("Q8_0", 3, "loop"), ("IQ3_S", 2, None), ("IQ3_S", 1, "loop")],
+                         ids=["Q8_0-t1", "Q8_0-t3-loop", "IQ3_S-t2", "IQ3_S-t1-loop"])
+def test_dp4a_tiles(fmt, t, cfg):
+    """Q8_0 and IQ3_S with `dp4a`: x quantized per 32 values, against the definition with that
+    quantization (and within 2e-2 of the exact-weight reference), bit for bit a token alone and in a batch."""
+    cfg = dataclasses.replace(looping(fmt) if cfg else mdq.decode_config(fmt, 256, 256), dp4a=True)
     if cfg.gate_up_block_k < 64:
         cfg = dataclasses.replace(cfg, gate_up_block_k=64, down_block_k=64)
-    w13, w2 = stacks("Q8_0", 6, 256, 256, seed=11)
-    x, ids, w = routing(seed_of("dp4a", t), t, 2, 6, 256, torch.bfloat16)
+    w13, w2 = stacks(fmt, 6, 256, 256, seed=11)
+    x, ids, w = routing(seed_of("dp4a", fmt, t), t, 2, 6, 256, torch.bfloat16)
     got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
-    ref = mdq.moe_decode_q8_dp4a_ref(x, ids, w, w13, w2)
+    ref = mdq.moe_decode_dp4a_ref(x, ids, w, w13, w2)
     assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= DP4A_FRO_TOL
     assert fro_err(got, mdq.moe_decode_q_ref(x, ids, w, w13, w2)) <= 2e-2
     assert torch.equal(mdq.moe_decode_q_triton(x[-1:].clone(), ids[-1:].clone(), w[-1:].clone(), w13, w2, config=cfg),
@@ -252,14 +253,15 @@ def test_gpu_30b_matches_reference_and_replays(fmt):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_30b_q8_dp4a_tiles():
-    w13, w2 = stacks_30b("Q8_0", seed=3)
-    cfg = dataclasses.replace(mdq.decode_config("Q8_0", H30, I30), dp4a=True)
+@pytest.mark.parametrize("fmt", ["Q8_0", "IQ3_S"])
+def test_gpu_30b_dp4a_tiles(fmt):
+    w13, w2 = stacks_30b(fmt, seed=3)
+    cfg = dataclasses.replace(mdq.decode_config(fmt, H30, I30), dp4a=True)
     for t in (1, 8):
         x, ids, w = routing_30b(10 + t, t)
         got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
-        ref = mdq.moe_decode_q8_dp4a_ref(x, ids, w, w13, w2)
-        print(f"Q8_0 dp4a T={t}: max err {max_err(got, ref):.2e}, rel err {fro_err(got, ref):.2e}")
+        ref = mdq.moe_decode_dp4a_ref(x, ids, w, w13, w2)
+        print(f"{fmt} dp4a T={t}: max err {max_err(got, ref):.2e}, rel err {fro_err(got, ref):.2e}")
         assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= DP4A_FRO_TOL
 
 

@@ -117,3 +117,8 @@ def test_quantized_moe_decode_multiplies_on_cuda_cores(compiled, name):
 def test_quantized_moe_decode_q8_takes_packed_dots(compiled, name):
     """Q8_0's default tiles are dp4a's; its dequantized ones stay FFMAs (`qmoe_*_Q8_0_fma`)."""
     assert "IDP" in _case(compiled, name)["ops"] and "IDP" not in _case(compiled, name + "_fma")["ops"]
+
+
+@pytest.mark.parametrize("name", ["qmoe_gate_up_IQ3_S_dp4a", "qmoe_down_IQ3_S_dp4a"])
+def test_quantized_moe_decode_iq3s_dp4a_tiles_use_packed_dots(compiled, name):
+    assert "IDP" in _case(compiled, name)["ops"] and "IDP" not in _case(compiled, name[:-5])["ops"]

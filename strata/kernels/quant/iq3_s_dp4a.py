@@ -105,6 +105,26 @@ def grid_words(grid_ptr, idx, table, SHARED_GRID: tl.constexpr):
         return tl.load(grid_ptr + idx)
 
 
+@jit
+def weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, table, w_rows, sub, k,
+                 SHARED_GRID: tl.constexpr):
+    """Rows `w_rows` (int64 [R]) at sub-blocks `sub` (int32 [G], 32 values each) → (wq int32 [R, G, 8]: the
+    signed 8-bit weights four to a word, in K order; db fp32 [R, G]: each sub-block's scale, exact)."""
+    word = tl.arange(0, 8)
+    idx = tl.load(qs_ptr + w_rows[:, None, None] * (k // 4) + (sub * 8)[None, :, None]
+                  + word[None, None, :]).to(tl.int32)  # [R, G, 8]: a grid index per 4 values
+    qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [R, G]
+    idx |= ((qh << 8)[:, :, None] >> word[None, None, :]) & 256
+    mags = grid_words(grid_ptr, idx, table, SHARED_GRID)  # four magnitudes per word, one per byte lane
+    bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
+    lanes = (bits[:, :, None] >> word[None, None, :]) & 0x01010101  # interleaved: 0x01 per negative lane
+    wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
+    sc = tl.load(scales_ptr + w_rows[:, None] * (k // 64) + (sub // 2)[None, :]).to(tl.int32)
+    sc = (sc >> ((sub % 2) * 4)[None, :]) & 15
+    d = tl.load(d_ptr + w_rows[:, None] * (k // 256) + (sub // 8)[None, :]).to(tl.float32)
+    return wq, d * (1 + 2 * sc).to(tl.float32)
+
+
 @jit(do_not_specialize=["m"])
 def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr,
                            out_stride, partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr,
@@ -117,24 +137,12 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(cols, n - 1).to(tl.int64)  # rows past N re-read the last one, never stored
     g = tl.arange(0, G)
-    word = tl.arange(0, 8)
     j = tl.arange(0, 32)
     rows = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_begin, kb_end):
-        sub = kb * G + g  # the step's 32-value sub-blocks
-        idx = tl.load(qs_ptr + w_rows[:, None, None] * (k // 4) + (sub * 8)[None, :, None]
-                      + word[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 8]: a grid index per 4 values
-        qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [BLOCK_N, G]
-        idx |= ((qh << 8)[:, :, None] >> word[None, None, :]) & 256
-        mags = grid_words(grid_ptr, idx, table, SHARED_GRID)  # four magnitudes per word, one per byte lane
-        bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
-        lanes = (bits[:, :, None] >> word[None, None, :]) & 0x01010101  # interleaved: 0x01 per negative lane
-        wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
-        sc = tl.load(scales_ptr + w_rows[:, None] * (k // 64) + (sub // 2)[None, :]).to(tl.int32)
-        sc = (sc >> ((sub % 2) * 4)[None, :]) & 15
-        d = tl.load(d_ptr + w_rows[:, None] * (k // 256) + (sub // 8)[None, :]).to(tl.float32)
-        db = d * (1 + 2 * sc).to(tl.float32)  # [BLOCK_N, G], exact
+        wq, db = weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, table, w_rows, kb * G + g, k,
+                              SHARED_GRID)
         for r in tl.static_range(BLOCK_M):
             in_batch = tl.full((G, 32), r, tl.int32) < m
             xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=in_batch,

@@ -26,7 +26,8 @@ on the other tokens.
 
 Q8_0 takes `dp4a` tiles by default (`QMoeDecodeConfig.dp4a`): x quantized per 32 values and packed int8
 dot products, the dense Q8_0 decode GEMV's arithmetic (`strata.kernels.quant.dp4a`), against
-`moe_decode_q8_dp4a_ref`; `reference` picks the definition a configuration follows.
+`moe_decode_dp4a_ref`; `reference` picks the definition a configuration follows. IQ3_S has dp4a tiles
+too (its dense GEMV's `weight_words`), tested, not yet timed on the device, so not its default.
 
 STATUS: correct against the references in the interpreter and on the H200 (tests); configurations
 from `python -m strata.kernels.quant.moe_decode_q` on the H200 (`_CONFIGS`).
@@ -47,6 +48,7 @@ from strata.kernels.quant.dp4a import _dp4a_words as dp4a_words
 from strata.kernels.quant.dp4a import _quantize_row as dp4a_quantize_row
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
 from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
+from strata.kernels.quant.iq3_s_dp4a import weight_words as iq3s_weight_words
 from strata.kernels.quant.moe_q import _FORMAT_IDS, _MIN_BLOCK_K, QExpertStack, _kernel_planes
 from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
 from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
@@ -114,7 +116,7 @@ class QMoeDecodeConfig:
     down_block_k: int  # I per kernel-2 step
     down_warps: int
     down_stages: int
-    dp4a: bool = False  # Q8_0 only: x quantized per 32 values and packed int8 dots (`dp4a`), as the dense GEMV
+    dp4a: bool = False  # Q8_0, IQ3_S: x quantized per 32 values and packed int8 dots (`dp4a`), as the dense GEMVs
     flat_down: bool = False  # kernel 2 walks (slot, K step) in one pipelined loop rather than a loop per slot
 
 
@@ -182,21 +184,26 @@ def moe_decode_q_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return k_moe.moe_experts_decode_ref(x, ids, topk_weights, f13, f2, out)
 
 
-def moe_decode_q8_dp4a_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: QExpertStack,
-                           w2: QExpertStack) -> torch.Tensor:
-    """The definition with `dp4a` tiles (Q8_0): as `moe_decode_q_ref`, each product's input quantized per
-    32 values (`dp4a.group_terms_ref`: exact integer group sums scaled by d_w · dx) before the sum."""
-    from strata.kernels.quant.dp4a import group_terms_ref
+def moe_decode_dp4a_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2) -> torch.Tensor:
+    """The definition with `dp4a` tiles (Q8_0, IQ3_S): as `moe_decode_q_ref`, each product's input
+    quantized per 32 values (`dp4a.quantize_ref`), each group's sum of the exact weights times the int8
+    codes scaled by the group's dx (the kernels sum integers and scale by d_w · dx: the same value up to
+    fp32 rounding)."""
+    from strata.kernels.quant.dp4a import quantize_ref
+
+    def product(row: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xq, dx = quantize_ref(row.unsqueeze(0))
+        groups = (w.view(w.shape[0], -1, 32) * xq.float().view(1, -1, 32)).sum(-1)
+        return (groups * dx).sum(-1)
 
     t, k, h, inter = _check(x, topk_ids, topk_weights, w13, w2, None)
     dtype, out = x.dtype, torch.zeros(t, h, dtype=torch.float32, device=x.device)
     for tok in range(t):
         for j in range(k):
             e = int(topk_ids[tok, j])
-            p13, p2 = w13.expert_planes(e), w2.expert_planes(e)
-            h13 = group_terms_ref(x[tok:tok + 1], p13["qs"], p13["d"]).sum(-1).to(dtype)[0]
-            act = (torch.nn.functional.silu(h13[:inter]) * h13[inter:]).unsqueeze(0)
-            y = group_terms_ref(act, p2["qs"], p2["d"]).sum(-1).to(dtype)[0]
+            h13 = product(x[tok], w13.dequantize_expert(e).to(x.device)).to(dtype)
+            act = torch.nn.functional.silu(h13[:inter]) * h13[inter:]
+            y = product(act, w2.dequantize_expert(e).to(x.device)).to(dtype)
             out[tok] += (y * topk_weights[tok, j].float()).to(dtype).float()
     return out.to(dtype)
 
@@ -204,9 +211,9 @@ def moe_decode_q8_dp4a_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
 def reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
               config: QMoeDecodeConfig | None = None) -> torch.Tensor:
     """The definition the kernels follow with `config` (default `decode_config`): with dp4a tiles x is
-    quantized per 32 values (`moe_decode_q8_dp4a_ref`), else the exact-weight `moe_decode_q_ref`."""
+    quantized per 32 values (`moe_decode_dp4a_ref`), else the exact-weight `moe_decode_q_ref`."""
     cfg = config or decode_config(w13.ggml_type, w13.k, w2.k)
-    return (moe_decode_q8_dp4a_ref if cfg.dp4a else moe_decode_q_ref)(x, topk_ids, topk_weights, w13, w2)
+    return (moe_decode_dp4a_ref if cfg.dp4a else moe_decode_q_ref)(x, topk_ids, topk_weights, w13, w2)
 
 
 @jit
@@ -215,14 +222,17 @@ def _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, x_row, FO
               DP4A: tl.constexpr):
     """acc + the weight tile (rows `w_rows` of the flat planes, values k0 .. k0 + BLOCK_K) times the
     activation row at x_row, elementwise in fp32. acc is [ROWS, BLOCK_K / 2] for Q4_K and Q6_K (their
-    tiles come as two halves), [ROWS, BLOCK_K] otherwise; with DP4A (Q8_0) [ROWS, BLOCK_K / 32], a
+    tiles come as two halves), [ROWS, BLOCK_K] otherwise; with DP4A (Q8_0, IQ3_S) [ROWS, BLOCK_K / 32], a
     group's exact int32 sum of products with x quantized per 32 values, scaled by d_w · dx (`dp4a`)."""
-    if DP4A:  # p2: the qs plane as int32 words
+    if DP4A:
         GROUPS_4: tl.constexpr = BLOCK_K // 32
         g4 = tl.arange(0, GROUPS_4)
-        wq = tl.load(p2 + w_rows[:, None, None] * (k // 4) + (k0 // 4 + g4 * 8)[None, :, None]
-                     + tl.arange(0, 8)[None, None, :])
-        dw = tl.load(p1 + w_rows[:, None] * (k // 32) + k0 // 32 + g4[None, :]).to(tl.float32)
+        if FORMAT == 0:  # Q8_0, p2: the qs plane as int32 words
+            wq = tl.load(p2 + w_rows[:, None, None] * (k // 4) + (k0 // 4 + g4 * 8)[None, :, None]
+                         + tl.arange(0, 8)[None, None, :])
+            dw = tl.load(p1 + w_rows[:, None] * (k // 32) + k0 // 32 + g4[None, :]).to(tl.float32)
+        else:  # IQ3_S: the signed weights and sub-block scales as its dp4a GEMV builds them
+            wq, dw = iq3s_weight_words(p0, p2, p1, p3, p4, grid_ptr, table, w_rows, k0 // 32 + g4, k, SHARED_GRID)
         xw, dx = dp4a_quantize_row(tl.load(x_row + k0 + g4[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32))
         isum = dp4a_words(wq, tl.broadcast_to(xw[None, :, :], wq.shape), INTERPRETED, False)
         acc += isum.to(tl.float32) * dw * dx[None, :]
@@ -356,7 +366,7 @@ def _check_config(cfg: QMoeDecodeConfig, ggml_type: str, hidden: int, inter: int
     ok = (pow2(cfg.gate_up_block_i, 1) and pow2(cfg.down_block_h, 1) and pow2(cfg.gate_up_block_k, least)
           and pow2(cfg.down_block_k, least) and hidden % cfg.gate_up_block_k == 0 and inter % cfg.down_block_k == 0
           and (ggml_type != "IQ3_S" or max(cfg.gate_up_block_k, cfg.down_block_k) <= 256)
-          and (not cfg.dp4a or (ggml_type == "Q8_0" and min(cfg.gate_up_block_k, cfg.down_block_k) >= 64))
+          and (not cfg.dp4a or (ggml_type in ("Q8_0", "IQ3_S") and min(cfg.gate_up_block_k, cfg.down_block_k) >= 64))
           and _measured_sound(cfg, ggml_type))
     if not ok:
         raise ValueError(f"invalid {ggml_type} {cfg} for H={hidden}, I={inter}")
@@ -518,7 +528,8 @@ if __name__ == "__main__":
     alternatives = {"Q8_0": [flat["Q8_0"], QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
                              QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],  # the FFMA tiles measured sound
                     "Q4_K": [flat["Q4_K"], QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],
-                    "IQ3_S": [flat["IQ3_S"], QMoeDecodeConfig(8, 256, 4, 3, 2, 256, 1, 3)],
+                    "IQ3_S": [QMoeDecodeConfig(8, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
+                              QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3, dp4a=True)],
                     "Q6_K": [flat["Q6_K"], QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3)],
                     "FP8": [flat["FP8"], QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3)]}
     bench(configs=alternatives)
