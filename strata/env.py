@@ -85,7 +85,8 @@ class _Env:
                         "rows, q6_k.DP4A_MAX_ROWS). H200, Qwen3-8B shapes: dp4a 1.4-1.7x faster at M = 1, "
                         "1.75-2.3x slower at M = 8 (rows 2-7 interpolated); batch-1 decode 129 -> 187 tok/s")
     QMOE_DECODE = Switch("STRATA_QMOE_DECODE", str, "fused",
-                         "routed experts kept quantized (GGUF, CUDA) at decode-sized steps (<= 16 tokens): 'fused' "
+                         "routed experts kept quantized (GGUF or --quantize fp8, CUDA) at decode-sized steps (<= 16 "
+                         "tokens): 'fused' "
                          "(two launches that dequantize in registers, strata/kernels/quant/moe_decode_q.py, probed "
                          "at load) or 'grouped' (the sort, the grouped kernels and the combine of moe_q.py)")
     QUANT_DEQUANT_ROWS = Switch("STRATA_QUANT_DEQUANT_ROWS", int, 512,
