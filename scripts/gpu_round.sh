@@ -91,6 +91,7 @@ step() {  # name, seconds, command...
           --out $R/quant_nodq_qwen3-8b_cuda.json ;;
       quant-moe) step quant-moe 400 $B quant --shape qwen3-30b-a3b --formats bf16,Q8_0,IQ3_S,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
       qmoe-bench) TAIL=80 step qmoe-bench 300 python3 -m strata.kernels.quant.moe_decode_q ;;
+      attn-ab) TAIL=20 step attn-ab 500 python3 scripts/attn_tiles_ab.py --formats ${AB_FORMATS:-bf16,Q4_K,Q8_0} --pdl both ;;
       quant-moe-grouped) STRATA_QMOE_DECODE=grouped step quant-moe-grouped 400 $B quant --shape qwen3-30b-a3b \
           --formats ${QMOE_FORMATS:-Q8_0,IQ3_S,FP8} --out $R/quant_qwen3-30b-a3b_grouped_cuda.json ;;
       profile-moe-quant) for q in ${PROFILE_QUANTS:-Q8_0 IQ3_S}; do TAIL=30 step profile-moe-$q 150 env ${PROFILE_ENV:-} \
