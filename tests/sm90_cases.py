@@ -99,8 +99,7 @@ QMOE_PLANES = {"Q8_0": ("*i8", "*fp16", "*i8", "*i8", "*i8", "*i8"), "Q4_K": ("*
                "FP8": ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32")}
 
 
-def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4a: bool | None = None,
-                flat: bool = False):
+def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4a: bool | None = None):
     """strata.kernels.quant.moe_decode_q at the Qwen3-30B-A3B shape, `decode_config`'s configuration
     (`dp4a` overrides its choice of Q8_0 tiles, 128 values a step without it)."""
     cfg = moe_decode_q.decode_config(fmt, hidden, inter)
@@ -123,7 +122,7 @@ def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4
     sig = dict(act_ptr="*bf16", **ids, wts_ptr="*fp32", wts_stride_t="i32", wts_stride_j="i32", **planes,
                out_ptr="*bf16", out_stride="i32", hidden="i32", inter="i32", top_k="i32")
     const = dict(BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=moe_decode_q._acc_k(fmt, cfg.down_block_k, dp4a),
-                 NUM_STAGES=cfg.down_stages, FLAT=flat, **common)
+                 NUM_STAGES=cfg.down_stages, **common)
     return moe_decode_q._down_kernel, sig, const, cfg.down_warps, cfg.down_stages, True
 
 
@@ -216,7 +215,6 @@ CASES = {
        for fmt in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8") for kernel in ("gate_up", "down")},
     **{f"qmoe_{kernel}_Q8_0_fma": (lambda kernel=kernel: qmoe_decode("Q8_0", kernel, dp4a=False))
        for kernel in ("gate_up", "down")},
-    **{f"qmoe_down_{fmt}_flat": (lambda fmt=fmt: qmoe_decode(fmt, "down", flat=True)) for fmt in ("Q8_0", "IQ3_S")},
     **{f"qmoe_{kernel}_IQ3_S_dp4a": (lambda kernel=kernel: qmoe_decode("IQ3_S", kernel, dp4a=True))
        for kernel in ("gate_up", "down")},
 }

@@ -35,7 +35,7 @@ from `python -m strata.kernels.quant.moe_decode_q` on the H200 (`_CONFIGS`).
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +58,7 @@ from strata.kernels.quant.q8_0 import _dequant_tile as q8_dequant_tile
 from strata.kernels.timing import time_us
 from strata.kernels.triton_import import jit, tl, triton
 
+log = logging.getLogger("strata")
 MAX_TOKENS = k_moe.MAX_TOKENS
 SUPPORTED_DTYPES = k_moe.SUPPORTED_DTYPES
 FORMAT_IDS = {**_FORMAT_IDS, "FP8": 4}  # the kernels' FORMAT constexpr: moe_q's ids, then e4m3
@@ -117,7 +118,6 @@ class QMoeDecodeConfig:
     down_warps: int
     down_stages: int
     dp4a: bool = False  # Q8_0, IQ3_S: x quantized per 32 values and packed int8 dots (`dp4a`), as the dense GEMVs
-    flat_down: bool = False  # kernel 2 walks (slot, K step) in one pipelined loop rather than a loop per slot
 
 
 def _block_k(ggml_type: str, k: int, preferred: int) -> int:
@@ -305,8 +305,7 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1
 def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stride_t, wts_stride_j, p0, p1, p2, p3,
                  p4, grid_ptr, out_ptr, out_stride, hidden, inter, top_k, FORMAT: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, FLAT: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     table = grid_table_words(grid_ptr, SHARED_GRID)
     token = tl.program_id(0)
@@ -316,33 +315,17 @@ def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stri
     dtype = out_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
     # Slots in order 0..k-1: the fixed summation order of the reference's `.sum(1)`.
-    if FLAT:  # one loop over (slot, K step), so the pipeline runs across slots: a slot's sum ends in a branch
-        steps = inter // BLOCK_K
+    for slot in range(0, top_k):
+        expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
+        weight = tl.load(wts_ptr + token * wts_stride_t + slot * wts_stride_j).to(tl.float32)
+        w_rows = expert * hidden + safe_rows
+        a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
         acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
-        for it in tl.range(0, top_k * steps, num_stages=NUM_STAGES):
-            slot = it // steps
-            k0 = (it - slot * steps) * BLOCK_K
-            expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
-            w_rows = expert * hidden + safe_rows
-            a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
+        for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
             acc = _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
                             BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
-            if k0 + BLOCK_K == inter:
-                weight = tl.load(wts_ptr + token * wts_stride_t + slot * wts_stride_j).to(tl.float32)
-                total += (_row_sum(acc, p1, w_rows, dtype, FORMAT) * weight).to(dtype).to(tl.float32)
-                acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
-    else:
-        for slot in range(0, top_k):
-            expert = tl.load(ids_ptr + token * ids_stride_t + slot * ids_stride_j).to(tl.int64)
-            weight = tl.load(wts_ptr + token * wts_stride_t + slot * wts_stride_j).to(tl.float32)
-            w_rows = expert * hidden + safe_rows
-            a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
-            acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
-            for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
-                acc = _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
-                                BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
-            y = _row_sum(acc, p1, w_rows, dtype, FORMAT)
-            total += (y * weight).to(dtype).to(tl.float32)
+        y = _row_sum(acc, p1, w_rows, dtype, FORMAT)
+        total += (y * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * out_stride + rows, total.to(dtype), mask=row_ok)
 
 
@@ -413,8 +396,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, act, out, cfg: QMoeDecodeConfig,
             act, topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
             topk_weights.stride(1), *_planes(w2), out, out.stride(0), h, inter, k,
             BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=_acc_k(fmt, cfg.down_block_k, cfg.dp4a),
-            NUM_STAGES=cfg.down_stages, FLAT=cfg.flat_down, USE_PDL=on, launch_pdl=on, num_warps=cfg.down_warps,
-            **common)
+            NUM_STAGES=cfg.down_stages, USE_PDL=on, launch_pdl=on, num_warps=cfg.down_warps, **common)
 
 
 def serves(x: torch.Tensor, top_k: int, w13, w2) -> bool:
@@ -450,9 +432,7 @@ def moe_decode_q_works(w13, w2, top_k: int, dtype: torch.dtype) -> bool:
     try:
         got = moe_decode_q_triton(x, ids, w, w13, w2)
     except Exception as err:  # a compiler or launch failure: fall back rather than fail every step
-        import logging
-
-        logging.getLogger(__name__).warning("quantized MoE decode kernels unavailable (%s); using grouped GEMMs", err)
+        log.warning("quantized MoE decode kernels unavailable (%s); using grouped GEMMs", err)
         return False
     ref = reference(x, ids, w, w13, w2)
     return bool(((got.float() - ref.float()).norm() <= 2e-2 * ref.float().norm()).item())
@@ -524,12 +504,11 @@ def bench(formats=FORMATS, tokens=(1, 4, 8, 16), runs: int = 50, routings: int =
 
 
 if __name__ == "__main__":
-    flat = {f: dataclasses.replace(decode_config(f, 2048, 768), flat_down=True) for f in FORMATS}
-    alternatives = {"Q8_0": [flat["Q8_0"], QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
+    alternatives = {"Q8_0": [QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
                              QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],  # the FFMA tiles measured sound
-                    "Q4_K": [flat["Q4_K"], QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],
+                    "Q4_K": [QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],
                     "IQ3_S": [QMoeDecodeConfig(8, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
                               QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3, dp4a=True)],
-                    "Q6_K": [flat["Q6_K"], QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3)],
-                    "FP8": [flat["FP8"], QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3)]}
+                    "Q6_K": [QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3)],
+                    "FP8": [QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3)]}
     bench(configs=alternatives)
