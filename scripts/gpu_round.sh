@@ -37,9 +37,11 @@ step() {  # name, seconds, command...
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
   for s in "$@"; do
     case $s in
-      # The whole -m gpu suite takes longer than one device call: two halves, each under 10 minutes.
+      # The whole -m gpu suite takes longer than one device call: gpu-kernels, gpu-engine, gpu-rest.
       gpu-kernels) step gpu-kernels 560 $T tests/test_kernel_*.py tests/test_kernels_*.py tests/test_device_sampling.py --durations=10 ;;
       gpu-engine) step gpu-engine 560 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_moe_packed.py tests/test_api_logprobs_n.py tests/test_quant_fp8.py tests/test_grammar_engine.py --durations=10 ;;
+      # ... and the files neither half lists (the three steps together are the whole -m gpu suite).
+      gpu-rest) step gpu-rest 560 $T tests/test_batch_invariance.py tests/test_batch_read.py tests/test_qwen3_next.py --durations=10 ;;
       gpu-all) step gpu-all ${GPU_ALL_S:-900} $T tests/ --durations=20 --continue-on-collection-errors ;;
       # llama.cpp (../shared/tools/llamacpp; carry .peer) and the quantized 8B GGUFs, in the background;
       # PEER_QUANTS= writes none of those (~16 GiB of disk that peer-next's 38 GiB file needs).
@@ -91,7 +93,11 @@ step() {  # name, seconds, command...
           --out $R/quant_nodq_qwen3-8b_cuda.json ;;
       quant-moe) step quant-moe 400 $B quant --shape qwen3-30b-a3b --formats bf16,Q8_0,IQ3_S,FP8 --out $R/quant_qwen3-30b-a3b_cuda.json ;;
       qmoe-bench) TAIL=80 step qmoe-bench 300 python3 -m strata.kernels.quant.moe_decode_q ;;
-      attn-ab) TAIL=20 step attn-ab 500 python3 scripts/attn_tiles_ab.py --formats ${AB_FORMATS:-bf16,Q4_K,Q8_0} --pdl both ;;
+      # Split-K past 8 for the batch-1 dp4a GEMVs: kernels per format and shape, then whole-model decode.
+      dp4a-splits) TAIL=90 step dp4a-splits 540 python3 scripts/dp4a_splits.py --formats ${SPLIT_FORMATS:-Q8_0,Q4_K,IQ3_S,Q6_K} \
+          --model ${SPLIT_ARGS:-} ;;
+      attn-ab) TAIL=20 step attn-ab 500 python3 scripts/attn_tiles_ab.py --formats ${AB_FORMATS:-bf16,Q4_K,Q8_0} --pdl ${AB_PDL:-both} \
+          ${AB_TILES:---tile 128,4,2} ;;
       quant-moe-grouped) STRATA_QMOE_DECODE=grouped step quant-moe-grouped 400 $B quant --shape qwen3-30b-a3b \
           --formats ${QMOE_FORMATS:-Q8_0,IQ3_S,FP8} --out $R/quant_qwen3-30b-a3b_grouped_cuda.json ;;
       profile-moe-quant) for q in ${PROFILE_QUANTS:-Q8_0 IQ3_S}; do TAIL=30 step profile-moe-$q 150 env ${PROFILE_ENV:-} \
@@ -103,7 +109,8 @@ step() {  # name, seconds, command...
       prefix8b-busy) step prefix8b-busy 300 $B prefix --shape qwen3-8b --busy --out $R/prefix_busy_qwen3-8b_cuda.json ;;
       sweep-wide-head) TAIL=20 step sweep-wide-head 300 python3 scripts/sweep_attention.py --only decode-wide-head ;;
       sweep-decode) step sweep-decode 200 python3 scripts/sweep_attention.py --only decode --json $R/attn_sweep_decode.json ;;
-      sweep-decode-short) TAIL=60 step sweep-decode-short 300 python3 scripts/sweep_attention.py --only decode-short ;;
+      sweep-decode-short) TAIL=60 step sweep-decode-short 300 python3 scripts/sweep_attention.py --only decode-short \
+          ${SHORT_ARGS:-} ;;
       moe-route-bench) step moe-route-bench 150 python3 -m strata.kernels.moe_routing
         TAIL=60 step moe-route-sweep 300 python3 -m strata.kernels.moe_routing --sweep ;;
       decode-nopdl) STRATA_PDL=0 step decode-nopdl 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_nopdl.json ;;
@@ -219,6 +226,7 @@ step() {  # name, seconds, command...
       mmq) step mmq-tests 200 $T tests/test_kernel_quant_mmq.py
         TAIL=60 step mmq-bench 300 python3 -m strata.kernels.quant.q8_0_mmq ;;
       fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py tests/test_kernel_fp8_rows.py ;;
+      fp8-parts) TAIL=20 step fp8-parts 200 python3 scripts/fp8_read_parts.py ;;
       fp8-sweep) TAIL=80 step fp8-sweep 300 python3 -m strata.kernels.quant.fp8 --sweep ;;
       *) echo "unknown step $s" ;;
     esac

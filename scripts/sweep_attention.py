@@ -229,18 +229,19 @@ def sweep_decode_configs(num_sms: int) -> None:
 SHORT_TILES = ((64, 2, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 4, 3))  # key tile, warps, stages
 
 
-def sweep_decode_short(num_sms: int) -> None:
-    """bf16 decode tiles (key tile, warps, stages) x MIN_SPLIT_KEYS at 576, 4K and 32K keys, batches 1
-    and 8, graph-timed over cold copies: whether short contexts want other tiles than the 32K sweep's."""
+def sweep_decode_short(num_sms: int, contexts=(576, 4096, 32768), tiles=None) -> None:
+    """bf16 decode tiles (key tile, warps, stages) x MIN_SPLIT_KEYS at 576, 4K and 32K keys (or
+    `contexts`), batches 1 and 8, graph-timed over cold copies: whether short contexts want other tiles
+    than the 32K sweep's. MIN_SPLIT_KEYS 256 gives the split rule shipped before FEW_SPLITS."""
     base = (A.KV_TILE_DECODE, A.DECODE_CONFIG, A.MIN_SPLIT_KEYS)
     print("decode (bf16): us per launch for (key tile, warps, stages) x MIN_SPLIT_KEYS "
           + " ".join(str(m) for m in (64, 128, 256)))
-    for ctx, batch in itertools.product((576, 4096, 32768), (1, 8)):
+    for ctx, batch in itertools.product(contexts, (1, 8)):
         seqs = [(1, ctx)] * batch
         case = _setup(seqs, False, min(MAX_COPIES, math.ceil(COLD_BYTES / (batch * ctx * HKV * D * 4))))
         ws = A.SplitWorkspace(batch, HQ, D, MAX_SPLITS, "cuda")
         splits = A.choose_num_splits(batch, 1, HKV, MAX_MODEL_LEN, num_sms, MAX_SPLITS)
-        for tile, warps, stages in SHORT_TILES:
+        for tile, warps, stages in tiles or SHORT_TILES:
             A.KV_TILE_DECODE, A.DECODE_CONFIG = tile, A.TileConfig(16, warps, stages)
             cells = []
             for min_keys in (64, 128, 256):
@@ -295,6 +296,8 @@ def main() -> None:
     parser.add_argument("--prefill-configs", default="",
                         help="only these prefill configs, 'tile,block_m,warps,stages;...' (default: all)")
     parser.add_argument("--json", help="write the decode measurements here")
+    parser.add_argument("--short-contexts", default="576,4096,32768", help="decode-short: contexts")
+    parser.add_argument("--short-tiles", default="", help="decode-short: 'keys,warps,stages;...' (default: all)")
     args = parser.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.only in (None, "prefill"):
@@ -310,7 +313,8 @@ def main() -> None:
     if args.only == "decode-configs":
         sweep_decode_configs(num_sms)
     if args.only == "decode-short":
-        sweep_decode_short(num_sms)
+        sweep_decode_short(num_sms, tuple(int(c) for c in args.short_contexts.split(",")),
+                           [tuple(int(v) for v in t.split(",")) for t in args.short_tiles.split(";") if t])
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def decode_attention(head_dim: int, group: int, int8: bool):
     sig.update(qk_scale="fp32", num_q_tiles="i32", num_splits="i32", min_split_keys="i32")
     const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=max(1, cfg.block_m // group), BLOCK_N=cfg.kv_tile,
                  HEAD_DIM=head_dim, BLOCK_SIZE=16, IS_INT8=int8, SPLIT=True, DOT_PREC="tf32", INVARIANT=False,
-                 USE_PDL=True)
+                 USE_PDL=True, FEW_SPLITS=attention.FEW_SPLITS, LONG_SPLIT_KEYS=attention.LONG_SPLIT_KEYS)
     return attention._paged_attention_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
 
 

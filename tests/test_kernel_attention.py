@@ -193,7 +193,8 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 1, 8, 32768, 132, 16) == 16
     # Short context: at most cdiv(max_ctx, MIN_SPLIT_KEYS) splits.
     assert choose_num_splits(1, 1, 8, 1024, 132, 64) == 1024 // MIN_SPLIT_KEYS
-    assert choose_num_splits(1, 1, 8, 100, 132, 64) == 1
+    assert choose_num_splits(1, 1, 8, 100, 132, 64) == -(-100 // MIN_SPLIT_KEYS)
+    assert choose_num_splits(1, 1, 8, MIN_SPLIT_KEYS, 132, 64) == 1
     # Prefill-sized or already wide work: no split.
     assert choose_num_splits(1, 4096, 8, 32768, 132, 64) == 1
     assert choose_num_splits(64, 1, 8, 32768, 132, 64) == 1

@@ -28,7 +28,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def expected_parts(q_len: int, ctx: int, num_splits: int, kv_tile: int) -> int:
     """Splits a decode/verify sequence's (single) query tile uses: the kernel's rule, restated."""
-    active = min(num_splits, cdiv(ctx, A.MIN_SPLIT_KEYS))
+    active = min(num_splits, cdiv(ctx, A.MIN_SPLIT_KEYS), max(A.FEW_SPLITS, cdiv(ctx, A.LONG_SPLIT_KEYS)))
     split_len = cdiv(cdiv(ctx, active), kv_tile) * kv_tile
     return (ctx - 1) // split_len + 1
 
@@ -130,6 +130,10 @@ def test_choose_num_splits_is_bounded_by_the_split_length():
     assert A.choose_num_splits(1, 1, 8, 40960, 132, 32) == 32
     assert A.choose_num_splits(1, 1, 8, 576, 132, 32) == cdiv(576, A.MIN_SPLIT_KEYS)
     assert A.choose_num_splits(1, 1, 8, 1, 132, 32) == 1
+    # Short contexts split into key tiles up to FEW_SPLITS ways, long ones into ~LONG_SPLIT_KEYS-key splits.
+    assert [A.active_splits(ctx, 32) for ctx in (128, 129, 576, 1024, 2048, 4096, 6000, 8192, 40960)] == \
+        [1, 2, 5, 8, 8, 16, 24, 32, 32]
+    assert A.active_splits(4096, 8) == 8
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -18,9 +18,10 @@ bf16/fp16 integers: the K scale multiplies the score columns after QK^T and the 
 probabilities before PV, so no tile is rescaled element by element.
 
 Splits. `num_splits` is the host's upper bound (the grid's third dimension); a sequence uses only
-active = min(num_splits, cdiv(ctx_len, MIN_SPLIT_KEYS)) of them, each cdiv(cdiv(ctx_len, active),
-kv_tile) key tiles long, and the programs above its last non-empty split return at once. So a graph
-captured for the longest context still gives a short context one to three splits. A query tile whose
+active = `active_splits(ctx_len, num_splits)` of them (at most cdiv(ctx_len, MIN_SPLIT_KEYS) and at most
+max(FEW_SPLITS, cdiv(ctx_len, LONG_SPLIT_KEYS))), each cdiv(cdiv(ctx_len, active), kv_tile) key tiles
+long, and the programs above its last non-empty split return at once. So a graph captured for the
+longest context still gives a short context a few short splits. A query tile whose
 keys span one split writes its output directly. Otherwise every program stores its unnormalised
 partial result in the `SplitWorkspace`, then takes a ticket from the tile's arrival counter (an atomic
 add with acquire/release order after a CTA barrier, so the partials of every finished program are
@@ -37,10 +38,10 @@ Batch invariance (what holds, and what full invariance would still need): a row'
 within a regime (decode-sized or prompt-sized steps) the key tile is fixed and tile boundaries sit at
 absolute multiples of it; the extra tiles a row may visit because of its neighbours in the query tile are fully masked
 for it and are exact no-ops (p = 0, rescale by exp2(0) = 1). Split boundaries depend on ctx_len, the
-key tile and min(num_splits, cdiv(ctx_len, MIN_SPLIT_KEYS)): whenever num_splits >= cdiv(ctx_len,
-MIN_SPLIT_KEYS) they depend on ctx_len alone, and a context of at most MIN_SPLIT_KEYS keys is never
+key tile and active_splits(ctx_len, num_splits): whenever num_splits >= active_splits(ctx_len, ∞)
+they depend on ctx_len alone, and a context of at most MIN_SPLIT_KEYS keys is never
 split (same bits as num_splits = 1). So a row is independent of the batch when every launch passes
-num_splits >= cdiv(longest context, MIN_SPLIT_KEYS) (a batch-invariant mode: a fixed num_splits of
+num_splits >= active_splits(longest context, ∞) (a batch-invariant mode: a fixed num_splits of
 that size and a workspace to match; idle split programs cost one early return each), provided the
 dot products of a row do not depend on the tile height BLOCK_M (true of fp32 "ieee" dots, which are
 FMA loops over D). Not yet invariant: (1) `choose_num_splits` lowers num_splits for wide batches and
@@ -68,7 +69,14 @@ LOG2E = 1.4426950408889634
 KV_TILE = 64  # keys per tile of bf16/fp16/fp32 caches in short prompt chunks (long: PREFILL_KV_TILE)
 KV_TILE_DECODE = 64  # ... in decode-sized steps (DECODE_CONFIG)
 KV_TILE_INT8 = 128  # int8 caches in decode-sized steps: the same bytes per tile as 64 bf16 keys
-MIN_SPLIT_KEYS = 256  # a sequence gets at most cdiv(ctx_len, MIN_SPLIT_KEYS) key splits
+# Key splits of a sequence (not in the invariant mode): at most cdiv(ctx_len, MIN_SPLIT_KEYS), and at most
+# max(FEW_SPLITS, cdiv(ctx_len, LONG_SPLIT_KEYS)). The H200's best batch-1 decode splits per context
+# (bench/results/attn_splits_round9_cuda.txt): 576 keys -> 5 of 128 (1.09x faster than 3 of 192),
+# 1K -> 8 of 128 (1.14x faster than 4 of 256 and than 16 of 64), 2K -> 8 of 256, 4K -> 16 of 256
+# (1.21x faster than 32 of 128), longer -> the grid's cap.
+MIN_SPLIT_KEYS = 128
+FEW_SPLITS = 8
+LONG_SPLIT_KEYS = 256
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def choose_num_splits(num_seqs: int, max_q_len: int, num_kv_heads: int, max_ctx:
     """Splits per sequence so that small, long-context batches still fill about `waves` (default
     SPLIT_WAVES) programs per SM.
 
-    An upper bound: the kernel gives each sequence at most cdiv(ctx_len, MIN_SPLIT_KEYS) of them, so
+    An upper bound: the kernel gives each sequence at most `active_splits(ctx_len, num_splits)`, so
     max_ctx may be the longest context a captured graph will ever see. Query tiles are estimated at 16
     queries (the kernel's tile depends on the group size, which this host-side heuristic does not need
     to know exactly)."""
@@ -181,8 +189,13 @@ def choose_num_splits(num_seqs: int, max_q_len: int, num_kv_heads: int, max_ctx:
     if programs >= target:
         return 1
     splits = triton.cdiv(target, programs)
-    splits = min(splits, triton.cdiv(max(max_ctx, 1), MIN_SPLIT_KEYS), max_splits)
-    return max(1, splits)
+    return max(1, active_splits(max(max_ctx, 1), min(splits, max_splits)))
+
+
+def active_splits(ctx_len: int, num_splits: int) -> int:
+    """The splits the kernel gives a context of ctx_len keys under a grid of num_splits (its rule, on
+    the host; non-decreasing in ctx_len, so the bound for the longest context bounds every shorter one)."""
+    return min(num_splits, triton.cdiv(ctx_len, MIN_SPLIT_KEYS), max(FEW_SPLITS, triton.cdiv(ctx_len, LONG_SPLIT_KEYS)))
 
 
 def attention_flops(q_len: int, ctx_len: int, num_q_heads: int, head_dim: int) -> float:
@@ -355,6 +368,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, INVARIANT: tl.constexpr, USE_PDL: tl.constexpr,
+    FEW_SPLITS: tl.constexpr, LONG_SPLIT_KEYS: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -374,7 +388,8 @@ def _paged_attention_kernel(
         if INVARIANT:  # fixed-length splits at absolute positions; the grid has enough of them
             split_len = min_split_keys
         else:
-            active = tl.minimum(num_splits, tl.cdiv(ctx, min_split_keys))
+            active = tl.minimum(tl.minimum(num_splits, tl.cdiv(ctx, min_split_keys)),
+                                tl.maximum(FEW_SPLITS, tl.cdiv(ctx, LONG_SPLIT_KEYS)))
             split_len = tl.cdiv(tl.cdiv(ctx, active), BLOCK_N) * BLOCK_N
         # The splits that start at or before the tile's last position: at most `active`, fewer when
         # rounding split_len up to whole tiles empties the last ones or the tile ends early (causal).
@@ -529,7 +544,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
         scale * LOG2E, num_q_tiles, num_splits, INVARIANT_SPLIT_KEYS if invariant else MIN_SPLIT_KEYS,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.kv_tile, HEAD_DIM=d, BLOCK_SIZE=block_size,
         IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        INVARIANT=invariant, USE_PDL=on,
+        INVARIANT=invariant, USE_PDL=on, FEW_SPLITS=FEW_SPLITS, LONG_SPLIT_KEYS=LONG_SPLIT_KEYS,
         launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

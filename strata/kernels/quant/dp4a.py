@@ -53,6 +53,11 @@ from strata.kernels.triton_import import jit, tl, triton
 GROUP = 32
 NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
 MAX_ROWS = 16
+# `config_for`'s split-K rule: about PROGRAMS_PER_SM programs per SM, at least MIN_STEPS_PER_SPLIT
+# K steps per program, at most MAX_SPLIT parts (scripts/dp4a_splits.py times other values).
+PROGRAMS_PER_SM = 4
+MIN_STEPS_PER_SPLIT = 2
+MAX_SPLIT = 8
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ def config_for(n: int, k: int, block_ks=(256, 128, 64), block_n: int = 64) -> Dp
     rows and 256 values: 4096 x 4096 -> 8, 6144 x 4096 -> 4, 24576 x 4096 -> 1, 4096 x 12288 -> 8."""
     block_k = next(b for b in block_ks if k % b == 0)
     tiles, steps = -(-n // block_n), k // block_k
-    limit = max(1, min(4 * NUM_SMS // tiles, steps // 2, 8))
+    limit = max(1, min(PROGRAMS_PER_SM * NUM_SMS // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
     return Dp4aConfig(block_n, block_k, 1 << (limit.bit_length() - 1))
 
 
