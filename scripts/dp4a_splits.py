@@ -85,7 +85,8 @@ def time_kernels(fmt: str, runs: int = 40) -> None:
             got = gemv(x, planes, n, k, None, spaces[c], c).float()
             err = ((got - ref).norm() / ref.norm()).item()
             t = min(times[c])
-            print(f"{fmt:5s} {n}x{k} M=1 rows {c.block_n:3d} split {c.split_k:2d}{' (shipped)' if c == cfgs[0] else '          '}: "
+            tag = " (shipped)" if c == cfgs[0] else " " * 10
+            print(f"{fmt:5s} {n}x{k} M=1 rows {c.block_n:3d} split {c.split_k:2d}{tag}: "
                   f"{t:7.2f} us {per_copy / t / 1e3:5.0f} GB/s  {base / t:4.2f}x  rel diff {err:.1e}", flush=True)
         del copies, planes
         torch.cuda.empty_cache()
@@ -128,7 +129,8 @@ def main() -> None:
         for fmt in formats:
             time_kernels(fmt)
     if opts.model:
-        whole_model(opts.model_formats.split(",") if opts.model_formats else formats, [tuple(int(v) for v in r.split(",")) for r in opts.rules.split(";")])
+        rules = [tuple(int(v) for v in r.split(",")) for r in opts.rules.split(";")]
+        whole_model(opts.model_formats.split(",") if opts.model_formats else formats, rules)
 
 
 if __name__ == "__main__":

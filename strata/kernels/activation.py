@@ -36,21 +36,28 @@ def silu_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 
 @jit
-def _silu_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    x_row = x_ptr + row * x_stride
+def silu_mul_values(x_row, inter, cols, mask, USE_LIBDEVICE: tl.constexpr):
+    """fp32 [cols] of a gate|up row at x_row: silu(gate) * up with torch's roundings in x's dtype (the
+    product rounded too, as the stored result would be; 0 where masked)."""
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_LIBDEVICE:
         e = libdevice.exp(-gate)
     else:
         e = tl.exp(-gate)
-    silu = tl.div_rn(gate, 1.0 + e).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, silu * up, mask=mask)
+    silu = tl.div_rn(gate, 1.0 + e).to(x_row.dtype.element_ty).to(tl.float32)
+    return (silu * up).to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@jit
+def _silu_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, inter, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    y = silu_mul_values(x_ptr + row * x_stride, inter, cols, mask, USE_LIBDEVICE)
+    tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
 
 
 def silu_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -305,9 +305,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w_gate_up = self.gate_up_q if self.gate_up_q is not None else self.gate_up_weight
         if w_gate_up is not None:
-            h = silu_mul(linear(x, w_gate_up, None, self.gemv_ws, self.batch_invariant))
+            h13 = linear(x, w_gate_up, None, self.gemv_ws, self.batch_invariant)
+            if self.down_q is not None and not self.batch_invariant and h13.dim() == 2:
+                return self.down_q.silu_mul_matmul(h13)
             down = self.down_q if self.down_q is not None else self.down_proj.weight
-            return linear(h, down, None, self.gemv_ws, self.batch_invariant)
+            return linear(silu_mul(h13), down, None, self.gemv_ws, self.batch_invariant)
         if self.batch_invariant:  # unpacked (MoE experts): each projection through the row-invariant linear
             gate, up = (linear(x, p.weight, invariant=True) for p in (self.gate_proj, self.up_proj))
             return linear(F.silu(gate) * up, self.down_proj.weight, invariant=True)

@@ -113,6 +113,18 @@ class QWeight:
             return self.module.matmul(x, self.planes, self.n, self.k, out, workspace=scratch(self.workspace))
         return self.module.matmul(x, self.planes, self.n, self.k, out)
 
+    def silu_mul_matmul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up @ Wᵀ for a SwiGLU MLP's down projection (gate_up [M, 2K]): the format's fused
+        form where it has one (FP8: the product quantized straight from gate|up), else the two steps."""
+        from strata.kernels.activation import silu_mul
+        from strata.kernels.scratch import scratch
+
+        fused = getattr(self.module, "silu_mul_matmul", None)
+        if fused is None or self._dequantized_read(gate_up):
+            return self.matmul(silu_mul(gate_up))
+        return fused(gate_up, self.planes, self.n, self.k,
+                     workspace=scratch(self.workspace) if self.workspace is not None else None)
+
 
 @dataclass
 class QWeightStack:

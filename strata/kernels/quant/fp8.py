@@ -18,7 +18,9 @@ concatenate as blocks do), which `repack` quantizes per row on the device.
   through cuBLASLt. Its activations lose precision (3 mantissa bits): on random data a row's result
   is ~3% (root mean square) off the decode path's and the reference's, so the same token's logits
   differ between a decode step and a read or a step of more than 16 rows.
-fp32 x on CUDA (correctness runs) takes the reference: dequantize, then matmul.
+fp32 x on CUDA (correctness runs) takes the reference: dequantize, then matmul. `silu_mul_matmul` is
+`matmul(silu_mul(gate_up))` for a SwiGLU down projection, with a read's quantization done straight from
+gate|up (`fp8_rows.silu_mul_quantize_rows_triton`: the same codes, one pass less over memory).
 
 MoE experts (`quantize_experts`, `grouped_matmul`): each expert's [N, K] weight per output channel
 likewise, and the tokens sorted by expert go through `torch._scaled_grouped_mm` on CUDA (one launch for
@@ -148,10 +150,32 @@ def scaled_mm_matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     xq, xs = quantize_rows(x2 if x2.stride(1) == 1 else x2.contiguous(), -m % _ROW_MULTIPLE if x.is_cuda else 0)
-    y = torch._scaled_mm(xq, planes["w"].t(), scale_a=xs[:, None], scale_b=planes["scale"][None, :],
-                         out_dtype=x.dtype)
-    y = y[:m].view(*x.shape[:-1], n)
+    y = _scaled_mm_rows(xq, xs, planes, m, x.dtype).view(*x.shape[:-1], n)
     return y if out is None else out.copy_(y)
+
+
+def _scaled_mm_rows(xq: torch.Tensor, xs: torch.Tensor, planes: dict[str, torch.Tensor], m: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The first m rows of (xq · xs) @ (w · scale)ᵀ through torch._scaled_mm with row-wise scales."""
+    return torch._scaled_mm(xq, planes["w"].t(), scale_a=xs[:, None], scale_b=planes["scale"][None, :],
+                            out_dtype=dtype)[:m]
+
+
+def silu_mul_matmul(gate_up: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, *,
+                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up @ Wᵀ for gate_up [M, 2K] (a SwiGLU MLP's down projection) → [M, N], the same
+    values as `matmul(silu_mul(gate_up), ...)`. Reads on CUDA quantize the product straight from gate|up
+    (`fp8_rows.silu_mul_quantize_rows_triton`: the same codes, without the bf16 product's round trip
+    through memory); decode rows and other devices take the two steps."""
+    from strata.kernels.activation import silu_mul
+    from strata.kernels.quant.fp8_rows import _quantize_rows_kernel, silu_mul_quantize_rows_triton
+
+    m = gate_up.shape[0]
+    if (gate_up.dim() != 2 or not gate_up.is_cuda or gate_up.dtype == torch.float32 or gate_up.stride(1) != 1
+            or gemv_supported(m, n, k, gate_up.dtype) or not kernels_run(gate_up, _quantize_rows_kernel)):
+        return matmul(silu_mul(gate_up), planes, n, k, workspace=workspace)
+    xq, xs = silu_mul_quantize_rows_triton(gate_up, -m % _ROW_MULTIPLE)
+    return _scaled_mm_rows(xq, xs, planes, m, gate_up.dtype)
 
 
 def random_raw(n: int, k: int, seed: int):
