@@ -119,6 +119,24 @@ def test_cuda_grouped_experts_match_the_reference():
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     print(f"fp8 grouped experts: max relative error {err:.2e}")
     assert err < 0.05
+    # The down projection from gate|up (n = 2 x 768): bitwise the two steps.
+    from strata.kernels.activation import silu_mul
+
+    w2, s2 = fp8.quantize_experts(0.02 * torch.randn(e, 512, n // 2, generator=g, device="cuda"))
+    h13 = torch.randn(sum(counts), n, generator=g, device="cuda").to(torch.bfloat16)
+    assert torch.equal(fp8.grouped_silu_mul_matmul(h13, w2, s2, offs), fp8.grouped_matmul(silu_mul(h13), w2, s2, offs))
+
+
+def test_grouped_silu_mul_matmul_is_the_two_steps_here():
+    """Off CUDA (and in fp32) the experts' down projection from gate|up is the two steps."""
+    from strata.kernels.activation import silu_mul
+
+    g = torch.Generator().manual_seed(1)
+    w2, s2 = fp8.quantize_experts(0.1 * torch.randn(3, 16, 32, generator=g))
+    offs = torch.tensor([4, 4, 9], dtype=torch.int32)
+    h13 = torch.randn(9, 64, generator=g)
+    got = fp8.grouped_silu_mul_matmul(h13, w2, s2, offs)
+    assert got.shape == (9, 16) and torch.equal(got, fp8.grouped_matmul(silu_mul(h13), w2, s2, offs))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -315,7 +315,7 @@ class MoE(nn.Module):
 
             w13, s13, w2, s2 = self.fp8
             h13 = fp8.grouped_matmul(xs, w13, s13, offs)
-            y = fp8.grouped_matmul(silu_mul(h13), w2, s2, offs)
+            y = fp8.grouped_silu_mul_matmul(h13, w2, s2, offs)
         elif self.quant is not None:  # GGUF experts kept quantized (strata.kernels.quant.moe_q)
             from strata.kernels.quant import moe_q
 

@@ -200,6 +200,19 @@ def grouped_matmul(xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs:
     return grouped_matmul_ref(xs, w, scale, offs)
 
 
+def grouped_silu_mul_matmul(h13: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`grouped_matmul(silu_mul(h13), ...)` for the experts' down projection (h13 [M, 2K]: gate|up rows
+    sorted by expert), the product quantized straight from gate|up on CUDA (the same codes)."""
+    from strata.kernels.activation import silu_mul
+    from strata.kernels.quant.fp8_rows import _quantize_rows_kernel, silu_mul_quantize_rows_triton
+
+    if (h13.is_cuda and h13.dtype != torch.float32 and h13.dim() == 2 and h13.stride(1) == 1
+            and kernels_run(h13, _quantize_rows_kernel)):
+        xq, xs_scale = silu_mul_quantize_rows_triton(h13)
+        return torch._scaled_grouped_mm(xq, w.transpose(-2, -1), xs_scale, scale, offs=offs, out_dtype=h13.dtype)
+    return grouped_matmul(silu_mul(h13), w, scale, offs)
+
+
 def grouped_matmul_ref(xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = xs.new_empty(xs.shape[0], w.shape[1])
     start = 0
