@@ -27,7 +27,8 @@ on the other tokens.
 Q8_0 takes `dp4a` tiles by default (`QMoeDecodeConfig.dp4a`): x quantized per 32 values and packed int8
 dot products, the dense Q8_0 decode GEMV's arithmetic (`strata.kernels.quant.dp4a`), against
 `moe_decode_dp4a_ref`; `reference` picks the definition a configuration follows. IQ3_S has dp4a tiles
-too (its dense GEMV's `weight_words`), tested, not yet timed on the device, so not its default.
+too (its dense GEMV's `weight_words`), tested; on the H200 they ran level with its dequantizing tiles
+(ninth round, docs/QUANTIZATION.md) with x's int8 rounding on top, so they are not its default.
 
 STATUS: correct against the references in the interpreter and on the H200 (tests); configurations
 from `python -m strata.kernels.quant.moe_decode_q` on the H200 (`_CONFIGS`).
