@@ -134,6 +134,9 @@ step() {  # name, seconds, command...
       profile8) step profile8 120 python3 scripts/profile_step.py --batch 8 --top 12 ;;
       # Where a batch-1 decode step's time goes with weights kept quantized (bf16 beside them).
       # PROFILE_ENV="STRATA_PDL=0": kernel times without PDL's early launches (their waits count as kernel time).
+      # Where a 4K prompt read's time goes, per format (kernels grouped by name; READ_QUANTS, bf16 = no --quant).
+      profile-read) for q in ${READ_QUANTS:-bf16 FP8}; do TAIL=30 step profile-read-$q 200 python3 scripts/profile_step.py \
+          --read ${READ_TOKENS:-4096} --top 25 $([ $q != bf16 ] && echo --quant $q); done ;;
       profile-quant) for q in ${PROFILE_QUANTS:-bf16 Q8_0 Q4_K}; do TAIL=30 step profile-$q 150 env ${PROFILE_ENV:-} python3 scripts/profile_step.py \
           --batch 1 --top 20 $([ $q != bf16 ] && echo --quant $q); done ;;
       # IQ3_S's grid gathered from shared memory against the global table: bits, kernel times, batch-1 decode.

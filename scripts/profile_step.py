@@ -1,8 +1,10 @@
 """Where a decode step's time goes, on a GPU: engine step wall time, graph replay device time, and the
-kernels of one eager step (torch.profiler), grouped by name. A development tool, not a benchmark:
-`strata bench` owns the published numbers.
+kernels of one eager step (torch.profiler), grouped by name. Or, with --read N, where a prompt read of
+N tokens in one chunk goes: its wall time and its kernels, grouped by name. A development tool, not a
+benchmark: `strata bench` owns the published numbers.
 
     python scripts/profile_step.py --shape qwen3-8b --batch 1 --prompt 512 [--quant Q4_K]
+    python scripts/profile_step.py --shape qwen3-8b --read 4096 [--quant FP8]
 """
 
 from __future__ import annotations
@@ -52,6 +54,53 @@ def sweep_prefetch(eng: LLMEngine, batch: int, values: list[int]) -> None:
         print(f"STRATA_GEMV_PREFETCH_MB={mb:4d}: graph replay p50 " + " / ".join(f"{t:.3f}" for t in res[mb]) + " ms")
 
 
+def print_kernels(prof: torch.profiler.profile, runs: int, top: int, what: str) -> None:
+    """The CUDA kernels of `runs` profiled repetitions, per repetition, grouped by name."""
+    per = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time_total / runs
+            per[ev.name][1] += 1 / runs
+    total = sum(v[0] for v in per.values())
+    print(f"{what}: {total / 1e3:.3f} ms of kernels, {sum(v[1] for v in per.values()):.0f} launches")
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{us:9.1f} us {n:6.0f}x  {us / max(n, 1):8.2f} us/launch  {name[:110]}")
+
+
+def profile_read(a: argparse.Namespace) -> None:
+    """One prompt of a.read tokens read in one chunk (max_tokens 1): warmed once, then timed three
+    times and profiled once."""
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    loaded = random_model(a.shape, dev, dtype, quant=a.quant)
+    chunk = max(8192, a.read)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    cfg = EngineConfig(device=a.device, dtype=str(dtype).removeprefix("torch."), parallel=1, ctx=a.read + 256, kv=a.kv, kv_size=a.read + 256,
+                       chunk_size=chunk, max_num_batched_tokens=chunk)
+    eng = LLMEngine(cfg, progress=False, loaded=loaded)
+    vocab = loaded.config.vocab_size
+
+    def read(tag: str) -> float:
+        ids = torch.randint(0, vocab, (a.read,)).tolist()
+        eng.add_request(EngineRequest(tag, tuple(ids), SamplingParams(max_tokens=1, ignore_eos=True), time.monotonic()))
+        sync()
+        t0 = time.perf_counter()
+        while eng.has_work():
+            eng.step()
+        sync()
+        return time.perf_counter() - t0
+
+    read("warm")
+    walls = [read(f"r{i}") for i in range(3)]
+    print(f"read {a.read} tokens: wall p50 {statistics.median(walls) * 1e3:.2f} ms "
+          f"({a.read / statistics.median(walls):,.0f} tok/s)")
+    if dev.type != "cuda":
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        read("profiled")
+    print_kernels(prof, 1, a.top, f"one read of {a.read}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -63,7 +112,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefetch-sweep", default="",
                     help="graph replay time per STRATA_GEMV_PREFETCH_MB value, e.g. 0,8,16,32 (graphs recaptured)")
+    ap.add_argument("--read", type=int, default=0, help="profile a prompt read of this many tokens instead")
+    ap.add_argument("--device", default="cuda", help="--read only: cpu checks the plumbing")
     a = ap.parse_args()
+    if a.read:
+        return profile_read(a)
     dev = torch.device("cuda")
     loaded = random_model(a.shape, dev, torch.bfloat16, quant=a.quant)
     cfg = EngineConfig(device="cuda", dtype="bfloat16", parallel=a.batch, ctx=a.prompt + 256, kv=a.kv,
@@ -109,15 +162,7 @@ def main() -> None:
             eng.step()
         torch.cuda.synchronize()
     eng.runner.graphs, pg.graphs = graphs, prompt_graphs
-    per = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name][0] += ev.device_time_total / 3
-            per[ev.name][1] += 1 / 3
-    total = sum(v[0] for v in per.values())
-    print(f"eager step: {total / 1e3:.3f} ms of kernels, {sum(v[1] for v in per.values()):.0f} launches")
-    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[: a.top]:
-        print(f"{us:9.1f} us {n:6.0f}x  {us / max(n, 1):8.2f} us/launch  {name[:110]}")
+    print_kernels(prof, 3, a.top, "eager step")
 
 
 if __name__ == "__main__":
