@@ -306,7 +306,7 @@ class MLP(nn.Module):
         w_gate_up = self.gate_up_q if self.gate_up_q is not None else self.gate_up_weight
         if w_gate_up is not None:
             h13 = linear(x, w_gate_up, None, self.gemv_ws, self.batch_invariant)
-            if self.down_q is not None and not self.batch_invariant and h13.dim() == 2:
+            if isinstance(self.down_q, QWeight) and not self.batch_invariant and h13.dim() == 2:
                 return self.down_q.silu_mul_matmul(h13)
             down = self.down_q if self.down_q is not None else self.down_proj.weight
             return linear(silu_mul(h13), down, None, self.gemv_ws, self.batch_invariant)
