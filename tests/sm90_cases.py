@@ -46,15 +46,10 @@ def fp8_gemv(n: int, k: int):
     return gemv._gemv_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
 
 
-def fp8_rows_quantize():
+def fp8_rows_quantize(silu_mul: bool = False):
     sig = dict(x_ptr="*bf16", x_stride="i32", q_ptr="*fp8e4nv", s_ptr="*fp32", m="i32", k="i32")
-    const = dict(FP8_MAX=fp8_rows.E4M3_MAX, BLOCK_K=fp8_rows.BLOCK_K, SILU_MUL=False, USE_LIBDEVICE=True, USE_PDL=True)
-    return fp8_rows._quantize_rows_kernel, sig, const, 4, 3, True
-
-
-def fp8_rows_silu_mul_quantize():
-    sig = dict(x_ptr="*bf16", x_stride="i32", q_ptr="*fp8e4nv", s_ptr="*fp32", m="i32", k="i32")
-    const = dict(FP8_MAX=fp8_rows.E4M3_MAX, BLOCK_K=fp8_rows.BLOCK_K, SILU_MUL=True, USE_LIBDEVICE=True, USE_PDL=True)
+    const = dict(FP8_MAX=fp8_rows.E4M3_MAX, BLOCK_K=fp8_rows.BLOCK_K, SILU_MUL=silu_mul, USE_LIBDEVICE=True,
+                 USE_PDL=True)
     return fp8_rows._quantize_rows_kernel, sig, const, 4, 3, True
 
 
@@ -208,7 +203,7 @@ CASES = {
     "gemv_fp8_qkv": lambda: fp8_gemv(*QKV),
     "gemv_fp8_down": lambda: fp8_gemv(4096, 12288),
     "fp8_rows_quantize": fp8_rows_quantize,
-    "fp8_rows_silu_mul_quantize": fp8_rows_silu_mul_quantize,
+    "fp8_rows_silu_mul_quantize": lambda: fp8_rows_quantize(silu_mul=True),
     "rms_norm_add": fused_add_rms_norm,
     "rms_norm_add_zero_centred": lambda: fused_add_rms_norm(2048, True),
     "moe_gate_up_30b": lambda: moe_gate_up(2048, 768),

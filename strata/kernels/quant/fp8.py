@@ -168,11 +168,10 @@ def silu_mul_matmul(gate_up: torch.Tensor, planes: dict[str, torch.Tensor], n: i
     (`fp8_rows.silu_mul_quantize_rows_triton`: the same codes, without the bf16 product's round trip
     through memory); decode rows and other devices take the two steps."""
     from strata.kernels.activation import silu_mul
-    from strata.kernels.quant.fp8_rows import _quantize_rows_kernel, silu_mul_quantize_rows_triton
+    from strata.kernels.quant.fp8_rows import silu_mul_quantize_rows_triton, silu_mul_quantize_serves
 
     m = gate_up.shape[0]
-    if (gate_up.dim() != 2 or not gate_up.is_cuda or gate_up.dtype == torch.float32 or gate_up.stride(1) != 1
-            or gemv_supported(m, n, k, gate_up.dtype) or not kernels_run(gate_up, _quantize_rows_kernel)):
+    if not silu_mul_quantize_serves(gate_up) or gemv_supported(m, n, k, gate_up.dtype):
         return matmul(silu_mul(gate_up), planes, n, k, workspace=workspace)
     xq, xs = silu_mul_quantize_rows_triton(gate_up, -m % _ROW_MULTIPLE)
     return _scaled_mm_rows(xq, xs, planes, m, gate_up.dtype)
@@ -204,10 +203,9 @@ def grouped_silu_mul_matmul(h13: torch.Tensor, w: torch.Tensor, scale: torch.Ten
     """`grouped_matmul(silu_mul(h13), ...)` for the experts' down projection (h13 [M, 2K]: gate|up rows
     sorted by expert), the product quantized straight from gate|up on CUDA (the same codes)."""
     from strata.kernels.activation import silu_mul
-    from strata.kernels.quant.fp8_rows import _quantize_rows_kernel, silu_mul_quantize_rows_triton
+    from strata.kernels.quant.fp8_rows import silu_mul_quantize_rows_triton, silu_mul_quantize_serves
 
-    if (h13.is_cuda and h13.dtype != torch.float32 and h13.dim() == 2 and h13.stride(1) == 1
-            and kernels_run(h13, _quantize_rows_kernel)):
+    if silu_mul_quantize_serves(h13):
         xq, xs_scale = silu_mul_quantize_rows_triton(h13)
         return torch._scaled_grouped_mm(xq, w.transpose(-2, -1), xs_scale, scale, offs=offs, out_dtype=h13.dtype)
     return grouped_matmul(silu_mul(h13), w, scale, offs)

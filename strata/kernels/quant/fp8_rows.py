@@ -45,16 +45,6 @@ def quantize_rows_ref(x: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torc
 
 
 @jit
-def _store_padding_row(q_row, s_at, k, BLOCK_K: tl.constexpr):
-    """A padding row: codes 0, scale 1."""
-    offs = tl.arange(0, BLOCK_K)
-    zeros = tl.zeros([BLOCK_K], dtype=tl.float32).to(q_row.dtype.element_ty)
-    for k0 in range(0, k, BLOCK_K):
-        tl.store(q_row + k0 + offs, zeros, mask=k0 + offs < k)
-    tl.store(s_at, 1.0)
-
-
-@jit
 def _row_values(x_row, k, cols, mask, SILU_MUL: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
     """fp32 values at `cols` of a row of k: x's, or SwiGLU's product from a gate|up row of 2k."""
     if SILU_MUL:
@@ -83,7 +73,10 @@ def _quantize_rows_kernel(x_ptr, x_stride, q_ptr, s_ptr, m, k, FP8_MAX: tl.const
             tl.store(q_row + k0 + offs, tl.math.div_rn(v, scale).to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row, scale)
     else:
-        _store_padding_row(q_row, s_ptr + row, k, BLOCK_K)
+        zeros = tl.zeros([BLOCK_K], dtype=tl.float32).to(q_ptr.dtype.element_ty)
+        for k0 in range(0, k, BLOCK_K):
+            tl.store(q_row + k0 + offs, zeros, mask=k0 + offs < k)
+        tl.store(s_ptr + row, 1.0)
 
 
 def quantize_rows(x: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +107,13 @@ def quantize_rows_triton(x: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, t
 
 def silu_mul_quantize_rows_ref(gate_up: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_ref(silu_mul_ref(gate_up), pad)
+
+
+def silu_mul_quantize_serves(gate_up: torch.Tensor) -> bool:
+    """Whether `silu_mul_quantize_rows_triton` is the read path for gate_up: 16-bit rows on CUDA where
+    the kernel runs (fp32 correctness runs and other devices take the two steps)."""
+    return (gate_up.is_cuda and gate_up.dtype != torch.float32 and gate_up.dim() == 2 and gate_up.stride(1) == 1
+            and kernels_run(gate_up, _quantize_rows_kernel))
 
 
 def silu_mul_quantize_rows_triton(gate_up: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
