@@ -135,7 +135,7 @@ step() {  # name, seconds, command...
       # Where a batch-1 decode step's time goes with weights kept quantized (bf16 beside them).
       # PROFILE_ENV="STRATA_PDL=0": kernel times without PDL's early launches (their waits count as kernel time).
       # Where a 4K prompt read's time goes, per format (kernels grouped by name; READ_QUANTS, bf16 = no --quant).
-      profile-read) for q in ${READ_QUANTS:-bf16 FP8}; do TAIL=30 step profile-read-$q 200 python3 scripts/profile_step.py \
+      profile-read) for q in ${READ_QUANTS:-bf16 FP8}; do TAIL=30 step profile-read-$q 200 env ${PROFILE_ENV:-} python3 scripts/profile_step.py \
           --read ${READ_TOKENS:-4096} --top 25 $([ $q != bf16 ] && echo --quant $q); done ;;
       profile-quant) for q in ${PROFILE_QUANTS:-bf16 Q8_0 Q4_K}; do TAIL=30 step profile-$q 150 env ${PROFILE_ENV:-} python3 scripts/profile_step.py \
           --batch 1 --top 20 $([ $q != bf16 ] && echo --quant $q); done ;;
@@ -229,6 +229,14 @@ step() {  # name, seconds, command...
       mmq) step mmq-tests 200 $T tests/test_kernel_quant_mmq.py
         TAIL=60 step mmq-bench 300 python3 -m strata.kernels.quant.q8_0_mmq ;;
       fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py tests/test_kernel_fp8_rows.py ;;
+      # The K/V store fused into q/k-norm + RoPE (STRATA_FUSED_KV_STORE): its kernel tests on CUDA (not
+      # `gpu`-marked) and the engine's tokens with it on and off; then (fused-store-ab) whole-model decode
+      # and 4K reads fused against the separate store launch, interleaved.
+      rope-store) step rope-store 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_small.py \
+          -k "qk_norm_rope or kv_store"
+        step rope-store-engine 300 $T tests/test_gpu_graphs.py -k fused_kv_store ;;
+      fused-store-ab) TAIL=20 step fused-store-ab ${AB_S:-400} python3 scripts/fused_store_ab.py \
+          --formats ${AB_FORMATS:-bf16,Q4_K} --rounds ${AB_ROUNDS:-2} ;;
       fp8-parts) TAIL=20 step fp8-parts 200 python3 scripts/fp8_read_parts.py ;;
       fp8-sweep) TAIL=80 step fp8-sweep 300 python3 -m strata.kernels.quant.fp8 --sweep ;;
       *) echo "unknown step $s" ;;

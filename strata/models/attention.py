@@ -3,6 +3,9 @@
 Rules every backend follows:
 - `attend(layer, q, k, v)` gets the step's N tokens flat: q [N, Hq, D], k and v [N, Hkv, D], already
   rotated. It stores k/v wherever it keeps them (or nowhere) and returns [N, Hq, D].
+- `kv_store_target(layer)`: None, or (k_cache [S, Hkv, D], v_cache, slots [N]) where `attend` would
+  store the step's k/v, for a caller that writes them there itself in a kernel it runs anyway (the
+  fused q/k-norm + RoPE); that caller then passes `stored=True`, and `attend` stores nothing.
 - The per-step layout (which token belongs to which sequence, at which position) is set on the
   backend before the forward, never passed through the model, so models stay layout-agnostic.
 - Softmax scale is 1/sqrt(D) (all supported architectures use it).
@@ -50,7 +53,11 @@ class AttentionBackend(ABC):
     states: RecurrentStates | None = None  # set where the model has linear-attention layers
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False
+               ) -> torch.Tensor: ...
+
+    def kv_store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return None
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask: torch.Tensor | None = None):
@@ -72,7 +79,7 @@ class CausalBatch(AttentionBackend):
     def __init__(self, batch: int, seqlen: int):
         self.batch, self.seqlen = batch, seqlen
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, stored=False):
         b, t = self.batch, self.seqlen
 
         def split(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +109,7 @@ class ContiguousKV(AttentionBackend):
             raise ValueError(f"sequence of {start + n} tokens exceeds the context of {self.max_len}")
         self.start, self.n = start, n
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, stored=False):
         s, n = self.start, self.n
         end = s + n
         self.k[layer, :, s:end] = k.transpose(0, 1)

@@ -51,7 +51,7 @@ class PagedAttention(AttentionBackend):
         self.mask = (kpos[None, None] <= qpos[:, :, None]) & (kpos[None, None] < ctx[:, None, None])  # [R, Q, L]
         self.slots = slots
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, stored=False):
         self.pool.write(layer, self.slots, k, v)
         kk, vv = self.pool.gather(layer, self.kv_index, q.dtype)  # [R, L, Hkv, D]
         qq = q[self.q_rows]  # [R, Q, Hq, D]
