@@ -85,21 +85,27 @@ def _store_kv_kernel(k_ptr, k_tok_stride, k_head_stride, v_ptr, v_tok_stride, v_
                  v_scale_ptr, scale_offs, head_ok, mask, QUANTIZE, RECIPROCAL_SCALE, USE_LIBDEVICE)
 
 
-def store_kv_triton(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> None:
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, n: int) -> None:
+    """The pool layout every K/V writer takes (`store_kv`, `rope.qk_norm_rope(kv_store=...)`): caches
+    [S, Hkv, D], contiguous and alike, and one int32/int64 slot for each of the n tokens."""
     if k_cache.dim() != 3:
         raise ValueError(f"k_cache: expected [S, Hkv, D], got {tuple(k_cache.shape)}")
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    for name, x in (("k", k), ("v", v)):
-        if x.shape != (k.shape[0], num_kv_heads, head_dim) or x.stride(2) != 1:
-            raise ValueError(f"{name}: expected [N, {num_kv_heads}, {head_dim}] with a contiguous last dim, got "
-                             f"{tuple(x.shape)} strides {x.stride()}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.shape != k_cache.shape or not c.is_contiguous() or c.dtype != k_cache.dtype:
             raise ValueError(f"{name}: expected contiguous {tuple(k_cache.shape)} {k_cache.dtype}, got "
                              f"{tuple(c.shape)} {c.dtype}")
-    n = k.shape[0]
     if slots.shape != (n,) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots: expected int32/int64 [{n}], got {slots.dtype} {tuple(slots.shape)}")
+
+
+def store_kv_triton(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> None:
+    n = k.shape[0]
+    check_caches(k_cache, v_cache, slots, n)
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != (n, num_kv_heads, head_dim) or x.stride(2) != 1:
+            raise ValueError(f"{name}: expected [N, {num_kv_heads}, {head_dim}] with a contiguous last dim, got "
+                             f"{tuple(x.shape)} strides {x.stride()}")
     quantize = k_scale is not None
     if quantize:
         if k_cache.dtype != torch.int8:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from strata.kernels import use_pdl, use_triton
+from strata.kernels.kv_store import check_caches
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.triton_import import jit, libdevice, tl, triton
 
@@ -165,13 +166,10 @@ def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_
 
 def _check_kv_store(kv_store, qkv: torch.Tensor, num_kv_heads: int, head_dim: int):
     k_cache, v_cache, slots = kv_store
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if (c.dim() != 3 or c.shape[1:] != (num_kv_heads, head_dim) or not c.is_contiguous()
-                or not c.dtype.is_floating_point or c.dtype != k_cache.dtype):
-            raise ValueError(f"{name}: expected contiguous float [S, {num_kv_heads}, {head_dim}] like k_cache, got "
-                             f"{tuple(c.shape)} {c.dtype}")
-    if slots.shape != (qkv.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots: expected int32/int64 [{qkv.shape[0]}], got {slots.dtype} {tuple(slots.shape)}")
+    check_caches(k_cache, v_cache, slots, qkv.shape[0])
+    if k_cache.shape[1:] != (num_kv_heads, head_dim) or not k_cache.dtype.is_floating_point:
+        raise ValueError(f"caches: expected 16- or 32-bit float [S, {num_kv_heads}, {head_dim}] (an int8 pool has "
+                         f"its own store), got {tuple(k_cache.shape)} {k_cache.dtype}")
     return k_cache, v_cache, slots
 
 
