@@ -3,7 +3,8 @@ result alone and in a batch, and the MoE layer serving decode steps through them
 
 CPU: the kernels in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at E = 6, H and I of
 256 (96 for a Q8_0 and an FP8 case whose rows do not fill the tiles), T = 1-3, top-2/3, bf16 (two cases in fp16), with the
-default configuration and one forced to loop (several K steps in both kernels). GPU (`pytest -m gpu`):
+default configuration's K steps and one forced to loop (several K steps in both kernels), in 64-row blocks
+(the shipped row blocks in one case). GPU (`pytest -m gpu`):
 Qwen3-30B-A3B sizes (E = 128, top-8, H = 2048, I = 768) in every format and FP8, graph capture and the
 timing table against the grouped path (`-s`).
 
@@ -70,16 +71,29 @@ def routing(seed: int, t: int, k: int, e: int, h: int, dtype):
 
 
 def looping(fmt: str) -> mdq.QMoeDecodeConfig:
-    """The format's least K step in both kernels (several steps at K = 256), small row blocks."""
+    """The format's least K step in both kernels (several steps at K = 256), 64-row blocks."""
     least = mdq.MIN_BLOCK_K[fmt]
-    return mdq.QMoeDecodeConfig(gate_up_block_i=16, gate_up_block_k=least, gate_up_warps=2, gate_up_stages=2,
-                                down_block_h=16, down_block_k=least, down_warps=2, down_stages=2)
+    return mdq.QMoeDecodeConfig(gate_up_block_i=64, gate_up_block_k=least, gate_up_warps=2, gate_up_stages=2,
+                                down_block_h=64, down_block_k=least, down_warps=2, down_stages=2)
 
 
-CASES = [  # (format, T, k, H, I, config)
-    ("Q8_0", 1, 2, 256, 256, None), ("Q8_0", 3, 3, 256, 96, "loop"), ("Q4_K", 2, 2, 256, 256, None),
-    ("Q4_K", 1, 3, 256, 256, "loop"), ("IQ3_S", 2, 3, 256, 256, None), ("IQ3_S", 1, 2, 256, 256, "loop"),
-    ("Q6_K", 2, 2, 256, 256, None), ("Q6_K", 1, 2, 256, 256, "loop"), ("FP8", 2, 3, 256, 96, None),
+def wide(cfg: mdq.QMoeDecodeConfig) -> mdq.QMoeDecodeConfig:
+    """A configuration's K steps and tiles with 64-row blocks: the interpreter's cost is per program, 3-4x
+    less this way; the shipped row blocks run in one CPU case and in every GPU case."""
+    return dataclasses.replace(cfg, gate_up_block_i=64, down_block_h=64)
+
+
+@pytest.fixture
+def wide_decode_rows(monkeypatch):
+    """`decode_config` with `wide` row blocks, for the tests that take the kernels' default configuration."""
+    shipped = mdq.decode_config
+    monkeypatch.setattr(mdq, "decode_config", lambda *a: wide(shipped(*a)))
+
+
+CASES = [  # (format, T, k, H, I, config): None the shipped one, "wide" its K steps with 64-row blocks
+    ("Q8_0", 1, 2, 256, 256, None), ("Q8_0", 3, 3, 256, 96, "loop"), ("Q4_K", 2, 2, 256, 256, "wide"),
+    ("Q4_K", 1, 3, 256, 256, "loop"), ("IQ3_S", 2, 3, 256, 256, "wide"), ("IQ3_S", 1, 2, 256, 256, "loop"),
+    ("Q6_K", 2, 2, 256, 256, "wide"), ("Q6_K", 1, 2, 256, 256, "loop"), ("FP8", 2, 3, 256, 96, "wide"),
     ("FP8", 1, 2, 128, 64, "loop"),
 ]
 
@@ -96,6 +110,8 @@ def test_matches_reference(case, dtype):
         cfg = looping(fmt)
     elif inter % 64:  # rows of I = 96 fill the default 16-row blocks: take 64-row blocks, left part empty
         cfg = mdq.QMoeDecodeConfig(64, 32, 4, 2, 64, 32, 4, 2)
+    elif cfg == "wide":
+        cfg = wide(mdq.decode_config(fmt, h, inter))
     w13, w2 = stacks(fmt, 6, h, inter, seed_of("stacks", case) % 10_000)
     x, ids, w = routing(seed_of("route", case, dtype), t, k, 6, h, dtype)
     out = torch.full((t, h), float("nan"), dtype=dtype)
@@ -113,7 +129,7 @@ def test_matches_reference(case, dtype):
 def test_dp4a_tiles(fmt, t, cfg):
     """Q8_0 and IQ3_S with `dp4a`: x quantized per 32 values, against the definition with that
     quantization (and within 2e-2 of the exact-weight reference), bit for bit a token alone and in a batch."""
-    cfg = dataclasses.replace(looping(fmt) if cfg else mdq.decode_config(fmt, 256, 256), dp4a=True)
+    cfg = dataclasses.replace(looping(fmt) if cfg else wide(mdq.decode_config(fmt, 256, 256)), dp4a=True)
     if cfg.gate_up_block_k < 64:
         cfg = dataclasses.replace(cfg, gate_up_block_k=64, down_block_k=64)
     w13, w2 = stacks(fmt, 6, 256, 256, seed=11)
@@ -129,7 +145,7 @@ def test_dp4a_tiles(fmt, t, cfg):
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "FP8"])
-def test_a_token_alone_equals_it_in_a_batch(fmt):
+def test_a_token_alone_equals_it_in_a_batch(fmt, wide_decode_rows):
     """Each program serves one pair or one token: token 1's row, bit for bit, alone and beside others."""
     w13, w2 = stacks(fmt, 6, 256, 256, seed=7)
     x, ids, w = routing(seed_of("batch", fmt), 3, 2, 6, 256, torch.bfloat16)
@@ -170,7 +186,7 @@ def test_checks_and_support():
         mdq.moe_decode_q_triton(x, ids, w, w2, w2)  # not a gate|up stack of this down stack
 
 
-def test_moe_layer_decodes_through_the_kernels(monkeypatch, interpreter_tiles):
+def test_moe_layer_decodes_through_the_kernels(monkeypatch, interpreter_tiles, wide_decode_rows):
     """A packed MoE with kept Q8_0 experts: with the probe's flag set, a decode-sized step runs the fused
     kernels (counted) and agrees with the layer's grouped path on the same stacks; a step of more
     tokens than a decode step takes the grouped path."""
