@@ -228,8 +228,10 @@ def test_qk_norm_rope(dtype, norm_on, head_dim, rotary_dim, yarn, pos_dtype):
 @pytest.mark.parametrize("bf16_cache", [False, True], ids=["cache_like_qkv", "bf16_cache"])
 def test_qk_norm_rope_stores_kv(dtype, norm_on, head_dim, rotary_dim, hq, hkv, bf16_cache):
     """kv_store: the caches get, at each token's slot, bitwise what store_kv writes from the returned k
-    and v views (rows at other slots untouched), and q, k, v are the kernel's without kv_store. (128, 96,
-    6, 3): k heads spread over two programs and share one with q heads."""
+    and v views (rows at other slots untouched), and q, k, v are the kernel's without kv_store: bitwise in
+    the interpreter; on the device within fp32 roundings, as the fused variant compiles to another
+    instruction mix (an H100 differed in fp32 at (128, 96, 6, 3) with the norm, 2026-12-06; docs/KERNELS.md).
+    (128, 96, 6, 3): k heads spread over two programs and share one with q heads."""
     n = 7
     inputs = _rope_inputs(n, head_dim, rotary_dim, dtype, norm_on, True, torch.int64, hq=hq, hkv=hkv)
     slots = torch.randperm(3 * n, generator=_gen(5))[:n].to(DEV)
@@ -237,12 +239,15 @@ def test_qk_norm_rope_stores_kv(dtype, norm_on, head_dim, rotary_dim, hq, hkv, b
     caches = [torch.full((3 * n, hkv, head_dim), float("nan"), dtype=cache_dtype, device=DEV) for _ in range(2)]
     want_caches = [c.clone() for c in caches]
     plain = inputs[0].clone()
-    q0, k0, v0 = rope.qk_norm_rope_triton(*_rope_args(plain, *inputs[1:], head_dim, rotary_dim, hq, hkv))
-    kv_store.store_kv_ref(k0, v0, *want_caches, slots)
+    rope.qk_norm_rope_triton(*_rope_args(plain, *inputs[1:], head_dim, rotary_dim, hq, hkv))
     fused = inputs[0].clone()
     q, k, v = rope.qk_norm_rope_triton(*_rope_args(fused, *inputs[1:], head_dim, rotary_dim, hq, hkv),
                                        kv_store=(caches[0], caches[1], slots))
-    assert torch.equal(fused, plain)
+    kv_store.store_kv_ref(k, v, *want_caches, slots)
+    if CUDA:
+        torch.testing.assert_close(fused, plain)  # the dtype's default tolerance: a rounding or two
+    else:
+        assert torch.equal(fused, plain)
     for got, want in zip(caches, want_caches):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="slots"):
