@@ -9,10 +9,10 @@ os.environ.setdefault("STRATA_NO_PROGRESS", "1")
 
 
 def _share_the_cores() -> None:
-    """Each pytest-xdist worker, and each server it starts, gets its share of the cores for torch's
-    intra-op threads. Left alone, every process starts a thread per core, and on CI's two cores two
-    workers' thread pools spin against each other: two CPU test files took 178 s and 159 s side by side
-    that way, 59 s and 52 s with a thread each (2026-12-05)."""
+    """Each pytest-xdist worker, and each server it starts, gets its share of the cores for torch's and
+    OpenBLAS's threads. Left alone, every process starts a thread per core, and on CI's two cores two
+    workers' thread pools spin against each other: two CPU test files took 133 s and 118 s side by side
+    that way, 59 s and 52 s with a thread each (2026-12-06)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
         return
