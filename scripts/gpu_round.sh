@@ -96,7 +96,7 @@ step() {  # name, seconds, command...
       # Split-K past 8 for the batch-1 dp4a GEMVs: kernels per format and shape, then whole-model decode.
       dp4a-splits) TAIL=90 step dp4a-splits 540 python3 scripts/dp4a_splits.py --formats ${SPLIT_FORMATS:-Q8_0,Q4_K,IQ3_S,Q6_K} \
           --model ${SPLIT_ARGS:-} ;;
-      attn-ab) TAIL=20 step attn-ab 500 python3 scripts/attn_tiles_ab.py --formats ${AB_FORMATS:-bf16,Q4_K,Q8_0} --pdl ${AB_PDL:-both} \
+      attn-ab) TAIL=60 step attn-ab 500 python3 scripts/attn_tiles_ab.py --formats ${AB_FORMATS:-bf16,Q4_K,Q8_0} --pdl ${AB_PDL:-both} \
           ${AB_TILES:---tile 128,4,2} ;;
       quant-moe-grouped) STRATA_QMOE_DECODE=grouped step quant-moe-grouped 400 $B quant --shape qwen3-30b-a3b \
           --formats ${QMOE_FORMATS:-Q8_0,IQ3_S,FP8} --out $R/quant_qwen3-30b-a3b_grouped_cuda.json ;;

@@ -25,6 +25,7 @@ SAMPLED = [RNG.randrange(3, 300) for _ in range(23)]  # a seeded, sampled reques
 OTHERS = [[RNG.randrange(3, 300) for _ in range(n)] for n in (5, 33, 20)]
 SHARED = PROMPT[:32] + [RNG.randrange(3, 300) for _ in range(9)]  # caches two blocks of A's prompt
 NEW = 10
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _params(sampled: bool, n: int = NEW) -> SamplingParams:
@@ -114,16 +115,17 @@ def test_preemption_and_recompute(model, alone):
     _same(got, alone)
 
 
-def test_speculation():
+def _speculation_case(device: str, dtype: torch.dtype) -> None:
     """The embedded model (it has an MTP head; the tiny one's is not saved by HF): A's verification
     rows, drafted beside others, equal its plain decode alone. Greedy only: a sampled request under
     speculation draws through rejection sampling, a different use of its seed than plain sampling."""
-    embedded = load_model(None, device="cpu", dtype=torch.float32, progress=False)
-    e = _engine(embedded, parallel=1)
+    embedded = load_model(None, device=device, dtype=dtype, progress=False)
+    cfg = dict(device=device, dtype=str(dtype).removeprefix("torch."))
+    e = _engine(embedded, parallel=1, **cfg)
     _add(e, "A", PROMPT[:40], _params(False, 6))
     want = _results(e.run_to_completion())
     e.close()
-    e = _engine(embedded, spec=2, parallel=3)
+    e = _engine(embedded, spec=2, parallel=3, **cfg)
     for rid, ids, n in (("A", PROMPT[:40], 6), ("o0", OTHERS[0], 9), ("o1", OTHERS[1], 5)):
         _add(e, rid, ids, _params(False, n))
     events = e.run_to_completion()
@@ -131,6 +133,10 @@ def test_speculation():
     spec = events["A"][-1].spec
     assert spec and spec["drafts_proposed"] > 0, spec  # A really was verified from drafts
     _same(_results(events), want, rids=("A",))
+
+
+def test_speculation():
+    _speculation_case("cpu", torch.float32)
 
 
 def test_concurrent_read(model, alone, monkeypatch):
@@ -177,7 +183,7 @@ def test_dense_model(tiny_model_dirs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_gpu_bf16_dense_matrix(tiny_model_dirs, kv):
     """The tiny dense Qwen3 in bf16 on CUDA: the matrix above (graphs on), and graphs off."""
@@ -188,7 +194,7 @@ def test_gpu_bf16_dense_matrix(tiny_model_dirs, kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_gpu_qwen3_8b_shape_rows_alone_and_in_a_batch():
     """Random weights at the Qwen3-8B shape, bf16: a greedy request (A) and a seeded sampled one (S),
     each alone and among six others (read in 2048-token chunks beside their decodes), give the same
@@ -213,6 +219,27 @@ def test_gpu_qwen3_8b_shape_rows_alone_and_in_a_batch():
     got = _results(e.run_to_completion())
     e.close()
     _same(got, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_speculation():
+    """test_speculation in bf16 on CUDA, graphs on: the verification rows equal the plain decode's."""
+    _speculation_case("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_concurrent_read(tiny_model_dirs, monkeypatch):
+    """The tiny dense Qwen3 in bf16 on CUDA: A read on the concurrent read's stage (its own stream),
+    chunked, beside the others' decodes, equals A alone without the stage."""
+    dense = load_model(tiny_model_dirs["qwen3"][0], device="cuda", dtype=torch.bfloat16, progress=False)
+    cuda = dict(device="cuda", dtype="bfloat16")
+    want = _alone(dense, **cuda)
+    monkeypatch.setenv("STRATA_PIPED_CONCURRENT", "1")
+    e = _engine(dense, chunk_size=32, **cuda)
+    assert e.read_stage is not None
+    _same(_busy(e), want)
 
 
 # ---- weights kept quantized ---------------------------------------------------------------------------
@@ -274,6 +301,26 @@ def test_dense_model_q8_0_kept_quantized(ggufs, monkeypatch):
     rows = _count_quantized_rows(monkeypatch)
     _matrix(q8, keep_quantized=True)
     assert rows
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["FP8", "Q8_0"])
+def test_gpu_quantized_weights_matrix(tiny_model_dirs, ggufs, fmt):
+    """The matrix in bf16 on CUDA over weights kept quantized (`--quantize fp8`, a Q8_0 GGUF file's
+    projections and LM head): their invariant Triton GEMM, graphs on, and graphs off."""
+    from strata.kernels.quant import qweights_of
+
+    if fmt == "FP8":
+        cfg = dict(quantize="fp8")
+        model = load_model(tiny_model_dirs["qwen3"][0], device="cuda", dtype=torch.bfloat16, progress=False, **cfg)
+    else:
+        cfg = dict(keep_quantized=True)
+        model = load_model(ggufs["q8_0"], device="cuda", dtype=torch.bfloat16, progress=False, **cfg)
+    assert {q.ggml_type for q in qweights_of(model.model)} == {fmt}
+    cuda = dict(device="cuda", dtype="bfloat16", **cfg)
+    want = _matrix(model, **cuda)
+    _same(_busy(_engine(model, cuda_graph=False, **cuda)), want)
 
 
 def test_what_the_mode_does_not_cover_is_refused(tiny_model_dirs, ggufs):

@@ -331,12 +331,6 @@ def test_gpu_engine_moe_bf16_matrix(tiny_model_dirs, arch):
 
     model = load_model(tiny_model_dirs[arch][0], device="cuda", dtype=torch.bfloat16, progress=False)
     cuda = dict(device="cuda", dtype="bfloat16")
-    try:
-        _engine(model, parallel=1, **cuda).close()
-    except ValueError as err:
-        if "MoE routing and expert kernels on CUDA" in str(err):
-            pytest.skip("the engine still refuses --batch-invariant for MoE models on CUDA")
-        raise
     want = _matrix(model, **cuda)
     _same(_busy(_engine(model, cuda_graph=False, **cuda)), want)
 
