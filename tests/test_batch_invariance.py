@@ -144,6 +144,7 @@ def test_concurrent_read(model, alone, monkeypatch):
     e = _engine(model, chunk_size=32)
     assert e.read_stage is not None
     _same(_busy(e), alone)
+    assert e.read_stage.reads_total >= 3  # at least A's 70 tokens, in chunks of 32, went through the stage
 
 
 def test_int8_kv(model):
