@@ -179,6 +179,16 @@ step() {  # name, seconds, command...
       concurrent-128k) step concurrent-128k 560 $B concurrent --shape qwen3-8b-128k --lengths 32768,131072 \
           --pairs ${SMS_PAIRS:-3} --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b-128k_sms${READ_SMS:-64}_cuda.json ;;
       # Issue 11's zero growth, both weight formats, one pair (the 3-pair steps above measure the rest).
+      # Issue 11's two goals under every split of the SMs, bf16 and Q8_0 (strata bench sm-split).
+      sm-split) step sm-split-test 120 $T tests/test_sm_split.py
+        for q in bf16 Q8_0; do step sm-split-$q 400 $B sm-split --shape qwen3-8b $([ $q = Q8_0 ] && echo --quant Q8_0) \
+          ${SPLIT_ARGS:-} --out $R/sm_split_qwen3-8b$([ $q = Q8_0 ] && echo _Q8_0)_cuda.json; done ;;
+      sm-split-carveout) step sm-split-carveout 300 $B sm-split --shape qwen3-8b --carveout ${SPLIT_ARGS:-} \
+          --out $R/sm_split_qwen3-8b_carveout_cuda.json ;;
+      sm-split-profile) step sm-split-profile 300 $B sm-split --shape qwen3-8b --profile --held ${PROFILE_HELD:-8,64} \
+          --out $R/sm_split_qwen3-8b_profile_cuda.json ;;
+      sm-split-dequant) STRATA_Q8_DECODE=dequant step sm-split-dequant 300 $B sm-split --shape qwen3-8b --quant Q8_0 \
+          --held ${DEQUANT_HELD:-32,64,96} --out $R/sm_split_qwen3-8b_Q8_0_dequant_cuda.json ;;
       growth-check) for q in bf16 Q8_0; do step growth-$q 200 $B concurrent --shape qwen3-8b $([ $q = Q8_0 ] && echo --quant Q8_0) \
           --pairs 1 --read-sms 64 --lengths 4096,32768 --out $R/concurrent_growth_${q}_cuda.json; done ;;
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;

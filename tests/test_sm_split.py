@@ -1,0 +1,75 @@
+"""`strata bench sm-split`: the split arithmetic (CPU) and the SM hold it measures with (CUDA)."""
+
+import pytest
+
+from strata.bench.sm_split import GOAL_ITL, GOAL_READ, _interpolate, frontier
+
+needs_cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+
+
+def _row(sms, itl, read, gbs):
+    return {"sms": sms, "itl_p50_ms": itl, "read_tok_s": read, "stream_gbs": {"best": gbs}}
+
+
+def test_interpolate_between_and_below_the_measured_counts():
+    pts = [(20, 0.2), (100, 0.8), (132, 1.0)]
+    assert _interpolate(pts, 60) == (pytest.approx(0.5), False)
+    assert _interpolate(pts, 100) == (0.8, True)
+    assert _interpolate(pts, 10) == (pytest.approx(0.1), False)  # proportional below the lowest
+
+
+def test_frontier_pairs_the_decode_with_the_read_on_the_other_sms():
+    """Decode with d SMs against the read with 132 - d: a split meets the goals only if both hold, and
+    the bandwidth bound is the decode's bytes over what its SMs stream."""
+    rows = [_row(132, 4.0, 20000.0, 4000.0), _row(100, 4.4, 16000.0, 3800.0), _row(32, 9.0, 6000.0, 1500.0)]
+    pts = {p["decode_sms"]: p for p in frontier(rows, 132, stream_bytes=16e9)}
+    assert set(pts) == {100, 32}
+    p = pts[32]  # the read keeps 100 SMs: 0.8x, short of 0.85; the decode 9 / 4 = 2.25x
+    assert p["read_sms"] == 100 and p["read_measured"]
+    assert p["read_over_alone"] == pytest.approx(0.8) and p["decode_over_idle"] == pytest.approx(2.25)
+    assert p["bound_over_idle"] == pytest.approx(16e9 / 1500e9 * 1e3 / 4.0)
+    assert not p["meets_goals"]
+    q = pts[100]  # the read keeps 32 SMs: 0.3x; the decode 1.1x
+    assert q["read_over_alone"] == pytest.approx(6000 / 20000) and q["decode_over_idle"] == pytest.approx(1.1)
+    assert q["decode_over_idle"] <= GOAL_ITL and q["read_over_alone"] < GOAL_READ and not q["meets_goals"]
+    # A GPU where both hold: the read keeps 0.9x with 100 SMs and the decode 1.1x with 32.
+    rows[2] = _row(32, 4.4, 6000.0, 3000.0)
+    rows[1] = _row(100, 4.4, 18000.0, 3800.0)
+    good = {p["decode_sms"]: p for p in frontier(rows, 132, stream_bytes=12e9)}[32]
+    assert good["meets_goals"] and good["bound_meets_goals"]
+
+
+def test_refuses_without_cuda(monkeypatch):
+    import torch
+
+    from strata.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["bench", "sm-split", "--device", "cpu"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sm_hold_leaves_only_the_other_sms():
+    """With 64 SMs held, short programs reach only the rest; the spinners sat on 64 distinct SMs; after
+    the release every SM is reached again. (The 68 SMs left stream as much as all 132 on an H100: the
+    bench's table shows where the bandwidth starts to fall.)"""
+    import torch
+
+    from strata.bench.sm_hold import SmHold, num_sms, sms_used, stream_gbs
+
+    dev = torch.device("cuda")
+    total = num_sms(dev)
+    assert sms_used(dev) == total
+    full = stream_gbs(dev, nbytes=2**30)["best"]
+    hold = SmHold(dev, 64, limit_s=30)
+    try:
+        reached = sms_used(dev)
+        part = stream_gbs(dev, nbytes=2**30)["best"]
+    finally:
+        held = hold.release()
+    print(f"{total} SMs: held {held}, reached {reached}; stream {full:.0f} GB/s all, {part:.0f} with the rest")
+    assert held == 64 and reached == total - 64
+    assert part > 0 and full > 0
+    assert sms_used(dev) == total
