@@ -73,3 +73,35 @@ def test_sm_hold_leaves_only_the_other_sms():
     assert held == 64 and reached == total - 64
     assert part > 0 and full > 0
     assert sms_used(dev) == total
+
+
+def test_planning_for_fewer_sms_changes_only_the_configurations_inside_it():
+    """Outside `planning_for` the GEMV and dp4a configurations are the tuned ones for all SMs; inside
+    it, the rules for that many SMs: never more programs than for all of them, and a valid config."""
+    from strata.kernels import gemv as k_gemv
+    from strata.kernels.plan import DEFAULT_SMS, planned_sms, planning_for
+    from strata.kernels.quant import dp4a
+
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (1000, 512)]
+    tuned = {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in shapes}
+    assert tuned[(6144, 4096)][0] == k_gemv.GEMV_CONFIGS[(6144, 4096)]
+    with planning_for(24):
+        assert planned_sms() == 24
+        planned = {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in shapes}
+    assert planned_sms() == DEFAULT_SMS
+    assert {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in shapes} == tuned
+    for (n, k), (g, d) in planned.items():
+        k_gemv.check_config(g, k)
+        assert g.programs(n) <= tuned[(n, k)][0].programs(n) and d.split_k <= tuned[(n, k)][1].split_k
+    assert planned[(4096, 4096)][0].split_k < tuned[(4096, 4096)][0].split_k  # o_proj: 4 splits for 132 SMs
+    with pytest.raises(ValueError):
+        with planning_for(0):
+            pass
+
+
+def test_frontier_reports_the_planned_decode_where_measured():
+    rows = [_row(132, 4.0, 20000.0, 4000.0), {**_row(24, 8.0, 4000.0, 2400.0), "planned_itl_p50_ms": 5.0}]
+    p = frontier(rows + [_row(108, 4.2, 18000.0, 3900.0)], 132, stream_bytes=8e9)
+    by_d = {q["decode_sms"]: q for q in p}
+    assert by_d[24]["planned_over_idle"] == pytest.approx(1.25) and by_d[24]["planned_meets_goals"]
+    assert not by_d[24]["meets_goals"] and "planned_over_idle" not in by_d[108]

@@ -15,10 +15,13 @@ the SMs left, one after another on one engine:
 L2 between the two, every point is what that split gives at best; the real concurrent read
 (`strata bench concurrent --read-sms`) can only do worse. `bound_over_idle` adds a latency no decode
 kernel on d SMs can beat: the weights it streams per token over the bandwidth those SMs draw.
+`--plan-sms` adds `planned_over_idle`: the decode of a fresh engine whose CUDA graphs were captured
+inside `strata.kernels.plan.planning_for(d)` (GEMV and attention splits chosen for d SMs).
 JSON `bench/results/sm_split_{shape}[_{quant}]_cuda.json` and a PNG of both views."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -62,10 +65,14 @@ def frontier(rows: list[dict], total_sms: int, stream_bytes: float) -> list[dict
         read_frac, measured = _interpolate(read, total_sms - d)
         dec = r["itl_p50_ms"] / ref["itl_p50_ms"]
         bound = stream_bytes / (r["stream_gbs"]["best"] * 1e9) * 1e3 / ref["itl_p50_ms"]
-        out.append({"decode_sms": d, "read_sms": total_sms - d, "read_over_alone": read_frac,
-                    "read_measured": measured, "decode_over_idle": dec, "bound_over_idle": bound,
-                    "meets_goals": dec <= GOAL_ITL and read_frac >= GOAL_READ,
-                    "bound_meets_goals": bound <= GOAL_ITL and read_frac >= GOAL_READ})
+        point = {"decode_sms": d, "read_sms": total_sms - d, "read_over_alone": read_frac,
+                 "read_measured": measured, "decode_over_idle": dec, "bound_over_idle": bound,
+                 "meets_goals": dec <= GOAL_ITL and read_frac >= GOAL_READ,
+                 "bound_meets_goals": bound <= GOAL_ITL and read_frac >= GOAL_READ}
+        if "planned_itl_p50_ms" in r:  # --plan-sms: the decode planned for its d SMs
+            planned = r["planned_itl_p50_ms"] / ref["itl_p50_ms"]
+            point.update(planned_over_idle=planned, planned_meets_goals=planned <= GOAL_ITL and read_frac >= GOAL_READ)
+        out.append(point)
     return out
 
 
@@ -158,6 +165,31 @@ def measure(eng, device: torch.device, held: int, ids: list[int], dec_ids: list[
     return row
 
 
+def planned_decode(loaded, cfg, device: torch.device, held: int, dec_ids: list[int], tokens: int) -> dict:
+    """The decode of an engine whose CUDA graphs were captured inside `planning_for(SMs left)`: GEMV
+    splits and attention key splits chosen for those SMs, timed under a hold of `held` SMs."""
+    from strata.bench.sm_hold import SmHold, num_sms
+    from strata.kernels.plan import planning_for
+
+    with planning_for(num_sms(device) - held):
+        eng, _ = build_engine(cfg, loaded)  # captures (a device-wide synchronize): before the hold
+    try:
+        _decode(eng, dec_ids, 16, "warm-planned")
+        hold = SmHold(device, held)
+        try:
+            got = _decode(eng, dec_ids, tokens, f"planned{held}")
+        finally:
+            hold.release()
+    finally:
+        eng.close()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"held {held:3d} SMs, decode planned for the {num_sms(device) - held} left: itl p50 "
+          f"{got['itl_p50_ms']:6.2f} ms p99 {got['itl_p99_ms']:6.2f} ms", flush=True)
+    return {f"planned_{k}": v for k, v in got.items()}
+
+
 def run(args) -> int:
     device = torch.device(args.device or "cuda")
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -184,15 +216,22 @@ def run(args) -> int:
     finally:
         eng.close()
     sms = num_sms(device)
+    if args.plan_sms:
+        del eng
+        for row in rows:
+            if row["held_sms"]:
+                row.update(planned_decode(loaded, engine_config(args, device, ctx, 1, args.chunk), device,
+                                          row["held_sms"], dec_ids, args.tokens))
     points = frontier(rows, sms, total - emb)
     info = {"bench": "sm-split", "shape": name, "quant": args.quant, "dtype": args.dtype, "device": str(device),
             "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "num_sms": sms,
-            "read_tokens": args.read, "carveout": args.carveout, "decode_tokens": args.tokens, "chunk": args.chunk,
-            "startup_s": startup,
+            "read_tokens": args.read, "carveout": args.carveout, "plan_sms": args.plan_sms,
+            "decode_tokens": args.tokens, "chunk": args.chunk, "startup_s": startup,
             "decode_weight_bytes": total - emb, "goals": {"itl_over_idle": GOAL_ITL, "read_over_alone": GOAL_READ},
             "rows": rows, "frontier": points,
             "summary": {"splits": len(points), "splits_meeting_goals": sum(p["meets_goals"] for p in points),
                         "splits_whose_bound_meets_goals": sum(p["bound_meets_goals"] for p in points),
+                        "splits_planned_meeting_goals": sum(p.get("planned_meets_goals", False) for p in points),
                         "outputs_identical": len({r["read_token"] for r in rows}) == 1},
             "args": {k: v for k, v in vars(args).items() if k != "func"}}
     out = args.out or f"bench/results/sm_split_{name}_cuda.json"
@@ -211,7 +250,8 @@ def summary_tables(info: dict) -> list:
             summary_table(f"splits (goals: decode <= {GOAL_ITL}x idle, read >= {GOAL_READ}x alone)",
                           [("decode SMs", "decode_sms", "d"), ("read SMs", "read_sms", "d"),
                            ("read / alone", "read_over_alone", ".3f"), ("decode / idle", "decode_over_idle", ".3f"),
-                           ("bound / idle", "bound_over_idle", ".3f"), ("meets both", "meets_goals", "")],
+                           ("planned / idle", "planned_over_idle", ".3f"), ("bound / idle", "bound_over_idle", ".3f"),
+                           ("meets both", "meets_goals", "")],
                           [{**p, "meets_goals": "yes" if p["meets_goals"] else "no"} for p in info["frontier"]])]
 
 
@@ -257,6 +297,9 @@ def add_parser(sub) -> None:
     p.add_argument("--carveout", action="store_true",
                    help="tell the read's cuBLAS products the SMs held (torch's SM carveout), so their tiles fit "
                         "the rest")
+    p.add_argument("--plan-sms", action="store_true",
+                   help="also time, at each count held, a decode whose CUDA graphs were captured with its GEMV and "
+                        "attention splits planned for the SMs left (strata.kernels.plan), a fresh engine each")
     p.add_argument("--profile", action="store_true",
                    help="with all SMs, read the prompt once more under torch.profiler: device seconds by kind "
                         "of kernel (not under a hold: the profiler synchronizes the device)")

@@ -57,6 +57,7 @@ from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
+from strata.kernels.plan import DEFAULT_SMS, planned_sms
 from strata.kernels.triton_import import jit, libdevice, tl
 
 if tl is not None:
@@ -69,7 +70,7 @@ else:  # CPU-only installs: the kernels are never launched
 
 BLOCK_M = 16  # rows of the MMA: M is padded to it, whatever M is, so every M runs one binary
 MAX_ROWS = BLOCK_M
-NUM_SMS = 132  # H200; a constant, not a device query, so configurations depend on (N, K) only
+NUM_SMS = DEFAULT_SMS  # a constant, not a device query, so configurations depend on (N, K) only
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -113,20 +114,24 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _heuristic_config(n: int, k: int) -> GemvConfig:
+def _heuristic_config(n: int, k: int, sms: int = NUM_SMS) -> GemvConfig:
     block_k = next(b for b in (128, 64) if k % b == 0)
     k_blocks = k // block_k
-    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
+    block_n = 128 if _cdiv(n, 128) >= 2 * sms else 64
     tiles = _cdiv(n, block_n)
     split = 1
-    while tiles * split * 2 <= 2 * NUM_SMS and k_blocks // (split * 2) >= 4:
+    while tiles * split * 2 <= 2 * sms and k_blocks // (split * 2) >= 4:
         split *= 2
     return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3 if block_n == 128 else 4)
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
     """The configuration for weight [N, K]: the table entry, else a heuristic; a function of
-    (N, K) only, which is what makes the results independent of M."""
+    (N, K) only, which is what makes the results independent of M. Inside `plan.planning_for(s)`
+    with s other than NUM_SMS, the heuristic for s SMs (the table was tuned for all of them)."""
+    sms = planned_sms()
+    if sms != NUM_SMS:
+        return _heuristic_config(n, k, sms)
     return GEMV_CONFIGS.get((n, k)) or _heuristic_config(n, k)
 
 
