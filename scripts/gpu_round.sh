@@ -191,6 +191,10 @@ step() {  # name, seconds, command...
       sm-split-plan) for q in bf16 Q8_0; do step sm-split-plan-$q 400 $B sm-split --shape qwen3-8b --plan-sms \
           $([ $q = Q8_0 ] && echo --quant Q8_0) --held ${PLAN_HELD:-64,96,104,112} \
           --out $R/sm_split_qwen3-8b$([ $q = Q8_0 ] && echo _Q8_0)_planned_cuda.json; done ;;
+      # Each decode product alone on the SMs a hold leaves (where a decode on few SMs loses its time).
+      sm-split-kernels) for q in bf16 Q8_0; do step sm-split-kernels-$q 300 $B sm-split --shape qwen3-8b --kernels \
+          $([ $q = Q8_0 ] && echo --quant Q8_0) --read 4096 --held ${KERNELS_HELD:-64,104,112} \
+          --out $R/sm_split_qwen3-8b$([ $q = Q8_0 ] && echo _Q8_0)_kernels_cuda.json; done ;;
       sm-split-dequant) STRATA_Q8_DECODE=dequant step sm-split-dequant 300 $B sm-split --shape qwen3-8b --quant Q8_0 \
           --held ${DEQUANT_HELD:-32,64,96} --out $R/sm_split_qwen3-8b_Q8_0_dequant_cuda.json ;;
       growth-check) for q in bf16 Q8_0; do step growth-$q 200 $B concurrent --shape qwen3-8b $([ $q = Q8_0 ] && echo --quant Q8_0) \

@@ -105,3 +105,19 @@ def test_frontier_reports_the_planned_decode_where_measured():
     by_d = {q["decode_sms"]: q for q in p}
     assert by_d[24]["planned_over_idle"] == pytest.approx(1.25) and by_d[24]["planned_meets_goals"]
     assert not by_d[24]["meets_goals"] and "planned_over_idle" not in by_d[108]
+
+
+def test_decode_products_are_the_ones_a_decode_step_runs():
+    """One layer's qkv, o_proj, gate_up, down and the LM head, with the shapes of the model's config."""
+    import torch
+
+    from strata.bench.random_model import random_model
+    from strata.bench.sm_split import decode_products
+
+    loaded = random_model("tiny", "cpu", torch.float32, seed=3)
+    c = loaded.config
+    shapes = {name: tuple(w.shape) for name, (w, _) in decode_products(loaded.model).items()}
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    assert shapes == {"qkv": (qkv, c.hidden_size), "o_proj": (c.hidden_size, c.num_attention_heads * c.head_dim),
+                      "gate_up": (2 * c.intermediate_size, c.hidden_size),
+                      "down": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}

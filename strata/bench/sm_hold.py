@@ -98,7 +98,8 @@ class SmHold:
         return int(torch.unique(self.sm_ids).numel())
 
 
-def _events_seconds(fn, iters: int) -> float:
+def events_seconds(fn, iters: int) -> float:
+    """Median seconds of `fn` on the current stream (CUDA events, after one warm-up call)."""
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -124,6 +125,6 @@ def stream_gbs(device: torch.device, nbytes: int = 4 * 2**30, iters: int = 5) ->
                                                                         num_warps=16),
         "torch_sum": lambda: x.sum(),
     }
-    got = {name: nbytes / _events_seconds(fn, iters) / 1e9 for name, fn in candidates.items()}
+    got = {name: nbytes / events_seconds(fn, iters) / 1e9 for name, fn in candidates.items()}
     del x, out
     return {**got, "best": max(got.values())}

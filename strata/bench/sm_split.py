@@ -15,7 +15,9 @@ the SMs left, one after another on one engine:
 L2 between the two, every point is what that split gives at best; the real concurrent read
 (`strata bench concurrent --read-sms`) can only do worse. `bound_over_idle` adds a latency no decode
 kernel on d SMs can beat: the weights it streams per token over the bandwidth those SMs draw.
-`--plan-sms` adds `planned_over_idle`: the decode of a fresh engine whose CUDA graphs were captured
+`--kernels` times each decode product of one layer and the LM head alone on the SMs free (where a
+slow decode on few SMs loses its time; torch.profiler cannot run under a hold). `--plan-sms` adds
+`planned_over_idle`: the decode of a fresh engine whose CUDA graphs were captured
 inside `strata.kernels.plan.planning_for(d)` (GEMV and attention splits chosen for d SMs).
 JSON `bench/results/sm_split_{shape}[_{quant}]_cuda.json` and a PNG of both views."""
 
@@ -85,6 +87,38 @@ def _decode(eng, dec_ids: list[int], tokens: int, tag: str) -> dict:
     return {"itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3}
 
 
+def decode_products(model) -> dict[str, tuple[object, torch.Tensor | None]]:
+    """The batch-1 decode's weight products of one layer and the LM head, as the model runs them:
+    name -> (weight or kept-quantized QWeight, the GEMV workspace)."""
+    from strata.models.layers import MLP, Attention
+
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    mlp = next(m for m in model.modules() if isinstance(m, MLP))
+    pick = lambda q, w: q if q is not None else w  # noqa: E731
+    return {"qkv": (pick(attn.qkv_q, attn.qkv_weight), attn.gemv_ws),
+            "o_proj": (pick(attn.o_q, attn.o_proj.weight), attn.gemv_ws),
+            "gate_up": (pick(mlp.gate_up_q, mlp.gate_up_weight), mlp.gemv_ws),
+            "down": (pick(mlp.down_q, mlp.down_proj.weight), mlp.gemv_ws),
+            "lm_head": (pick(model.lm_head_q, model.lm_head.weight), model.gemv_ws)}
+
+
+def kernel_times(model, device: torch.device, iters: int = 20) -> dict:
+    """Each decode product of `decode_products` alone at batch 1, on the SMs free now: microseconds
+    (CUDA events, median of `iters`; no device-wide synchronize, so it runs under a hold) and GB/s of
+    its weight bytes."""
+    from strata.bench.sm_hold import events_seconds
+    from strata.models.layers import linear
+
+    out = {}
+    for name, (w, ws) in decode_products(model).items():
+        k = w.k if hasattr(w, "k") else w.shape[1]
+        nbytes = w.nbytes if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        seconds = events_seconds(lambda: linear(x, w, None, ws), iters)
+        out[name] = {"us": seconds * 1e6, "gbs": nbytes / seconds / 1e9}
+    return out
+
+
 def _kernel_seconds(prof) -> dict[str, float]:
     """Device seconds per kernel name in a profile."""
     out: dict[str, float] = {}
@@ -132,7 +166,7 @@ def _read(eng, ids: list[int], tag: str, profile: bool = False) -> dict:
 
 
 def measure(eng, device: torch.device, held: int, ids: list[int], dec_ids: list[int], tokens: int,
-            carveout: bool = False, profile: bool = False) -> dict:
+            carveout: bool = False, profile: bool = False, kernels: bool = False) -> dict:
     """One SM count. `carveout`: the read's cuBLAS products are also told the SMs held (torch's SM
     carveout), so that cuBLAS may plan its tiles for the SMs left. On torch's default cuBLAS path it
     changed nothing on an H100; with cuBLASLt preferred, the first carved-out product synchronized the
@@ -144,6 +178,8 @@ def measure(eng, device: torch.device, held: int, ids: list[int], dec_ids: list[
     try:
         row = {"held_requested": held, "probe_sms": sms_used(device), "stream_gbs": stream_gbs(device)}
         row.update(_decode(eng, dec_ids, tokens, f"d{held}"))
+        if kernels:
+            row["decode_products"] = kernel_times(eng.model, device)
         if carveout and held:
             torch._C._set_sm_carveout_experimental(held)
         try:
@@ -160,7 +196,8 @@ def measure(eng, device: torch.device, held: int, ids: list[int], dec_ids: list[
           f"decode itl p50 {row['itl_p50_ms']:6.2f} ms p99 {row['itl_p99_ms']:6.2f} ms, "
           f"read {row['read_tok_s']:8.0f} tok/s"
           + "".join(f", read {k} {v:.3f} s" for k, v in sorted(row.get("read_kernel_s", {}).items())
-                    if not k.startswith("top:")),
+                    if not k.startswith("top:"))
+          + "".join(f", {k} {v['us']:.0f} us {v['gbs']:.0f} GB/s" for k, v in row.get("decode_products", {}).items()),
           flush=True)
     return row
 
@@ -211,7 +248,7 @@ def run(args) -> int:
     try:
         _read(eng, ids[: 2 * args.chunk + 1], "warm-read")
         _decode(eng, dec_ids, 16, "warm-decode")
-        rows = [measure(eng, device, held, ids, dec_ids, args.tokens, args.carveout, args.profile)
+        rows = [measure(eng, device, held, ids, dec_ids, args.tokens, args.carveout, args.profile, args.kernels)
                 for held in sorted(set([0, *args.held]))]
     finally:
         eng.close()
@@ -300,6 +337,9 @@ def add_parser(sub) -> None:
     p.add_argument("--plan-sms", action="store_true",
                    help="also time, at each count held, a decode whose CUDA graphs were captured with its GEMV and "
                         "attention splits planned for the SMs left (strata.kernels.plan), a fresh engine each")
+    p.add_argument("--kernels", action="store_true",
+                   help="also time each batch-1 decode product (one layer's qkv, o_proj, gate_up, down and the "
+                        "LM head) alone on the SMs free: microseconds and GB/s of weights")
     p.add_argument("--profile", action="store_true",
                    help="with all SMs, read the prompt once more under torch.profiler: device seconds by kind "
                         "of kernel (not under a hold: the profiler synchronizes the device)")
