@@ -55,9 +55,9 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
+from strata.kernels.plan import DEFAULT_SMS, planned_sms
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.timing import time_us
-from strata.kernels.plan import DEFAULT_SMS, planned_sms
 from strata.kernels.triton_import import jit, libdevice, tl
 
 if tl is not None:
