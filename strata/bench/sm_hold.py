@@ -83,6 +83,7 @@ class SmHold:
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         n = BLOCKS_PER_SM * held
         self.sm_ids = torch.full((n,), -1, dtype=torch.int32, device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # the flag is zero before any spinner reads it
         with torch.cuda.stream(self.stream):
             _hold_kernel[(n,)](self.flag, self.sm_ids, int(limit_s * 1e9), POLL_NS, num_warps=1)
         self.started = time.perf_counter()
