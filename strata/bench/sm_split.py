@@ -23,7 +23,6 @@ JSON `bench/results/sm_split_{shape}[_{quant}]_cuda.json` and a PNG of both view
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
@@ -33,7 +32,7 @@ from strata.bench.http_arm import percentile
 from strata.bench.quant import weight_bytes
 from strata.bench.random_model import SHAPES, random_model
 from strata.bench.results import print_tables, save, summary_table
-from strata.bench.throughput import _int_list, build_engine, check_context, engine_config, room_for_reads
+from strata.bench.throughput import _free, _int_list, build_engine, check_context, engine_config, room_for_reads
 
 GOAL_ITL = 1.3  # issue 11: decode latency during the read, p50, at most this times idle
 GOAL_READ = 0.85  # issue 11: the read beside a decode, at least this times alone
@@ -112,10 +111,9 @@ def kernel_times(model, device: torch.device, iters: int = 20) -> dict:
     out = {}
     for name, (w, ws) in decode_products(model).items():
         k = w.k if hasattr(w, "k") else w.shape[1]
-        nbytes = w.nbytes if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         seconds = events_seconds(lambda: linear(x, w, None, ws), iters)
-        out[name] = {"us": seconds * 1e6, "gbs": nbytes / seconds / 1e9}
+        out[name] = {"us": seconds * 1e6, "gbs": w.nbytes / seconds / 1e9}  # a tensor's or a QWeight's planes
     return out
 
 
@@ -220,8 +218,7 @@ def planned_decode(loaded, cfg, device: torch.device, held: int, dec_ids: list[i
     finally:
         eng.close()
         del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free(device)
     print(f"held {held:3d} SMs, decode planned for the {num_sms(device) - held} left: itl p50 "
           f"{got['itl_p50_ms']:6.2f} ms p99 {got['itl_p99_ms']:6.2f} ms", flush=True)
     return {f"planned_{k}": v for k, v in got.items()}
@@ -244,7 +241,8 @@ def run(args) -> int:
     ids = torch.randint(0, loaded.config.vocab_size, (args.read,), generator=gen).tolist()
     dec_ids = torch.randint(0, loaded.config.vocab_size, (DEC_PROMPT,), generator=gen).tolist()
     args.kv, args.no_cuda_graph = "auto", False
-    eng, startup = build_engine(engine_config(args, device, ctx, 1, args.chunk), loaded)
+    cfg = engine_config(args, device, ctx, 1, args.chunk)
+    eng, startup = build_engine(cfg, loaded)
     try:
         _read(eng, ids[: 2 * args.chunk + 1], "warm-read")
         _decode(eng, dec_ids, 16, "warm-decode")
@@ -255,10 +253,10 @@ def run(args) -> int:
     sms = num_sms(device)
     if args.plan_sms:
         del eng
+        _free(device)
         for row in rows:
             if row["held_sms"]:
-                row.update(planned_decode(loaded, engine_config(args, device, ctx, 1, args.chunk), device,
-                                          row["held_sms"], dec_ids, args.tokens))
+                row.update(planned_decode(loaded, cfg, device, row["held_sms"], dec_ids, args.tokens))
     points = frontier(rows, sms, total - emb)
     info = {"bench": "sm-split", "shape": name, "quant": args.quant, "dtype": args.dtype, "device": str(device),
             "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "num_sms": sms,
