@@ -173,6 +173,11 @@ step() {  # name, seconds, command...
       # The read in a green context of N SMs (STRATA_READ_SMS), the decode keeping the rest.
       concurrent-sms) for n in ${READ_SMS_LIST:-64 80}; do step concurrent-sms$n 300 $B concurrent --shape qwen3-8b --pairs ${SMS_PAIRS:-1} \
           --read-sms $n --out $R/concurrent_qwen3-8b_sms${n}_cuda.json; done ;;
+      # The read in a green context with long chunks, the decode on the planned graphs (STRATA_BESIDE_READ_GRAPHS).
+      concurrent-split) for n in ${READ_SMS_LIST:-104}; do step concurrent-split$n 400 env ${SPLIT_ENV:-} $B concurrent \
+          --shape qwen3-8b --pairs 1 --read-sms $n --chunk ${SPLIT_CHUNK:-16384} --lengths 32768 --giveway-tokens 32768 \
+          --out $R/concurrent_qwen3-8b_sms${n}_chunk${SPLIT_CHUNK:-16384}${SPLIT_NAME:-}_cuda.json; done ;;
+      beside-tests) step beside-tests 300 $T tests/test_sm_split.py tests/test_batch_read.py -k "bits or planned or green" ;;
       # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
       concurrent-q8) step concurrent-q8 400 $B concurrent --shape qwen3-8b --quant Q8_0 --pairs ${SMS_PAIRS:-3} \
           --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b_Q8_0_sms${READ_SMS:-64}_cuda.json ;;
@@ -181,14 +186,21 @@ step() {  # name, seconds, command...
       # Issue 11's zero growth, both weight formats, one pair (the 3-pair steps above measure the rest).
       # Issue 11's two goals under every split of the SMs, bf16 and Q8_0 (strata bench sm-split).
       sm-split) step sm-split-test 120 $T tests/test_sm_split.py
-        for q in bf16 Q8_0; do step sm-split-$q 400 $B sm-split --shape qwen3-8b $([ $q = Q8_0 ] && echo --quant Q8_0) \
-          ${SPLIT_ARGS:-} --out $R/sm_split_qwen3-8b$([ $q = Q8_0 ] && echo _Q8_0)_cuda.json; done ;;
+        for q in ${SPLIT_QUANTS:-bf16 Q8_0}; do step sm-split-$q 400 $B sm-split --shape qwen3-8b $([ $q = Q8_0 ] && echo --quant Q8_0) \
+          ${SPLIT_ARGS:-} --out $R/sm_split_qwen3-8b$([ $q = Q8_0 ] && echo _Q8_0)${SPLIT_NAME:-}_cuda.json; done ;;
+      # Each decode GEMV alone on the SMs a read leaves, tuned and candidate configurations.
+      gemv-few-sms) TAIL=${TAIL:-140} step gemv-few-sms 500 python3 scripts/gemv_few_sms.py --held ${GEMV_HELD:-0,104,112} \
+          --out $R/gemv_few_sms_cuda.json ;;
+      # The decode graph's kernels with the SMs a read would take kept busy (scripts/profile_step.py --held).
+      profile-held) for q in ${HELD_QUANTS:-bf16 Q8_0}; do TAIL=${TAIL:-150} step profile-held-$q 240 env ${PROFILE_ENV:-} \
+          python3 scripts/profile_step.py --batch 1 --top 14 --held ${PROFILE_HELD:-0,64,104,112} \
+          $([ $q = bf16 ] || echo --quant $q); done ;;
       sm-split-carveout) step sm-split-carveout 300 $B sm-split --shape qwen3-8b --carveout ${SPLIT_ARGS:-} \
           --out $R/sm_split_qwen3-8b_carveout_cuda.json ;;
       sm-split-profile) step sm-split-profile 300 $B sm-split --shape qwen3-8b --profile --held ${PROFILE_HELD:-8,64} \
           --out $R/sm_split_qwen3-8b_profile_cuda.json ;;
       # The decode planned for the SMs a split leaves it (strata.kernels.plan), bf16 and Q8_0.
-      sm-split-plan) for q in bf16 Q8_0; do step sm-split-plan-$q 400 $B sm-split --shape qwen3-8b --plan-sms \
+      sm-split-plan) for q in ${PLAN_QUANTS:-bf16 Q8_0}; do step sm-split-plan-$q 400 $B sm-split --shape qwen3-8b --plan-sms \
           $([ $q = Q8_0 ] && echo --quant Q8_0) --held ${PLAN_HELD:-64,96,104,112} \
           --out $R/sm_split_qwen3-8b$([ $q = Q8_0 ] && echo _Q8_0)_planned_cuda.json; done ;;
       # Each decode product alone on the SMs a hold leaves (where a decode on few SMs loses its time).

@@ -5,6 +5,7 @@ benchmark: `strata bench` owns the published numbers.
 
     python scripts/profile_step.py --shape qwen3-8b --batch 1 --prompt 512 [--quant Q4_K]
     python scripts/profile_step.py --shape qwen3-8b --read 4096 [--quant FP8]
+    python scripts/profile_step.py --shape qwen3-8b --batch 1 --held 104,112   # the decode on the SMs left
 """
 
 from __future__ import annotations
@@ -101,6 +102,37 @@ def profile_read(a: argparse.Namespace) -> None:
     print_kernels(prof, 1, a.top, f"one read of {a.read}")
 
 
+def under_holds(eng: LLMEngine, g, helds: list[int], runs: int, top: int) -> None:
+    """The decode graph's replay time and its kernels with each of `helds` SMs kept busy
+    (strata.bench.sm_hold), as a read beside it would. The profiler starts before each hold and stops
+    after it ends: starting and stopping synchronize the device, which would wait for the spinners."""
+    from strata.bench.sm_hold import SmHold, events_seconds
+
+    dev = torch.device("cuda")
+    for held in helds:
+        hold = SmHold(dev, held) if held else None
+        try:
+            replay = events_seconds(g.graph.replay, 30)
+        finally:
+            n = hold.release() if hold else 0
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        prof.start()
+        hold = SmHold(dev, held) if held else None
+        try:
+            for _ in range(runs):
+                g.graph.replay()
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+        finally:
+            if hold:
+                hold.release()
+        prof.stop()
+        print(f"--- {n} SMs held, {torch.cuda.get_device_properties(dev).multi_processor_count - n} left: "
+              f"graph replay p50 {replay * 1e3:.3f} ms")
+        print_kernels(prof, runs, top, f"graph replay, {held} held")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -114,6 +146,7 @@ def main() -> None:
                     help="graph replay time per STRATA_GEMV_PREFETCH_MB value, e.g. 0,8,16,32 (graphs recaptured)")
     ap.add_argument("--read", type=int, default=0, help="profile a prompt read of this many tokens instead")
     ap.add_argument("--device", default="cuda", help="--read only: cpu checks the plumbing")
+    ap.add_argument("--held", default="", help="also the decode graph's kernels with these many SMs held, e.g. 0,104,112")
     a = ap.parse_args()
     if a.read:
         return profile_read(a)
@@ -148,6 +181,9 @@ def main() -> None:
             e.synchronize()
             times.append(s.elapsed_time(e))
         print(f"graph replay (device): p50 {statistics.median(times):.3f} ms  min {min(times):.3f} ms")
+    if g is not None and a.held:
+        under_holds(eng, g, [int(v) for v in a.held.split(",")], 5, a.top)
+        return
     if g is not None and a.prefetch_sweep:
         sweep_prefetch(eng, a.batch, [int(v) for v in a.prefetch_sweep.split(",")])
     # One eager step's kernels. The prompt-chunk graphs go too: a one-sequence decode step fits their

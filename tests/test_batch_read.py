@@ -263,6 +263,31 @@ def test_cuda_read_in_a_green_context(monkeypatch):
     again.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_beside_a_green_read_replays_its_planned_graphs(monkeypatch):
+    """STRATA_READ_SMS=104, bf16: decode steps launched while a read step holds its SMs replay the
+    graphs captured for the 28 SMs left (STRATA_BESIDE_READ_GRAPHS), and every token is the one the
+    tuned graphs give (the switch off): the planned GEMV tiles keep the sums and their order."""
+    kw = dict(device="cuda", dtype="bfloat16", chunk_size=128)
+    outs, replays = {}, {}
+    for planned in (False, True):
+        _set(monkeypatch, piped=True)
+        monkeypatch.setenv("STRATA_READ_SMS", "104")
+        monkeypatch.setenv("STRATA_BESIDE_READ_GRAPHS", "1" if planned else "0")
+        e = _engine(**kw)
+        if e.read_stage.green is None:
+            pytest.skip("this torch or driver makes no green-context streams (the engine logged why)")
+        assert bool(e.runner.graphs_beside) == planned
+        outs[planned], _ = _scenario(e)
+        replays[planned] = e.runner.beside_replays
+        e.close()
+        del e
+    print(f"decode steps on the planned graphs: {replays}")
+    assert replays[True] > 0 and replays[False] == 0
+    assert outs[True] == outs[False]
+
+
 def test_through_the_server(monkeypatch, tmp_path):
     """`strata serve` with STRATA_PIPED_CONCURRENT=1: a short request overtakes a long read through the
     OpenAI API, and the long answer is the one it gets alone."""

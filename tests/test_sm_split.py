@@ -75,28 +75,57 @@ def test_sm_hold_leaves_only_the_other_sms():
     assert sms_used(dev) == total
 
 
-def test_planning_for_fewer_sms_changes_only_the_configurations_inside_it():
-    """Outside `planning_for` the GEMV and dp4a configurations are the tuned ones for all SMs; inside
-    it, the rules for that many SMs: never more programs than for all of them, and a valid config."""
+def test_planning_for_fewer_sms_changes_only_the_16bit_gemv_tiles_inside_it():
+    """Outside `planning_for` the GEMV and dp4a configurations are the tuned ones for all SMs. Inside it
+    the 16-bit GEMVs take wider, fewer programs with the tuned split count and split boundaries (the
+    same sums in the same order), and the dp4a GEMVs keep theirs: their split would change the sums."""
     from strata.kernels import gemv as k_gemv
     from strata.kernels.plan import DEFAULT_SMS, planned_sms, planning_for
     from strata.kernels.quant import dp4a
 
-    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (1000, 512)]
-    tuned = {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in shapes}
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (1000, 512), (256, 192)]
+    tuned = {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in shapes if s[1] % 64 == 0}
     assert tuned[(6144, 4096)][0] == k_gemv.GEMV_CONFIGS[(6144, 4096)]
     with planning_for(24):
         assert planned_sms() == 24
-        planned = {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in shapes}
+        planned = {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in tuned}
     assert planned_sms() == DEFAULT_SMS
-    assert {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in shapes} == tuned
+    assert {s: (k_gemv.gemv_config(*s), dp4a.gemv_config(*s)) for s in tuned} == tuned
     for (n, k), (g, d) in planned.items():
+        t = tuned[(n, k)][0]
         k_gemv.check_config(g, k)
-        assert g.programs(n) <= tuned[(n, k)][0].programs(n) and d.split_k <= tuned[(n, k)][1].split_k
-    assert planned[(4096, 4096)][0].split_k < tuned[(4096, 4096)][0].split_k  # o_proj: 4 splits for 132 SMs
+        assert g.programs(n) <= t.programs(n) and g.block_n == 128 and g.split_k == t.split_k
+        assert d == tuned[(n, k)][1]
+        # Each split covers the same K values as the tuned configuration's.
+        bounds = lambda c: [s * (k // c.block_k) // c.split_k * c.block_k for s in range(c.split_k + 1)]  # noqa: E731
+        assert bounds(g) == bounds(t)
+    assert planned[(4096, 4096)][0].block_k == 64  # o_proj: 128 x 64 tiles, 4 splits
     with pytest.raises(ValueError):
         with planning_for(0):
             pass
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_few_sms_gemv_config_gives_the_tuned_bits():
+    """The tiles `planning_for` gives the 16-bit GEMVs leave every output bit as the tuned ones do, at
+    every M the kernel serves: the decode beside a read (STRATA_BESIDE_READ_GRAPHS) keeps its tokens."""
+    import torch
+
+    from strata.kernels import gemv as k_gemv
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    for n, k, act in [(6144, 4096, None), (4096, 4096, None), (4096, 12288, None), (4096, 12288, "silu_mul"),
+                      (24576, 4096, None), (1000, 512, None)]:
+        tuned = k_gemv.gemv_config(n, k)
+        few = k_gemv.few_sms_config(tuned, k)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * k ** -0.5
+        for m in (1, 3, 16):
+            x = torch.randn(m, 2 * k if act else k, device=dev, dtype=torch.bfloat16, generator=gen)
+            a = k_gemv.gemv_triton(x, w, act=act, config=tuned)
+            b = k_gemv.gemv_triton(x, w, act=act, config=few)
+            assert torch.equal(a, b), (n, k, act, m, tuned, few)
 
 
 def test_frontier_reports_the_planned_decode_where_measured():

@@ -16,9 +16,10 @@ L2 between the two, every point is what that split gives at best; the real concu
 (`strata bench concurrent --read-sms`) can only do worse. `bound_over_idle` adds a latency no decode
 kernel on d SMs can beat: the weights it streams per token over the bandwidth those SMs draw.
 `--kernels` times each decode product of one layer and the LM head alone on the SMs free (where a
-slow decode on few SMs loses its time; torch.profiler cannot run under a hold). `--plan-sms` adds
-`planned_over_idle`: the decode of a fresh engine whose CUDA graphs were captured
-inside `strata.kernels.plan.planning_for(d)` (GEMV and attention splits chosen for d SMs).
+slow decode on few SMs loses its time; `scripts/profile_step.py --held` profiles the whole step).
+`--plan-sms` adds `planned_over_idle`: the decode of a fresh engine whose CUDA graphs were captured
+inside `strata.kernels.plan.planning_for(d)` (the 16-bit GEMVs' tiles for d SMs, the same bits), the
+graphs the engine replays beside a read with `STRATA_READ_SMS`.
 JSON `bench/results/sm_split_{shape}[_{quant}]_cuda.json` and a PNG of both views."""
 
 from __future__ import annotations
@@ -201,8 +202,8 @@ def measure(eng, device: torch.device, held: int, ids: list[int], dec_ids: list[
 
 
 def planned_decode(loaded, cfg, device: torch.device, held: int, dec_ids: list[int], tokens: int) -> dict:
-    """The decode of an engine whose CUDA graphs were captured inside `planning_for(SMs left)`: GEMV
-    splits and attention key splits chosen for those SMs, timed under a hold of `held` SMs."""
+    """The decode of an engine whose CUDA graphs were captured inside `planning_for(SMs left)` (GEMV
+    tiles for those SMs, `gemv.few_sms_config`), timed under a hold of `held` SMs."""
     from strata.bench.sm_hold import SmHold, num_sms
     from strata.kernels.plan import planning_for
 
@@ -333,8 +334,8 @@ def add_parser(sub) -> None:
                    help="tell the read's cuBLAS products the SMs held (torch's SM carveout), so their tiles fit "
                         "the rest")
     p.add_argument("--plan-sms", action="store_true",
-                   help="also time, at each count held, a decode whose CUDA graphs were captured with its GEMV and "
-                        "attention splits planned for the SMs left (strata.kernels.plan), a fresh engine each")
+                   help="also time, at each count held, a decode whose CUDA graphs were captured with its GEMV "
+                        "tiles planned for the SMs left (strata.kernels.plan), a fresh engine each")
     p.add_argument("--kernels", action="store_true",
                    help="also time each batch-1 decode product (one layer's qkv, o_proj, gate_up, down and the "
                         "LM head) alone on the SMs free: microseconds and GB/s of weights")

@@ -47,7 +47,6 @@ from strata.spec.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
 
-
 def _is_eos(r: Request, token: int) -> bool:
     return token in r.params.stop_token_ids or (not r.params.ignore_eos and token in r.eos_ids)
 
@@ -221,6 +220,9 @@ class LLMEngine:
                                         max_seqs=cfg.parallel, max_model_len=self.max_model_len, drafter=self.drafter,
                                         split_mtp_batch=self.concurrent.split_mtp_batch_reserved)
             self.read_stage.reserve()
+            if self.read_stage.green is not None and ENV.BESIDE_READ_GRAPHS.get():
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                self.runner.beside_read_sms = max(1, sms - ENV.READ_SMS.get())
         self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and ENV.ALLOC_GUARD.get() else None
         # Every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
@@ -325,6 +327,7 @@ class LLMEngine:
         out = self.scheduler.schedule("decode" if self.read_stage else "all")
         if not out.chunks and not out.finished:
             return None
+        self.runner.beside_read = self.read_stage is not None and self.read_stage.holds_sms
         return _Launched(out, self.runner.launch(out.chunks))
 
     def _read_lane(self, block: bool, next_read: bool = True) -> list[EngineEvent]:

@@ -114,25 +114,35 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _heuristic_config(n: int, k: int, sms: int = NUM_SMS) -> GemvConfig:
+def _heuristic_config(n: int, k: int) -> GemvConfig:
     block_k = next(b for b in (128, 64) if k % b == 0)
     k_blocks = k // block_k
-    block_n = 128 if _cdiv(n, 128) >= 2 * sms else 64
+    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
     tiles = _cdiv(n, block_n)
     split = 1
-    while tiles * split * 2 <= 2 * sms and k_blocks // (split * 2) >= 4:
+    while tiles * split * 2 <= 2 * NUM_SMS and k_blocks // (split * 2) >= 4:
         split *= 2
     return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3 if block_n == 128 else 4)
+
+
+def few_sms_config(tuned: GemvConfig, k: int) -> GemvConfig:
+    """The configuration for a GPU of which a concurrent read holds most SMs (`plan.planning_for`): 128
+    columns by 64 K values per program and 4 stages (3 programs an SM), fewer and longer programs that
+    keep the few SMs streaming. The split count, and so each split's K range, stays the tuned one, and
+    the K blocks are still summed in order: the same sums in the same order as `tuned`, the same bits.
+    On an H100 with 104 or 112 SMs held, it was the fastest such configuration for each Qwen3-8B shape
+    (scripts/gemv_few_sms.py, bench/results/gemv_few_sms_qwen3-8b_cuda.json)."""
+    same_ranges = (k // tuned.block_k) % tuned.split_k == 0  # halving BLOCK_K keeps the split boundaries
+    block_k = 64 if same_ranges and tuned.block_k >= 64 else tuned.block_k
+    return GemvConfig(128, block_k, tuned.split_k, num_warps=4, num_stages=4)
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
     """The configuration for weight [N, K]: the table entry, else a heuristic; a function of
     (N, K) only, which is what makes the results independent of M. Inside `plan.planning_for(s)`
-    with s other than NUM_SMS, the heuristic for s SMs (the table was tuned for all of them)."""
-    sms = planned_sms()
-    if sms != NUM_SMS:
-        return _heuristic_config(n, k, sms)
-    return GEMV_CONFIGS.get((n, k)) or _heuristic_config(n, k)
+    with fewer SMs than NUM_SMS, `few_sms_config` of it (the same bits)."""
+    tuned = GEMV_CONFIGS.get((n, k)) or _heuristic_config(n, k)
+    return few_sms_config(tuned, k) if planned_sms() < NUM_SMS else tuned
 
 
 def check_config(cfg: GemvConfig, k: int) -> None:

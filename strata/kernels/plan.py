@@ -1,11 +1,13 @@
 """The SM count that kernel configurations are planned for.
 
-Split-K factors, tile widths and attention key splits are chosen so that a launch fills the GPU:
-`DEFAULT_SMS` (132, the H200's and the H100's), a constant so that configurations depend on shapes
-only. `planning_for(n)` chooses them for n SMs instead, in the calling context only (a ContextVar):
-a decode whose CUDA graphs are captured inside it is planned for the SMs that a concurrent read in a
-green context leaves it (issue 11). `strata bench sm-split --plan-sms` measures what that gives;
-serving does not use it yet."""
+Split-K factors and tile widths are chosen so that a launch fills the GPU: `DEFAULT_SMS` (132, the
+H200's and the H100's), a constant so that configurations depend on shapes only. `planning_for(n)`
+with n below it, in the calling context only (a ContextVar), gives the 16-bit GEMVs the tiles of
+`gemv.few_sms_config` instead: the decode graphs that the engine replays while a concurrent read holds
+most SMs in its green context (`STRATA_READ_SMS`, issue 11) are captured inside it. Only what keeps
+every sum and its order may change there (tile widths, pipeline depth), so a token decoded beside a
+read has the bits it would have alone; split counts, the dp4a GEMVs and attention's key splits stay.
+"""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ import torch
 
 from strata.engine.types import MAX_TOP_LOGPROBS
 from strata.grammar import GrammarCompiler, GrammarMatcher
+from strata.kernels.plan import planning_for
 from strata.kernels.row_lse import row_logsumexp
 from strata.kernels.token_mask import apply_token_mask
 from strata.kvcache.pool import KVPool
@@ -130,6 +131,10 @@ class ModelRunner:
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
         # the pinned outputs) because the next replay overwrites the graph's own.
         self.graphs: dict[int, BucketGraphs] = {}
+        # The same graphs captured inside `plan.planning_for(beside_read_sms)`, replayed while
+        # `beside_read` (a concurrent read holds the other SMs): same bits, tiles for fewer SMs.
+        self.graphs_beside: dict[int, BucketGraphs] = {}
+        self.beside_read_sms, self.beside_read, self.beside_replays = 0, False, 0  # replays: steps on that set
         self.use_graphs = cuda and cuda_graph
         self.hidden_out: list[torch.Tensor] = []
         self.prompt_graphs = PromptGraphs(self, max_num_batched_tokens)  # one sequence's short prompt chunk
@@ -238,16 +243,18 @@ class ModelRunner:
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     def _graph_for(self, chunks) -> BucketGraphs | None:
-        if not self.graphs or len(chunks) > self.max_seqs:
+        graphs = self.graphs_beside if self.beside_read and self.graphs_beside else self.graphs
+        if not graphs or len(chunks) > self.max_seqs:
             return None
         for ch in chunks:
             if not ch.sample or ch.num_tokens != len(ch.drafts) + 1 or ch.num_tokens > self.rows_per_seq:
                 return None
             if self.attn.states is not None and ch.start == 0:
                 return None  # a fresh linear-attention state: the graphs read each slot's state
-        for b in sorted(self.graphs):
+        for b in sorted(graphs):
             if b >= len(chunks):
-                return self.graphs[b]
+                self.beside_replays += graphs is self.graphs_beside
+                return graphs[b]
         return None
 
     def _pad(self, rows: int, seqs: int, g: BucketGraphs, chunks=()) -> None:
@@ -266,7 +273,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> float:
-        """Capture the decode/verify graphs, largest bucket first, on one memory pool. Returns seconds."""
+        """Capture the decode/verify graphs, largest bucket first, on one memory pool (with
+        `beside_read_sms`, a second set planned for that many SMs). Returns seconds."""
         if not self.use_graphs:
             return 0.0
         t0 = time.perf_counter()
@@ -277,6 +285,22 @@ class ModelRunner:
         self.hidden_out = [torch.zeros(rows_max, self.model.config.hidden_size, device=self.device,
                                        dtype=self.model.model.embed_tokens.weight.dtype) for _ in range(2)]
         stream = torch.cuda.Stream(self.device)
+        self.graphs = self._capture_buckets(buckets, pool, stream)
+        if self.beside_read_sms:
+            with planning_for(self.beside_read_sms):
+                self.graphs_beside = self._capture_buckets(buckets, pool, stream)
+        prompt = self.prompt_graphs.capture(pool, stream)
+        torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - t0
+        log.info("captured %d CUDA graphs (up to %d sequences x %d rows%s; %d for one prompt chunk of up to %d "
+                 "tokens) in %.1fs", len(buckets) + len(self.graphs_beside) + prompt, buckets[0], q,
+                 f", twice: also planned for the {self.beside_read_sms} SMs a read leaves" if self.graphs_beside
+                 else "", prompt, self.prompt_graphs.max_rows, took)
+        return took
+
+    def _capture_buckets(self, buckets: list[int], pool, stream) -> dict[int, BucketGraphs]:
+        graphs = {}
+        q = self.rows_per_seq
         for b in buckets:
             rows = b * q
             # A layout that exercises every row: each sequence reads q tokens at the start of the
@@ -292,19 +316,14 @@ class ModelRunner:
                 self.attn.states.set_spans([(i, 1, self.max_seqs, False, False) for i in range(rows)])
             self._upload(rows, b)
             self.attn.set_layout(self.d_slots[:rows], self.d_tables[:b], b, q, self.max_model_len)
-            g = self.graphs[b] = capture_bucket(self._graph_body, rows, b, pool, stream, self.device)
+            g = graphs[b] = capture_bucket(self._graph_body, rows, b, pool, stream, self.device)
             if self.grammar is not None:
                 g.forward, g.head = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g.forward, pool=pool, stream=stream):
                     g.forward_hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
                 with torch.cuda.graph(g.head, pool=pool, stream=stream):
                     g.head_outputs = self._head_body(g.forward_hidden)
-        prompt = self.prompt_graphs.capture(pool, stream)
-        torch.cuda.synchronize(self.device)
-        took = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs (up to %d sequences x %d rows; %d for one prompt chunk of up to %d "
-                 "tokens) in %.1fs", len(buckets) + prompt, buckets[0], q, prompt, self.prompt_graphs.max_rows, took)
-        return took
+        return graphs
 
     def _graph_body(self, rows: int):
         hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)

@@ -180,6 +180,11 @@ class ReadStage:
     def busy(self) -> bool:
         return self.current is not None
 
+    @property
+    def holds_sms(self) -> bool:
+        """A read step is in flight in the green context (STRATA_READ_SMS): decodes get the other SMs."""
+        return self.current is not None and self.green_stream is not None and self.active is self.green_stream
+
     def reserve(self) -> None:
         """Before a read, with nothing in flight: room for the largest step's uploads (and, beside the
         batched draft K/V, the stage's stream-K pool)."""

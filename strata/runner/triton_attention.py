@@ -21,7 +21,6 @@ from strata.env import ENV
 from strata.kernels import attention as k_attn
 from strata.kernels import kv_dequant as k_dequant
 from strata.kernels import kv_store as k_store
-from strata.kernels.plan import DEFAULT_SMS, planned_sms
 from strata.kvcache.pool import Int8Pool, KVPool
 from strata.models.attention import AttentionBackend
 from strata.transfer import to_device
@@ -54,11 +53,7 @@ class TritonPagedAttention(AttentionBackend):
         max_splits = max(MAX_SPLITS, self.invariant_splits) if batch_invariant else MAX_SPLITS
         self.workspace = k_attn.SplitWorkspace(max_split_rows, num_q_heads, pool.head_dim, max_splits, self.device)
         self.max_split_rows = max_split_rows
-        # Key splits fill the SMs a launch may use: the device's, or those of `plan.planning_for`.
-        sms = planned_sms()
-        if sms == DEFAULT_SMS:
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.num_sms = sms
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.slots: torch.Tensor | None = None
         self.tables: torch.Tensor | None = None
         self.num_seqs = self.max_q_len = self.num_splits = 0

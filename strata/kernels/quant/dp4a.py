@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.plan import DEFAULT_SMS, planned_sms
+from strata.kernels.plan import DEFAULT_SMS
 from strata.kernels.splitk import (
     shared_split_k_numel,
     split_k_numel,
@@ -72,13 +72,13 @@ class Dp4aConfig:
 
 def config_for(n: int, k: int, block_ks=(256, 128, 64), block_n: int = 64) -> Dp4aConfig:
     """`block_n` rows per program, the first of `block_ks` dividing K per step, and split-K to about
-    four programs per SM: the largest power of two <= min(4 · SMs / tiles, steps / 2, 8), at least 1
+    four programs per SM: the largest power of two <= min(4 · NUM_SMS / tiles, steps / 2, 8), at least 1
     (the H200 sweeps' best configurations ran 2-4 programs per SM with power-of-two splits). With 64
     rows and 256 values: 4096 x 4096 -> 8, 6144 x 4096 -> 4, 24576 x 4096 -> 1, 4096 x 12288 -> 8.
-    SMs: NUM_SMS, or those of `plan.planning_for`."""
+    Not changed by `plan.planning_for`: another split would change the sums, and the bits."""
     block_k = next(b for b in block_ks if k % b == 0)
     tiles, steps = -(-n // block_n), k // block_k
-    limit = max(1, min(PROGRAMS_PER_SM * planned_sms() // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
+    limit = max(1, min(PROGRAMS_PER_SM * NUM_SMS // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
     return Dp4aConfig(block_n, block_k, 1 << (limit.bit_length() - 1))
 
 
@@ -86,7 +86,7 @@ def wide_config(n: int, k: int, block_ks=(256, 128, 64)) -> Dp4aConfig:
     """128 rows per program where that still leaves >= 2 programs per SM after split-K, else 64 (the
     Q4_K and IQ3_S sweeps' best M = 1 configurations mostly had 128 rows)."""
     wide = config_for(n, k, block_ks, block_n=128)
-    if -(-n // 128) * wide.split_k >= 2 * planned_sms():
+    if -(-n // 128) * wide.split_k >= 2 * NUM_SMS:
         return wide
     return config_for(n, k, block_ks)
 
