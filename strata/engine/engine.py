@@ -47,6 +47,7 @@ from strata.spec.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
 
+
 def _is_eos(r: Request, token: int) -> bool:
     return token in r.params.stop_token_ids or (not r.params.ignore_eos and token in r.eos_ids)
 
