@@ -146,7 +146,8 @@ def main() -> None:
                     help="graph replay time per STRATA_GEMV_PREFETCH_MB value, e.g. 0,8,16,32 (graphs recaptured)")
     ap.add_argument("--read", type=int, default=0, help="profile a prompt read of this many tokens instead")
     ap.add_argument("--device", default="cuda", help="--read only: cpu checks the plumbing")
-    ap.add_argument("--held", default="", help="also the decode graph's kernels with these many SMs held, e.g. 0,104,112")
+    ap.add_argument("--held", default="",
+                    help="also the decode graph's kernels with these many SMs held, e.g. 0,104,112")
     a = ap.parse_args()
     if a.read:
         return profile_read(a)

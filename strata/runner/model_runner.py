@@ -131,8 +131,7 @@ class ModelRunner:
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
         # the pinned outputs) because the next replay overwrites the graph's own.
         self.graphs: dict[int, BucketGraphs] = {}
-        # The same graphs captured inside `plan.planning_for(beside_read_sms)`, replayed while
-        # `beside_read` (a concurrent read holds the other SMs): same bits, tiles for fewer SMs.
+        # The same graphs (same bits) captured inside `plan.planning_for(beside_read_sms)`, for `beside_read` steps.
         self.graphs_beside: dict[int, BucketGraphs] = {}
         self.beside_read_sms, self.beside_read, self.beside_replays = 0, False, 0  # replays: steps on that set
         self.use_graphs = cuda and cuda_graph
