@@ -38,10 +38,10 @@ step() {  # name, seconds, command...
   for s in "$@"; do
     case $s in
       # The whole -m gpu suite takes longer than one device call: gpu-kernels, gpu-engine, gpu-rest.
-      gpu-kernels) step gpu-kernels 560 $T tests/test_kernel_*.py tests/test_kernels_*.py tests/test_device_sampling.py --durations=10 ;;
-      gpu-engine) step gpu-engine 560 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_gpu_graphs.py tests/test_moe_packed.py tests/test_api_logprobs_n.py tests/test_quant_fp8.py tests/test_grammar_engine.py --durations=10 ;;
+      gpu-kernels) step gpu-kernels 560 $T tests/test_kernel_*.py tests/test_kernels_*.py tests/runner/test_device_sampling.py --durations=10 ;;
+      gpu-engine) step gpu-engine 560 $T tests/gpu/test_gpu.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_graphs.py tests/models/test_moe_packed.py tests/server/test_api_logprobs_n.py tests/models/test_quantize_fp8.py tests/grammar/test_grammar_engine.py --durations=10 ;;
       # ... and the files neither half lists (the three steps together are the whole -m gpu suite).
-      gpu-rest) step gpu-rest 560 $T tests/test_batch_invariance.py tests/test_batch_read.py tests/test_qwen3_next.py --durations=10 ;;
+      gpu-rest) step gpu-rest 560 $T tests/engine/test_batch_invariance.py tests/engine/test_batch_read.py tests/models/test_qwen3_next.py --durations=10 ;;
       gpu-all) step gpu-all ${GPU_ALL_S:-900} $T tests/ --durations=20 --continue-on-collection-errors ;;
       # llama.cpp (../shared/tools/llamacpp; carry .peer) and the quantized 8B GGUFs, in the background;
       # PEER_QUANTS= writes none of those (~16 GiB of disk that peer-next's 38 GiB file needs).
@@ -61,7 +61,7 @@ step() {  # name, seconds, command...
           -m /tmp/peer_IQ3_S.gguf -ngl 99 -fa 1 -p 4096 -n 128 -r 3 -o json > $R/llamacpp_quant_qwen3-8b_cuda.json; \
           python3 -c 'import json,sys; [print(r[\"model_type\"], r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"], 1)) for r in json.load(open(sys.argv[1]))]' \
           $R/llamacpp_quant_qwen3-8b_cuda.json" ;;
-      graphs-final) step graphs-final 200 $T tests/test_kernel_token_mask.py tests/test_gpu_graphs.py -k "not bf16_agreement and not int8_backend" ;;
+      graphs-final) step graphs-final 200 $T tests/kernels/test_token_mask.py tests/gpu/test_gpu_graphs.py -k "not bf16_agreement and not int8_backend" ;;
       grammar-cost)
         V=.cache/llama-cpp-vocab-0.3.16/ggml-vocab-qwen2.gguf
         G="$B decode --batch 8 --no-hf --no-ceilings --tokens 48 --repeats 1"
@@ -69,13 +69,13 @@ step() {  # name, seconds, command...
         step grammar-masked 80 $G --tokenizer $V --out $R/decode_grammar-masked_qwen3-8b_cuda.json
         step grammar-json-array 80 $G --tokenizer $V --grammar json-array --out $R/decode_grammar-json-array_qwen3-8b_cuda.json ;;
       prefix) step prefix 100 $B prefix --out $R/prefix_cuda.json ;;
-      new) step new 420 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernels_moe_routing.py tests/test_kernels_small.py tests/test_kernel_token_mask.py tests/test_gpu_graphs.py ;;
-      s1-tests) step s1-tests 420 $T tests/test_kernel_gemv.py tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_gpu_graphs.py -k "prefetch or matches_linear or on_off or allocates or attention" ;;
+      new) step new 420 $T tests/kernels/test_attention.py tests/kernels/test_attention_splits.py tests/kernels/test_moe_routing.py tests/kernels/test_small.py tests/kernels/test_token_mask.py tests/gpu/test_gpu_graphs.py ;;
+      s1-tests) step s1-tests 420 $T tests/kernels/test_gemv.py tests/kernels/test_attention.py tests/kernels/test_attention_splits.py tests/gpu/test_gpu_graphs.py -k "prefetch or matches_linear or on_off or allocates or attention" ;;
       prefetch-sweep)
         step prefetch-sweep-b1 200 python3 scripts/profile_step.py --batch 1 --top 8 --prefetch-sweep 0,8,16,32,64
         step prefetch-sweep-b8 200 python3 scripts/profile_step.py --batch 8 --top 8 --prefetch-sweep 0,16,32 ;;
       sweep-prefill) step sweep-prefill 240 python3 scripts/sweep_attention.py --only prefill --prefill-configs "64,128,4,4;64,128,4,3;64,256,8,2;64,256,8,3;128,256,8,2" ;;
-      s2-tests) step s2-tests 300 $T tests/test_kernel_attention.py tests/test_kernels_attention_splits.py tests/test_kernel_kv_dequant.py tests/test_gpu_graphs.py -k "attention or splits or dequant or int8 or bf16_agreement" ;;
+      s2-tests) step s2-tests 300 $T tests/kernels/test_attention.py tests/kernels/test_attention_splits.py tests/kernels/test_kv_dequant.py tests/gpu/test_gpu_graphs.py -k "attention or splits or dequant or int8 or bf16_agreement" ;;
       dp4a-sweep) TAIL=80 step dp4a-sweep 400 python3 -m strata.kernels.quant.dp4a
         TAIL=80 step q4k-dp4a-sweep 400 python3 -m strata.kernels.quant.q4_k_dp4a
         TAIL=80 step iq3s-dp4a-sweep 400 python3 -m strata.kernels.quant.iq3_s_dp4a ;;
@@ -84,8 +84,8 @@ step() {  # name, seconds, command...
         step quant-dp4a 200 $B quant --shape qwen3-8b --formats Q8_0,Q4_K,Q4_K_M,IQ3_S,Q6_K \
         --out $R/quant_dp4a_qwen3-8b_cuda.json ;;
       q8-sweep) TAIL=80 step q8-sweep 300 python3 -m strata.kernels.quant.q8_0 --sweep ;;
-      quant-tests) TAIL=80 step quant-tests 400 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_q8_0.py tests/test_kernel_quant_q4_k.py tests/test_kernel_quant_iq3_s.py tests/test_kernel_quant_streamk.py tests/test_quant_weight.py \
-          tests/test_kernel_quant_q6_k.py tests/test_kernel_quant_q6k_dp4a.py tests/test_kernel_quant_moe.py tests/test_kernel_quant_dequant.py ;;
+      quant-tests) TAIL=80 step quant-tests 400 $T tests/kernels/test_quant_dp4a.py tests/kernels/test_quant_q8_0.py tests/kernels/test_quant_q4_k.py tests/kernels/test_quant_iq3_s.py tests/kernels/test_quant_streamk.py tests/models/test_quant_weight.py \
+          tests/kernels/test_quant_q6_k.py tests/kernels/test_quant_q6k_dp4a.py tests/kernels/test_quant_moe.py tests/kernels/test_quant_dequant.py ;;
       # Reads through dequantize-into-buffer + cuBLAS: the kernels' GB/s and the row threshold, then the
       # engine with the switch off (the fused GEMMs) beside `quant` (on).
       dequant-bench) TAIL=80 step dequant-bench 300 python3 -m strata.kernels.quant.dequant ;;
@@ -116,20 +116,20 @@ step() {  # name, seconds, command...
       decode-nopdl) STRATA_PDL=0 step decode-nopdl 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_nopdl.json ;;
       decode-sync) step decode-sync 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --no-async-scheduling --out $R/decode_quick_sync.json ;;
       moe-decode1) step moe-decode1 150 $B decode --shape qwen3-30b-a3b --batch 1,8 --no-hf --repeats 1 --out $R/decode_moe_quick.json ;;
-      speed) step speed 120 $T -k "speed_report or cuda_graph_replay" tests/test_kernel_attention.py ;;
-      gemv) step gemv 240 $T tests/test_kernel_gemv.py ;;
+      speed) step speed 120 $T -k "speed_report or cuda_graph_replay" tests/kernels/test_attention.py ;;
+      gemv) step gemv 240 $T tests/kernels/test_gemv.py ;;
       gemv-sweep) step gemv-sweep 300 python3 -m strata.kernels.gemv --sweep 6144x4096 4096x4096 2048x4096 5120x2048 ;;
       sweep-attn) step sweep-attn 300 python3 scripts/sweep_attention.py ;;
-      graphs) step graphs 300 $T tests/test_gpu_graphs.py tests/test_kernel_kv_dequant.py ;;
+      graphs) step graphs 300 $T tests/gpu/test_gpu_graphs.py tests/kernels/test_kv_dequant.py ;;
       profile-next) step profile-next 200 python3 scripts/profile_step.py --shape qwen3-next-80b-a3b-36l --batch 1 --top 30 ;;
       profile-moe) step profile-moe 150 python3 scripts/profile_step.py --shape qwen3-30b-a3b --batch 1 --top 30 ;;
-      int8-check) step int8-check 120 $T -k "int8" tests/test_kernels_attention_splits.py tests/test_gpu_graphs.py ;;
-      kernels) step kernels 300 $T tests/test_kernel_attention.py tests/test_kernels_small.py tests/test_kernel_gemv.py tests/test_kernel_moe_decode.py tests/test_kernel_kv_dequant.py ;;
-      tests-final) step tests-final 150 $T tests/test_gpu.py tests/test_kernel_moe_decode.py ;;
-      tests) step tests 500 $T tests/test_gpu.py tests/test_gpu_engine.py tests/test_moe_packed.py tests/test_gpu_graphs.py tests/test_device_sampling.py tests/test_kernel_kv_dequant.py ;;
-      moe-kernel) step moe-kernel 200 $T tests/test_kernel_moe_decode.py ;;
+      int8-check) step int8-check 120 $T -k "int8" tests/kernels/test_attention_splits.py tests/gpu/test_gpu_graphs.py ;;
+      kernels) step kernels 300 $T tests/kernels/test_attention.py tests/kernels/test_small.py tests/kernels/test_gemv.py tests/kernels/test_moe_decode.py tests/kernels/test_kv_dequant.py ;;
+      tests-final) step tests-final 150 $T tests/gpu/test_gpu.py tests/kernels/test_moe_decode.py ;;
+      tests) step tests 500 $T tests/gpu/test_gpu.py tests/gpu/test_gpu_engine.py tests/models/test_moe_packed.py tests/gpu/test_gpu_graphs.py tests/runner/test_device_sampling.py tests/kernels/test_kv_dequant.py ;;
+      moe-kernel) step moe-kernel 200 $T tests/kernels/test_moe_decode.py ;;
       files) step files ${FILES_S:-300} $T $FILES ;;  # FILES="tests/a.py tests/b.py -k ...": any tests by name
-      moe-tests) step moe-tests 300 $T tests/test_kernel_moe_decode.py tests/test_moe_packed.py tests/test_kernels_moe_routing.py --durations=5 ;;
+      moe-tests) step moe-tests 300 $T tests/kernels/test_moe_decode.py tests/models/test_moe_packed.py tests/kernels/test_moe_routing.py --durations=5 ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       profile8) step profile8 120 python3 scripts/profile_step.py --batch 8 --top 12 ;;
       # Where a batch-1 decode step's time goes with weights kept quantized (bf16 beside them).
@@ -140,16 +140,16 @@ step() {  # name, seconds, command...
       profile-quant) for q in ${PROFILE_QUANTS:-bf16 Q8_0 Q4_K}; do TAIL=30 step profile-$q 150 env ${PROFILE_ENV:-} python3 scripts/profile_step.py \
           --batch 1 --top 20 $([ $q != bf16 ] && echo --quant $q); done ;;
       # IQ3_S's grid gathered from shared memory against the global table: bits, kernel times, batch-1 decode.
-      iq3s-grid) TAIL=30 step iq3s-grid-tests 300 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_iq3_s.py \
-          tests/test_kernel_quant_dequant.py -k "iq3s or dequantize_exactly or (real_shapes and IQ3_S)"
+      iq3s-grid) TAIL=30 step iq3s-grid-tests 300 $T tests/kernels/test_quant_dp4a.py tests/kernels/test_quant_iq3_s.py \
+          tests/kernels/test_quant_dequant.py -k "iq3s or dequantize_exactly or (real_shapes and IQ3_S)"
         TAIL=30 step iq3s-grid-bench 300 python3 -m strata.kernels.quant.iq3_s_dp4a --shared-grid
         for g in global shared; do STRATA_IQ3S_GRID=$g step iq3s-grid-$g 200 $B quant --shape qwen3-8b --formats IQ3_S \
           --out $R/quant_qwen3-8b_iq3s_${g}_cuda.json; done
         for g in global shared; do STRATA_IQ3S_GRID=$g step iq3s-grid-moe-$g 300 $B quant --shape qwen3-30b-a3b \
           --formats IQ3_S --out $R/quant_qwen3-30b-a3b_iq3s_${g}_cuda.json; done ;;
       # IQ3_S with interleaved sign planes: every IQ3_S GPU test, the dp4a configurations, batch-1 decode.
-      iq3s) TAIL=40 step iq3s-tests 300 $T tests/test_kernel_quant_dp4a.py tests/test_kernel_quant_iq3_s.py \
-          tests/test_kernel_quant_dequant.py tests/test_kernel_quant_moe.py -k "iq3s or IQ3_S or iq3_s"
+      iq3s) TAIL=40 step iq3s-tests 300 $T tests/kernels/test_quant_dp4a.py tests/kernels/test_quant_iq3_s.py \
+          tests/kernels/test_quant_dequant.py tests/kernels/test_quant_moe.py -k "iq3s or IQ3_S or iq3_s"
         TAIL=60 step iq3s-sweep 300 python3 -m strata.kernels.quant.iq3_s_dp4a
         step iq3s-quant 200 $B quant --shape qwen3-8b --formats IQ3_S --out $R/quant_qwen3-8b_iq3s_cuda.json
         step iq3s-quant-moe 300 $B quant --shape qwen3-30b-a3b --formats IQ3_S --out $R/quant_qwen3-30b-a3b_iq3s_cuda.json ;;
@@ -168,7 +168,7 @@ step() {  # name, seconds, command...
       http) step http 200 $B decode --batch 1 --no-hf --http --repeats 1 --out $R/http_qwen3-8b_cuda.json ;;
       spec) step spec 400 $B spec --repeats 4 --out $R/spec_cuda.json ;;
       kv) step kv 200 $B kv --out $R/kv_int8_cuda.json ;;
-      concurrent-tests) step concurrent-tests 400 $T tests/test_batch_read.py ;;
+      concurrent-tests) step concurrent-tests 400 $T tests/engine/test_batch_read.py ;;
       concurrent) step concurrent 500 $B concurrent --shape qwen3-8b --http --out $R/concurrent_qwen3-8b_cuda.json ;;
       # The read in a green context of N SMs (STRATA_READ_SMS), the decode keeping the rest.
       concurrent-sms) for n in ${READ_SMS_LIST:-64 80}; do step concurrent-sms$n 300 $B concurrent --shape qwen3-8b --pairs ${SMS_PAIRS:-1} \
@@ -177,7 +177,7 @@ step() {  # name, seconds, command...
       concurrent-split) for n in ${READ_SMS_LIST:-104}; do step concurrent-split$n 400 env ${SPLIT_ENV:-} $B concurrent \
           --shape qwen3-8b --pairs 1 --read-sms $n --chunk ${SPLIT_CHUNK:-16384} --lengths 32768 --giveway-tokens 32768 \
           --out $R/concurrent_qwen3-8b_sms${n}_chunk${SPLIT_CHUNK:-16384}${SPLIT_NAME:-}_cuda.json; done ;;
-      beside-tests) step beside-tests 300 $T tests/test_sm_split.py tests/test_batch_read.py -k "bits or planned or green" ;;
+      beside-tests) step beside-tests 300 $T tests/bench/test_sm_split.py tests/engine/test_batch_read.py -k "bits or planned or green" ;;
       # The embedded model: acceptance with and without STRATA_SPLIT_MTP_BATCH, and the needle.
       concurrent-q8) step concurrent-q8 400 $B concurrent --shape qwen3-8b --quant Q8_0 --pairs ${SMS_PAIRS:-3} \
           --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b_Q8_0_sms${READ_SMS:-64}_cuda.json ;;
@@ -185,7 +185,7 @@ step() {  # name, seconds, command...
           --pairs ${SMS_PAIRS:-3} --read-sms ${READ_SMS:-64} --out $R/concurrent_qwen3-8b-128k_sms${READ_SMS:-64}_cuda.json ;;
       # Issue 11's zero growth, both weight formats, one pair (the 3-pair steps above measure the rest).
       # Issue 11's two goals under every split of the SMs, bf16 and Q8_0 (strata bench sm-split).
-      sm-split) step sm-split-test 120 $T tests/test_sm_split.py
+      sm-split) step sm-split-test 120 $T tests/bench/test_sm_split.py
         for q in ${SPLIT_QUANTS:-bf16 Q8_0}; do step sm-split-$q 400 $B sm-split --shape qwen3-8b $([ $q = Q8_0 ] && echo --quant Q8_0) \
           ${SPLIT_ARGS:-} --out $R/sm_split_qwen3-8b$([ $q = Q8_0 ] && echo _Q8_0)${SPLIT_NAME:-}_cuda.json; done ;;
       # Each decode GEMV alone on the SMs a read leaves, tuned and candidate configurations.
@@ -213,10 +213,10 @@ step() {  # name, seconds, command...
           --pairs 1 --read-sms 64 --lengths 4096,32768 --out $R/concurrent_growth_${q}_cuda.json; done ;;
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       # qwen3_next: the engine against HF (no fla on the path), then fla-core against the reference.
-      next-tests) step next-tests 300 $T tests/test_qwen3_next.py tests/test_gpu.py tests/test_kernel_causal_conv.py tests/test_kernel_gated_delta_decode.py tests/test_kernels_qwen3_next.py -k "next or causal or decode" ;;
+      next-tests) step next-tests 300 $T tests/models/test_qwen3_next.py tests/gpu/test_gpu.py tests/kernels/test_causal_conv.py tests/kernels/test_gated_delta_decode.py tests/kernels/test_qwen3_next_kernels.py -k "next or causal or decode" ;;
       # setsid: both fla steps of 2026-12-02 ended the whole round at their start (run alone, the fla tests
       # passed), so they run in a session of their own.
-      fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 setsid -w $T tests/test_kernel_gated_delta_fla.py ;;
+      fla) PYTHONPATH=/tmp/fla:$PYTHONPATH step fla 300 setsid -w $T tests/kernels/test_gated_delta_fla.py ;;
       next-read) for k in ref fla; do PYTHONPATH=/tmp/fla:$PYTHONPATH STRATA_GDN_KERNEL=$k step next-read-$k 300 \
           setsid -w $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_${k}_cuda.json; done ;;
@@ -243,8 +243,8 @@ step() {  # name, seconds, command...
           python3 -c 'import json,sys; [print(r[\"model_type\"], r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"], 1)) for r in json.load(open(sys.argv[1]))]' \
           $R/llamacpp_qwen3-next-12l_cuda.json" ;;
       # Issue 15: the invariant GEMM / attention against their claims, the engine matrix, then the bench.
-      invariant-tests) step invariant-tests 500 $T tests/test_kernel_matmul.py tests/test_kernel_attention_invariant.py tests/test_kernel_row_lse.py \
-          tests/test_kernel_quant_invariant.py tests/test_kernel_moe_invariant.py tests/test_batch_invariance.py ;;
+      invariant-tests) step invariant-tests 500 $T tests/kernels/test_matmul.py tests/kernels/test_attention_invariant.py tests/kernels/test_row_lse.py \
+          tests/kernels/test_quant_invariant.py tests/kernels/test_moe_invariant.py tests/engine/test_batch_invariance.py ;;
       matmul-sweep) TAIL=80 step matmul-sweep 400 python3 -m strata.kernels.matmul --sweep ;;
       determinism) for m in off on; do step determinism-$m 500 $B determinism --shape qwen3-8b --clients 64 --parallel 8 \
           --chunk 512 $([ $m = on ] && echo "--batch-invariant --costs") --out $R/determinism_${m}_cuda.json; done ;;
@@ -256,15 +256,15 @@ step() {  # name, seconds, command...
       concurrent-q8-sms) for n in ${READ_SMS_LIST:-48 32}; do step concurrent-q8-sms$n 300 $B concurrent --shape qwen3-8b \
           --quant Q8_0 --pairs ${SMS_PAIRS:-1} --read-sms $n --lengths 32768 --out $R/concurrent_qwen3-8b_Q8_0_sms${n}_cuda.json; done ;;
       # The Q8_0 GEMM with the dp4a GEMV's arithmetic: bitwise against the GEMV's rows, then timed.
-      mmq) step mmq-tests 200 $T tests/test_kernel_quant_mmq.py
+      mmq) step mmq-tests 200 $T tests/kernels/test_quant_mmq.py
         TAIL=60 step mmq-bench 300 python3 -m strata.kernels.quant.q8_0_mmq ;;
-      fp8-tests) step fp8-tests 300 $T tests/test_quant_fp8.py tests/test_kernel_fp8_rows.py ;;
+      fp8-tests) step fp8-tests 300 $T tests/models/test_quantize_fp8.py tests/kernels/test_fp8_rows.py ;;
       # The K/V store fused into q/k-norm + RoPE (STRATA_FUSED_KV_STORE): its kernel tests on CUDA (not
       # `gpu`-marked) and the engine's tokens with it on and off; then (fused-store-ab) whole-model decode
       # and 4K reads fused against the separate store launch, interleaved.
-      rope-store) step rope-store 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_small.py \
+      rope-store) step rope-store 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_small.py \
           -k "qk_norm_rope or kv_store"
-        step rope-store-engine 300 $T tests/test_gpu_graphs.py -k fused_kv_store ;;
+        step rope-store-engine 300 $T tests/gpu/test_gpu_graphs.py -k fused_kv_store ;;
       fused-store-ab) TAIL=20 step fused-store-ab ${AB_S:-400} python3 scripts/fused_store_ab.py \
           --formats ${AB_FORMATS:-bf16,Q4_K} --rounds ${AB_ROUNDS:-2} ;;
       fp8-parts) TAIL=20 step fp8-parts 200 python3 scripts/fp8_read_parts.py ;;

@@ -4,7 +4,10 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# The shared builders (tiny_models, serving, ...) sit here; test modules of one area import another
+# area's builders by module name (basenames are unique across tests/).
+sys.path[:0] = [TESTS] + sorted(e.path for e in os.scandir(TESTS) if e.is_dir() and not e.name.startswith((".", "_")))
 os.environ.setdefault("STRATA_NO_PROGRESS", "1")
 
 

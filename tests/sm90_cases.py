@@ -1,5 +1,5 @@
 """Kernels of the decode path at the configurations the engine launches, compiled for sm_90 without a GPU
-(`scripts/sass_loops.py`). Run as a script in a process of its own (`tests/test_kernels_compile_sm90.py`
+(`scripts/sass_loops.py`). Run as a script in a process of its own (`tests/kernels/test_compile_sm90.py`
 does): the test process interprets every kernel (TRITON_INTERPRET=1), and an interpreted kernel cannot
 be compiled. Prints {case: {"error", "spills", "ops", "global_loads"}} as JSON."""
 

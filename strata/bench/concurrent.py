@@ -241,7 +241,7 @@ def give_way(eng: LLMEngine, long_ids: list[int], short_ids: list[int], tag: str
 
 
 def needle(args, loaded, device: torch.device, arm: str) -> dict:
-    """tests/test_engine.py's needle across the yield point, on the arm's concurrent read: a pass key
+    """tests/engine/test_engine.py's needle across the yield point, on the arm's concurrent read: a pass key
     whose prompt is read in chunks of half of (key position + 2), so the read gives way to a short
     request at the chunk boundary after the second chunk, inside the key (the stage already holds the
     second chunk when the short one arrives). Each trial: the answer alone and with the give-way."""

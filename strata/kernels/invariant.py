@@ -8,7 +8,7 @@ blocked differently from one over 384. So every product here has a shape that le
 alone:
 - rows are padded to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): measured with torch's MKL on
   an AVX2 machine (this project's CPU and CI class), a row's fp32 result is then the same at any row
-  count; `tests/test_batch_invariance.py` checks it end to end, so a BLAS for which it fails shows there;
+  count; `tests/engine/test_batch_invariance.py` checks it end to end, so a BLAS for which it fails shows there;
 - attention's keys are cut at absolute multiples of KEY_BLOCK, and the blocks' P·V products (each over
   exactly KEY_BLOCK keys) are added in key order: a query's sum has the same grouping whatever the
   step's longest context. Masked keys carry probability 0 and add exact zeros.

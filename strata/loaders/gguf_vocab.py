@@ -1,7 +1,7 @@
 """GGUF vocabularies (`tokenizer.ggml.*`) → `strata.tokenizer.Tokenizer`.
 
 Two vocabulary kinds are supported, and each is rebuilt as a `tokenizers.Tokenizer` that splits text
-the way llama.cpp does (checked against llama.cpp's own test vectors in tests/test_tokenizer_vectors.py):
+the way llama.cpp does (checked against llama.cpp's own test vectors in tests/loaders/test_tokenizer_vectors.py):
 
 * `gpt2`: byte-level BPE. The pre-tokenizer regexes are chosen by `tokenizer.ggml.pre`, as llama.cpp
   chooses them; several regexes are applied one after another, each splitting the pieces further and

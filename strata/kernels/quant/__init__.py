@@ -24,7 +24,7 @@ FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # GGUF types kept quantized; FP8 is
 WRITTEN = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # the formats `writers.quantize` makes from float weights
 # Reads whose row count falls here run Q8_0's stream-K GEMM when the weight has a context. On the H200
 # it beat the tiled GEMM at 512 rows (1.00-1.49x over the 8B shapes) and lost at 4,096 (0.94-0.98x;
-# tests/test_kernel_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token
+# tests/kernels/test_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token
 # chunk, to be refined by a sweep between those two points.
 STREAMK_ROWS = (256, 1024)
 # Formats whose reads may dequantize into a bf16 buffer and run cuBLAS (`QWeight.dequant_buf`).

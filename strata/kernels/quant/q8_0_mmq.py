@@ -14,7 +14,7 @@ what else is in the batch (`matmul`: ≤ MAX_ROWS rows the GEMV, more this kerne
 It is not the invariant kernel that `--batch-invariant` runs today (`invariant.py`, x in 16 bits
 against the dequantized weight); the arithmetic differs (x rounded to int8 per group, as llama.cpp's
 MMQ and the default decode path do). STATUS: bitwise the GEMV's rows in the interpreter and on the
-H200 (tests/test_kernel_quant_mmq.py; `python -m strata.kernels.quant.q8_0_mmq` at the Qwen3-8B shapes,
+H200 (tests/kernels/test_quant_mmq.py; `python -m strata.kernels.quant.q8_0_mmq` at the Qwen3-8B shapes,
 M = 17 … 4096), but slow: 52-69 TFLOP/s, 13.6x cuBLAS on the bf16 weight at M = 4096
 (bench/results/q8_0_mmq_bench_cuda.txt). Each group's fp32 epilogue over the whole output tile runs on
 the CUDA cores and bounds it; `--batch-invariant` does not use it (docs/DETERMINISM.md).
