@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from strata.data.retrieval import make_retrieval_example  # noqa: E402
 from strata.loaders import load_model  # noqa: E402
-from strata.models.attention import CausalBatch  # noqa: E402
+from strata.attention import CausalBatch  # noqa: E402
 from strata.runner.generator import Generator  # noqa: E402
-from strata.runner.sampling import SamplingParams  # noqa: E402
+from strata.sampling import SamplingParams  # noqa: E402
 
 SAMPLE_PROMPTS = [
     "It is a truth universally acknowledged, that",

@@ -26,7 +26,7 @@ import math
 import torch
 
 from strata.kernels import attention as A
-from strata.runner.triton_attention import MAX_SPLITS
+from strata.attention.triton_backend import MAX_SPLITS
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 MAX_MODEL_LEN = 40960

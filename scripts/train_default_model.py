@@ -46,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from strata.config import ModelConfig  # noqa: E402
-from strata.models.attention import CausalBatch  # noqa: E402
+from strata.attention import CausalBatch  # noqa: E402
 from strata.models.moe import MoE  # noqa: E402
 from strata.models.registry import build_model  # noqa: E402
 

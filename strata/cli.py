@@ -14,7 +14,7 @@ import time
 
 from strata.cli_args import add_engine_flags, add_model_arg, engine_config
 from strata.config import EngineConfig
-from strata.runner.sampling import SamplingParams
+from strata.sampling import SamplingParams
 
 _SP = SamplingParams()
 _EC = EngineConfig()

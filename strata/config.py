@@ -204,6 +204,15 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
+GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def graph_buckets(max_seqs: int) -> list[int]:
+    """The batch sizes CUDA graphs are captured for (the runner's and the MTP drafter's), largest first:
+    the buckets below `max_seqs`, and it."""
+    return sorted({b for b in GRAPH_BUCKETS if b < max_seqs} | {max_seqs}, reverse=True)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How a model is run. Every CLI flag of `strata generate/serve` defaults to a field here."""

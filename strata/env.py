@@ -57,9 +57,6 @@ class _Env:
     PDL = Switch("STRATA_PDL", _bool, True,
                  "launch Triton kernels with programmatic dependent launch on sm_90+ (a kernel's launch "
                  "overlaps its predecessor's tail; each kernel waits for it before touching memory)")
-    FUSED_KV_STORE = Switch("STRATA_FUSED_KV_STORE", _bool, False,
-                            "write each layer's new K/V into a 16-bit pool inside the q/k-norm + RoPE kernel "
-                            "instead of a store_kv launch (~1% on an H100; in fp32 its q/k bits can differ from the plain kernel's)")
     GEMV_PREFETCH_MB = Switch("STRATA_GEMV_PREFETCH_MB", int, 0,
                               "MiB of weights each decode GEMV asks L2 to prefetch before its PDL wait, while "
                               "the kernel before it still runs (0: off; on the H200 8 gained < 0.5% and 16+ "

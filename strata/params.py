@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from strata.grammar.spec import GrammarSpec
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
+
 
 @dataclass
 class SamplingParams:

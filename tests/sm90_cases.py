@@ -72,17 +72,16 @@ def fused_add_rms_norm(hidden: int = 4096, zero_centred: bool = False):
     return norm._rms_norm_kernel, sig, const, min(16, max(1, block // 512)), 3, True
 
 
-def qk_norm_rope(store_kv: bool, head_dim: int = 128, num_q: int = 32, num_kv: int = 8, rotary: int = 128):
-    """The 8B shape's q/k norm + RoPE, with the K/V store fused (`kv_store`) or not."""
+def qk_norm_rope(head_dim: int = 128, num_q: int = 32, num_kv: int = 8, rotary: int = 128):
+    """The 8B shape's q/k norm + RoPE."""
     sig = dict(qkv_ptr="*bf16", row_stride="i32", pos_ptr="*i64", inv_freq_ptr="*fp32", q_w_ptr="*bf16",
-               k_w_ptr="*bf16", attn_scale="fp32", eps="fp32", head_dim_f="fp32", k_cache_ptr="*bf16",
-               v_cache_ptr="*bf16", slots_ptr="*i64")
+               k_w_ptr="*bf16", attn_scale="fp32", eps="fp32", head_dim_f="fp32")
     block_dim, half = triton.next_power_of_2(head_dim), rotary // 2
     block_heads = min(triton.next_power_of_2(num_q + num_kv), max(1, 1024 // block_dim))
     const = dict(NUM_Q_HEADS=num_q, NUM_HEADS=num_q + num_kv, HEAD_DIM=head_dim, HALF=half, PASS_DIM=head_dim - rotary,
                  BLOCK_HEADS=block_heads, BLOCK_HALF=triton.next_power_of_2(half),
-                 BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary, 1)), BLOCK_D=block_dim, HAS_NORM=True,
-                 ROUND_NORMED=True, ZERO_CENTRED=False, STORE_KV=store_kv, USE_LIBDEVICE=True, USE_PDL=True)
+                 BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary, 1)), HAS_NORM=True,
+                 ROUND_NORMED=True, ZERO_CENTRED=False, USE_LIBDEVICE=True, USE_PDL=True)
     return rope._qk_norm_rope_kernel, sig, const, min(4, max(1, block_heads * block_dim // 512)), 3, True
 
 
@@ -219,9 +218,8 @@ CASES = {
     "fp8_rows_quantize": fp8_rows_quantize,
     "fp8_rows_silu_mul_quantize": lambda: fp8_rows_quantize(silu_mul=True),
     "rms_norm_add": fused_add_rms_norm,
-    "qk_norm_rope": lambda: qk_norm_rope(False),
-    "qk_norm_rope_store_kv": lambda: qk_norm_rope(True),
-    "qk_norm_rope_store_kv_partial": lambda: qk_norm_rope(True, head_dim=256, num_q=16, num_kv=2, rotary=64),
+    "qk_norm_rope": qk_norm_rope,
+    "qk_norm_rope_partial": lambda: qk_norm_rope(head_dim=256, num_q=16, num_kv=2, rotary=64),
     "rms_norm_add_zero_centred": lambda: fused_add_rms_norm(2048, True),
     "moe_gate_up_30b": lambda: moe_gate_up(2048, 768),
     "moe_down_30b": lambda: moe_down_combine(2048, 768),

@@ -19,7 +19,7 @@ from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import make_pool
 from strata.loaders import default_model_path, load_model
 from strata.models.registry import build_model
-from strata.runner.paged_attention import PagedAttention
+from strata.attention.reference import PagedAttention
 
 HELD_OUT = os.path.join(default_model_path(), "README.md")  # English text the default model never saw
 

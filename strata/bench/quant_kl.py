@@ -28,7 +28,7 @@ from torch import nn
 from strata.bench.results import print_tables, save, summary_table
 from strata.kernels.quant import WRITTEN, QWeight, format_module, qweights_of, quantize_fp8
 from strata.loaders import default_model_path, load_model
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from strata.models.moe import Router
 
 

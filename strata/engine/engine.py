@@ -43,7 +43,7 @@ from strata.runner.steps import LaunchedStep
 from strata.runner.read_stage import AllocationGuard, ReadStage
 from strata.sched.request import Request
 from strata.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from strata.spec.drafter import MTPDrafter
+from strata.speculative.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
 

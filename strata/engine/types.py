@@ -13,14 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from strata.params import SamplingParams
-
+from strata.params import MAX_TOP_LOGPROBS, SamplingParams  # noqa: F401 (MAX_TOP_LOGPROBS: the engine's limit)
 
 # Time to first token spans a short prompt on a GPU (milliseconds) to a long prompt queued behind
 # others on a CPU (a minute).
 TTFT_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 5.0  # the span of the engine's recent token rates
-MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def _store_kv_kernel(k_ptr, k_tok_stride, k_head_stride, v_ptr, v_tok_stride, v_
 
 
 def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, n: int) -> None:
-    """The pool layout every K/V writer takes (`store_kv`, `rope.qk_norm_rope(kv_store=...)`): caches
+    """The pool layout `store_kv` takes: caches
     [S, Hkv, D], contiguous and alike, and one int32/int64 slot for each of the n tokens."""
     if k_cache.dim() != 3:
         raise ValueError(f"k_cache: expected [S, Hkv, D], got {tuple(k_cache.shape)}")

@@ -5,9 +5,6 @@ head: optionally `weight * rms_normalize(head)` (the `RMSNorm.forward` semantics
 apart), then the first `rotary_dim` dims rotated by the angle `position * inv_freq` with
 `cos, sin` scaled by `attn_scale` (YaRN's attention factor); dims past `rotary_dim` pass through.
 v is untouched. Returns the views (q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) of `qkv`.
-With `kv_store=(k_cache, v_cache, slots)` (the attention backend's `kv_store_target`) the kernel also
-writes each token's rotated k and its v into the paged caches at its slot: the bits `store_kv` would
-write from the returned views, one launch a layer fewer.
 `zero_centred` (Qwen3-Next's q/k norms): `normalize(head) * (1 + weight)` in fp32, rounded to the dtype.
 
 The reference follows `strata.models.layers` (cos/sin rounded to the dtype, the rotation computed in
@@ -20,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from strata.kernels import use_pdl, use_triton
-from strata.kernels.kv_store import check_caches
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.triton_import import jit, libdevice, tl, triton
 
@@ -82,35 +78,12 @@ def _norm_part(x, inv_rms, qkv_ptr, q_w_ptr, k_w_ptr, offs, mask, is_q, ROUND_NO
 
 
 @jit
-def _store_k_v(qkv_ptr, row_stride, tok, heads, k1, k2, k3, k_cache_ptr, v_cache_ptr, slots_ptr, d, d_ok,
-               NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-               PASS_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The k rows among `heads` (rotated halves k1, k2; k3 the dims past the rotation) and the v rows of
-    the same kv heads into the caches [S, Hkv, D] at the token's slot."""
-    kv = heads - NUM_Q_HEADS
-    is_k = (heads >= NUM_Q_HEADS) & (heads < NUM_HEADS)
-    dst = tl.load(slots_ptr + tok).to(tl.int64) * ((NUM_HEADS - NUM_Q_HEADS) * HEAD_DIM) + kv[:, None] * HEAD_DIM
-    mask = is_k[:, None] & d_ok[None, :]
-    tl.store(k_cache_ptr + dst + d[None, :], k1, mask=mask)
-    tl.store(k_cache_ptr + dst + HALF + d[None, :], k2, mask=mask)
-    if PASS_DIM > 0:
-        p = tl.arange(0, BLOCK_PASS)
-        tl.store(k_cache_ptr + dst + 2 * HALF + p[None, :], k3, mask=is_k[:, None] & (p < PASS_DIM)[None, :])
-    dv = tl.arange(0, BLOCK_D)
-    v_mask = is_k[:, None] & (dv < HEAD_DIM)[None, :]
-    v_src = qkv_ptr + tok * row_stride + (NUM_HEADS + kv[:, None]) * HEAD_DIM + dv[None, :]
-    tl.store(v_cache_ptr + dst + dv[None, :], tl.load(v_src, mask=v_mask, other=0.0), mask=v_mask)
-
-
-@jit
 def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_w_ptr, attn_scale, eps, head_dim_f,
-                         k_cache_ptr, v_cache_ptr, slots_ptr,
                          NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HALF: tl.constexpr, PASS_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-                         BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
                          HAS_NORM: tl.constexpr, ROUND_NORMED: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-                         STORE_KV: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
-    """STORE_KV: the k and v rows also go into the caches at slots_ptr[token] (`_store_k_v`)."""
+                         USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
@@ -123,11 +96,6 @@ def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_
     hi_ptrs = lo_ptrs + HALF
     x1 = tl.load(lo_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(hi_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.zeros([BLOCK_HEADS, BLOCK_PASS], dtype=tl.float32)  # the dims past the rotation (STORE_KV)
-    if STORE_KV and PASS_DIM > 0 and not HAS_NORM:
-        p = tl.arange(0, BLOCK_PASS)
-        x3 = tl.load(head_base + 2 * HALF + p[None, :], mask=head_ok[:, None] & (p < PASS_DIM)[None, :],
-                     other=0.0).to(tl.float32)
     if HAS_NORM:
         is_q = heads < NUM_Q_HEADS
         squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
@@ -159,22 +127,10 @@ def _qk_norm_rope_kernel(qkv_ptr, row_stride, pos_ptr, inv_freq_ptr, q_w_ptr, k_
     hi = (x2 * cos + x1 * sin).to(qkv_ptr.dtype.element_ty)
     tl.store(lo_ptrs, lo, mask=mask)
     tl.store(hi_ptrs, hi, mask=mask)
-    if STORE_KV:
-        _store_k_v(qkv_ptr, row_stride, tok, heads, lo, hi, x3.to(qkv_ptr.dtype.element_ty), k_cache_ptr, v_cache_ptr,
-                   slots_ptr, d, d_ok, NUM_Q_HEADS, NUM_HEADS, HEAD_DIM, HALF, PASS_DIM, BLOCK_PASS, BLOCK_D)
-
-
-def _check_kv_store(kv_store, qkv: torch.Tensor, num_kv_heads: int, head_dim: int):
-    k_cache, v_cache, slots = kv_store
-    check_caches(k_cache, v_cache, slots, qkv.shape[0])
-    if k_cache.shape[1:] != (num_kv_heads, head_dim) or not k_cache.dtype.is_floating_point:
-        raise ValueError(f"caches: expected 16- or 32-bit float [S, {num_kv_heads}, {head_dim}] (an int8 pool has "
-                         f"its own store), got {tuple(k_cache.shape)} {k_cache.dtype}")
-    return k_cache, v_cache, slots
 
 
 def qk_norm_rope_triton(qkv, positions, inv_freq, attn_scale, q_weight, k_weight, eps, num_q_heads, num_kv_heads,
-                        head_dim, rotary_dim, zero_centred=False, kv_store=None):
+                        head_dim, rotary_dim, zero_centred=False):
     n = qkv.shape[0]
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
@@ -200,8 +156,6 @@ def qk_norm_rope_triton(qkv, positions, inv_freq, attn_scale, q_weight, k_weight
     else:
         q_weight = k_weight = inv_freq  # never read
         round_normed = False
-    k_cache, v_cache, slots = (_check_kv_store(kv_store, qkv, num_kv_heads, head_dim) if kv_store is not None
-                               else (qkv, qkv, positions))  # placeholders, never read
     q, k, v = _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
     if n == 0:
         return q, k, v
@@ -216,11 +170,10 @@ def qk_norm_rope_triton(qkv, positions, inv_freq, attn_scale, q_weight, k_weight
     on = use_pdl(qkv)
     _qk_norm_rope_kernel[grid](
         qkv, qkv.stride(0), positions, inv_freq, q_weight, k_weight, float(attn_scale), eps, float(head_dim),
-        k_cache, v_cache, slots,
         NUM_Q_HEADS=num_q_heads, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HALF=half, PASS_DIM=pass_dim,
         BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
-        BLOCK_D=block_dim, HAS_NORM=has_norm, ROUND_NORMED=round_normed, ZERO_CENTRED=zero_centred,
-        STORE_KV=kv_store is not None, USE_LIBDEVICE=qkv.is_cuda, USE_PDL=on, launch_pdl=on,
+        HAS_NORM=has_norm, ROUND_NORMED=round_normed, ZERO_CENTRED=zero_centred,
+        USE_LIBDEVICE=qkv.is_cuda, USE_PDL=on, launch_pdl=on,
         num_warps=min(4, max(1, block_heads * block_dim // 512)))
     return q, k, v
 

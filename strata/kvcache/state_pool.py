@@ -10,11 +10,41 @@ clearing when it changes hands, and a preempted request that is read again recom
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 
 import torch
 
 from strata.config import ModelConfig
-from strata.models.attention import RecurrentStates
+
+
+class RecurrentStates(ABC):
+    """Where the linear-attention layers (hybrid models) keep each sequence's fixed-size state.
+
+    Rules every implementation follows:
+    - `spans` lists the step's sequences in row order: (first row, rows, state index, fresh, keep). Host
+      values, set before the forward like the attention layout. `fresh`: the sequence starts at
+      position 0, so its state is read as zeros (whatever the slot held before). `keep`: a verification
+      chunk; the state after each of its rows is also written to `conv_rows` / `recurrent_rows`, so
+      the runner can go back to the state after the last accepted draft (`restore`).
+    - `index` holds the spans' state indices on the device ([sequences], long) for batched updates.
+    - `conv(layer)` [states, C, K-1] and `recurrent(layer)` [states, H, Dk, Dv] (fp32) are read and
+      written in place by linear layer `layer` (counted among linear layers only); `conv_rows(layer)`
+      [states, rows, C, K-1] and `recurrent_rows(layer)` [states, rows, H, Dk, Dv] only by keep spans."""
+
+    spans: list[tuple[int, int, int, bool, bool]]
+    index: torch.Tensor
+
+    @abstractmethod
+    def conv(self, layer: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def recurrent(self, layer: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def conv_rows(self, layer: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def recurrent_rows(self, layer: int) -> torch.Tensor: ...
 
 
 class StatePool(RecurrentStates):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from strata.config import ModelConfig
-from strata.models.attention import AttentionBackend
+from strata.attention import AttentionBackend
 from strata.models.layers import MLP, Attention, RMSNorm, RopeInputs
 from strata.models.moe import MoE
 

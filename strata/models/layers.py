@@ -3,7 +3,7 @@ is in `strata.models.moe`, the decoder block in `strata.models.decoder`).
 
 Modules take flat token batches: `x` is [N, hidden] for the N tokens of a step, whatever sequences
 they belong to. Where those tokens' keys and values live, and which of them each query may see, is
-the business of the `AttentionBackend` passed in (`strata.models.attention`), so one model serves
+the business of the `AttentionBackend` passed in (`strata.attention`), so one model serves
 training, the simple generator and the paged serving engine alike.
 
 Parameter names equal the HF checkpoint names, so HF weights load without a map.
@@ -29,7 +29,7 @@ from strata.kernels import use_triton
 from strata.kernels.quant import QWeight, QWeightStack
 from strata.kernels.quant import invariant as k_quant_invariant
 from strata.kernels.scratch import scratch
-from strata.models.attention import AttentionBackend
+from strata.attention import AttentionBackend
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor | None = None,
@@ -216,15 +216,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         w_qkv = self.qkv_q if self.qkv_q is not None else self.qkv_weight
-        stored = None
         if w_qkv is not None and use_triton(x):
             qkv = linear(x, w_qkv, self.qkv_bias, self.gemv_ws, self.batch_invariant)
-            stored = attn.kv_store_target(self.layer_idx)
             q, k, v = k_rope.qk_norm_rope_triton(
                 qkv, rope.positions, rope.rotary.inv_freq, rope.rotary.scale,
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
-                self.eps, self.n_heads, self.n_kv, d, self.rotary_dim, kv_store=stored)
+                self.eps, self.n_heads, self.n_kv, d, self.rotary_dim)
         else:
             if w_qkv is not None:
                 qkv = linear(x, w_qkv, self.qkv_bias, invariant=self.batch_invariant)
@@ -237,7 +235,7 @@ class Attention(nn.Module):
             cos, sin = rope.cos_sin()
             # fp32 norm weights promote q/k under autocast; attention kernels want one 16-bit dtype.
             q, k = apply_rotary(q, cos, sin).to(v.dtype), apply_rotary(k, cos, sin).to(v.dtype)
-        o = attn.attend(self.layer_idx, q, k, v, stored=stored is not None)
+        o = attn.attend(self.layer_idx, q, k, v)
         w_o = self.o_q if self.o_q is not None else self.o_proj.weight
         return linear(o.reshape(n, self.n_heads * d), w_o, None, self.gemv_ws, self.batch_invariant)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from strata.config import ModelConfig
-from strata.models.attention import AttentionBackend
+from strata.attention import AttentionBackend
 from strata.models.decoder import DecoderLayer
 from strata.models.layers import RMSNorm, RopeInputs, linear
 

@@ -23,7 +23,8 @@ from strata.kernels import use_triton
 from strata.kernels.causal_conv import causal_conv1d_varlen
 from strata.kernels.gated_delta import gated_delta_varlen
 from strata.kernels.gated_delta_decode import causal_conv1d_decode, delta_gates, gated_delta_decode_with_gating
-from strata.models.attention import AttentionBackend, CausalBatch, RecurrentStates
+from strata.attention import AttentionBackend, CausalBatch
+from strata.kvcache.state_pool import RecurrentStates
 from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear, stack_views
 from strata.models.moe import MoE, moe_decode_works
 from strata.models.transformer import CausalLM
@@ -233,15 +234,13 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d, hd = x.shape[0], self.head_dim, self.n_heads * self.head_dim
-        stored = None
         if self.gqkv_weight is not None and use_triton(x):
             out = linear(x, self.gqkv_weight, None, self.gemv_ws)
             gate = out[:, :hd]
-            stored = attn.kv_store_target(self.kv_idx)
             q, k, v = k_rope.qk_norm_rope_triton(
                 out[:, hd:], rope.positions, rope.rotary.inv_freq, rope.rotary.scale, self.q_norm.weight,
                 self.k_norm.weight, self.q_norm.eps, self.n_heads, self.n_kv, d, rope.rotary.rotary_dim,
-                zero_centred=True, kv_store=stored)
+                zero_centred=True)
         else:
             if self.gqkv_weight is not None:  # packed: q_proj's rows are the gates, then q
                 gate, q = self.q_proj(x).split([hd, hd], dim=-1)
@@ -254,7 +253,7 @@ class GatedAttention(nn.Module):
             cos, sin = rope.cos_sin()
             q = apply_rotary(self.q_norm(q), cos, sin).to(v.dtype)
             k = apply_rotary(self.k_norm(k), cos, sin).to(v.dtype)
-        o = attn.attend(self.kv_idx, q, k, v, stored=stored is not None).reshape(n, hd)
+        o = attn.attend(self.kv_idx, q, k, v).reshape(n, hd)
         return linear(o * torch.sigmoid(gate), self.o_proj.weight, self.o_proj.bias, self.gemv_ws)
 
 

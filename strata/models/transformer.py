@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from strata.config import ModelConfig
-from strata.models.attention import AttentionBackend
+from strata.attention import AttentionBackend
 from strata.kernels import triton_available
 from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
 from strata.kernels.matmul import invariant_workspace_parts

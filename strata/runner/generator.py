@@ -13,9 +13,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from strata.models.attention import ContiguousKV
+from strata.attention import ContiguousKV
 from strata.models.transformer import CausalLM
-from strata.runner.sampling import Sampler, SamplingParams
+from strata.sampling import Sampler, SamplingParams
 from strata.tokenizer import Tokenizer
 
 

@@ -35,20 +35,21 @@ import time
 
 import torch
 
-from strata.engine.types import MAX_TOP_LOGPROBS
+from strata.config import graph_buckets
+from strata.params import MAX_TOP_LOGPROBS
 from strata.grammar import GrammarCompiler, GrammarMatcher
 from strata.kernels.plan import planning_for
 from strata.kernels.row_lse import row_logsumexp
 from strata.kernels.token_mask import apply_token_mask
 from strata.kvcache.pool import KVPool
-from strata.models.attention import RecurrentStates
+from strata.kvcache.state_pool import RecurrentStates
 from strata.models.transformer import CausalLM
-from strata.runner.attention_backends import make_attention
+from strata.attention.registry import make_attention
 from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
-from strata.runner.sampling import Sampler, apply_repetition_penalty, filtered_probs
-from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, capture_bucket, graph_buckets
-from strata.spec.verify import verify_greedy, verify_sampled
+from strata.sampling import Sampler, apply_repetition_penalty, filtered_probs
+from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, capture_bucket
+from strata.speculative.verify import verify_greedy, verify_sampled
 from strata.transfer import to_device
 
 log = logging.getLogger("strata")

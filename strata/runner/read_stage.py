@@ -67,8 +67,8 @@ class Prefill:
     the MTP layer over each read chunk's rows, from the stage's own MTP call buffers."""
 
     def __init__(self, drafter, *, max_rows: int, max_seqs: int, max_model_len: int, device, dtype):
-        from strata.runner.attention_backends import make_attention
-        from strata.spec.mtp_step import MTPStep
+        from strata.attention.registry import make_attention
+        from strata.speculative.mtp_step import MTPStep
 
         model, pool = drafter.model, drafter.pool
         self.attn = make_attention(pool, model.config, max_seqs=max_seqs + 1, max_rows=max_rows, max_split_rows=max_seqs,

@@ -7,14 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def graph_buckets(max_seqs: int) -> list[int]:
-    """The batch sizes graphs are captured for, largest first: the buckets below `max_seqs`, and it."""
-    return sorted({b for b in GRAPH_BUCKETS if b < max_seqs} | {max_seqs}, reverse=True)
-
-
 @dataclass
 class Sampled:
     tokens: list[int]  # one token, or with drafts: the accepted drafts then the target's own token

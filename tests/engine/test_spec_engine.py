@@ -87,7 +87,7 @@ def test_split_mtp_batch_mode_gives_valid_drafts(plain, monkeypatch):
 
 def test_rejected_drafts_roll_back(plain, monkeypatch):
     """Drafts that are always wrong: every one is rejected, and the output is still plain greedy."""
-    from strata.spec import drafter as drafter_mod
+    from strata.speculative import drafter as drafter_mod
 
     original = drafter_mod.MTPDrafter._picks
 
@@ -226,7 +226,7 @@ def test_sampled_verification_targets_the_penalised_distribution():
     from types import SimpleNamespace
 
     from strata.runner.model_runner import ModelRunner
-    from strata.runner.sampling import apply_repetition_penalty
+    from strata.sampling import apply_repetition_penalty
 
     row = torch.randn(50)
     req = SimpleNamespace(params=SamplingParams(temperature=0.8, repetition_penalty=1.3), all_ids=[3, 7, 7])

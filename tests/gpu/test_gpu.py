@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from strata.loaders import load_model
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from strata.runner.generator import Generator
-from strata.runner.sampling import SamplingParams
+from strata.sampling import SamplingParams
 from tiny_models import ARCH_CONFIGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

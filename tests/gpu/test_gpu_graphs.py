@@ -102,7 +102,7 @@ def test_int8_backend_matches_reference(q_lens):
     from strata.kernels.attention import paged_attention_ref
     from strata.kvcache.pool import Int8Pool
     from strata.models.layers import Attention  # noqa: F401  (the layer layout the backend serves)
-    from strata.runner.triton_attention import TritonPagedAttention
+    from strata.attention.triton_backend import TritonPagedAttention
 
     torch.manual_seed(sum(q_lens))
     hq, hkv, d, bs = 8, 2, 64, 16
@@ -196,23 +196,3 @@ def test_short_reads_beside_a_decode_run_alone_in_prompt_graphs_fp32():
     off = _engine(cuda_graph=False)
     assert off.scheduler.config.solo_read_tokens == 0
     assert run(off) == got
-
-
-@pytest.mark.parametrize("dtype, spec", [("bfloat16", 0), ("bfloat16", 3), ("float32", 0)])
-def test_fused_kv_store_identical(monkeypatch, dtype, spec):
-    """STRATA_FUSED_KV_STORE=1 (the K/V written by the q/k-norm + RoPE kernel): the same cache bits as the
-    store_kv launch, so the same tokens bitwise, in bf16 too, with graphs (decode and prompt chunks) and
-    with the MTP drafter; an int8 pool keeps its own store."""
-    kw = dict(dtype=dtype, spec=spec, batch_mtp=True) if spec else dict(dtype=dtype)
-    monkeypatch.setenv("STRATA_FUSED_KV_STORE", "0")
-    off = _engine(**kw)
-    assert off.runner.attn.kv_store_target(0) is None
-    want = _generate(off, PROMPTS + [" ".join(PROMPTS * 20)], max_tokens=40)
-    del off
-    gc.collect()
-    monkeypatch.setenv("STRATA_FUSED_KV_STORE", "1")
-    on = _engine(**kw)
-    assert on.runner.attn.kv_store_target(0) is not None and on.runner.graphs
-    assert _generate(on, PROMPTS + [" ".join(PROMPTS * 20)], max_tokens=40) == want
-    del on
-    assert _engine(dtype="bfloat16", kv="int8").runner.attn.kv_store_target(0) is None

@@ -88,7 +88,7 @@ def test_fp8_gemv_converts_in_registers(compiled, name):
 
 
 @pytest.mark.parametrize("name", ["fp8_rows_quantize", "fp8_rows_silu_mul_quantize", "rms_norm_add", "rms_norm_add_zero_centred",
-                                  "qk_norm_rope", "qk_norm_rope_store_kv", "qk_norm_rope_store_kv_partial"])
+                                  "qk_norm_rope", "qk_norm_rope_partial"])
 def test_row_kernels_compile(compiled, name):
     """One program a row; fp8_rows is the kernel that once compiled only in the interpreter."""
     assert _case(compiled, name)["spills"] == 0

@@ -199,7 +199,7 @@ def _force_kernels(monkeypatch) -> dict[str, int]:
 @interpreter_only
 def test_tiny_model_decode_step_logits_match_reference(tiny_model_dirs, monkeypatch):
     from strata.loaders import load_model
-    from strata.models.attention import ContiguousKV
+    from strata.attention import ContiguousKV
 
     path, hf = tiny_model_dirs["qwen3_next"]
     model = load_model(path, device="cpu", dtype=torch.float32, progress=False).model

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from strata.kernels import activation, norm, rope
 from strata.models import moe as moe_module
 from strata.models import qwen3_next
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from strata.models.layers import RopeInputs, Rotary, apply_rotary
 from strata.models.qwen3_next import GatedAttention, GatedRMSNorm, ZeroCentredRMSNorm
 from test_small import CUDA, DEV, DTYPES, EPS, _assert_close, _gen, _randn, _rope_args, _rope_inputs

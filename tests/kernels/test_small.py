@@ -222,60 +222,6 @@ def test_qk_norm_rope(dtype, norm_on, head_dim, rotary_dim, yarn, pos_dtype):
     _check_qk_norm_rope(_rope_inputs(6, head_dim, rotary_dim, dtype, norm_on, yarn, pos_dtype), head_dim, rotary_dim)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("norm_on", [True, False])
-@pytest.mark.parametrize("head_dim,rotary_dim,hq,hkv", [(32, 32, HQ, HKV), (40, 24, HQ, HKV), (128, 96, 6, 3)])
-@pytest.mark.parametrize("bf16_cache", [False, True], ids=["cache_like_qkv", "bf16_cache"])
-def test_qk_norm_rope_stores_kv(dtype, norm_on, head_dim, rotary_dim, hq, hkv, bf16_cache):
-    """kv_store: the caches get, at each token's slot, bitwise what store_kv writes from the returned k
-    and v views (rows at other slots untouched), and q, k, v are the kernel's without kv_store: bitwise in
-    the interpreter; on the device within fp32 roundings, as the fused variant compiles to another
-    instruction mix (an H100 differed in fp32 at (128, 96, 6, 3) with the norm, 2026-12-06; docs/KERNELS.md).
-    (128, 96, 6, 3): k heads spread over two programs and share one with q heads."""
-    n = 7
-    inputs = _rope_inputs(n, head_dim, rotary_dim, dtype, norm_on, True, torch.int64, hq=hq, hkv=hkv)
-    slots = torch.randperm(3 * n, generator=_gen(5))[:n].to(DEV)
-    cache_dtype = torch.bfloat16 if bf16_cache else dtype
-    caches = [torch.full((3 * n, hkv, head_dim), float("nan"), dtype=cache_dtype, device=DEV) for _ in range(2)]
-    want_caches = [c.clone() for c in caches]
-    plain = inputs[0].clone()
-    rope.qk_norm_rope_triton(*_rope_args(plain, *inputs[1:], head_dim, rotary_dim, hq, hkv))
-    fused = inputs[0].clone()
-    q, k, v = rope.qk_norm_rope_triton(*_rope_args(fused, *inputs[1:], head_dim, rotary_dim, hq, hkv),
-                                       kv_store=(caches[0], caches[1], slots))
-    kv_store.store_kv_ref(k, v, *want_caches, slots)
-    if CUDA:
-        torch.testing.assert_close(fused, plain)  # the dtype's default tolerance: a rounding or two
-    else:
-        assert torch.equal(fused, plain)
-    for got, want in zip(caches, want_caches):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    with pytest.raises(ValueError, match="slots"):
-        rope.qk_norm_rope_triton(*_rope_args(fused, *inputs[1:], head_dim, rotary_dim, hq, hkv),
-                                 kv_store=(caches[0], caches[1], slots[:-1]))
-
-
-def test_qk_norm_rope_stores_kv_zero_centred_strided():
-    """Qwen3-Next's form: zero-centred norms, a quarter of the head rotated, q|k|v a strided view of the
-    gated projection's output; the caches get what store_kv writes from the returned views."""
-    n, d, rd, hq, hkv = 3, 64, 16, 4, 2
-    qkv, positions, inv_freq, scale, qw, kw = _rope_inputs(n, d, rd, torch.bfloat16, True, False, hq=hq, hkv=hkv)
-    gated = torch.cat([_randn(n, hq * d, dtype=torch.bfloat16, seed=9), qkv], dim=1)
-    caches = [torch.full((2 * n, hkv, d), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2)]
-    want_caches = [c.clone() for c in caches]
-    slots = torch.tensor([4, 0, 2], device=DEV)
-    plain = gated.clone()
-    _, k0, v0 = rope.qk_norm_rope_triton(*_rope_args(plain[:, hq * d:], positions, inv_freq, scale, qw, kw, d, rd,
-                                                     hq, hkv), zero_centred=True)
-    kv_store.store_kv_ref(k0, v0, *want_caches, slots)
-    fused = gated.clone()
-    rope.qk_norm_rope_triton(*_rope_args(fused[:, hq * d:], positions, inv_freq, scale, qw, kw, d, rd, hq, hkv),
-                             zero_centred=True, kv_store=(caches[0], caches[1], slots))
-    assert torch.equal(fused, plain)
-    for got, want in zip(caches, want_caches):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-
-
 def test_qk_norm_rope_fp32_weights_on_bf16():
     """Under autocast the norm weights stay fp32: the reference keeps normed q/k in fp32 until the end."""
     _check_qk_norm_rope(_rope_inputs(4, 32, 16, torch.bfloat16, True, True, w_dtype=torch.float32), 32, 16)

@@ -26,7 +26,7 @@ from strata.kernels.quant.writers import quantize_q4_k
 from strata.loaders import LoadError, load_model
 from strata.loaders.gguf import read_gguf
 from strata.loaders.names import MODEL_TYPE_TO_ARCH, hf_to_gguf
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from strata.models.registry import build_model
 from strata.tokenizer import Tokenizer
 from tiny_models import TOKENIZER_TEXT, save_tiny_model

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from strata.config import ModelConfig
 from strata.loaders import LoadError, load_model
 from strata.loaders.gguf import read_gguf
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from test_gguf import gguf_tokenizer_fields
 
 REL_TOL = 1e-4

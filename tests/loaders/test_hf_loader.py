@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from strata.loaders import LoadError, load_model
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 
 
 def _copy(src: str, dst) -> str:

@@ -20,7 +20,7 @@ from strata.bench.random_model import SHAPES, shape_config
 from strata.config import ModelConfig
 from strata.loaders import load_model
 from strata.loaders.gguf import read_gguf
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from test_gguf import gguf_tokenizer_fields
 from tiny_models import save_tiny_tokenizer
 

@@ -10,7 +10,7 @@ import torch
 
 from strata import LLM, SamplingParams
 from strata.loaders import default_model_path, load_model
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 
 PATH = default_model_path()
 

@@ -10,11 +10,11 @@ from safetensors.torch import load_file, save_file
 
 from strata.config import ModelConfig, RopeConfig
 from strata.loaders import load_model
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from strata.models.layers import rope_inv_freq
 from strata.models.registry import build_model
 from strata.runner.generator import Generator
-from strata.runner.sampling import SamplingParams
+from strata.sampling import SamplingParams
 from tiny_models import ARCH_CONFIGS
 
 REL_TOL = 1e-4

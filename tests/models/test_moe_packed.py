@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from strata.config import ModelConfig
 from strata.loaders import load_model
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from strata.models.moe import MoE
 from strata.models.registry import build_model
 

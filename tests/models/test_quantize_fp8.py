@@ -16,7 +16,7 @@ from strata.engine.types import EngineRequest
 from strata.kernels.gemv import GemvConfig
 from strata.kernels.quant import QWeight, fp8
 from strata.loaders import load_model
-from strata.models.attention import CausalBatch
+from strata.attention import CausalBatch
 from strata.params import SamplingParams
 
 

@@ -279,7 +279,7 @@ def test_mtp_head_matches_its_formula(mtp_dir):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
     from strata.loaders import load_model
-    from strata.models.attention import CausalBatch
+    from strata.attention import CausalBatch
 
     path, hf, tensors, sd = mtp_dir
     lm = load_model(path)
@@ -325,7 +325,7 @@ def test_cuda_speculation_output_equals_plain(mtp_dir, next_model, monkeypatch):
 
 
 def _speculate_with_the_oracle(mtp_dir, next_model, monkeypatch, kw):
-    from strata.spec import drafter as drafter_mod
+    from strata.speculative import drafter as drafter_mod
 
     path = mtp_dir[0]
     _, prompts, refs = next_model

@@ -22,7 +22,7 @@ from strata.runner.device_sampling import (
     row_keys,
     verify_sampled_device,
 )
-from strata.runner.sampling import SamplingParams, apply_repetition_penalty, filtered_probs
+from strata.sampling import SamplingParams, apply_repetition_penalty, filtered_probs
 
 N_DRAWS = 20_000
 V_SMALL = 12

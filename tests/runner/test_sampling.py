@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from strata.runner.generator import Detokenizer, StopChecker
-from strata.runner.sampling import Sampler, SamplingParams, apply_repetition_penalty, filtered_probs
+from strata.sampling import Sampler, SamplingParams, apply_repetition_penalty, filtered_probs
 
 
 def _logits(probs):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.spec.stats import SpecStats
-from strata.spec.verify import verify_greedy, verify_sampled
+from strata.speculative.stats import SpecStats
+from strata.speculative.verify import verify_greedy, verify_sampled
 
 
 def test_greedy_accepts_longest_matching_prefix():

@@ -17,12 +17,11 @@ import math
 
 import torch
 
-from strata.env import ENV
 from strata.kernels import attention as k_attn
 from strata.kernels import kv_dequant as k_dequant
 from strata.kernels import kv_store as k_store
 from strata.kvcache.pool import Int8Pool, KVPool
-from strata.models.attention import AttentionBackend
+from strata.attention import AttentionBackend
 from strata.transfer import to_device
 
 MAX_SPLITS = 32
@@ -46,7 +45,6 @@ class TritonPagedAttention(AttentionBackend):
         self.head_dim, self.block_size = pool.head_dim, pool.block_size
         self.scale = 1.0 / math.sqrt(pool.head_dim)
         self.quantized = isinstance(pool, Int8Pool)
-        self.fused_store = ENV.FUSED_KV_STORE.get() and not self.quantized  # see kv_store_target
         # q_start, q_len, ctx_len per sequence (one spare entry for a graph's padding).
         self.meta = torch.zeros(3, max_seqs + 1, dtype=torch.int32, device=self.device)
         self.out = torch.zeros(max_rows, num_q_heads, pool.head_dim, dtype=dtype, device=self.device)
@@ -114,16 +112,10 @@ class TritonPagedAttention(AttentionBackend):
         self.dq_tables[: len(ctx), :width].copy_(
             to_device([row + [0] * (width - len(row)) for row in dq_rows], self.device, torch.int32))
 
-    def kv_store_target(self, layer):
-        """With STRATA_FUSED_KV_STORE, a 16-bit pool's caches (an int8 pool quantizes in its own store
-        kernel)."""
-        return (self.pool.k[layer], self.pool.v[layer], self.slots) if self.fused_store else None
-
-    def attend(self, layer, q, k, v, stored=False):
+    def attend(self, layer, q, k, v):
         pool = self.pool
         ks, vs = (pool.k_scale[layer], pool.v_scale[layer]) if self.quantized else (None, None)
-        if not stored:
-            k_store.store_kv_triton(k, v, pool.k[layer], pool.v[layer], self.slots, ks, vs)
+        k_store.store_kv_triton(k, v, pool.k[layer], pool.v[layer], self.slots, ks, vs)
         n, r = q.shape[0], self.num_seqs
         fits = n <= self.out.shape[0] and self.out.dtype == q.dtype
         out = self.out[:n] if fits else torch.empty_like(q)

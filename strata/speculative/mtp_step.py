@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from strata.kvcache.pool import KVPool
-from strata.models.attention import AttentionBackend
+from strata.attention import AttentionBackend
 from strata.models.transformer import CausalLM
-from strata.runner.steps import graph_buckets
+from strata.config import graph_buckets
 
 log = logging.getLogger("strata")
 

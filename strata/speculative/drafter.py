@@ -28,10 +28,10 @@ import torch
 from strata.env import ENV
 from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
-from strata.runner.attention_backends import make_attention
-from strata.runner.sampling import filtered_probs
-from strata.spec.mtp_step import MTPStep
-from strata.spec.stats import SpecStats
+from strata.attention.registry import make_attention
+from strata.sampling import filtered_probs
+from strata.speculative.mtp_step import MTPStep
+from strata.speculative.stats import SpecStats
 
 log = logging.getLogger("strata")
 
@@ -68,7 +68,7 @@ class MTPDrafter:
         self.total = SpecStats(max_drafts)
 
     def capture_graphs(self) -> float:
-        """The MTP call graphs (see `strata.spec.mtp_step`); seconds taken, 0 without CUDA graphs."""
+        """The MTP call graphs (see `strata.speculative.mtp_step`); seconds taken, 0 without CUDA graphs."""
         return self.step.capture_graphs()
 
     @staticmethod
