@@ -5,7 +5,6 @@ benchmark: `strata bench` owns the published numbers.
 
     python scripts/profile_step.py --shape qwen3-8b --batch 1 --prompt 512 [--quant Q4_K]
     python scripts/profile_step.py --shape qwen3-8b --read 4096 [--quant FP8]
-    python scripts/profile_step.py --shape qwen3-8b --batch 1 --held 104,112   # the decode on the SMs left
 """
 
 from __future__ import annotations
@@ -21,38 +20,7 @@ from strata.bench.random_model import random_model
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
-from strata.env import ENV, overridden
 from strata.params import SamplingParams
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 50) -> float:
-    graph.replay()
-    times = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def sweep_prefetch(eng: LLMEngine, batch: int, values: list[int]) -> None:
-    """The decode graph's device time with each GEMV L2-prefetch budget, recaptured per value; the
-    values are interleaved twice so drift in clocks shows up as disagreement between the passes."""
-    res: dict[int, list[float]] = defaultdict(list)
-    for _ in range(2):
-        for mb in values:
-            with overridden(ENV.GEMV_PREFETCH_MB, str(mb)):
-                eng.runner.graphs = {}
-                eng.runner.capture_graphs()
-            eng.step()  # capture leaves its own layout in the inputs; a real step puts the decode's back
-            torch.cuda.synchronize()
-            g = eng.runner.graphs[min(b for b in eng.runner.graphs if b >= batch)]
-            res[mb].append(replay_ms(g.graph))
-    for mb in values:
-        print(f"STRATA_GEMV_PREFETCH_MB={mb:4d}: graph replay p50 " + " / ".join(f"{t:.3f}" for t in res[mb]) + " ms")
 
 
 def print_kernels(prof: torch.profiler.profile, runs: int, top: int, what: str) -> None:
@@ -102,37 +70,6 @@ def profile_read(a: argparse.Namespace) -> None:
     print_kernels(prof, 1, a.top, f"one read of {a.read}")
 
 
-def under_holds(eng: LLMEngine, g, helds: list[int], runs: int, top: int) -> None:
-    """The decode graph's replay time and its kernels with each of `helds` SMs kept busy
-    (strata.bench.sm_hold), as a read beside it would. The profiler starts before each hold and stops
-    after it ends: starting and stopping synchronize the device, which would wait for the spinners."""
-    from strata.bench.sm_hold import SmHold, events_seconds
-
-    dev = torch.device("cuda")
-    for held in helds:
-        hold = SmHold(dev, held) if held else None
-        try:
-            replay = events_seconds(g.graph.replay, 30)
-        finally:
-            n = hold.release() if hold else 0
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-        prof.start()
-        hold = SmHold(dev, held) if held else None
-        try:
-            for _ in range(runs):
-                g.graph.replay()
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
-        finally:
-            if hold:
-                hold.release()
-        prof.stop()
-        print(f"--- {n} SMs held, {torch.cuda.get_device_properties(dev).multi_processor_count - n} left: "
-              f"graph replay p50 {replay * 1e3:.3f} ms")
-        print_kernels(prof, runs, top, f"graph replay, {held} held")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -142,12 +79,8 @@ def main() -> None:
     ap.add_argument("--quant", default=None, help="weights kept quantized: a GGUF type or mix (Q8_0, Q4_K_M, ...) or FP8")
     ap.add_argument("--spec", type=int, default=0)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--prefetch-sweep", default="",
-                    help="graph replay time per STRATA_GEMV_PREFETCH_MB value, e.g. 0,8,16,32 (graphs recaptured)")
     ap.add_argument("--read", type=int, default=0, help="profile a prompt read of this many tokens instead")
     ap.add_argument("--device", default="cuda", help="--read only: cpu checks the plumbing")
-    ap.add_argument("--held", default="",
-                    help="also the decode graph's kernels with these many SMs held, e.g. 0,104,112")
     a = ap.parse_args()
     if a.read:
         return profile_read(a)
@@ -182,11 +115,6 @@ def main() -> None:
             e.synchronize()
             times.append(s.elapsed_time(e))
         print(f"graph replay (device): p50 {statistics.median(times):.3f} ms  min {min(times):.3f} ms")
-    if g is not None and a.held:
-        under_holds(eng, g, [int(v) for v in a.held.split(",")], 5, a.top)
-        return
-    if g is not None and a.prefetch_sweep:
-        sweep_prefetch(eng, a.batch, [int(v) for v in a.prefetch_sweep.split(",")])
     # One eager step's kernels. The prompt-chunk graphs go too: a one-sequence decode step fits their
     # smallest bucket, whose padded rows would take the many-row kernels instead of the decode GEMVs.
     pg = eng.runner.prompt_graphs

@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tui_parser(sub)
     b = sub.add_parser("bench", help="benchmarks; each writes JSON under bench/results/")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from strata.bench import concurrent, determinism, kv_quality, prefix, quant, quant_kl, sm_split, spec, throughput
+    from strata.bench import concurrent, determinism, kv_quality, prefix, quant, quant_kl, spec, throughput
 
     concurrent.add_parser(bsub)
     kv_quality.add_parser(bsub)
@@ -181,7 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     quant_kl.add_parser(bsub)
     determinism.add_parser(bsub)
     prefix.add_parser(bsub)
-    sm_split.add_parser(bsub)
     spec.add_parser(bsub)
     throughput.add_parsers(bsub)
     return parser

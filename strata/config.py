@@ -255,6 +255,9 @@ class EngineConfig:
     # Queue each step before reading the previous one's tokens (decode inputs taken on the device), so
     # the GPU never waits for the host; needs --spec 0 and one batch group. None: on for CUDA.
     async_scheduling: bool | None = None
+    # With the concurrent read (STRATA_PIPED_CONCURRENT): fail a read step during which the stage's upload
+    # ring or stream-K pool, the KV pool or torch's caching allocator grew (a check of the no-allocation rule).
+    alloc_guard: bool = False
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):

@@ -44,16 +44,6 @@ class _Env:
     PIPED_CONCURRENT_SMB = Switch("STRATA_PIPED_CONCURRENT_SMB", _bool, False,
                                   "let STRATA_SPLIT_MTP_BATCH run beside STRATA_PIPED_CONCURRENT: the read stage writes "
                                   "the draft K/V itself, its stream-K pool grown before each read")
-    READ_SMS = Switch("STRATA_READ_SMS", int, 0,
-                      "the concurrent read's SMs on CUDA while slots decode: those read steps run in a green context "
-                      "of this many SMs, so decode steps keep the rest; a read with nothing decoding keeps every SM "
-                      "(0: every SM always, shared by stream priority)")
-    BESIDE_READ_GRAPHS = Switch("STRATA_BESIDE_READ_GRAPHS", _bool, True,
-                                "with STRATA_READ_SMS: capture the decode graphs a second time with GEMV tiles for "
-                                "the SMs the read leaves (the same bits), replayed while a read step holds its SMs")
-    ALLOC_GUARD = Switch("STRATA_ALLOC_GUARD", _bool, False,
-                         "test mode of the concurrent read: fail when the read stage's upload ring or stream-K pool, "
-                         "the KV pool or the CUDA caching allocator grows during a read step")
     PDL = Switch("STRATA_PDL", _bool, True,
                  "launch Triton kernels with programmatic dependent launch on sm_90+ (a kernel's launch "
                  "overlaps its predecessor's tail; each kernel waits for it before touching memory)")

@@ -14,7 +14,7 @@ tokenizer (`--model default`, the embedded model) a needle across the yield poin
 read in chunks such that the long read gives way in the middle of the key, answered or not.
 
 Allocation: the allocation guard's snapshots (`AllocationGuard.snapshot`) are taken around every read
-step, as STRATA_ALLOC_GUARD would, but growth is summed instead of raised (`alloc_growth_bytes`).
+step, as `EngineConfig.alloc_guard` would, but growth is summed instead of raised (`alloc_growth_bytes`).
 Token outputs of the reads must be the same in every arm and pair (`outputs_identical`).
 JSON under bench/results/ (`summary` holds the headline ratios) and a PNG timeline of the longest read:
 decode tokens and prompt tokens read over time, one panel per arm.
@@ -51,10 +51,8 @@ GPU_GIVEWAY_TOKENS = 65536
 DEFAULT_LENGTHS = (4096, 32768, 131072)
 
 ARMS = {
-    "concurrent": ((ENV.PIPED_CONCURRENT, "1"), (ENV.SPLIT_MTP_BATCH, "0"), (ENV.PIPED_CONCURRENT_SMB, "0"),
-                   (ENV.ALLOC_GUARD, "0")),
-    "concurrent_smb": ((ENV.PIPED_CONCURRENT, "1"), (ENV.SPLIT_MTP_BATCH, "1"), (ENV.PIPED_CONCURRENT_SMB, "1"),
-                       (ENV.ALLOC_GUARD, "0")),
+    "concurrent": ((ENV.PIPED_CONCURRENT, "1"), (ENV.SPLIT_MTP_BATCH, "0"), (ENV.PIPED_CONCURRENT_SMB, "0")),
+    "concurrent_smb": ((ENV.PIPED_CONCURRENT, "1"), (ENV.SPLIT_MTP_BATCH, "1"), (ENV.PIPED_CONCURRENT_SMB, "1")),
 }
 
 
@@ -442,13 +440,6 @@ def _through_serve(args, loaded, name: str, device: torch.device, giveway_ids: l
 
 
 def run(args) -> int:
-    if args.read_sms:  # every arm's read stage in a green context of that many SMs (the arms set the rest)
-        with overridden(ENV.READ_SMS, str(args.read_sms)):
-            return _run(args)
-    return _run(args)
-
-
-def _run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     args.chunk = args.chunk or EngineConfig(device=str(device)).resolved().chunk_size
@@ -485,7 +476,7 @@ def _run(args) -> int:
     info = {"bench": "concurrent", "shape": name, "model": loaded.path, "device": str(device), "dtype": args.dtype,
             "kv": args.kv, "quant": args.quant, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "chunk": args.chunk, "lengths": lengths, "pairs": args.pairs,
-            "spec": args.spec, "giveway_tokens": giveway, "stall_s": STALL_S, "read_sms": args.read_sms,
+            "spec": args.spec, "giveway_tokens": giveway, "stall_s": STALL_S,
             "arms": {arm: {sw.name: v for sw, v in env} for arm, env in ARMS.items()},
             "runs": runs, "needle": {"run": needle_by_arm is not None, "reason": needle_reason, "by_arm": needle_by_arm},
             "summary": {**summarize(runs, lengths, needle_by_arm), **(serve or {})},
@@ -580,6 +571,4 @@ def add_parser(sub) -> None:
     p.add_argument("--no-plot", action="store_true", help="JSON only, no PNG timeline")
     p.add_argument("--http", action="store_true",
                    help="also the give-way through strata serve's path (summary: serve_short_ttft_s, ...)")
-    p.add_argument("--read-sms", type=int, default=0,
-                   help="STRATA_READ_SMS for every arm: the read stage's stream in a green context of this many SMs")
     p.set_defaults(func=run)

@@ -221,10 +221,7 @@ class LLMEngine:
                                         max_seqs=cfg.parallel, max_model_len=self.max_model_len, drafter=self.drafter,
                                         split_mtp_batch=self.concurrent.split_mtp_batch_reserved)
             self.read_stage.reserve()
-            if self.read_stage.green is not None and ENV.BESIDE_READ_GRAPHS.get():
-                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-                self.runner.beside_read_sms = max(1, sms - ENV.READ_SMS.get())
-        self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and ENV.ALLOC_GUARD.get() else None
+        self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and cfg.alloc_guard else None
         # Every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
         if self.drafter:
@@ -232,7 +229,7 @@ class LLMEngine:
         if self.read_stage is not None:
             # After the captures: torch.cuda.graph empties the caching allocator on entry, which would drop
             # the read activations the warm-up leaves cached for the stage's stream.
-            if self.device.type == "cuda" or ENV.ALLOC_GUARD.get():
+            if self.device.type == "cuda" or cfg.alloc_guard:
                 self.read_stage.warm_up()
             log.info("read stage: %.1f MiB of region and scratch twins, %d B upload ring",
                      self.read_stage.region_bytes / 2**20, self.read_stage.up_ring.nbytes)
@@ -328,7 +325,6 @@ class LLMEngine:
         out = self.scheduler.schedule("decode" if self.read_stage else "all")
         if not out.chunks and not out.finished:
             return None
-        self.runner.beside_read = self.read_stage is not None and self.read_stage.holds_sms
         return _Launched(out, self.runner.launch(out.chunks))
 
     def _read_lane(self, block: bool, next_read: bool = True) -> list[EngineEvent]:
@@ -349,7 +345,7 @@ class LLMEngine:
                 stage.reserve()  # nothing in flight on the stage
                 if self.alloc_guard is not None:
                     self.alloc_guard.start()
-                stage.submit(out, beside_decode=any(not r.is_reading for r in self.scheduler.running))
+                stage.submit(out)
             elif out.finished or out.preempted:
                 events += self._apply(out, {}, None, [])
         return events

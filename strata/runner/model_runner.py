@@ -38,7 +38,6 @@ import torch
 from strata.config import graph_buckets
 from strata.params import MAX_TOP_LOGPROBS
 from strata.grammar import GrammarCompiler, GrammarMatcher
-from strata.kernels.plan import planning_for
 from strata.kernels.row_lse import row_logsumexp
 from strata.kernels.token_mask import apply_token_mask
 from strata.kvcache.pool import KVPool
@@ -132,9 +131,6 @@ class ModelRunner:
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
         # the pinned outputs) because the next replay overwrites the graph's own.
         self.graphs: dict[int, BucketGraphs] = {}
-        # The same graphs (same bits) captured inside `plan.planning_for(beside_read_sms)`, for `beside_read` steps.
-        self.graphs_beside: dict[int, BucketGraphs] = {}
-        self.beside_read_sms, self.beside_read, self.beside_replays = 0, False, 0  # replays: steps on that set
         self.use_graphs = cuda and cuda_graph
         self.hidden_out: list[torch.Tensor] = []
         self.prompt_graphs = PromptGraphs(self, max_num_batched_tokens)  # one sequence's short prompt chunk
@@ -243,7 +239,7 @@ class ModelRunner:
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     def _graph_for(self, chunks) -> BucketGraphs | None:
-        graphs = self.graphs_beside if self.beside_read and self.graphs_beside else self.graphs
+        graphs = self.graphs
         if not graphs or len(chunks) > self.max_seqs:
             return None
         for ch in chunks:
@@ -253,7 +249,6 @@ class ModelRunner:
                 return None  # a fresh linear-attention state: the graphs read each slot's state
         for b in sorted(graphs):
             if b >= len(chunks):
-                self.beside_replays += graphs is self.graphs_beside
                 return graphs[b]
         return None
 
@@ -273,8 +268,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> float:
-        """Capture the decode/verify graphs, largest bucket first, on one memory pool (with
-        `beside_read_sms`, a second set planned for that many SMs). Returns seconds."""
+        """Capture the decode/verify graphs, largest bucket first, on one memory pool. Returns seconds."""
         if not self.use_graphs:
             return 0.0
         t0 = time.perf_counter()
@@ -286,16 +280,11 @@ class ModelRunner:
                                        dtype=self.model.model.embed_tokens.weight.dtype) for _ in range(2)]
         stream = torch.cuda.Stream(self.device)
         self.graphs = self._capture_buckets(buckets, pool, stream)
-        if self.beside_read_sms:
-            with planning_for(self.beside_read_sms):
-                self.graphs_beside = self._capture_buckets(buckets, pool, stream)
         prompt = self.prompt_graphs.capture(pool, stream)
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs (up to %d sequences x %d rows%s; %d for one prompt chunk of up to %d "
-                 "tokens) in %.1fs", len(buckets) + len(self.graphs_beside) + prompt, buckets[0], q,
-                 f", twice: also planned for the {self.beside_read_sms} SMs a read leaves" if self.graphs_beside
-                 else "", prompt, self.prompt_graphs.max_rows, took)
+        log.info("captured %d CUDA graphs (up to %d sequences x %d rows; %d for one prompt chunk of up to %d "
+                 "tokens) in %.1fs", len(buckets) + prompt, buckets[0], q, prompt, self.prompt_graphs.max_rows, took)
         return took
 
     def _capture_buckets(self, buckets: list[int], pool, stream) -> dict[int, BucketGraphs]:

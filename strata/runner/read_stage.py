@@ -27,22 +27,17 @@ stream-K pool of its twin context first (`Prefill.reserve_draft_kv`).
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
-from strata.env import ENV
 from strata.kernels import scratch as k_scratch
 from strata.runner.model_runner import ModelRunner
 from strata.runner.steps import Sampled
 from strata.transfer import UpRing
-
-log = logging.getLogger("strata")
 
 UPLOAD_BYTES_PER_TOKEN = 32  # reserve_uploads: T x K x 4 bytes with K = 8 int32 words per token
 
@@ -101,18 +96,6 @@ class Prefill:
         return {ch.request.request_id: ch.end for _, ch in seqs}
 
 
-@lru_cache(maxsize=None)
-def _green_context(device_index: int, sms: int):
-    """The process's one green context of `sms` SMs on a device. It lives as long as the process: when
-    torch frees a pinned host buffer that a copy on one of its streams used, the host allocator records
-    an event on that stream, which fails ("context is destroyed", an abort) if the context went first,
-    and a ReadStage's garbage collection frees both in no fixed order. Engines made one after another
-    (`strata bench concurrent`'s arms) share it."""
-    from torch.cuda.green_contexts import GreenContext
-
-    return GreenContext.create(num_sms=sms, device_id=device_index)
-
-
 class ReadStage:
     def __init__(self, main: ModelRunner, *, max_num_batched_tokens: int, max_seqs: int, max_model_len: int,
                  drafter=None, split_mtp_batch: bool = False):
@@ -140,33 +123,12 @@ class ReadStage:
         cuda = self.device.type == "cuda"
         # The lowest priority the device offers (a larger number): decode kernels get free SMs first.
         self.stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[0]) if cuda else None
-        self.green = None  # the green context of STRATA_READ_SMS, kept alive with its stream
-        self.green_stream = self._make_green_stream() if cuda else None
-        self.active = self.stream  # the stream of the latest step: the next one, on either, follows it
         self.jobs: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue()
         self.current = None  # the SchedulerOutput being read, until its result is taken
         self.reads_total = 0
         self.worker = threading.Thread(target=self._work, name="strata-read", daemon=True)
         self.worker.start()
-
-    def _make_green_stream(self) -> torch.cuda.Stream | None:
-        """STRATA_READ_SMS = N > 0: a stream of a green context of N SMs. Read steps submitted beside
-        decoding run there, so the read's programs never hold the other SMs and a decode step's kernels
-        start at once (stream priority only orders the programs waiting to start); read steps with
-        nothing decoding keep the whole GPU (`submit`). None without the switch, or where torch or the
-        driver cannot make one (logged)."""
-        sms = ENV.READ_SMS.get()
-        if sms <= 0:
-            return None
-        try:
-            self.green = _green_context(self.device.index or 0, sms)
-            log.info("STRATA_READ_SMS=%d: reads beside decoding run in a green context of %d SMs", sms, sms)
-            return self.green.Stream()
-        except (ImportError, AttributeError, RuntimeError) as e:  # torch or driver without green-context streams
-            log.warning("STRATA_READ_SMS=%d ignored: no green-context stream here (%s)", sms, e)
-            self.green = None
-            return None
 
     @property
     def region_bytes(self) -> int:
@@ -179,11 +141,6 @@ class ReadStage:
     @property
     def busy(self) -> bool:
         return self.current is not None
-
-    @property
-    def holds_sms(self) -> bool:
-        """A read step is in flight in the green context (STRATA_READ_SMS): decodes get the other SMs."""
-        return self.current is not None and self.green_stream is not None and self.active is self.green_stream
 
     def reserve(self) -> None:
         """Before a read, with nothing in flight: room for the largest step's uploads (and, beside the
@@ -205,15 +162,13 @@ class ReadStage:
         n = min(self.max_tokens, self.runner.max_model_len - 1)
         ring, self.up_ring = self.up_ring, UpRing(self.device, n * UPLOAD_BYTES_PER_TOKEN)
         try:
-            # The caching allocator keeps blocks per stream: with a green-context stream, both warm up.
-            for beside_decode in (False, True) if self.green_stream is not None else (False,):
-                for size in (n, *(k for k in WARM_UP_SMALL_STEPS if k < n)):
-                    self._warm_steps(size, beside_decode)
+            for size in (n, *(k for k in WARM_UP_SMALL_STEPS if k < n)):
+                self._warm_steps(size)
         finally:
             self.up_ring = ring
             self.reads_total = 0
 
-    def _warm_steps(self, n: int, beside_decode: bool) -> None:
+    def _warm_steps(self, n: int) -> None:
         """Steps of `n` tokens until the cache stops growing: the runner keeps the last step's hidden
         states while the next one runs, so the steady state holds more than one step's activations, and
         the allocator's first placements can leave no block large enough for a later one."""
@@ -226,7 +181,7 @@ class ReadStage:
         cuda = self.device.type == "cuda"
         for i in range(WARM_UP_MAX_STEPS):
             before = torch.cuda.memory_reserved(self.device) if cuda else 0
-            self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, i % 2 == 1)]), beside_decode)
+            self.submit(SchedulerOutput([ScheduledChunk(req, 0, n, i % 2 == 1)]))
             self.poll(block=True)
             if i >= 1 and (not cuda or torch.cuda.memory_reserved(self.device) == before):
                 break
@@ -234,20 +189,15 @@ class ReadStage:
     def follow(self, stream) -> None:
         """The stage's next work waits for what `stream` has queued (the drafter's copies out of this
         step's hidden states), so blocks the stage frees are reused only after those reads."""
-        if self.active is not None:
-            self.active.wait_stream(stream)
+        if self.stream is not None:
+            self.stream.wait_stream(stream)
 
-    def submit(self, out, beside_decode: bool = False) -> None:
-        """Start reading `out`'s chunks. `beside_decode`: some slot is decoding meanwhile, so the step
-        runs in the green context when there is one (STRATA_READ_SMS); otherwise on the whole GPU."""
+    def submit(self, out) -> None:
+        """Start reading `out`'s chunks on the stage's stream."""
         if self.current is not None:
             raise RuntimeError("the read stage runs one step at a time")
         self.current = out
-        stream = self.green_stream if beside_decode and self.green_stream is not None else self.stream
-        if stream is not None and stream is not self.active:
-            stream.wait_stream(self.active)  # the previous step's K/V and freed blocks come first
-            self.active = stream
-        self.jobs.put((out, stream))
+        self.jobs.put((out, self.stream))
 
     def poll(self, block: bool = False) -> ReadResult | None:
         """The finished step's result, or None while it runs (block: wait for it)."""
@@ -300,7 +250,7 @@ class AllocationGrowth(RuntimeError):
 
 
 class AllocationGuard:
-    """STRATA_ALLOC_GUARD: around every read step (`start` before it is submitted, `check` when it is
+    """`EngineConfig.alloc_guard`: around every read step (`start` before it is submitted, `check` when it is
     back), fail if the upload ring, a stream-K pool of the stage, the KV pool or (CUDA) torch's
     caching allocator grew. The main loop keeps running meanwhile: its steps must not grow them either."""
 

@@ -203,11 +203,11 @@ def test_results_record_the_switches_set(tmp_path, monkeypatch):
 
     from strata.bench.results import save
 
-    monkeypatch.setenv("STRATA_Q8_DECODE", "dp4a")
-    monkeypatch.delenv("STRATA_READ_SMS", raising=False)
+    monkeypatch.setenv("STRATA_SPLIT_MTP_BATCH", "1")
+    monkeypatch.delenv("STRATA_PIPED_CONCURRENT", raising=False)
     monkeypatch.setenv("NOT_A_STRATA_SWITCH", "1")
     out = tmp_path / "r.json"
     save({"bench": "x"}, str(out), lambda plt, info: plt.plot([0], [0]))
     got = json.loads(out.read_text())
-    assert got["bench"] == "x" and got["strata_env"].get("STRATA_Q8_DECODE") == "dp4a"
-    assert "STRATA_READ_SMS" not in got["strata_env"] and "NOT_A_STRATA_SWITCH" not in got["strata_env"]
+    assert got["bench"] == "x" and got["strata_env"].get("STRATA_SPLIT_MTP_BATCH") == "1"
+    assert "STRATA_PIPED_CONCURRENT" not in got["strata_env"] and "NOT_A_STRATA_SWITCH" not in got["strata_env"]

@@ -21,8 +21,8 @@ FILLER = open(__file__.replace("tests/engine/test_batch_read.py", "strata/assets
 SWITCHES = ("STRATA_PIPED_CONCURRENT", "STRATA_SPLIT_MTP_BATCH", "STRATA_PIPED_CONCURRENT_SMB")
 
 
-def _set(monkeypatch, piped=False, split=False, smb=False, guard=False):
-    for name, on in zip(SWITCHES + ("STRATA_ALLOC_GUARD",), (piped, split, smb, guard)):
+def _set(monkeypatch, piped=False, split=False, smb=False):
+    for name, on in zip(SWITCHES, (piped, split, smb)):
         monkeypatch.setenv(name, "1" if on else "0")
 
 
@@ -78,8 +78,8 @@ def test_greedy_output_identical_on_and_off(monkeypatch, kw, split):
     _set(monkeypatch, split=split)
     plain = _engine(**kw)
     want, _ = _scenario(plain)
-    _set(monkeypatch, piped=True, split=split, smb=split, guard=True)
-    e = _engine(**kw)
+    _set(monkeypatch, piped=True, split=split, smb=split)
+    e = _engine(**kw, alloc_guard=True)
     assert isinstance(e.read_stage, ReadStage) and (e.read_stage.prefill is not None) == split
     got, order = _scenario(e)
     assert got == want
@@ -110,9 +110,9 @@ def test_abort_during_a_read_frees_its_blocks_after_the_step(monkeypatch):
 
 def test_the_guard_fails_without_the_reservation(monkeypatch):
     """With `reserve()` a no-op the upload ring starts at 16 bytes and grows during the first read."""
-    _set(monkeypatch, piped=True, guard=True)
+    _set(monkeypatch, piped=True)
     monkeypatch.setattr(ReadStage, "reserve", lambda self: None)
-    e = _engine()
+    e = _engine(alloc_guard=True)
     with pytest.raises(AllocationGrowth, match="up_ring"):
         _scenario(e)
     e.close()
@@ -123,16 +123,16 @@ def test_the_warm_up_takes_small_steps_after_the_largest(monkeypatch):
     chunk), each until the cache stops growing (on the CPU: two steps each)."""
     from strata.runner.read_stage import WARM_UP_SMALL_STEPS
 
-    _set(monkeypatch, piped=True, guard=True)
+    _set(monkeypatch, piped=True)
     sizes = []
     submit = ReadStage.submit
 
-    def spy(self, out, beside_decode=False):
+    def spy(self, out):
         sizes.append(sum(c.num_tokens for c in out.chunks))
-        return submit(self, out, beside_decode)
+        return submit(self, out)
 
     monkeypatch.setattr(ReadStage, "submit", spy)
-    e = _engine()
+    e = _engine(alloc_guard=True)
     n = e.read_stage.max_tokens
     want = [n] + [k for k in WARM_UP_SMALL_STEPS if k < n]
     assert sizes == [k for k in want for _ in range(2)] and sizes[-1] == 1
@@ -155,41 +155,6 @@ def _gpu_reads_beside_decoding(e: LLMEngine, lengths, vocab: int):
     return outs
 
 
-def test_reads_beside_decoding_take_the_green_stream_and_follow_the_previous_one(monkeypatch):
-    """With a green-context stream (STRATA_READ_SMS), a step submitted beside decoding runs on it and
-    one with nothing decoding on the whole GPU's stream; switching makes the new stream wait for the
-    old (stand-in streams: the CPU has none)."""
-    from types import SimpleNamespace
-
-    class Stream:
-        def __init__(self, name):
-            self.name, self.waited = name, []
-
-        def wait_stream(self, other):
-            self.waited.append(other.name)
-
-    _set(monkeypatch, piped=True)
-    e = _engine()
-    stage = e.read_stage
-    full, green = Stream("full"), Stream("green")
-    stage.stream, stage.green_stream, stage.active = full, green, full
-    jobs, sent = stage.jobs, []
-    stage.jobs = SimpleNamespace(put=sent.append)  # the worker never sees these
-    try:
-        for out, beside in [("a", True), ("b", True), ("c", False), ("d", False)]:
-            stage.current = None
-            stage.submit(out, beside_decode=beside)
-        assert [(o, st.name) for o, st in sent] == [("a", "green"), ("b", "green"), ("c", "full"), ("d", "full")]
-        assert green.waited == ["full"] and full.waited == ["green"]
-        stage.green_stream, stage.current = None, None  # no green context: every step on the one stream
-        stage.submit("e", beside_decode=True)
-        assert sent[-1][1] is full
-    finally:
-        stage.jobs, stage.current = jobs, None
-        stage.stream = stage.active = None
-        e.close()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_cuda_reads_beside_decoding_allocate_nothing(monkeypatch):
@@ -205,8 +170,8 @@ def test_cuda_reads_beside_decoding_allocate_nothing(monkeypatch):
     lengths = [8192, 16384 + 32, 24, 32768 + 5, 65536]
     cfg = EngineConfig(device="cuda", dtype="bfloat16", ctx=65536 + 64, parallel=2, chunk_size=2048,
                        max_num_batched_tokens=2048, kv_size=2 * (65536 + 128))
-    _set(monkeypatch, piped=True, split=True, smb=True, guard=True)
-    e = LLMEngine(cfg, progress=False, loaded=loaded)
+    _set(monkeypatch, piped=True, split=True, smb=True)
+    e = LLMEngine(cfg.replace(alloc_guard=True), progress=False, loaded=loaded)
     got = _gpu_reads_beside_decoding(e, lengths, loaded.config.vocab_size)
     print(f"concurrent reads: {e.read_stage.reads_total} steps, region {e.read_stage.region_bytes / 2**20:.1f} MiB, "
           f"up_ring {e.read_stage.up_ring.nbytes} B (high water {e.read_stage.up_ring.high_water} B)")
@@ -227,65 +192,11 @@ def test_cuda_embedded_model_with_speculation_identical(monkeypatch):
     kw = dict(device="cuda", dtype="float32", spec=2)
     _set(monkeypatch, split=True)
     want, _ = _scenario(_engine(**kw))
-    _set(monkeypatch, piped=True, split=True, smb=True, guard=True)
-    e = _engine(**kw)
+    _set(monkeypatch, piped=True, split=True, smb=True)
+    e = _engine(**kw, alloc_guard=True)
     got, order = _scenario(e)
     assert got == want and order.index("short") < order.index("long")
     e.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_cuda_read_in_a_green_context(monkeypatch):
-    """STRATA_READ_SMS=66: the read stage's stream belongs to a green context of half the H200's SMs,
-    the Triton kernels launch there, and the output is the one without the concurrent read (fp32)."""
-    kw = dict(device="cuda", dtype="float32")
-    _set(monkeypatch)
-    want, _ = _scenario(_engine(**kw))
-    _set(monkeypatch, piped=True, guard=True)
-    monkeypatch.setenv("STRATA_READ_SMS", "66")
-    e = _engine(**kw)
-    if e.read_stage.green is None:
-        pytest.skip("this torch or driver makes no green-context streams (the engine logged why)")
-    got, order = _scenario(e)
-    assert got == want and order.index("short") < order.index("long")
-    green = e.read_stage.green
-    e.close()
-    # An engine collected after its reads freed pinned buffers whose copies ran in the context; on
-    # 2026-12-02 that aborted the process ("context is destroyed") when the context went first.
-    del e
-    __import__("gc").collect()
-    torch = __import__("torch")
-    torch.cuda.synchronize()
-    again = _engine(**kw)
-    assert again.read_stage.green is green  # one context per process and SM count
-    assert _scenario(again)[0] == want
-    again.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_cuda_decode_beside_a_green_read_replays_its_planned_graphs(monkeypatch):
-    """STRATA_READ_SMS=104, bf16: decode steps launched while a read step holds its SMs replay the
-    graphs captured for the 28 SMs left (STRATA_BESIDE_READ_GRAPHS), and every token is the one the
-    tuned graphs give (the switch off): the planned GEMV tiles keep the sums and their order."""
-    kw = dict(device="cuda", dtype="bfloat16", chunk_size=128)
-    outs, replays = {}, {}
-    for planned in (False, True):
-        _set(monkeypatch, piped=True)
-        monkeypatch.setenv("STRATA_READ_SMS", "104")
-        monkeypatch.setenv("STRATA_BESIDE_READ_GRAPHS", "1" if planned else "0")
-        e = _engine(**kw)
-        if e.read_stage.green is None:
-            pytest.skip("this torch or driver makes no green-context streams (the engine logged why)")
-        assert bool(e.runner.graphs_beside) == planned
-        outs[planned], _ = _scenario(e)
-        replays[planned] = e.runner.beside_replays
-        e.close()
-        del e
-    print(f"decode steps on the planned graphs: {replays}")
-    assert replays[True] > 0 and replays[False] == 0
-    assert outs[True] == outs[False]
 
 
 def test_through_the_server(monkeypatch, tmp_path):
@@ -296,8 +207,8 @@ def test_through_the_server(monkeypatch, tmp_path):
     from serving import running_server
     from test_server_scenarios import SHORT, complete, long_then_short
 
-    _set(monkeypatch, piped=True, guard=True)
-    config = {"device": "cpu", "parallel": 2, "ctx": 4096, "chunk_size": 128, "max_num_batched_tokens": 128,
+    _set(monkeypatch, piped=True)
+    config = {"device": "cpu", "alloc_guard": True, "parallel": 2, "ctx": 4096, "chunk_size": 128, "max_num_batched_tokens": 128,
               "log_level": "info", "prefix_cache": False}
     with running_server(tmp_path, config) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)

@@ -55,7 +55,7 @@ GROUP = 32
 NUM_SMS = DEFAULT_SMS  # a constant so configurations depend on shapes only
 MAX_ROWS = 16
 # `config_for`'s split-K rule: about PROGRAMS_PER_SM programs per SM, at least MIN_STEPS_PER_SPLIT
-# K steps per program, at most MAX_SPLIT parts (scripts/dp4a_splits.py times other values).
+# K steps per program, at most MAX_SPLIT parts.
 PROGRAMS_PER_SM = 4
 MIN_STEPS_PER_SPLIT = 2
 MAX_SPLIT = 8
