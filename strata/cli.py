@@ -1,4 +1,4 @@
-"""`strata generate|chat|serve|bench` — command-line entry points.
+"""`strata generate|chat|serve|tui|bench` — command-line entry points.
 
 Generated text goes to stdout and nothing else does; loading progress, speed figures and errors go
 to stderr, so `strata generate ... > out.txt` captures exactly the completion.
@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 import time
 
-from strata.cli_args import add_engine_flags, add_model_arg, engine_config
+from strata.cli_args import add_engine_flags, add_model_arg, engine_config, run_command, strata_parser
 from strata.config import EngineConfig
 from strata.sampling import SamplingParams
 
 _SP = SamplingParams()
 _EC = EngineConfig()
 
-# `--seed` on generate and chat is the request's sampling seed, as it always was there; the engine's
-# `seed` field (which seeds requests that bring none) keeps a flag of its own, `--engine-seed`, and is
-# `seed` in a --config file as in `strata serve`'s.
+# `--seed` on generate and chat is the request's sampling seed; the engine's `seed` field (which seeds
+# requests that bring none) has a flag of its own, `--engine-seed`, and is `seed` in a --config file
+# as in `strata serve`'s.
 ENGINE_DESTS = {"seed": "engine_seed"}
 
 
@@ -53,7 +52,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks)")
 
 
-def _sampling(a: argparse.Namespace) -> SamplingParams:
+def sampling_params(a: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of `strata generate|chat`'s sampling flags."""
     return SamplingParams(
         max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
@@ -123,7 +123,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         ids = llm.tokenizer.encode(text, add_special=False)
     else:
         ids = llm.tokenizer.encode(a.prompt)
-    _stream(llm, ids, _sampling(a))
+    _stream(llm, ids, sampling_params(a))
     sys.stdout.write("\n")
     return 0
 
@@ -133,7 +133,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if a.system:
         messages.append({"role": "system", "content": a.system})
-    params = _sampling(a)
+    params = sampling_params(a)
     while True:
         try:
             line = input("> ")
@@ -149,8 +149,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="Strata LLM inference")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = strata_parser()
     g = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
     _add_engine_args(g)
     g.add_argument("--prompt", "-p", required=True)
@@ -163,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
     try:
-        from strata.server.cli import add_serve_parser
+        from strata.server.serve import add_serve_parser
     except ImportError:  # the server's dependencies (fastapi, uvicorn) are not installed
         pass
     else:
@@ -186,43 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Stderr(logging.StreamHandler):
-    """A handler on whatever sys.stderr is when a record is written (tests swap it per test)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr
-        super().emit(record)
-
-
-def _configure_logging(command: str) -> None:
-    """strata's logger to stderr at STRATA_LOG_LEVEL: by default INFO for a server's operator and
-    WARNING for the interactive commands, whose stderr carries progress and speed lines. `strata tui`
-    leaves it alone (Textual owns the terminal), as does a process that set up strata's logger itself."""
-    from strata.env import ENV
-
-    logger = logging.getLogger("strata")
-    if command == "tui" or logger.handlers:
-        return
-    level = ENV.LOG_LEVEL.get().strip().upper() or ("INFO" if command == "serve" else "WARNING")
-    logger.setLevel(level)
-    handler = _Stderr(sys.stderr)
-    handler.setFormatter(logging.Formatter("strata: %(message)s"))
-    logger.addHandler(handler)
-    logger.propagate = False
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from strata.loaders import LoadError
-
-    try:
-        _configure_logging(args.command)
-        return args.func(args)
-    except (LoadError, ValueError) as e:
-        print(f"strata: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Command-line flags and JSON config files generated from config dataclasses.
+"""Command-line flags and JSON config files generated from config dataclasses, and what every `strata`
+command shares: the root parser, logging to stderr and the error policy (`run_command`).
 
 `strata generate`, `strata chat` and `strata serve` all take their engine options from here: one flag
 per `EngineConfig` field (name, type and default from the field, help from its trailing comment), so
@@ -15,13 +16,16 @@ import argparse
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import re
+import sys
 import types
 import typing
 from typing import Any, Callable, Collection, Literal, Mapping, Sequence
 
 from strata.config import EngineConfig
+from strata.env import ENV
 
 _NONE_WORDS = ("none", "null")
 ENGINE_GROUP_TITLE = "engine (fields of EngineConfig)"
@@ -209,3 +213,49 @@ def engine_config(args: argparse.Namespace, *, dests: Mapping[str, str] | None =
     merged = read_config_file(path, [EngineConfig], ignore=ignore_file_keys) if path else {}
     merged.update(typed_options(args, EngineConfig, dests=dests))
     return EngineConfig(**expand_model_path(merged))
+
+
+# -- what every `strata` command shares ----------------------------------------------------------------
+
+
+def strata_parser() -> tuple[argparse.ArgumentParser, Any]:
+    """The `strata` parser and its subcommands' action (dest `command`), for each module that adds one."""
+    parser = argparse.ArgumentParser(prog="strata", description="Strata LLM inference")
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever sys.stderr is when a record is written (tests swap it per test)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def configure_logging(command: str) -> None:
+    """strata's logger to stderr at STRATA_LOG_LEVEL: by default INFO for a server's operator and
+    WARNING for the interactive commands, whose stderr carries progress and speed lines. `strata tui`
+    leaves it alone (Textual owns the terminal), as does a process that set up strata's logger itself."""
+    logger = logging.getLogger("strata")
+    if command == "tui" or logger.handlers:
+        return
+    level = ENV.LOG_LEVEL.get().strip().upper() or ("INFO" if command == "serve" else "WARNING")
+    logger.setLevel(level)
+    handler = _Stderr(sys.stderr)
+    handler.setFormatter(logging.Formatter("strata: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Runs a parsed `strata` subcommand (`args.func`) and gives its exit status: a bad option, config or
+    model file (ValueError, which a loader's LoadError is) is one line on stderr and status 2; ctrl+c
+    is 130."""
+    try:
+        configure_logging(args.command)
+        return args.func(args)
+    except ValueError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -15,20 +15,19 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator, Literal
+from typing import Any, Iterator, Literal
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strata.engine.types import EngineEvent
 from strata.server import protocol as P
-from strata.server.app import APIError, _read_json, _validate, _validation_error
-from strata.server.responses import _Result
+from strata.server.errors import APIError, validation_error
+from strata.server.jobs import Result, collect, stream_response
+from strata.server.request_body import read_json, validate_body
+from strata.server.service import ModelService
 from strata.server.tools import ChatOutputParser, Delta
-
-if TYPE_CHECKING:
-    from strata.server.app import _Server
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -177,7 +176,7 @@ def to_chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
     }
     if body.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
-    return _validate(P.ChatCompletionRequest, chat)
+    return validate_body(P.ChatCompletionRequest, chat)
 
 
 # -- response ---------------------------------------------------------------------------------------
@@ -205,7 +204,7 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _message(rid: str, model: str, r: _Result, parser: ChatOutputParser | None, output: str,
+def _message(rid: str, model: str, r: Result, parser: ChatOutputParser | None, output: str,
              stops: list[str]) -> dict[str, Any]:
     text = "".join(r.text)
     content: list[dict[str, Any]] = []
@@ -235,9 +234,9 @@ class _MessageEvents:
     thinking, text or one tool call, opened when its first piece arrives and stopped when the next
     block opens or the message ends."""
 
-    def __init__(self, server: "_Server", rid: str, model: str, parser: ChatOutputParser | None,
+    def __init__(self, tokenizer: Any, rid: str, model: str, parser: ChatOutputParser | None,
                  stops: list[str], input_tokens: int):
-        self.s, self.rid, self.model, self.parser, self.stops = server, rid, model, parser, stops
+        self.tokenizer, self.rid, self.model, self.parser, self.stops = tokenizer, rid, model, parser, stops
         self.input_tokens = input_tokens
         self.blocks = 0
         self.open: str | None = None  # the open block's type
@@ -298,7 +297,7 @@ class _MessageEvents:
         if ev.finish_reason is None:
             return
         yield from self._close()
-        output = self.s.tokenizer.decode(self.ids) if self.stops and ev.finish_reason == "stop" else ""
+        output = self.tokenizer.decode(self.ids) if self.stops and ev.finish_reason == "stop" else ""
         reason, sequence = _stop_reason(ev.finish_reason, self.parser, output, self.stops)
         yield _event("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -310,7 +309,7 @@ class _MessageEvents:
 # -- the endpoint -----------------------------------------------------------------------------------
 
 
-def _authorize(s: "_Server", request: Request) -> None:
+def _authorize(s: ModelService, request: Request) -> None:
     if s.cfg.api_key is None:
         return
     expected = s.cfg.api_key.encode()
@@ -322,25 +321,36 @@ def _authorize(s: "_Server", request: Request) -> None:
         raise APIError(401, "invalid x-api-key: send `x-api-key: <key>` or `Authorization: Bearer <key>`")
 
 
-async def anthropic_messages(s: "_Server", request: Request) -> Response:
+async def anthropic_messages(s: ModelService, request: Request) -> Response:
     try:
         _authorize(s, request)
-        data = await _read_json(request, s.cfg.max_body_bytes)
+        data = await read_json(request, s.cfg.max_body_bytes)
         try:
             body = MessagesRequest.model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
         chat = to_chat_request(body)
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         job, streams, parsers, n_prompt = await s.start_chat(rid, chat)
         parser = parsers[0] if parsers else None
         stops = list(chat.stop or [])
         if body.stream:
-            events = _MessageEvents(s, rid, body.model, parser, stops, n_prompt)
-            return s.streaming(request, job, streams, events, end=None)
-        r = (await s.collect(request, job, streams))[0]
+            events = _MessageEvents(s.tokenizer, rid, body.model, parser, stops, n_prompt)
+            return stream_response(request, job, streams, events, end=None)
+        r = (await collect(request, job, streams))[0]
         output = s.tokenizer.decode(r.token_ids) if stops and r.finish_reason == "stop" else ""
         return Response(json.dumps(_message(rid, body.model, r, parser, output, stops)),
                         media_type="application/json")
     except APIError as e:
         raise AnthropicError.of(e) from None
+
+
+def anthropic_router(s: ModelService) -> APIRouter:
+    """`POST /v1/messages`: its own key header and error shape, so not behind the OpenAI routes' `authorize`."""
+
+    async def messages(request: Request) -> Response:
+        return await anthropic_messages(s, request)
+
+    router = APIRouter()
+    router.add_api_route("/v1/messages", messages, methods=["POST"])
+    return router

@@ -36,7 +36,9 @@ from strata.tokenizer import TEMPLATE_RESERVED_NAMES
 MAX_N = 16  # choices per request: each is an engine request of its own
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
+    """A request body or a part of one: unknown fields are ignored, NaN and infinities refused."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     def check_supported(self) -> None:
@@ -51,18 +53,18 @@ class Unsupported(ValueError):
         self.param = param
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     name: str | None = None  # OpenAI requires one; it names the schema and nothing is derived from it
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     """OpenAI's `response_format`, with Strata's `regex` and `grammar` types, and llama-server's
     `schema` on `json_object`."""
 
@@ -88,7 +90,7 @@ class ResponseFormat(_Request):
         return GrammarSpec.regex(text) if self.type == "regex" else GrammarSpec.grammar(text)
 
 
-class StructuredOutputs(_Request):
+class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs`: exactly one of `json` (a schema, or its JSON text), `regex`,
     `choice` and `grammar`."""
 
@@ -115,7 +117,9 @@ class StructuredOutputs(_Request):
         return GrammarSpec.regex(self.regex) if self.regex is not None else GrammarSpec.grammar(self.grammar or "")
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(RequestModel):
+    """What chat and completion requests share: the model, sampling, stops and output constraints."""
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -158,7 +162,7 @@ class _SamplingRequest(_Request):
         return v
 
     @model_validator(mode="after")
-    def _one_output_constraint(self) -> "_SamplingRequest":
+    def _one_output_constraint(self) -> "SamplingRequest":
         given = [name for name in ("response_format", "structured_outputs", "grammar", "json_schema")
                  if getattr(self, name) is not None and not (name == "response_format"
                                                              and getattr(self, name).type == "text")]
@@ -209,12 +213,12 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ContentPart(_Request):
+class ContentPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -230,7 +234,7 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -282,7 +286,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}) for m in self.messages]
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
@@ -324,7 +328,7 @@ class CompletionRequest(_SamplingRequest):
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default here; chat's is the rest of the context
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     """vLLM's: a prompt, or chat messages (templated as chat completions template them, other chat
     fields included); `add_special_tokens` defaults to true for a prompt and false for messages, whose
     template writes its own."""
@@ -341,7 +345,7 @@ class TokenizeRequest(_Request):
         return self
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -1,11 +1,10 @@
-"""`strata serve`: merge the config file and the command line, load the engine, run uvicorn.
+"""`strata serve`: its parser, the merge of config file and command line, loading the engine, uvicorn.
 
 Precedence, lowest first: dataclass defaults, then the JSON file given by `--config`, then flags typed
 on the command line. Engine flags are generated from `EngineConfig`'s fields (name, default, type) by
 `strata.cli_args`, as for `strata generate` and `strata chat`, so a field the engine gains becomes a
-flag and a config-file key without touching this module. The
-file's keys are `EngineConfig` and `ServerConfig` field names (`kv_size` or `kv-size`); any other key
-is an error that names it.
+flag and a config-file key without touching this module. The file's keys are `EngineConfig` and
+`ServerConfig` field names (`kv_size` or `kv-size`); any other key is an error that names it.
 """
 
 from __future__ import annotations
@@ -16,13 +15,14 @@ import sys
 from typing import Any
 
 from strata.cli_args import (ConfigFileError, add_engine_flags, add_field_flags, add_model_arg, expand_model_path,
-                             typed_options)
+                             run_command, strata_parser, typed_options)
 from strata.cli_args import read_config_file as _read_config_file
 from strata.config import EngineConfig
 from strata.env import ENV
 from strata.server.config import ServerConfig
 
-__all__ = ["ConfigFileError", "configure_parser", "read_config_file", "resolve", "serve", "cmd_serve", "main"]
+__all__ = ["ConfigFileError", "add_serve_parser", "configure_parser", "read_config_file", "resolve", "serve",
+           "cmd_serve", "main"]
 
 # ServerConfig wins a name clash: its options are the ones this command is about.
 SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
@@ -99,11 +99,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_cfg, server_cfg)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m strata.server.serve ...` is `strata serve ...` (one parser, one error policy)."""
-    from strata.cli import main as strata_main
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """`serve` added to the `strata` command's subcommands."""
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="OpenAI-compatible HTTP server. Options come from --config FILE (JSON) and flags; "
+                    "flags win.",
+    )
+    configure_parser(p)
+    p.set_defaults(func=cmd_serve)
+    return p
 
-    return strata_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m strata.server.serve ...` is `strata serve ...`: the same parser and error policy."""
+    parser, subcommands = strata_parser()
+    add_serve_parser(subcommands)
+    return run_command(parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Input, Label, Sparkline, Static
 
-from strata.tui.client import DEFAULT_URL, ServerClient, ServerUnavailable
+from strata.tui.client import ServerClient, ServerUnavailable
 from strata.tui.format import SLOT_COLUMNS, rate_label, slot_cells, status_line, zero_based
 
 HISTORY = 120  # sparkline samples kept: a minute of polls at 2/s
@@ -101,7 +101,7 @@ class StrataTUI(App):
         Binding("q", "quit", "quit", show=False),
     ]
 
-    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, *, interval_s: float = 0.5,
+    def __init__(self, base_url: str, api_key: str | None = None, *, interval_s: float = 0.5,
                  retry_s: float = 1.0, system: str | None = None, chat_options: dict[str, Any] | None = None):
         super().__init__()
         self.base_url = base_url.rstrip("/")

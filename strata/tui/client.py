@@ -11,8 +11,6 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from strata.tui import DEFAULT_URL
-
 
 class ServerUnavailable(Exception):
     """The server could not be reached or refused the request; str(e) is meant for the user."""
@@ -44,9 +42,10 @@ def _unreachable(base_url: str, e: httpx.HTTPError) -> ServerUnavailable:
 
 
 class ServerClient:
-    """One httpx connection pool to one server. Use inside `async with`."""
+    """One httpx connection pool to one server (`base_url`, as `strata tui` was given it). Use inside
+    `async with`."""
 
-    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, *, timeout_s: float = 5.0):
+    def __init__(self, base_url: str, api_key: str | None = None, *, timeout_s: float = 5.0):
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Streams may pause for long prompt reads, so only connecting is bounded for them.

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from strata import LLM, SamplingParams
-from strata.cli import ENGINE_DESTS, _sampling, build_parser, main, resolve_engine
+from strata.cli import ENGINE_DESTS, build_parser, main, resolve_engine, sampling_params
 from strata.cli_args import ConfigFileError
 from strata.config import EngineConfig
 from strata.server.serve import resolve
@@ -78,11 +78,11 @@ def test_engine_flags_reach_the_config(command):
 
 def test_seed_is_the_request_seed_and_engine_seed_the_engines():
     a = _parse("generate", "-p", "x", "--seed", "7")
-    assert _sampling(a).seed == 7 and resolve_engine(a).seed is None
+    assert sampling_params(a).seed == 7 and resolve_engine(a).seed is None
     a = _parse("chat", "--engine-seed", "5")
-    assert _sampling(a).seed is None and resolve_engine(a).seed == 5
+    assert sampling_params(a).seed is None and resolve_engine(a).seed == 5
     a = _parse("generate", "-p", "x", "--seed", "7", "--engine-seed", "5")
-    assert (_sampling(a).seed, resolve_engine(a).seed) == (7, 5)
+    assert (sampling_params(a).seed, resolve_engine(a).seed) == (7, 5)
     assert resolve(_parse("serve", "--seed", "7"))[0].seed == 7  # serve has no sampling flags: --seed is the engine's
 
 

@@ -30,7 +30,7 @@ SLOT_FIELDS = {"id": int, "state": str, "request_id": (str, type(None)), "prompt
 TOTAL_FIELDS = {"parallel": int, "queue": int, "kv_blocks_used": int, "kv_blocks_total": int, "give_ways": int,
                 "preemptions": int, "prompt_tokens": int, "generation_tokens": int, "requests_finished": int,
                 "uptime_s": float, "ttft_last_s": (float, type(None)), "generation_tok_s": float}
-METRIC_NAMES = [  # every name /metrics had before prometheus-client: names are part of the product
+METRIC_NAMES = [  # names are part of the product (dashboards and alerts use them): none may go missing
     "strata_model_info", "strata_uptime_seconds", "strata_queue_length", "strata_slots_busy", "strata_slots_total",
     "strata_kv_blocks_used", "strata_kv_blocks_total", "strata_kv_cache_usage_ratio", "strata_prompt_tokens_total",
     "strata_generation_tokens_total", "strata_requests_finished_total", "strata_give_ways_total",

@@ -1,0 +1,198 @@
+"""The engine requests behind one HTTP response, whatever API it speaks: a `Job` of one request per
+choice, their events merged as they arrive, then gathered into whole `Result`s (`collect`) or written
+as server-sent events (`stream_response`). A request whose client goes away, mid-stream or while
+waiting for a whole completion, is aborted in the engine so its slot frees at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from strata.engine.types import EngineEvent
+from strata.server.errors import APIError
+
+Tops = tuple[tuple[tuple[int, float], ...], ...]  # per token, its (token id, logprob) alternatives
+
+
+def visible_tokens(ev: EngineEvent, sent: int) -> tuple[tuple[int, ...], tuple[float, ...] | None, Tops | None]:
+    """The event's tokens that belong to the completion (the engine does not count a final EOS), with
+    their logprobs and alternatives where the event has them; `sent` is how many came before."""
+    keep = max(0, min(len(ev.token_ids), ev.completion_tokens - sent))
+    return (ev.token_ids[:keep], tuple(ev.logprobs[:keep]) if ev.logprobs is not None else None,
+            tuple(ev.top_logprobs[:keep]) if ev.top_logprobs is not None else None)
+
+
+class Result:
+    """A whole completion gathered from engine events."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.tops: list[tuple[tuple[int, float], ...]] | None = None
+        self.finish_reason: str | None = None
+        self.prompt_tokens = self.completion_tokens = 0
+        self.error: str | None = None
+        self.spec: dict | None = None
+        self.cached_tokens = 0
+
+    def add(self, ev: EngineEvent) -> None:
+        self.text.append(ev.text)
+        ids, lps, tops = visible_tokens(ev, len(self.token_ids))
+        self.token_ids.extend(ids)
+        if lps is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(lps)
+        if tops is not None:
+            self.tops = self.tops if self.tops is not None else []
+            self.tops.extend(tops)
+        self.finish_reason = ev.finish_reason or self.finish_reason
+        self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+        self.error = ev.error or self.error
+        self.spec = ev.spec or self.spec
+        self.cached_tokens = ev.cached_tokens or self.cached_tokens
+
+
+class Job:
+    """The engine requests behind one response, one per choice; `close()` aborts those not finished."""
+
+    def __init__(self, engine: Any, rids: list[str]):
+        self.engine, self.rids = engine, rids
+        self.running = set(range(len(rids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self.running
+
+    def done(self, i: int) -> None:
+        self.running.discard(i)
+
+    def close(self) -> None:
+        for i in sorted(self.running):
+            self.engine.abort(self.rids[i])
+        self.running.clear()
+
+
+class MergedEvents:
+    """The events of a job's streams as (choice index, event), in the order they arrive, until every
+    stream has finished; `close()` stops listening."""
+
+    def __init__(self, streams: list[Any]):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.left = len(streams)
+        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, i: int, stream: Any) -> None:
+        try:
+            async for ev in stream:
+                self.queue.put_nowait((i, ev))
+        except Exception as e:  # handed to the consumer, which would otherwise wait forever
+            self.queue.put_nowait((i, e))
+
+    def __aiter__(self) -> "MergedEvents":
+        return self
+
+    async def __anext__(self) -> tuple[int, EngineEvent]:
+        if not self.left:
+            raise StopAsyncIteration
+        i, ev = await self.queue.get()
+        if isinstance(ev, Exception):
+            raise ev
+        self.left -= ev.finish_reason is not None
+        return i, ev
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+class EngineStreamResponse(StreamingResponse):
+    """SSE over an engine request that is aborted however the response ends: a client gone before the
+    body iterator ever started leaves no generator frame whose `finally` could do it."""
+
+    def __init__(self, job: Job, body: AsyncIterator[str]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close()
+
+
+async def wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next message the server sends is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(request: Request, job: Job, streams: list[Any]) -> list[Result]:
+    """Each choice's whole completion; a client gone first is a 499, an engine failure a 500."""
+    results = [Result() for _ in streams]
+    merged = MergedEvents(streams)
+
+    async def pump() -> None:
+        async for i, ev in merged:
+            results[i].add(ev)
+            if ev.finish_reason is not None:
+                job.done(i)
+            if ev.error:
+                return  # the response fails: the other choices are aborted
+
+    pumping = asyncio.ensure_future(pump())
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({pumping, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        complete = pumping.done()
+        if not complete:
+            pumping.cancel()
+        merged.close()
+        job.close()
+    if not complete:
+        raise APIError(499, "the client closed the request", code="client_closed_request")
+    pumping.result()
+    error = next((r.error for r in results if r.error), None)
+    if error:
+        raise APIError(500, f"the engine failed the request: {error}", type_="server_error")
+    return results
+
+
+async def _event_stream(request: Request, job: Job, streams: list[Any], chunks: Any, end: str | None,
+                        ) -> AsyncIterator[str]:
+    async def abort_when_gone() -> None:
+        await wait_disconnect(request)
+        job.close()
+
+    watcher = asyncio.ensure_future(abort_when_gone())
+    merged = MergedEvents(streams)
+    try:
+        for piece in chunks.start():
+            yield piece
+        async for i, ev in merged:
+            if ev.finish_reason is not None:
+                job.done(i)
+            for piece in chunks.event(i, ev):
+                yield piece
+            if ev.error or job.finished:
+                break
+        for piece in chunks.end() if end is None else [end]:
+            yield piece
+    finally:
+        watcher.cancel()
+        merged.close()
+        job.close()
+
+
+def stream_response(request: Request, job: Job, streams: list[Any], chunks: Any,
+                    end: str | None = "data: [DONE]\n\n") -> StreamingResponse:
+    """SSE of `chunks` (`start()` and `event(i, ev)`, each giving SSE lines), closed by `end`, or by
+    `chunks.end()` when None."""
+    return EngineStreamResponse(job, _event_stream(request, job, streams, chunks, end))

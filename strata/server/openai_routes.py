@@ -1,0 +1,110 @@
+"""OpenAI's endpoints (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and vLLM's tokenizer
+ones (`/tokenize`, `/detokenize`), all behind `Authorization: Bearer` when the server has a key."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from strata.server import protocol as P
+from strata.server.jobs import collect, stream_response
+from strata.server.request_body import parse_body, read_json, validate_body
+from strata.server.responses import ChatChunks, CompletionChunks, chat_message, json_response, response_usage
+from strata.server.service import ModelService
+
+
+class OpenAIRoutes:
+    def __init__(self, service: ModelService):
+        self.s = service
+
+    def routers(self) -> list[APIRouter]:
+        """`/v1/...`, then vLLM's paths outside /v1, behind the same key."""
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self.s.authorize)])
+        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        v1.add_api_route("/completions", self.completions, methods=["POST"])
+        v1.add_api_route("/models", self.list_models, methods=["GET"])
+        v1.add_api_route("/models/{model:path}", self.get_model, methods=["GET"])
+        tokens = APIRouter(dependencies=[Depends(self.s.authorize)])
+        tokens.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        tokens.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        return [v1, tokens]
+
+    async def chat_completions(self, request: Request) -> Response:
+        s = self.s
+        body: P.ChatCompletionRequest = await parse_body(request, P.ChatCompletionRequest, s.cfg.max_body_bytes)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        job, streams, parsers, _ = await s.start_chat(rid, body)
+        logprobs = s.logprobs if body.logprobs else None
+        if body.stream:
+            chunks = ChatChunks(rid, body.model, body.n, body.include_usage, logprobs, parsers)
+            return stream_response(request, job, streams, chunks)
+        results = await collect(request, job, streams)
+        choices = []
+        for i, r in enumerate(results):
+            message, finish = chat_message(r, parsers[i] if parsers else None)
+            choices.append(P.ChatChoice(index=i, message=message, finish_reason=finish,
+                                        logprobs=logprobs.chat_logprobs(r.token_ids, r.logprobs, r.tops)
+                                        if logprobs is not None else None))
+        return json_response(P.ChatCompletion(id=rid, created=int(time.time()), model=body.model, choices=choices,
+                                              usage=response_usage(results)))
+
+    async def completions(self, request: Request) -> Response:
+        s = self.s
+        body: P.CompletionRequest = await parse_body(request, P.CompletionRequest, s.cfg.max_body_bytes)
+        s.check_model(body.model)
+        ids, prompt_text = await run_in_threadpool(s.completion_prompt, body)
+        params = await s.constrain(s.sampling(body, len(ids), "prompt"), *s.grammar_spec(body))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        job, streams = s.submit(rid, body.n, ids, params, body.wants_logprobs, body.num_top_logprobs)
+        echo = prompt_text if body.echo else ""
+        logprobs = s.logprobs if body.wants_logprobs else None
+        if body.stream:
+            chunks = CompletionChunks(rid, body.model, body.n, body.include_usage, logprobs, echo)
+            return stream_response(request, job, streams, chunks)
+        results = await collect(request, job, streams)
+        choices = [P.CompletionChoice(index=i, text=echo + "".join(r.text), finish_reason=r.finish_reason,
+                                      logprobs=logprobs.completion_logprobs(r.token_ids, r.logprobs, 0, r.tops)
+                                      if logprobs is not None else None)
+                   for i, r in enumerate(results)]
+        return json_response(P.Completion(id=rid, created=int(time.time()), model=body.model, choices=choices,
+                                          usage=response_usage(results)))
+
+    async def tokenize(self, request: Request) -> Response:
+        s = self.s
+        data = await read_json(request, s.cfg.max_body_bytes)
+        body: P.TokenizeRequest = validate_body(P.TokenizeRequest, data)
+        if body.model is not None:
+            s.check_model(body.model)
+        if body.prompt is not None:
+            ids = await run_in_threadpool(s.tokenizer.encode, body.prompt, body.add_special_tokens is not False)
+        else:
+            # The chat fields (the template's inputs) as a chat completion reads them.
+            chat: P.ChatCompletionRequest = validate_body(P.ChatCompletionRequest, {**data, "model": s.model_name})
+            ids = (await run_in_threadpool(s.chat_prompt, chat))[0]
+            if body.add_special_tokens:
+                ids = s.tokenizer.encode("", add_special=True) + ids
+        return json_response(P.TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids))
+
+    async def detokenize(self, request: Request) -> Response:
+        s = self.s
+        body: P.DetokenizeRequest = await parse_body(request, P.DetokenizeRequest, s.cfg.max_body_bytes)
+        if body.model is not None:
+            s.check_model(body.model)
+        s.check_ids(body.tokens, "tokens")
+        text = await run_in_threadpool(s.tokenizer.decode, body.tokens, False)
+        return json_response(P.DetokenizeResponse(prompt=text))
+
+    async def list_models(self) -> Response:
+        return json_response(P.ModelList(data=[self.s.model_card()]))
+
+    async def get_model(self, model: str) -> Response:
+        self.s.check_model(model)
+        return json_response(self.s.model_card())
+
+
+def openai_routers(service: ModelService) -> list[APIRouter]:
+    return OpenAIRoutes(service).routers()
