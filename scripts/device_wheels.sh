@@ -2,8 +2,7 @@
 # Fills .whl/ (git-ignored) with the wheels the GPU machine lacks, for Python 3.12 on x86-64, and
 # .cache/ with llama.cpp's vocabularies (the grammar-cost step's tokenizer). Run here (it needs the
 # package index), then carry ".whl" (and ".cache" for grammar-cost) in the device call;
-# scripts/gpu_round.sh installs the wheels first. The pins are the set that ran on the H200 on
-# 2026-12-02: fastapi, uvicorn, pydantic and the openai client with every dependency the image lacks,
+# scripts/gpu_round.sh installs the wheels first. The pins are a set that runs on the device image: fastapi, uvicorn, pydantic and the openai client with every dependency the image lacks,
 # gguf, llguidance, and fla-core with einops (installed apart: see gpu_round.sh).
 #   bash scripts/device_wheels.sh [--vocab]
 set -euo pipefail

@@ -1,5 +1,5 @@
 """Writes a random-weight Qwen3-Next GGUF in llama.cpp's `qwen3next` layout at a `strata bench` shape, so
-llama-bench times the shape `strata bench read|decode --shape` times (issue 12). Every matrix is bf16 or
+llama-bench times the shape `strata bench read|decode --shape` times. Every matrix is bf16 or
 random Q8_0 blocks; what llama.cpp's converter and quantizer keep in F32 is F32 here too (norms, the
 router, the shared expert's gate, the conv kernel, ssm_a, ssm_dt.bias). Tensors are made (on the GPU
 when there is one) and written one at a time, so the host holds at most one tensor (1 GiB at the 80B

@@ -1,6 +1,6 @@
 """Writes a random-weight GGUF at a dense `strata bench` shape with every linear weight (and the
 embedding table) in one quantized format, for timing llama.cpp on the same formats `strata bench
-quant` times (issue 10). The blocks are random valid ones made on the device by the same
+quant` times. The blocks are random valid ones made on the device by the same
 `random_blocks` the bench uses; norms are ones. The tokenizer fields come from a vocab-only GGUF
 (llama.cpp ships `models/ggml-vocab-qwen2.gguf`).
 

@@ -1,9 +1,9 @@
 """Strata: an LLM inference server."""
 
 from strata.params import SamplingParams
+from strata.version import __version__
 
-__all__ = ["LLM", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

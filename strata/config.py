@@ -11,7 +11,10 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from strata.kernels.choices import KernelChoices
 
 
 class ConfigError(ValueError):
@@ -225,7 +228,7 @@ class EngineConfig:
     parallel: int = 1  # slots: requests decoding at once; more wait in a queue
     kv: str = "auto"  # KV cache storage: auto (the model dtype) | bf16 | int8
     # GGUF Q8_0 / Q4_K / IQ3_S / Q6_K linear weights and MoE experts stay quantized on the device (their
-    # Triton kernels) instead of being expanded to the model dtype at load. Off until measured on the GPU.
+    # Triton kernels) instead of being expanded to the model dtype at load (docs/QUANTIZATION.md).
     keep_quantized: bool = False
     # Quantize an HF checkpoint's attention and MLP projections (MoE experts too) at load: None or "fp8"
     # (e4m3, a scale per output channel; decode rows weight-only through the GEMV, reads through
@@ -250,7 +253,7 @@ class EngineConfig:
     # an eager step shared with the decodes (CUDA with graphs; they wait that one step).
     solo_reads: bool = True
     # A request's logits do not depend on what else the engine runs (batch, chunking, prefix-cache hits,
-    # speculation): every row is computed alone (issue 15). The CPU, and dense models on CUDA (unmeasured).
+    # speculation): every row is computed alone. Opt-in for its measured cost (docs/DETERMINISM.md).
     batch_invariant: bool = False
     # Queue each step before reading the previous one's tokens (decode inputs taken on the device), so
     # the GPU never waits for the host; needs --spec 0 and one batch group. None: on for CUDA.
@@ -258,6 +261,16 @@ class EngineConfig:
     # With the concurrent read (STRATA_PIPED_CONCURRENT): fail a read step during which the stage's upload
     # ring or stream-K pool, the KV pool or torch's caching allocator grew (a check of the no-allocation rule).
     alloc_guard: bool = False
+    # GGUF decode GEMV (M <= 16): auto | dequant | dp4a; auto: dp4a up to the rows where each format measured it faster
+    quant_decode: str = "auto"
+    # Kept-quantized MoE experts at decode steps: fused | grouped; fused: two launches for the grouped path's twelve
+    moe_decode: str = "fused"
+    # Reads of >= this many rows dequantize GGUF weights to 16 bits for cuBLAS (0 = off): H200 1.5-5x at 512-4,096 rows
+    dequant_read_rows: int = 512
+    # Gated DeltaNet prompt reads on CUDA: auto | fla | ref; auto: fla-core's kernel (5.5x the reference) if installed
+    linear_attention_kernel: str = "auto"
+    # Programmatic dependent launch on sm_90+: each Triton kernel's launch overlaps its predecessor's tail
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
@@ -277,6 +290,21 @@ class EngineConfig:
                              "step's tokens on the host before the next step)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.parallel:
             raise ValueError("max_num_batched_tokens must be >= parallel (one decode token per slot)")
+        for name, allowed in (("quant_decode", ("auto", "dequant", "dp4a")), ("moe_decode", ("fused", "grouped")),
+                              ("linear_attention_kernel", ("auto", "fla", "ref"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        if self.dequant_read_rows < 0:
+            raise ValueError("dequant_read_rows must be >= 0 (0 = off)")
+
+    def kernel_choices(self) -> KernelChoices:
+        """The kernel choices this config asks for (`strata.kernels.choices.KernelChoices`: one set per
+        process, which `LLMEngine` installs when it starts)."""
+        from strata.kernels.choices import KernelChoices
+
+        return KernelChoices(quant_decode=self.quant_decode, moe_decode=self.moe_decode,
+                             dequant_read_rows=self.dequant_read_rows,
+                             linear_attention_kernel=self.linear_attention_kernel, pdl=self.pdl)
 
     def resolved(self) -> "EngineConfig":
         """This config with the device-dependent defaults filled in. The GPU read chunk was chosen by

@@ -15,7 +15,7 @@ def _share_the_cores() -> None:
     """Each pytest-xdist worker, and each server it starts, gets its share of the cores for torch's and
     OpenBLAS's threads. Left alone, every process starts a thread per core, and on CI's two cores two
     workers' thread pools spin against each other: two CPU test files took 133 s and 118 s side by side
-    that way, 59 s and 52 s with a thread each (2026-12-06)."""
+    that way, 59 s and 52 s with a thread each."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
         return
@@ -90,7 +90,7 @@ def _interpreter_rounds_bf16_to_nearest(monkeypatch):
 def _gpu_memory_released(request):
     """After each `gpu` test, what it left (engines in reference cycles, blocks in torch's cache) goes
     back to the driver. On an 80 GB card the 8B-shape tests of one file otherwise left the next file's
-    Triton launches no room for their local memory ("CUDA out of memory" at launch, 2026-12-05)."""
+    Triton launches no room for their local memory ("CUDA out of memory" at launch)."""
     yield
     if request.node.get_closest_marker("gpu") is None or not _cuda_present():
         return

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from sass_loops import sass  # noqa: E402
 
 from strata.kernels import activation, attention, gemv, moe_decode, moe_routing, norm, rope  # noqa: E402
-from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, moe_decode_q, q4_k_dp4a, q6_k_dp4a, q8_0_mmq  # noqa: E402
+from strata.kernels.quant import dp4a, fp8, fp8_rows, iq3_s_dp4a, moe_decode_q, q4_k_dp4a, q6_k_dp4a  # noqa: E402
 
 OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 SPLIT_K_ARGS = dict(out_ptr="*bf16", out_stride="i32", partial_ptr="*fp32", counter_ptr="*i32", m="i32", n="i32",
@@ -32,7 +32,7 @@ def bf16_gemv(n: int, k: int):
     sig = dict(x_ptr="*bf16", x_stride="i32", w_ptr="*bf16", scale_ptr="*bf16", bias_ptr="*bf16", **SPLIT_K_ARGS)
     const = dict(BLOCK_M=gemv.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                  EVEN_N=n % cfg.block_n == 0, HAS_BIAS=False, SILU_MUL=False, IEEE_DOT=False, USE_LIBDEVICE=True,
-                 USE_PDL=True, PREFETCH_BLOCKS=0, W8="")
+                 USE_PDL=True, W8="")
     return gemv._gemv_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
 
 
@@ -42,7 +42,7 @@ def fp8_gemv(n: int, k: int):
     sig = dict(x_ptr="*bf16", x_stride="i32", w_ptr="*i32", scale_ptr="*fp32", bias_ptr="*bf16", **SPLIT_K_ARGS)
     const = dict(BLOCK_M=gemv.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                  EVEN_N=n % cfg.block_n == 0, HAS_BIAS=False, SILU_MUL=False, IEEE_DOT=False, USE_LIBDEVICE=True,
-                 USE_PDL=True, PREFETCH_BLOCKS=0, W8=gemv.W8_CONVERSIONS[0])
+                 USE_PDL=True, W8=gemv.W8_CONVERSIONS[0])
     return gemv._gemv_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
 
 
@@ -51,16 +51,6 @@ def fp8_rows_quantize(silu_mul: bool = False):
     const = dict(FP8_MAX=fp8_rows.E4M3_MAX, BLOCK_K=fp8_rows.BLOCK_K, SILU_MUL=silu_mul, USE_LIBDEVICE=True,
                  USE_PDL=True)
     return fp8_rows._quantize_rows_kernel, sig, const, 4, 3, True
-
-
-def q8_mmq(n: int = QKV[0], k: int = QKV[1]):
-    """The Q8_0 GEMM with the dp4a GEMV's arithmetic (a read's shape), not on the decode path itself."""
-    cfg = q8_0_mmq.mmq_config(n, k)
-    sig = dict(xq_ptr="*i8", dx_ptr="*fp32", qs_ptr="*i8", d_ptr="*fp16", out_ptr="*bf16", out_stride="i32",
-               m="i32", n="i32", k="i32")
-    const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                 GROUP_M=cfg.group_m, USE_PDL=True)
-    return q8_0_mmq._mmq_kernel, sig, const, cfg.num_warps, cfg.num_stages, False
 
 
 def fused_add_rms_norm(hidden: int = 4096, zero_centred: bool = False):
@@ -155,7 +145,7 @@ def shared_expert_gate(kind: str, hidden: int = 2048, top_k: int = 10):
     return activation._append_gated_expert_kernel, sig, const, warps, 3, True
 
 
-def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1], shared_grid: bool = False):
+def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1]):
     kernel, weights, module = {
         "Q8_0": (dp4a._q8_gemv_dp4a_kernel, dict(qw_ptr="*i32", d_ptr="*fp16"), dp4a),
         "Q4_K": (q4_k_dp4a._q4k_gemv_dp4a_kernel, dict(qw_ptr="*i32", sw_ptr="*i32", dw_ptr="*i32"), q4_k_dp4a),
@@ -167,7 +157,7 @@ def dp4a_gemv(fmt: str, rows: int, n: int = QKV[0], k: int = QKV[1], shared_grid
     cfg = module.gemv_config(n, k)
     sig = dict(x_ptr="*bf16", x_stride="i32", **weights, **SPLIT_K_ARGS)
     const = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EMULATE=False,
-                 USE_PDL=True, **(dict(SHARED_GRID=shared_grid) if fmt == "IQ3_S" else {}))
+                 USE_PDL=True)
     return kernel, sig, const, cfg.num_warps, cfg.num_stages, False  # launched without FMA contraction
 
 
@@ -207,8 +197,6 @@ CASES = {
        for fmt in ("Q8_0", "Q4_K", "Q6_K") for rows in (1, 4)},
     **{f"dp4a_IQ3_S_{n}_m{rows}": (lambda n=n, rows=rows: dp4a_gemv("IQ3_S", rows, n, 4096))
        for n in (6144, 4096) for rows in (1, 4, 8)},  # split 8 over 48 and 32 row tiles
-    **{f"dp4a_IQ3_S_shared_grid_m{rows}": (lambda rows=rows: dp4a_gemv("IQ3_S", rows, shared_grid=True))
-       for rows in (1, 8)},
     "attention_decode_h128": lambda: decode_attention(128, 4, False),
     "attention_decode_h256": lambda: decode_attention(256, 8, False),
     "attention_decode_h256_int8": lambda: decode_attention(256, 8, True),
@@ -227,7 +215,6 @@ CASES = {
     "moe_down_next": lambda: moe_down_combine(2048, 512),
     "shared_expert_add": lambda: shared_expert_gate("add"),
     "shared_expert_append": lambda: shared_expert_gate("append"),
-    "q8_mmq_qkv": q8_mmq,
     **{f"qmoe_{kernel}_{fmt}": (lambda fmt=fmt, kernel=kernel: qmoe_decode(fmt, kernel))
        for fmt in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8") for kernel in ("gate_up", "down")},
     **{f"qmoe_{kernel}_Q8_0_fma": (lambda kernel=kernel: qmoe_decode("Q8_0", kernel, dp4a=False))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from strata.attention.base import AttentionBackend
 from strata.kernels import invariant as k_invariant
 from strata.kvcache.pool import KVPool
-from strata.transfer import to_device
+from strata.kernels.transfer import to_device
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask: torch.Tensor | None = None):

@@ -7,7 +7,7 @@ import torch
 from strata.config import ModelConfig
 from strata.kernels import triton_available
 from strata.kvcache.pool import KVPool
-from strata.attention import AttentionBackend
+from strata.attention.base import AttentionBackend
 
 
 def make_attention(pool: KVPool, cfg: ModelConfig, *, max_seqs: int, max_rows: int, max_split_rows: int,

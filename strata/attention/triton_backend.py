@@ -21,8 +21,8 @@ from strata.kernels import attention as k_attn
 from strata.kernels import kv_dequant as k_dequant
 from strata.kernels import kv_store as k_store
 from strata.kvcache.pool import Int8Pool, KVPool
-from strata.attention import AttentionBackend
-from strata.transfer import to_device
+from strata.attention.base import AttentionBackend
+from strata.kernels.transfer import to_device
 
 MAX_SPLITS = 32
 # Over an int8 pool, steps with at least this many query rows in one sequence attend over a dequantized

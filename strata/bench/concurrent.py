@@ -1,4 +1,4 @@
-"""`strata bench concurrent`: the concurrent prompt read (STRATA_PIPED_CONCURRENT=1, issue 11) measured.
+"""`strata bench concurrent`: the concurrent prompt read (STRATA_PIPED_CONCURRENT=1) measured.
 
 Two arms, each a fresh engine on the same model, run in `--pairs` interleaved pairs: `concurrent`
 (STRATA_PIPED_CONCURRENT=1) and `concurrent_smb` (also STRATA_SPLIT_MTP_BATCH=1 and

@@ -1,6 +1,6 @@
 """`strata bench concurrent --http`: the give-way through the real serving path.
 
-Issue 11's goal for a short request is its first token during a long read *through `strata serve`*:
+What a short request sees is its first token during a long read *through `strata serve`*:
 the engine here runs as the server runs it (`AsyncEngine`'s loop thread, the app, uvicorn; in a side
 thread of this process, `http_arm.running_server`). A client thread streams the long prompt
 (token ids); once the server's `strata_prompt_tokens_total` shows the read under way, a second client

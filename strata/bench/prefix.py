@@ -46,7 +46,7 @@ def _ttft(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> tuple[fl
                 if first is None and ev.token_ids:
                     # The token is on the host now (its step has finished), which is what a client sees.
                     # No sync here: the device may already run the next decode step (async scheduling),
-                    # and waiting for it added a whole step to both arms (until 2026-12-02).
+                    # and waiting for it added a whole step to both arms.
                     first = time.perf_counter() - t0
                 out.extend(ev.token_ids)
                 cached = ev.cached_tokens if ev.finish_reason else cached

@@ -1,4 +1,4 @@
-"""`strata bench quant`: weights kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K) against bf16 (issue 10).
+"""`strata bench quant`: weights kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K) against bf16.
 
 One random model per format at `--shape` (`random_model(..., quant=...)`: the linear weights a GGUF
 load keeps quantized, MoE experts included (`--shape qwen3-30b-a3b`: the grouped kernels of
@@ -21,11 +21,13 @@ import torch
 from strata.bench import roofline
 from strata.bench.random_model import SHAPES, random_model, shape_config, timed
 from strata.bench.results import print_tables, save, summary_table
-from strata.bench.throughput import _decode_once, _free, _prompts, build_engine, engine_config
+from strata.bench.throughput import (_decode_once, _free, _prompts, add_kernel_choice_flags, build_engine,
+                                     engine_config, install_kernel_choices)
 from strata.engine.types import EngineRequest
-from strata.kernels.quant import FORMATS, QWeight, QWeightStack, quantize_fp8
+from strata.kernels.quant import FORMATS, QWeight, QWeightStack
 from strata.kernels.quant.mixes import MIXES
 from strata.kernels.quant.moe_q import QExpertStack
+from strata.models.quantize import quantize_fp8
 from strata.params import SamplingParams
 
 QUANT_ATTRS = ("qkv_q", "o_q", "gate_up_q", "down_q", "lm_head_q")
@@ -86,6 +88,7 @@ def _arm(args, fmt: str, device: torch.device, dtype: torch.dtype, copy_bps: flo
 
 
 def run(args) -> int:
+    install_kernel_choices(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     ceilings = None if args.no_ceilings or device.type != "cuda" else roofline.measure_ceilings(device, dtype)
@@ -149,6 +152,7 @@ def _add_args(p) -> None:
     p.add_argument("--kv", default="auto")
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--no-ceilings", action="store_true")
+    add_kernel_choice_flags(p)
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
 

@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.bench.results import print_tables, save, summary_table
-from strata.kernels.quant import WRITTEN, QWeight, format_module, qweights_of, quantize_fp8
+from strata.kernels.quant import WRITTEN, QWeight, format_module
 from strata.loaders import default_model_path, load_model
 from strata.attention import CausalBatch
 from strata.models.moe import Router
+from strata.models.quantize import qweights_of, quantize_fp8
 
 
 def quantize_linears(model: nn.Module, ggml_type: str) -> tuple[int, int]:

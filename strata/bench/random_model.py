@@ -113,7 +113,7 @@ def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, see
     them; weights whose rows are not whole blocks of the format stay float. `quant="FP8"`: the float
     weights made e4m3 after packing, as `--quantize fp8` does at load."""
     if quant == "FP8":
-        from strata.kernels.quant import quantize_fp8
+        from strata.models.quantize import quantize_fp8
 
         loaded = random_model(shape, device, dtype, seed, tokenizer)
         quantize_fp8(loaded.model)

@@ -3,21 +3,24 @@ the summary tables they print last."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from typing import Any, Callable, Sequence, TextIO
 
 from strata.env import ENV
+from strata.kernels import choices
 
 
 def save(info: dict, out: str, draw: Callable[[Any, dict], None] | None) -> None:
-    """Writes `info` to `out` (JSON), with the STRATA_* switches set (`strata_env`), and, when
-    matplotlib is installed and `draw` is given, `draw(plt, info)` beside it."""
+    """Writes `info` to `out` (JSON), with the STRATA_* switches set (`strata_env`) and the kernel choices
+    in force (`kernel_choices`: an engine with `quant_decode="dp4a"` measures another kernel than the
+    default), and, when matplotlib is installed and `draw` is given, `draw(plt, info)` beside it."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        # `STRATA_Q8_DECODE=dp4a strata bench quant` measures another kernel than the default.
-        json.dump({**info, "strata_env": ENV.set_in_environment()}, f, indent=1)
+        json.dump({**info, "strata_env": ENV.set_in_environment(),
+                   "kernel_choices": dataclasses.asdict(choices.current())}, f, indent=1)
     print(f"wrote {out}")
     if draw is None:
         return

@@ -62,7 +62,7 @@ def decode_arms(args, arms: list[tuple[int, float, int, bool]]) -> list[dict]:
                for spec, min_p, groups, overlap in arms]
     best = [float("inf")] * len(arms)
     outs: list[dict] = [{} for _ in arms]
-    for rep in range(args.repeats + 1):  # the first round warms up
+    for rep in range(args.repeats + 1):  # the first pass warms up
         for i, eng in enumerate(engines):
             seconds, outs[i] = _decode_once(args, eng, rep)
             if rep:

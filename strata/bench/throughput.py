@@ -37,7 +37,10 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
+from strata.cli_args import add_field_flags
 from strata.grammar import GrammarSpec
+from strata.kernels import choices
+from strata.kernels.choices import KernelChoices
 from strata.loaders import LoadedModel
 from strata.params import SamplingParams
 
@@ -66,7 +69,29 @@ def engine_config(args, device: torch.device, ctx: int, parallel: int, chunk: in
         kw["async_scheduling"] = False
     if getattr(args, "batch_invariant", False):
         kw["batch_invariant"] = True
-    return EngineConfig(**kw)
+    return EngineConfig(**kw, **kernel_choice_args(args))
+
+
+KERNEL_CHOICE_FIELDS = tuple(f.name for f in dataclasses.fields(KernelChoices))
+
+
+def add_kernel_choice_flags(p) -> None:
+    """EngineConfig's kernel choices as a bench command's flags (`--quant-decode`, `--moe-decode`,
+    `--dequant-read-rows`, `--linear-attention-kernel`, `--pdl/--no-pdl`), defaults the config's."""
+    group = p.add_argument_group("kernel choices (EngineConfig fields)")
+    others = {f.name for f in dataclasses.fields(EngineConfig)} - set(KERNEL_CHOICE_FIELDS)
+    add_field_flags(group, EngineConfig, skip=others)
+
+
+def kernel_choice_args(args) -> dict:
+    """The kernel choices typed on the command line (the others keep EngineConfig's defaults)."""
+    return {name: getattr(args, name) for name in KERNEL_CHOICE_FIELDS if hasattr(args, name)}
+
+
+def install_kernel_choices(args) -> None:
+    """The command's kernel choices for the process before any model is built: a model packs before
+    its engine starts (`LLMEngine(cfg, loaded=...)`), and the MoE layers choose their decode kernels then."""
+    choices.set_choices(EngineConfig(**kernel_choice_args(args)).kernel_choices())
 
 
 def build_engine(cfg: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, float]:
@@ -346,6 +371,7 @@ def default_out(which: str, shape: str, kv: str, device: torch.device, quant: st
 
 
 def run(args) -> int:
+    install_kernel_choices(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, args.dtype)
@@ -442,6 +468,7 @@ def add_parsers(sub) -> None:
         p.add_argument("--no-async-scheduling", action="store_true", help="EngineConfig(async_scheduling=False)")
         p.add_argument("--no-ceilings", action="store_true", help="skip the copy/GEMM ceilings (fractions null)")
         p.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
+        add_kernel_choice_flags(p)
         p.add_argument("--quant", default=None,
                        help="random weights kept quantized: a GGUF format (Q8_0, Q4_K, IQ3_S, ...) or FP8 (made at "
                             "load, as --quantize fp8); Strata only (HF runs bf16: use --no-hf)")

@@ -1,4 +1,5 @@
-"""Whether the concurrent read is on, and why not when it is not (issue 11; the names are the seed's).
+"""Whether the concurrent read is on, and why not when it is not. The switch names are the ones users of
+the C++ engine of the same name know.
 
 `STRATA_PIPED_CONCURRENT=1` runs prompt reads as their own stage beside the decode loop
 (`strata.runner.read_stage`). `STRATA_SPLIT_MTP_BATCH=1` computes the MTP layer's prompt K/V batched

@@ -29,10 +29,10 @@ import torch
 
 from strata.config import EngineConfig
 from strata.engine.concurrent import ConcurrentReadSetup
-from strata.env import ENV
 from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
                                  EngineStats, RateWindow, SlotSnapshot)
 from strata.grammar import GrammarCompiler, GrammarError
+from strata.kernels import choices as kernel_choices
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.loaders import LoadedModel, load_model
@@ -107,7 +107,7 @@ def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
 
 
 def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device, model: torch.nn.Module) -> None:
-    """What --batch-invariant covers so far (issue 15): the CPU's torch path for dense and MoE models; on
+    """What --batch-invariant covers: the CPU's torch path for dense and MoE models; on
     CUDA dense and MoE models (the invariant GEMM, grouped-expert GEMM, routing and attention kernels);
     no linear-attention layers. Weights
     kept quantized (`model` as loaded): Q8_0 and FP8 linear weights (`strata.kernels.quant.invariant`),
@@ -115,7 +115,7 @@ def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device, model: t
     if not cfg.batch_invariant:
         return
     from strata.kernels.quant import invariant as k_quant_invariant
-    from strata.kernels.quant import qweights_of
+    from strata.models.quantize import qweights_of
     from strata.models.moe import MoE
 
     formats = sorted({q.ggml_type for q in qweights_of(model) if not k_quant_invariant.supports(q)})
@@ -153,6 +153,7 @@ class LLMEngine:
         `cfg.model` is loaded."""
         cfg = cfg.resolved()
         self.cfg = cfg
+        kernel_choices.set_choices(cfg.kernel_choices())  # before the model is loaded and packed
         self.device = torch.device(cfg.resolved_device)
         dtype = cfg.torch_dtype
         if loaded is None:

@@ -11,6 +11,8 @@ from functools import lru_cache
 
 import torch
 
+from strata.kernels import choices
+
 
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
@@ -28,13 +30,12 @@ def _pdl_capable(device_index: int) -> bool:
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether to launch a kernel on `t`'s device with programmatic dependent launch (PDL): Hopper and
-    later, unless STRATA_PDL=0. A kernel launched so must begin with `pdl_prologue(USE_PDL)` (below):
-    it then starts while its predecessor drains, and waits for it before its first memory access, so
-    the launch latency of a chain of small kernels (a decode step's ~250) overlaps real work."""
-    from strata.env import ENV
-
-    return t.is_cuda and ENV.PDL.get() and _pdl_capable(t.device.index if t.device.index is not None
-                                                        else torch.cuda.current_device())
+    later, unless the kernel choices turn it off (`choices.current().pdl`). A kernel launched so must
+    begin with `pdl_prologue(USE_PDL)` (strata.kernels.pdl): it then starts while its predecessor
+    drains, and waits for it before its first memory access, so the launch latency of a chain of small
+    kernels (a decode step's ~250) overlaps real work."""
+    return t.is_cuda and choices.current().pdl and _pdl_capable(t.device.index if t.device.index is not None
+                                                                else torch.cuda.current_device())
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -71,7 +71,7 @@ KV_TILE_DECODE = 64  # ... in decode-sized steps (DECODE_CONFIG)
 KV_TILE_INT8 = 128  # int8 caches in decode-sized steps: the same bytes per tile as 64 bf16 keys
 # Key splits of a sequence (not in the invariant mode): at most cdiv(ctx_len, MIN_SPLIT_KEYS), and at most
 # max(FEW_SPLITS, cdiv(ctx_len, LONG_SPLIT_KEYS)). The H200's best batch-1 decode splits per context
-# (bench/results/attn_splits_round9_cuda.txt): 576 keys -> 5 of 128 (1.09x faster than 3 of 192),
+# (bench/results/attention_decode_splits_cuda.txt): 576 keys -> 5 of 128 (1.09x faster than 3 of 192),
 # 1K -> 8 of 128 (1.14x faster than 4 of 256 and than 16 of 64), 2K -> 8 of 256, 4K -> 16 of 256
 # (1.21x faster than 32 of 128), longer -> the grid's cap.
 MIN_SPLIT_KEYS = 128
@@ -111,7 +111,7 @@ PREFILL_CONFIG_INT8 = TileConfig(block_m=256, num_warps=8, num_stages=2)
 # dots would not fit 256 x 128 score and accumulator tiles in the registers.
 PREFILL_CONFIG_NARROW = TileConfig(block_m=128, num_warps=4, num_stages=4)
 PREFILL_WIDE_MIN_Q = 1024
-# --batch-invariant (issue 15): one tile shape for every step, so each row's dots run the same MMA
+# --batch-invariant: one tile shape for every step, so each row's dots run the same MMA
 # instruction whether it is decoded, verified or read in a chunk, and key splits of a fixed length at
 # absolute positions (see the module docstring's last paragraph).
 INVARIANT_CONFIG = TileConfig(block_m=64, num_warps=4, num_stages=2, kv_tile=64)
@@ -121,8 +121,8 @@ INVARIANT_SPLIT_KEYS = 256
 PREFILL_CONFIG_WIDE_HEAD = TileConfig(block_m=128, num_warps=8, num_stages=2)
 # Heads of 256 in decode-sized steps, four warps over 64-key tiles: the H200 sweep
 # (`sweep_attention.py --only decode-wide-head`, bench/results/attn_sweep_wide_head_cuda.txt) had them
-# fastest at 5 of 6 (context, batch) points, 12-15% ahead of 32-key tiles at 4K and 32K; the Qwen3-Next
-# profile's decode attention went from 24 to 15.7 us a layer with 32-key tiles.
+# fastest at 5 of 6 (context, batch) points, 12-15% ahead of 32-key tiles at 4K and 32K; in the Qwen3-Next
+# profile, decode attention takes 15.7 us a layer, 24 with 32-key tiles.
 DECODE_CONFIG_WIDE_HEAD = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=64)
 DECODE_CONFIG_WIDE_HEAD_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=64)
 

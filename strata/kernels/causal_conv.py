@@ -22,7 +22,7 @@ from strata.kernels import use_pdl, use_triton
 from strata.kernels.gated_delta import causal_conv1d_ref
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.triton_import import jit, tl, triton
-from strata.transfer import to_device  # pinned: a pageable upload would wait for the device
+from strata.kernels.transfer import to_device  # pinned: a pageable upload would wait for the device
 
 
 Span = tuple[int, int, int, bool]  # first row, rows, state index, fresh

@@ -20,9 +20,10 @@ with G_i = g_1 + ... + g_i inside the chunk and S_0 the state before it, unrolli
 published kernels do; outputs return in the inputs' dtype.
 
 `gated_delta_varlen` runs many sequences' chunks in one call: the reference loops over them; on CUDA
-with fla-core installed (or STRATA_GDN_KERNEL=fla) it is one launch of `fla-core`'s chunked kernel (the
-maintained Triton implementation, cu_seqlens-batched): on the H200 it matches the reference (output
-within 2e-3 in fp32, 7e-3 in bf16) and reads 5.5-5.7x as fast (`bench/results/read_qwen3-next-*`).
+with fla-core installed (kernel choice `linear_attention_kernel`: 'auto' or 'fla') it is one launch of
+`fla-core`'s chunked kernel (the maintained Triton implementation, cu_seqlens-batched): on the H200 it
+matches the reference (output within 2e-3 in fp32, 7e-3 in bf16) and reads 5.5-5.7x as fast
+(`bench/results/read_qwen3-next-*`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from strata.transfer import to_device  # pinned: a pageable upload would wait for the device
+from strata.kernels import choices
+from strata.kernels.transfer import to_device  # pinned: a pageable upload would wait for the device
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -114,13 +116,9 @@ def fla_installed() -> bool:
 
 
 def use_fla(t: torch.Tensor) -> bool:
-    """Whether `gated_delta_varlen` goes through fla-core: on CUDA when STRATA_GDN_KERNEL=fla, or =auto
-    (the default) with fla-core installed."""
-    from strata.env import ENV
-
-    choice = ENV.GDN_KERNEL.get()
-    if choice not in ("auto", "ref", "fla"):
-        raise ValueError(f"STRATA_GDN_KERNEL must be 'auto', 'ref' or 'fla', got {choice!r}")
+    """Whether `gated_delta_varlen` goes through fla-core: on CUDA when the kernel choice
+    `linear_attention_kernel` is 'fla', or 'auto' (the default) with fla-core installed."""
+    choice = choices.current().linear_attention_kernel
     return t.is_cuda and (choice == "fla" or (choice == "auto" and fla_installed()))
 
 

@@ -21,10 +21,6 @@ specialise on, so every M ≤ 16 runs the same binary; tensor-core rows are inde
 order (blocks in order inside a split, splits summed in index order) is fixed, so a row's result is
 bit-identical whether it is computed alone or among 15 others, and from run to run.
 
-Launched with PDL (`strata.kernels.pdl`), each program first asks L2 to prefetch the first
-`prefetch_blocks` K blocks of its weight rows, then waits for the previous kernel: at batch 1 the
-weight stream starts while the norm, RoPE or attention kernel before the GEMV still runs.
-
 CUDA graphs: the grid comes from shapes only and nothing is read back to the host; under capture
 the allocations (out when none is passed, a zeroed workspace when none is passed) come from the
 graph pool. A workspace must not be shared by launches that may run concurrently (two streams).
@@ -45,19 +41,14 @@ SASS is unchanged.
 
 from __future__ import annotations
 
-import math
-import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
-from strata.kernels.pdl import pdl_prologue, prefetch_rows_l2
-from strata.kernels.plan import DEFAULT_SMS, planned_sms
+from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
-from strata.kernels.timing import time_us
 from strata.kernels.triton_import import jit, libdevice, tl
 
 if tl is not None:
@@ -70,7 +61,7 @@ else:  # CPU-only installs: the kernels are never launched
 
 BLOCK_M = 16  # rows of the MMA: M is padded to it, whatever M is, so every M runs one binary
 MAX_ROWS = BLOCK_M
-NUM_SMS = DEFAULT_SMS  # a constant, not a device query, so configurations depend on (N, K) only
+NUM_SMS = 132  # the H200's and the H100's; a constant, not a device query, so configurations depend on (N, K) only
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -91,7 +82,7 @@ class GemvConfig:
 
 
 # Per (N, K), chosen by reasoning and checked by compiling for sm_90 (wgmma, cp.async pipeline, no
-# spills), not yet timed: `sweep_gemv` times the alternatives on the device. The rules: wgmma-sized
+# spills), not yet timed: `benchmarks/kernels/gemv.py --sweep` times the alternatives on the device. The rules: wgmma-sized
 # tiles (BLOCK_N ≥ 64, 4 warps); pipeline buffers ≤ 113 KB so ≥ 2 programs share an SM; a grid no
 # larger than what is resident at once (2-3 per SM), so every program streams from the start and
 # they finish together with no second-wave tail; split-K only where N alone gives too few tiles.
@@ -125,24 +116,10 @@ def _heuristic_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3 if block_n == 128 else 4)
 
 
-def few_sms_config(tuned: GemvConfig, k: int) -> GemvConfig:
-    """The configuration for a GPU of which a concurrent read holds most SMs (`plan.planning_for`): 128
-    columns by 64 K values per program and 4 stages (3 programs an SM), fewer and longer programs that
-    keep the few SMs streaming. The split count, and so each split's K range, stays the tuned one, and
-    the K blocks are still summed in order: the same sums in the same order as `tuned`, the same bits.
-    On an H100 with 104 or 112 SMs held, it was the fastest such configuration for each Qwen3-8B shape
-    (scripts/gemv_few_sms.py, bench/results/gemv_few_sms_qwen3-8b_cuda.json)."""
-    same_ranges = (k // tuned.block_k) % tuned.split_k == 0  # halving BLOCK_K keeps the split boundaries
-    block_k = 64 if same_ranges and tuned.block_k >= 64 else tuned.block_k
-    return GemvConfig(128, block_k, tuned.split_k, num_warps=4, num_stages=4)
-
-
 def gemv_config(n: int, k: int) -> GemvConfig:
     """The configuration for weight [N, K]: the table entry, else a heuristic; a function of
-    (N, K) only, which is what makes the results independent of M. Inside `plan.planning_for(s)`
-    with fewer SMs than NUM_SMS, `few_sms_config` of it (the same bits)."""
-    tuned = GEMV_CONFIGS.get((n, k)) or _heuristic_config(n, k)
-    return few_sms_config(tuned, k) if planned_sms() < NUM_SMS else tuned
+    (N, K) only, which is what makes the results independent of M."""
+    return GEMV_CONFIGS.get((n, k)) or _heuristic_config(n, k)
 
 
 def check_config(cfg: GemvConfig, k: int) -> None:
@@ -280,20 +257,13 @@ def _gemv_kernel(x_ptr, x_stride, w_ptr, scale_ptr, bias_ptr, out_ptr, out_strid
                  m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
                  IEEE_DOT: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr,
-                 PREFETCH_BLOCKS: tl.constexpr, W8: tl.constexpr = ""):
+                 W8: tl.constexpr = ""):
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
     k_blocks = k // BLOCK_K
     kb_begin = split * k_blocks // SPLIT_K
     kb_end = (split + 1) * k_blocks // SPLIT_K
-    if USE_PDL and PREFETCH_BLOCKS > 0:
-        # The first K blocks of this program's weight rows, fetched while the previous kernel runs.
-        pf_rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), n - 1)
-        block_bytes: tl.constexpr = BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        pf_bytes = tl.minimum(kb_end - kb_begin, PREFETCH_BLOCKS) * block_bytes
-        prefetch_rows_l2(w_ptr + pf_rows.to(tl.int64) * k + kb_begin * BLOCK_K,
-                         tl.full([BLOCK_N], 0, tl.int32) + pf_bytes)
     pdl_prologue(USE_PDL)
 
     offs_n = tl.arange(0, BLOCK_N)
@@ -391,25 +361,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         counters, partials = split_k_views(workspace, n, cfg.block_n, cfg.split_k, BLOCK_M, x.device)
     w8 = "" if scale is None else "int" if x.dtype == torch.float32 or not x.is_cuda else w8_conversion
     on = use_pdl(x)
-    prefetch = prefetch_blocks(cfg, n, k, weight.element_size()) if on else 0
     _gemv_kernel[(tiles * cfg.split_k,)](
         x, x.stride(0), weight, weight if scale is None else scale, weight if bias is None else bias, out,
         out.stride(0), partials, counters, m, n, k, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, EVEN_N=n % cfg.block_n == 0, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         IEEE_DOT=x.dtype == torch.float32 or (w8 != "" and not x.is_cuda), USE_LIBDEVICE=x.is_cuda, USE_PDL=on,
-        PREFETCH_BLOCKS=prefetch, W8=w8, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W8=w8, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
-
-
-def prefetch_blocks(cfg: GemvConfig, n: int, k: int, elem_bytes: int) -> int:
-    """K blocks of its weight rows each program prefetches into L2 before its PDL wait: as many as fit
-    STRATA_GEMV_PREFETCH_MB over the whole grid (the programs resident while the previous kernel runs
-    use it; L2 must still hold them when the loop reaches them), at most the program's share."""
-    from strata.env import ENV
-
-    budget = ENV.GEMV_PREFETCH_MB.get() * 2**20
-    per_block = cfg.programs(n) * cfg.block_n * cfg.block_k * elem_bytes
-    return max(0, min(budget // per_block, k // cfg.block_k // cfg.split_k))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -427,136 +385,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x = F.silu(gate) * up
     y = F.linear(x, weight, bias)
     return y if out is None else out.copy_(y)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device benchmark and configuration sweep (run by hand on the GPU: python -m strata.kernels.gemv)
-
-BENCH_SHAPES = [  # (name, N, K)
-    ("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up", 24576, 4096), ("8B down", 4096, 12288),
-    ("8B lm_head", 151936, 4096), ("30B qkv", 5120, 2048), ("30B o_proj", 2048, 4096),
-    ("30B lm_head", 151936, 2048),
-]
-SILU_BENCH_SHAPES = [("8B down+silu", 4096, 12288)]
-BENCH_MS = (1, 2, 4, 8, 16)
-
-
-def _weight_copies(n: int, k: int, device, dtype) -> list[torch.Tensor]:
-    """Enough copies that cycling through them reads HBM, not L2 (≥ 4, ≥ 3x the L2 size in all)."""
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20)
-    count = max(4, math.ceil(3 * l2 / (n * k * 2)))
-    return [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(count)]
-
-
-def _bench_pair(n: int, k: int, m: int, weights, silu_mul: bool, runs: int, config=None, with_ref=True):
-    device, dtype = weights[0].device, weights[0].dtype
-    x = torch.randn(m, 2 * k if silu_mul else k, device=device, dtype=dtype)
-    act = "silu_mul" if silu_mul else None
-    ws = gemv_workspace(n, k, device, config)
-
-    def ref(w):
-        h = F.silu(x[:, :k]) * x[:, k:] if silu_mul else x
-        return F.linear(h, w)
-
-    ours = [lambda w=w: gemv_triton(x, w, act=act, workspace=ws, config=config) for w in weights]
-    theirs = [lambda w=w: ref(w) for w in weights]
-    expect = ref(weights[0]).float()
-    err = ((ours[0]().float() - expect).abs().max() / expect.abs().max()).item()
-    return time_us(ours, runs), time_us(theirs, runs) if with_ref else float("nan"), err
-
-
-def bench_gemv(device="cuda", ms=BENCH_MS, shapes=None, runs: int = 100, dtype=torch.bfloat16) -> list[dict]:
-    """Prints (and returns) gemv_triton against F.linear (cuBLAS) per shape and M: µs, TB/s of weight
-    bytes, speed-up, and the relative error against F.linear. `shapes`: (name, N, K, silu_mul)."""
-    if shapes is None:
-        shapes = [(name, n, k, False) for name, n, k in BENCH_SHAPES]
-        shapes += [(name, n, k, True) for name, n, k in SILU_BENCH_SHAPES]
-    rows = []
-    print(f"{'shape':>14} {'N x K':>14} {'M':>3} | {'triton us':>9} {'TB/s':>5} | {'cuBLAS us':>9} {'TB/s':>5} | "
-          f"{'speedup':>7} {'rel err':>8} | config", flush=True)
-    for name, n, k, silu_mul in shapes:
-        weights = _weight_copies(n, k, device, dtype)
-        for m in ms:
-            t_ours, t_ref, err = _bench_pair(n, k, m, weights, silu_mul, runs)
-            tb = n * k * 2 / 1e6
-            row = dict(shape=name, n=n, k=k, m=m, triton_us=t_ours, cublas_us=t_ref, triton_tbs=tb / t_ours,
-                       cublas_tbs=tb / t_ref, speedup=t_ref / t_ours, rel_err=err, config=gemv_config(n, k))
-            rows.append(row)
-            print(f"{name:>14} {f'{n}x{k}':>14} {m:>3} | {t_ours:9.2f} {row['triton_tbs']:5.2f} | {t_ref:9.2f} "
-                  f"{row['cublas_tbs']:5.2f} | {row['speedup']:7.3f} {err:8.1e} | {row['config']}, "
-                  f"{row['config'].programs(n)} programs", flush=True)
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
-
-def sweep_candidates(n: int, k: int) -> list[GemvConfig]:
-    """Configurations worth timing for (N, K): 100-2400 programs, ≥ 2 K blocks per program, and
-    16-113 KB of pipeline buffers (so ≥ 2 programs fit an SM, the rule the table follows)."""
-    out = []
-    for block_n in (32, 64, 128):
-        for block_k in (64, 128, 256):
-            if k % block_k:
-                continue
-            for split in (1, 2, 4, 8):
-                programs = _cdiv(n, block_n) * split
-                if split > (k // block_k) // 2 or not 100 <= programs <= 2400:
-                    continue
-                for stages in (3, 4, 5, 6):
-                    cfg = GemvConfig(block_n, block_k, split, 4, stages)
-                    if 16 << 10 <= cfg.smem_bytes() <= 113 << 10:
-                        out.append(cfg)
-    return out
-
-
-def sweep_gemv(device="cuda", shapes=None, ms=(1, 4, 8), runs: int = 50, act: str | None = None,
-               dtype=torch.bfloat16) -> dict[tuple[int, int], GemvConfig]:
-    """Times every candidate configuration per shape (mean µs over `ms`), prints the five best and a
-    GEMV_CONFIGS line per shape to paste. Each candidate compiles once (~1 s)."""
-    shapes = [(n, k) for _, n, k in BENCH_SHAPES] if shapes is None else shapes
-    best = {}
-    for n, k in shapes:
-        weights = _weight_copies(n, k, device, dtype)
-        results = []
-        for cfg in sweep_candidates(n, k):
-            try:
-                times = [_bench_pair(n, k, m, weights, act == "silu_mul", runs, cfg, with_ref=False)[0] for m in ms]
-            except Exception as exc:  # out of shared memory or registers: skip the candidate
-                print(f"  {n}x{k} {cfg}: {type(exc).__name__}", file=sys.stderr)
-                continue
-            results.append((statistics.mean(times), times, cfg))
-        results.sort(key=lambda r: r[0])
-        cur = gemv_config(n, k)
-        cur_t = [_bench_pair(n, k, m, weights, act == "silu_mul", runs, with_ref=False)[0] for m in ms]
-        print(f"{n}x{k}{' silu_mul' if act else ''}: current {cur} {statistics.mean(cur_t):.2f} us "
-              f"({n * k * 2 / 1e6 / statistics.mean(cur_t):.2f} TB/s)")
-        for mean_t, times, cfg in results[:5]:
-            print(f"   {mean_t:8.2f} us {n * k * 2 / 1e6 / mean_t:5.2f} TB/s  per M {[round(t, 2) for t in times]}  {cfg}")
-        if results:
-            c = results[0][2]
-            best[(n, k)] = c
-            print(f"    ({n}, {k}): GemvConfig({c.block_n}, {c.block_k}, split_k={c.split_k}, "
-                  f"num_warps={c.num_warps}, num_stages={c.num_stages}),", flush=True)
-        del weights
-        torch.cuda.empty_cache()
-    return best
-
-
-def _main(argv: list[str]) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="gemv_triton vs cuBLAS on the GPU")
-    parser.add_argument("--sweep", nargs="*", metavar="NxK", help="sweep configurations (all bench shapes if none given)")
-    parser.add_argument("--act", choices=["silu_mul"], help="sweep with the SwiGLU prologue")
-    parser.add_argument("--ms", default=None, help="comma-separated M values")
-    args = parser.parse_args(argv)
-    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else None
-    if args.sweep is None:
-        bench_gemv(ms=ms or BENCH_MS)
-    else:
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sweep] or None
-        sweep_gemv(shapes=shapes, ms=ms or (1, 4, 8), act=args.act)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Batch-invariant products for `--batch-invariant` (issue 15): a row's result does not depend on the
+"""Batch-invariant products for `--batch-invariant`: a row's result does not depend on the
 other rows computed with it, on how many there are, or on how long the longest context in the step is.
 
 These are the torch forms the CPU runs (and the definitions the GPU kernels of the mode follow). BLAS

@@ -1,7 +1,7 @@
 """Batch-invariant dense GEMM: out [M, N] = x [M, K] @ weight [N, K]ᵀ (+ bias), for any M ≥ 1.
 
 Semantics (`matmul_ref`): F.linear in fp32, rounded once to x's dtype. The kernel accumulates in
-fp32 and rounds once, after the bias. The point is issue 15's promise: a row's result is bitwise the
+fp32 and rounds once, after the bias. The point is --batch-invariant's promise: a row's result is bitwise the
 same whether it is computed alone, in a decode batch of 8 or inside a 16384-token prompt read, so a
 request's greedy output never depends on what else the server runs. cuBLAS (torch.matmul) gives no
 such promise: its algorithm and split-K change with M.
@@ -41,14 +41,14 @@ INVARIANT_FALLBACK, one configuration for every M: a one-line switch. (A middle 
 the N size matter: keep BLOCK_N and the warps along N fixed and vary BLOCK_M alone, which repeats
 one instruction along M.)
 
-Configurations (reasoned, not yet timed: `python -m strata.kernels.matmul --sweep` times them).
+Configurations (reasoned, not yet timed: `python benchmarks/kernels/matmul.py --sweep` times them).
 - M ≤ 64 (decode, verification): weight-bandwidth bound. BLOCK_M = 64 (the wgmma minimum; rows past
   M cost shared-memory traffic, no HBM), BLOCK_N as large as still gives ≥ 2 (≥ 4 for BLOCK_N = 128)
   column tiles per SM, else 32 (Qwen3-8B: qkv 192, o and down 128, gate_up 384 at BLOCK_N = 64,
   lm_head 1187 at 128), and as many pipeline stages as keep every program resident at once (no
   second wave), at most 8: ~32 KB of weights in flight per SM. The split ranges multiply the programs
   up to about four an SM (qkv 2, o_proj and down 4, gate_up and the LM head 1): the H200 timed these
-  projections at 0.78-0.92x the split-K decode GEMV without them (2026-12-02).
+  projections at 0.78-0.92x the split-K decode GEMV without them.
 - M > 64: compute bound as M grows. The largest of WIDE_CONFIGS (128x256 with 8 warps, 128x128,
   64x128, 64x64) that still makes ≥ MIN_TILES tiles, so the SMs stay busy; programs walk the tiles in
   GROUP_M-row groups so that a weight tile is read from HBM once and reused from L2.
@@ -60,9 +60,6 @@ none is passed (and a split workspace when none is passed at decode sizes).
 
 from __future__ import annotations
 
-import argparse
-import math
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -70,7 +67,7 @@ import torch.nn.functional as F
 
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
+from strata.kernels.splitk import split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.triton_import import jit, tl
 
@@ -83,11 +80,11 @@ MIN_TILES = NUM_SMS - NUM_SMS // 8  # a wide configuration must give at least th
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLIT_K = 8
 MIN_SPLIT_BLOCKS = 8  # K blocks per range at least, so that each range's pipeline fills
-# Split K ranges are off. Measured on the H200 (`python -m strata.kernels.matmul --sweep`, and
-# bench/results/determinism_on_splitk_cuda.json): they took --batch-invariant's decode cost from
-# 15.1% / 15.2% (batch 1 / 8) to 14.5% / 11.3%, but a long launch walks them with a second live fp32
-# tile (the 256x128 one spills) and read costs went from 20% / 31% to 60% / 54% (4K / 32K); and the
-# qkv shape's two ranges missed bitwise equality on the device, cause not found. The kernels keep
+# Split K ranges are off. Measured on the H200 (`python benchmarks/kernels/matmul.py --sweep`, and
+# bench/results/determinism_on_splitk_cuda.json): with them --batch-invariant's decode cost is 14.5% /
+# 11.3% (batch 1 / 8) instead of 15.1% / 15.2%, but a long launch walks them with a second live fp32
+# tile (the 256x128 one spills) and read costs are 60% / 54% instead of 20% / 31% (4K / 32K); and the
+# qkv shape's two ranges miss bitwise equality on the device, cause not found. The kernels keep
 # the ranges (explicit configurations, and the tests, turn them on) for a walk without that tile.
 SPLIT_RANGES = False
 
@@ -110,8 +107,8 @@ class MatmulConfig:
 
 
 # Largest first; `invariant_config` takes the first that gives ≥ MIN_TILES tiles. 256x128 with two
-# warp groups (each a 128x128 accumulator) led the H200 sweep (`python -m strata.kernels.matmul
-# --sweep`, 2026-12-02) at M ≥ 2048 on every projection, 7-9% ahead of the classic 128x256 tile (48 KB
+# warp groups (each a 128x128 accumulator) led the H200 sweep (`python benchmarks/kernels/matmul.py
+# --sweep`) at M ≥ 2048 on every projection, 7-9% ahead of the classic 128x256 tile (48 KB
 # a stage) kept next; 128x128 uses two warp groups too, so each holds a 64x128 accumulator.
 WIDE_CONFIGS = (
     MatmulConfig(256, 128, num_warps=8, num_stages=3),  # 144 KB
@@ -342,135 +339,3 @@ def matmul_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return matmul_triton(x, weight, bias, out, workspace=workspace)
     _check_args(x, weight, bias, out)
     return matmul_ref(x, weight, bias, out)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device benchmark and sweep (by hand on the GPU: python -m strata.kernels.matmul [--sweep])
-
-BENCH_SHAPES = [  # (name, N, K), Qwen3-8B
-    ("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
-    ("lm_head", 151936, 4096),
-]
-BENCH_MS = (1, 8, 32, 512, 2048, 8192)
-
-
-def _weight_copies(n: int, k: int, m: int, device) -> list[torch.Tensor]:
-    """At decode sizes enough copies that cycling through them reads HBM, not L2; one at large M,
-    where the product is compute bound and the weight is read from L2 anyway."""
-    count = min(64, max(4, math.ceil(3 * (60 << 20) / (n * k * 2)))) if m <= 2 * DECODE_MAX_M else 1
-    return [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(count)]
-
-
-def _rate(m: int, n: int, k: int, us: float) -> str:
-    """TB/s of weight bytes at decode sizes, TFLOP/s above."""
-    if m <= 2 * DECODE_MAX_M:
-        return f"{n * k * 2 / us / 1e6:5.2f}TB/s"
-    return f"{2 * m * n * k / us / 1e6:5.0f}TF/s"
-
-
-def _sweep_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
-    """Decode: tiles × stages × split ranges. Longer: tiles × stages, without ranges and with the
-    weight's own (`invariant_split_k`), which shows what walking the ranges costs a read."""
-    if m <= DECODE_MAX_M:
-        out = [MatmulConfig(64, bn, 64, 4, st, split_k=sk)
-               for bn in (16, 32, 64, 128) for st in (3, 4, 6, 8) for sk in (1, 2, 4, 8)]
-    else:
-        shapes = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]
-        out = [MatmulConfig(bm, bn, 64, w, st, split_k=sk) for bm, bn, w in shapes for st in (3, 4)
-               for sk in sorted({1, invariant_split_k(n, k)})]
-    return [c for c in out if c.smem_bytes() <= 220 << 10] + [INVARIANT_FALLBACK]
-
-
-def make_cancelling(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """In place: weight's second half of K repeats its first half and x's even rows negate theirs
-    there, so those rows' exact products are 0 and what comes out is the residue of the fp32 roundings
-    on the way. A 16-bit output rounds away nearly every fp32 difference of an ordinary row; these
-    rows show any difference in the order or rounding of the sums (invariance checks use them)."""
-    half = x.shape[1] // 2
-    weight[:, half:2 * half] = weight[:, :half]
-    x[0::2, half:2 * half] = -x[0::2, :half]
-
-
-def _check_input(m: int, k: int, device) -> torch.Tensor:
-    """x for the invariance check: exponents spread over 2^±12 (so that partial sums round)."""
-    x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-12, 13, (m, k), device=device).float())
-    return x.to(torch.bfloat16)
-
-
-def _rows_to_check(m: int) -> list[int]:
-    """Every row of a decode-sized launch, else 32 rows spread over it (even ones cancel)."""
-    return list(range(m)) if m <= DECODE_MAX_M else sorted({*range(0, m, max(1, m // 32)), m - 1})
-
-
-def sweep_matmul(shapes=None, ms=BENCH_MS, runs: int = 30, candidates: bool = True, device="cuda") -> list[dict]:
-    """Per shape and M: cuBLAS (torch.matmul), the bf16 GEMV (M ≤ 16), the current configuration and
-    (with `candidates`) every candidate, each with its rows checked bitwise against the same rows
-    computed alone (M = 1, current configuration; `make_cancelling` inputs). Prints the table and
-    returns its rows: per cell the current configuration and the three fastest candidates."""
-    from strata.kernels.gemv import gemv_supported, gemv_triton, gemv_workspace
-    from strata.kernels.timing import time_us
-
-    shapes = BENCH_SHAPES if shapes is None else shapes
-    results = []
-    print(f"{'shape':>8} {'M':>5} | {'cuBLAS us':>9} {'gemv us':>8} | {'config':<44} {'us':>9} {'rate':>10} "
-          f"{'vs cuBLAS':>9} {'vs gemv':>7} | rows = M=1", flush=True)
-    for name, n, k in shapes:
-        for m in ms:
-            weights = _weight_copies(n, k, m, device)
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            x_check = _check_input(m, k, device)
-            make_cancelling(x_check, weights[0])
-            current = invariant_config(m, n, k)
-            alone = {i: matmul_triton(x_check[i:i + 1], weights[0])[0] for i in _rows_to_check(m)}
-            t_cublas = time_us([lambda w=w: torch.matmul(x, w.t()) for w in weights], runs)
-            t_gemv = float("nan")
-            if gemv_supported(m, n, k, x.dtype):
-                ws = gemv_workspace(n, k, device)
-                t_gemv = time_us([lambda w=w: gemv_triton(x, w, workspace=ws) for w in weights], runs)
-            todo = [("current", current)]
-            if candidates:
-                todo += [("", c) for c in _sweep_candidates(m, n, k) if c != current]
-            timed = []
-            for label, cfg in todo:
-                try:
-                    ws = torch.zeros(split_k_numel(n, cfg.block_n, cfg.split_k, cfg.block_m), dtype=torch.int32,
-                                     device=device)
-                    got = matmul_triton(x_check, weights[0], config=cfg, workspace=ws)
-                    t = time_us([lambda w=w, c=cfg: matmul_triton(x, w, config=c, workspace=ws) for w in weights], runs)
-                except Exception as exc:  # out of shared memory or registers: skip the candidate
-                    print(f"  {name} M={m} {cfg}: {type(exc).__name__}", file=sys.stderr)
-                    continue
-                same = all(torch.equal(got[i], row) for i, row in alone.items())
-                timed.append((t, label, cfg, same))
-            best = sorted(timed, key=lambda r: r[0])[:3]
-            shown = [r for r in timed if r[1] == "current"] + [r for r in best if r[1] != "current"]
-            for t, label, cfg, same in shown:
-                row = dict(shape=name, n=n, k=k, m=m, cublas_us=t_cublas, gemv_us=t_gemv, config=cfg, us=t,
-                           current=label == "current", invariant=same)
-                results.append(row)
-                desc = (f"{'*' if label else ' '}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
-                        f"w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}")
-                desc += " (fallback)" if cfg == INVARIANT_FALLBACK else ""
-                print(f"{name:>8} {m:>5} | {t_cublas:9.2f} {t_gemv:8.2f} | {desc:<44} {t:9.2f} {_rate(m, n, k, t):>10} "
-                      f"{t_cublas / t:9.3f} {t_gemv / t:7.3f} | {'same' if same else 'DIFFERS'}", flush=True)
-            del weights, x
-            torch.cuda.empty_cache()
-    print("* = the current invariant_config; 'vs' columns are speed-ups (> 1: faster than that path)")
-    return results
-
-
-def _main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description="matmul_invariant against cuBLAS and the bf16 GEMV on the GPU")
-    parser.add_argument("--sweep", action="store_true", help="also time every candidate configuration")
-    parser.add_argument("--ms", default=None, help="comma-separated M values")
-    parser.add_argument("--shapes", nargs="*", metavar="NxK", help="weight shapes (default: Qwen3-8B's)")
-    args = parser.parse_args(argv)
-    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else BENCH_MS
-    shapes = None
-    if args.shapes:
-        shapes = [(s, *(int(v) for v in s.lower().split("x"))) for s in args.shapes]
-    sweep_matmul(shapes, ms, candidates=args.sweep)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Batch-invariant MoE experts for `--batch-invariant` on CUDA (issue 15): a token's output row is bitwise
+"""Batch-invariant MoE experts for `--batch-invariant` on CUDA: a token's output row is bitwise
 the same whatever other tokens share the step (how many, in what order, a decode step or a long read).
 
 Ops (each `op` dispatches to `op_triton` on CUDA and under TRITON_INTERPRET=1, to `op_ref` elsewhere):
@@ -37,7 +37,7 @@ expert and rows from offs on the device (`moe_q._expert_of_tile`) and programs p
 host read of offs and no allocation but `out` (the combine allocates `out` and the inverse permutation),
 so the launches can be captured in CUDA graphs. PDL: `pdl_prologue` first, launched with `launch_pdl`.
 
-Cost (reasoned, not timed: `python -m strata.kernels.moe_invariant` times it against torch._grouped_mm).
+Cost (reasoned, not timed: `python benchmarks/kernels/moe_invariant.py` times it against torch._grouped_mm).
 One 64 x 128 tile for every T: at decode each active expert's rows fill one 64-row tile (weight-bound,
 as the fused decode kernel); in long reads 64-row tiles without TMA or warp specialisation reach perhaps
 50-70% of torch._grouped_mm's CUTLASS grouped GEMM (128 x 256 tiles). The router's fp32 logits run
@@ -46,7 +46,6 @@ FMA tiles of 64 x 64 (`matmul.FP32_CONFIG`): slower than the fused router kernel
 
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -271,52 +270,3 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tensor
     if workspace is not None and (not x.is_cuda or workspace.numel() < sum(parts)):
         workspace = None  # the interpreter's tiles differ from CUDA's fp32 ones; a routing-only workspace
     return matmul_invariant(x.float(), weight, workspace=workspace)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device benchmark (by hand on the GPU: python -m strata.kernels.moe_invariant)
-
-BENCH_30B = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B
-BENCH_TOKENS = (1, 8, 64, 512, 2048, 8192)
-
-
-def bench(tokens=BENCH_TOKENS, runs: int = 30, device="cuda") -> list[dict]:
-    """µs per call at the 30B-A3B shape, bf16: each projection through `grouped_matmul_invariant` against
-    `torch._grouped_mm`, and the combine against `MoE._grouped`'s tail (weight, unsort, `.sum(1)`)."""
-    from strata.kernels.moe_sort import sort_tokens
-    from strata.kernels.timing import time_us
-
-    e, top_k, h, inter = (BENCH_30B[key] for key in ("experts", "top_k", "hidden", "inter"))
-    gen = torch.Generator(device=device).manual_seed(0)
-    weights = {"gate_up": (torch.randn(e, 2 * inter, h, device=device, generator=gen) * h ** -0.5).bfloat16(),
-               "down": (torch.randn(e, h, inter, device=device, generator=gen) * inter ** -0.5).bfloat16()}
-    rows = []
-    print(f"{'op':>8} {'T':>5} | {'invariant us':>12} {'torch us':>9} {'ratio':>6}", flush=True)
-    for t in tokens:
-        ids = torch.rand(t, e, device=device, generator=gen).topk(top_k, dim=-1).indices
-        w = torch.rand(t, top_k, device=device, generator=gen)
-        order, offs = sort_tokens(ids, e)
-        timed = {}
-        for name, stack in weights.items():
-            xs = torch.randn(t * top_k, stack.shape[2], device=device, generator=gen).bfloat16()
-            timed[name] = (time_us([lambda: grouped_matmul_invariant(xs, stack, offs)], runs),
-                           time_us([lambda: torch._grouped_mm(xs, stack.transpose(1, 2), offs=offs)], runs))
-        y = torch.randn(t * top_k, h, device=device, generator=gen).bfloat16()
-
-        def grouped_tail():
-            scaled = (y * w.reshape(-1)[order, None]).to(y.dtype)
-            unsorted = torch.empty_like(scaled)
-            unsorted[order] = scaled
-            return unsorted.view(t, top_k, h).sum(1)
-
-        timed["combine"] = (time_us([lambda: moe_combine_invariant(y, order, w)], runs), time_us([grouped_tail], runs))
-        for name, (ours, theirs) in timed.items():
-            print(f"{name:>8} {t:>5} | {ours:12.2f} {theirs:9.2f} {ours / theirs:6.2f}", flush=True)
-            rows.append(dict(op=name, tokens=t, invariant_us=ours, torch_us=theirs))
-    return rows
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs a CUDA device")
-    bench(*(tuple(int(v) for v in sys.argv[1].split(",")),) if len(sys.argv) > 1 else ())

@@ -41,7 +41,6 @@ import torch.nn.functional as F
 
 from strata.kernels import use_pdl, use_triton
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.timing import time_us
 from strata.kernels.triton_import import jit, libdevice, tl
 
 
@@ -291,9 +290,9 @@ def router_decode_config(num_experts: int, hidden: int) -> RouterDecodeConfig:
     """A function of (E, H) only. One expert per program up to 256 experts (8 KB of weight each at H
     2048), two beyond, so all of a layer's rows stream at once, a few programs per SM; the product tile
     [4 tokens, BLOCK_E, BLOCK_H] is 4096 fp32 (32 registers a thread). On the H200
-    (`python -m strata.kernels.moe_routing --sweep`): E 128 7.65 us at one expert per program; E 512
+    (`python benchmarks/kernels/moe_routing.py --sweep`): E 128 7.65 us at one expert per program; E 512
     14.2 us at two experts over 512-wide steps, against 17.3 at one over 1024 (15.8 and 20.5 at T = 8).
-    Four per program (the earlier cap of 128 programs) had taken 16.3 us in the Qwen3-Next profile."""
+    Four per program (a cap of 128 programs) takes 16.3 us in the Qwen3-Next profile."""
     block_e = min(16, _pow2_at_least(_cdiv(num_experts, 256)))
     block_h = max(16, min(_pow2_at_least(hidden), 1024 // block_e))
     return RouterDecodeConfig(block_e, block_h)
@@ -413,103 +412,3 @@ def router_decode(x: torch.Tensor, weight: torch.Tensor, *, scoring: str, top_k:
         return router_decode_triton(x, weight, workspace=workspace, **settings)
     logits = F.linear(x.float(), weight.float())
     return (*route(logits, **settings), logits)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device benchmark (run by hand on the GPU: python -m strata.kernels.moe_routing)
-
-BENCH_ROUTERS = {  # name: (E, H, settings)
-    "qwen3-30b-a3b": (128, 2048, dict(scoring="softmax", top_k=8, norm_topk_prob=True)),
-    "E160 g8 sigmoid": (160, 4096, dict(scoring="sigmoid", top_k=8, norm_topk_prob=True, n_group=8, topk_group=4,
-                                        scale=2.5)),
-    "qwen3-next-80b-a3b": (512, 2048, dict(scoring="softmax", top_k=10, norm_topk_prob=True)),
-}
-BENCH_ROUTER_TOKENS = (1, 4, 16)
-BENCH_ROUTE_TOKENS = (512, 4096)  # scoring + top-k alone, on given logits (the path of T > 16)
-BENCH_SORT_TOKENS = (512, 4096)
-
-
-def _bench_row(op: str, shape: str, t: int, ours: list, theirs: list, runs: int, check) -> dict:
-    t_ours, t_theirs = time_us(ours, runs), time_us(theirs, runs)
-    equal = check(ours[0](), theirs[0]())
-    print(f"{op:>7} {shape:>18} {t:>5} | {t_ours:9.2f} {t_theirs:9.2f} {t_theirs / t_ours:7.2f} | {equal}", flush=True)
-    return dict(op=op, shape=shape, t=t, kernel_us=t_ours, torch_us=t_theirs, equal=equal)
-
-
-def bench_routing(device="cuda", runs: int = 100, dtype=torch.bfloat16) -> list[dict]:
-    """Prints (and returns) µs per call of: the fused router against the torch router (x.float(),
-    F.linear, scoring, top-k: `Router.forward` before the kernels) at T = 1, 4, 16; `route` against the
-    torch scoring on given logits at large T; `sort_tokens` against argsort + searchsorted. `equal`:
-    ids (router, route) or order and offs (sort) equal to the torch path's."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    same_ids = lambda a, b: bool(torch.equal(a[1], b[1]))  # noqa: E731
-    rows = []
-    print(f"{'op':>7} {'shape':>18} {'T':>5} | {'kernel us':>9} {'torch us':>9} {'speedup':>7} | equal")
-    for name, (e, h, settings) in BENCH_ROUTERS.items():
-        weight = torch.randn(e, h, device=device, generator=gen) * h ** -0.5
-        if settings["scoring"] == "sigmoid":
-            settings = dict(settings, bias=torch.randn(e, device=device, generator=gen) * 0.1)
-        ws = router_decode_workspace(device)
-        for t in BENCH_ROUTER_TOKENS:
-            xs = [torch.randn(t, h, device=device, generator=gen).to(dtype) for _ in range(8)]
-            rows.append(_bench_row("router", name, t,
-                                   [lambda x=x: router_decode_triton(x, weight, workspace=ws, **settings) for x in xs],
-                                   [lambda x=x: router_decode_ref(x, weight, **settings) for x in xs], runs, same_ids))
-        for t in BENCH_ROUTE_TOKENS:
-            logits = [torch.randn(t, e, device=device, generator=gen) for _ in range(4)]
-            rows.append(_bench_row("route", name, t, [lambda v=v: route_triton(v, **settings) for v in logits],
-                                   [lambda v=v: route_ref(v, **settings) for v in logits], runs, same_ids))
-    from strata.kernels.moe_sort import SortConfig, sort_tokens_ref, sort_tokens_triton, sort_tokens_workspace
-
-    ws = sort_tokens_workspace(device)
-    for e, k in ((128, 8), (160, 8)):
-        for t in BENCH_SORT_TOKENS:
-            idss = [torch.rand(t, e, device=device, generator=gen).topk(k, dim=-1)[1] for _ in range(8)]
-            rows.append(_bench_row("sort", f"E {e}, k {k}", t,
-                                   [lambda i=i: sort_tokens_triton(i, e, workspace=ws) for i in idss],
-                                   [lambda i=i: sort_tokens_ref(i, e) for i in idss], runs,
-                                   lambda a, b: bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))))
-    configs = {n: router_decode_config(e, h) for n, (e, h, _) in BENCH_ROUTERS.items()}
-    print(f"router configs: {configs}; sort: {SortConfig()}")
-    return rows
-
-
-def sweep_router_configs(device="cuda", runs: int = 100, dtype=torch.bfloat16, t: int = 1,
-                         shapes=("qwen3-30b-a3b", "qwen3-next-80b-a3b")) -> list[dict]:
-    """µs per fused-router call at T tokens over experts per program, H per step and warps, for each
-    `BENCH_ROUTERS` shape, best first: what `router_decode_config` should pick (the routing tail, run
-    by the last program with the kernel's warps, may want fewer warps than the logits)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
-    for name in shapes:
-        e, h, settings = BENCH_ROUTERS[name]
-        weight = torch.randn(e, h, device=device, generator=gen) * h ** -0.5
-        if settings["scoring"] == "sigmoid":
-            settings = dict(settings, bias=torch.randn(e, device=device, generator=gen) * 0.1)
-        ws = router_decode_workspace(device)
-        xs = [torch.randn(t, h, device=device, generator=gen).to(dtype) for _ in range(8)]
-        default = router_decode_config(e, h)
-        configs = [RouterDecodeConfig(be, bh, w) for be in (1, 2) for bh in (256, 512, 1024) for w in (1, 2, 4)
-                   if DECODE_BLOCK_T * be * bh // (32 * w) <= 128]  # the product tile: ≤ 128 fp32 a thread
-        timed = []
-        for cfg in configs + [default] * (default not in configs):
-            us = time_us([lambda x=x, c=cfg: router_decode_triton(x, weight, workspace=ws, config=c, **settings)
-                          for x in xs], runs)
-            timed.append(dict(shape=name, t=t, config=cfg, us=us))
-        timed.sort(key=lambda r: r["us"])
-        for r in timed[:6]:
-            print(f"{name:>18} T={t} {r['us']:7.2f} us  {r['config']}{'  (default)' if r['config'] == default else ''}")
-        print(f"{name:>18} T={t} default {next(r['us'] for r in timed if r['config'] == default):7.2f} us  {default}",
-              flush=True)
-        rows += timed
-    return rows
-
-
-if __name__ == "__main__":
-    import sys
-
-    if "--sweep" in sys.argv:
-        for tokens in (1, 8):
-            sweep_router_configs(t=tokens)
-    else:
-        bench_routing()

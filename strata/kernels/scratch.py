@@ -4,8 +4,9 @@ Some kernels keep scratch across calls: the decode GEMV's split-K counters (`Cau
 `QWeight.workspace`), the MoE token sort's and router's counters, the stream-K GEMM's fix-up pool
 (`QMatmulContext`). Each assumes its calls run one after another on one stream. A stage that runs
 the same model beside the main loop on another stream (the concurrent read, `strata.runner.read_stage`)
-must not share them, so it makes twins once, at start-up (`make_twins`), and installs them for its
-worker thread (`use`). Call sites ask `scratch(x)` for the calling thread's version of `x`.
+must not share them, so it makes twins once, at start-up (`make_twins` of the model's scratch,
+`strata.models.quantize.model_scratch`), and installs them for its worker thread (`use`). Call sites
+ask `scratch(x)` for the calling thread's version of `x`.
 
 The mapping is thread-local, as a CUDA stream is in PyTorch: threads that installed nothing (the
 main loop) get the originals, and no call path has to carry a stage argument through the model.
@@ -44,22 +45,6 @@ def use(twins: dict[int, object]) -> Iterator[None]:
         yield
     finally:
         _THREAD.by_id = before
-
-
-def model_scratch(model: torch.nn.Module) -> list[object]:
-    """Every shared scratch object of a model (tensors and stream-K contexts), each once."""
-    from strata.kernels.quant import qweights_of
-
-    found: dict[int, object] = {}
-    for m in model.modules():
-        for name, value in list(vars(m).items()) + list(m._buffers.items()):
-            if name in ("gemv_ws", "sort_ws", "route_ws") and isinstance(value, torch.Tensor):
-                found[id(value)] = value
-    for q in qweights_of(model):
-        for x in (q.workspace, q.context, q.dequant_buf):
-            if x is not None:
-                found[id(x)] = x
-    return list(found.values())
 
 
 def make_twins(objs: list[object]) -> dict[int, object]:

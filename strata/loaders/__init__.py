@@ -104,7 +104,7 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
             raise LoadError(path, "--quantize fp8 makes FP8 from float weights: not with --keep-quantized")
         if not pack_experts:
             raise LoadError(path, "--quantize fp8 needs the packed projections")
-        from strata.kernels.quant import quantize_fp8
+        from strata.models.quantize import quantize_fp8
 
         quantize_fp8(model)
         if torch.device(device).type == "cuda":
@@ -118,7 +118,7 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
 
 
 def _log_quantized(model: CausalLM) -> None:
-    from strata.kernels.quant import qweights_of
+    from strata.models.quantize import qweights_of
     from strata.kernels.quant.moe_q import QExpertStack
 
     kept = qweights_of(model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -160,25 +161,55 @@ def _fail_list(path: str, what: str, names: list[str]) -> LoadError:
     return LoadError(path, f"{what}: {', '.join(names[:3])}{more}")
 
 
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf$")
+
+
+def _split_parts(path: str, count: int) -> tuple[str, list[GGUFReader]]:
+    """A split file's parts (llama.cpp's `NAME-0000k-of-0000N.gguf`, from any of them), first part first:
+    its path and the readers. Metadata lives in the first part; every part holds some of the tensors."""
+    m = _SPLIT_NAME.match(path)
+    if m is None or int(m["count"]) != count:
+        raise LoadError(path, f"a part of a GGUF file split in {count}, but its name does not end in "
+                              f"-0000k-of-{count:05d}.gguf, so the other parts cannot be found")
+    names = [f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [n for n in names if not os.path.exists(n)]
+    if missing:
+        raise LoadError(path, f"split GGUF file: missing part{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(os.path.basename(n) for n in missing)}")
+    readers = [open_reader(n) for n in names]
+    for i, (n, r) in enumerate(zip(names, readers)):
+        no, parts = r.fields.get("split.no"), r.fields.get("split.count")
+        if no is None or parts is None or int(no.contents()) != i or int(parts.contents()) != count:
+            raise LoadError(n, f"not part {i + 1} of {count} of {os.path.basename(names[0])}")
+    return names[0], readers
+
+
 def read_gguf(path: str) -> Checkpoint:
     path = os.fspath(path)
     reader = open_reader(path)
     if reader.byte_order != "I":
         raise LoadError(path, "big-endian GGUF files are not supported")
     meta = _metadata(reader)
+    readers = [reader]
     if int(meta.get("split.count") or 1) > 1:
-        raise LoadError(path, "split GGUF files are not supported; merge the parts first (llama-gguf-split --merge)")
+        path, readers = _split_parts(path, int(meta["split.count"]))
+        reader = readers[0]
+        meta = _metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in ARCH_TO_MODEL_TYPE:
         known = ", ".join(sorted(ARCH_TO_MODEL_TYPE))
         raise LoadError(path, f"unknown GGUF architecture {arch!r} (supported: {known})")
 
-    tensors = {t.name: t for t in reader.tensors}
+    tensors: dict[str, ReaderTensor] = {}
+    for part in readers:
+        size = part.data.shape[0]
+        for t in part.tensors:
+            if t.name in tensors:
+                raise LoadError(path, f"tensor {t.name} is in two parts of the split file")
+            if t.data_offset + t.n_bytes > size:
+                raise LoadError(path, f"truncated GGUF file (tensor {t.name} ends past the end of the file)")
+            tensors[t.name] = t
     shapes = {n: _np_shape(t) for n, t in tensors.items()}
-    size = reader.data.shape[0]
-    for t in tensors.values():
-        if t.data_offset + t.n_bytes > size:
-            raise LoadError(path, f"truncated GGUF file (tensor {t.name} ends past the end of the file)")
     try:
         config = config_from_metadata(arch, meta, shapes)
         cfg = ModelConfig.from_hf(config)

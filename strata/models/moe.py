@@ -164,7 +164,7 @@ class MoE(nn.Module):
     - "grouped" (after `pack_experts()`): all experts in two `torch._grouped_mm` calls over stacked
       weights, with no host sync, so a step can be queued on the GPU without the host waiting.
     - "masked" (after `pack_experts()` on CUDA where grouped_mm cannot serve, e.g. fp32): `_masked`.
-    With `batch_invariant` (issue 15) the CPU runs "loop" through the row-invariant linear, and CUDA runs
+    With `batch_invariant` the CPU runs "loop" through the row-invariant linear, and CUDA runs
     `_grouped_invariant` on the stacked float experts whatever the path (kept-quantized experts are not
     covered: the engine refuses them)."""
 
@@ -193,9 +193,10 @@ class MoE(nn.Module):
         self.register_buffer("w2_ext", None, persistent=False)
         self.sort_ws: torch.Tensor | None = None  # the token sort's counters (CUDA), set by pack_experts()
         self.batch_invariant = False  # CausalLM.set_batch_invariant
-        # --quantize fp8: (w13, its scales, w2, its scales) in e4m3 instead of w13 / w2 (`quantize_fp8`).
+        # --quantize fp8: (w13, its scales, w2, its scales) in e4m3 instead of w13 / w2
+        # (`strata.models.quantize.quantize_fp8`).
         self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # GGUF experts kept quantized: (w13, w2) `QExpertStack`s instead of w13 / w2 (`moe_q.pack_quantized`).
+        # GGUF experts kept quantized: (w13, w2) `QExpertStack`s instead of w13 / w2 (`_pack_quantized`).
         self.quant: tuple | None = None
         # The stacks of `fp8` or `quant` when decode-sized steps run `moe_decode_q`'s kernels (probed at pack).
         self.qdecode: tuple | None = None
@@ -207,9 +208,7 @@ class MoE(nn.Module):
         dtype: moving the module afterwards copies the views apart. `extra`: an MLP of the experts'
         shape stacked after them (`w13_ext`/`w2_ext`; its gate|up a view too), for a subclass that
         runs it as one more expert. Returns `self.path`."""
-        from strata.kernels.quant import moe_q
-
-        if moe_q.pack_quantized(self):  # experts the loader kept quantized: stacked as blocks
+        if self._pack_quantized():  # experts the loader kept quantized: stacked as blocks
             return self.path
         members = list(self.experts) + ([extra] if extra is not None else [])
         params = [p for m in members for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
@@ -245,6 +244,47 @@ class MoE(nn.Module):
             # On CUDA a step must not read expert counts on the host (CUDA graphs, overlapped steps).
             self.path = "masked" if w13.is_cuda else "loop"
         return self.path
+
+    def _pack_quantized(self) -> bool:
+        """`pack_experts` for experts the loader kept quantized (`quant_raw` parked on each expert's
+        projections, as `load_model(keep_quantized=True)` leaves them): gate|up rows of each expert
+        concatenated, the experts stacked, into `self.quant` = (w13, w2) `QExpertStack`s; the float
+        weights are never made. The rest of what `pack_experts` sets up for the grouped path (router fp32
+        copy, sort and routing workspaces) is set up the same way. Returns False, changing nothing, when
+        no expert was kept quantized; where only some were, or formats differ within a stack, the kept
+        ones are expanded to float parameters (router dtype) and False tells `pack_experts` to pack floats."""
+        from strata.kernels.quant import format_module
+        from strata.kernels.quant.moe_q import QExpertStack
+
+        linears = [(m.gate_proj, m.up_proj, m.down_proj) for m in self.experts]
+        raws = [[lin.__dict__.pop("quant_raw", None) for lin in trio] for trio in linears]
+        flat = [r for trio in raws for r in trio]
+        if all(r is None for r in flat):
+            return False
+        dtype = self.gate.weight.dtype
+        types13 = {r[0] for trio in raws for r in trio[:2] if r is not None}
+        types2 = {trio[2][0] for trio in raws if trio[2] is not None}
+        if any(r is None for r in flat) or len(types13) > 1 or len(types2) > 1:
+            for trio, lins in zip(raws, linears):
+                for r, lin in zip(trio, lins):
+                    if r is not None:
+                        mod = format_module(r[0])
+                        w = mod.dequantize(mod.repack(r[1]), r[1].shape[0], lin.in_features)
+                        lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+            return False
+        w13 = QExpertStack.from_raw(types13.pop(), torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in raws]))
+        w2 = QExpertStack.from_raw(types2.pop(), torch.stack([d[1] for _, _, d in raws]))
+        del raws, flat
+        self.quant = (w13, w2)
+        if dtype != torch.float32:
+            self.gate.weight_f32 = self.gate.weight.detach().float()
+        if w13.device.type == "cuda" and triton_available():
+            self.sort_ws = k_sort.sort_tokens_workspace(w13.device)
+            self.gate.route_ws = k_route.router_decode_workspace(w13.device)
+        self.decode_kernel = False  # the bf16 fused decode kernels; few-token steps take `moe_decode_q`'s if it serves:
+        self.qdecode = moe_decode_q.decode_stacks(w13, w2, self.num_experts_per_tok, dtype)
+        self.path = "grouped"
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids, _ = self.gate(x)

@@ -17,12 +17,13 @@ from strata.kernels import triton_available
 from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
 from strata.kernels.matmul import invariant_workspace_parts
 from strata.kernels.splitk import shared_split_k_numel
-from strata.kernels.quant import QWeight, qweights_of
+from strata.kernels.quant import QWeight
 from strata.kernels.quant.invariant import invariant_q_workspace_parts
 from strata.kernels.quant.invariant import supports as supports_invariant_q
 from strata.models.decoder import DecoderLayer
 from strata.models.layers import RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
+from strata.models.quantize import qweights_of
 
 
 class DecoderModel(nn.Module):

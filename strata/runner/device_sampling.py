@@ -42,7 +42,7 @@ import torch
 from strata.kernels import use_triton
 from strata.kernels.row_lse import row_logsumexp
 from strata.params import SamplingParams
-from strata.transfer import to_device
+from strata.kernels.transfer import to_device
 
 try:
     import triton

@@ -49,7 +49,7 @@ from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
 from strata.sampling import Sampler, apply_repetition_penalty, filtered_probs
 from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, capture_bucket
 from strata.speculative.verify import verify_greedy, verify_sampled
-from strata.transfer import to_device
+from strata.kernels.transfer import to_device
 
 log = logging.getLogger("strata")
 
@@ -59,7 +59,7 @@ class ModelRunner:
                  cuda_graph: bool = True, grammar: GrammarCompiler | None = None, states: RecurrentStates | None = None,
                  batch_invariant: bool = False):
         """`states`: the linear-attention state pool of a hybrid model, indexed by request slot.
-        `batch_invariant`: the attention backend computes each row alone (issue 15)."""
+        `batch_invariant`: the attention backend computes each row alone."""
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows

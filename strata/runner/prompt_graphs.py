@@ -1,5 +1,5 @@
 """CUDA graphs for one sequence's short prompt chunk: a prefix-cache hit's next turn, or a short request
-(issue 14: the next turn's first token ≤ 0.1x the cold read). Beside decoding slots the scheduler gives
+(a chat's next turn: its first token in a fraction of the cold read). Beside decoding slots the scheduler gives
 such a read a step of its own so that it can take them (`SchedulerConfig.solo_read_tokens`).
 
 A step that reads 14 new tokens after 3,648 cached ones does a decode step's work, but eagerly it is

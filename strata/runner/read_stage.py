@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.kernels import scratch as k_scratch
+from strata.models.quantize import model_scratch
 from strata.runner.model_runner import ModelRunner
 from strata.runner.steps import Sampled
-from strata.transfer import UpRing
+from strata.kernels.transfer import UpRing
 
 UPLOAD_BYTES_PER_TOKEN = 32  # reserve_uploads: T x K x 4 bytes with K = 8 int32 words per token
 
@@ -112,7 +113,7 @@ class ReadStage:
         self.runner.top_logprobs = main.top_logprobs
         self.max_tokens = max_num_batched_tokens
         self.up_ring = UpRing(self.device)
-        self.twins = k_scratch.make_twins(k_scratch.model_scratch(model))
+        self.twins = k_scratch.make_twins(model_scratch(model))
         self.prefill = None
         if drafter is not None and split_mtp_batch:
             self.prefill = Prefill(drafter, max_rows=max_num_batched_tokens, max_seqs=max_seqs,

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from strata import __version__
+from strata.version import __version__
 from strata.server.anthropic import anthropic_router
 from strata.server.config import ServerConfig
 from strata.server.errors import add_error_handlers

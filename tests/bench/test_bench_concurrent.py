@@ -68,7 +68,7 @@ def test_bench_concurrent_random_shape(tmp_path):
 
 
 def test_bench_concurrent_quantized_weights():
-    """`--quant Q8_0` (issue 11's Q8_0 arm): the random weights kept quantized, the name (and so the
+    """`--quant Q8_0` (the Q8_0 arm): the random weights kept quantized, the name (and so the
     default JSON) carrying the format; refused beside a checkpoint. Only the load: the read stage's
     thread and the decode thread cannot both run Triton's interpreter, which the quantized kernels
     take on the CPU here, so the bench itself runs with it on the GPU."""
@@ -77,7 +77,7 @@ def test_bench_concurrent_quantized_weights():
     import torch
 
     from strata.bench import concurrent as bench
-    from strata.kernels.quant import qweights_of
+    from strata.models.quantize import qweights_of
 
     args = argparse.Namespace(model=None, quant="Q8_0", shape="tiny", seed=0)
     loaded, name = bench._load(args, torch.device("cpu"), torch.float32)

@@ -82,7 +82,7 @@ def test_one_slot_without_the_prefix_cache_is_bitwise_identical(tmp_path):
 
 
 def test_the_batch_invariant_server_gives_bitwise_equal_answers(tmp_path):
-    """Issue 15 end to end on the CPU: the run of the first test (4 clients on 4 slots, chunks of 32,
+    """Batch invariance end to end on the CPU: the run of the first test (4 clients on 4 slots, chunks of 32,
     prefix cache on) with --batch-invariant: every answer's logprobs equal its run alone, bitwise."""
     out = tmp_path / "det_inv.json"
     assert main(["bench", "determinism", "--device", "cpu", "--dtype", "float32", "--clients", "4", "--parallel", "4",

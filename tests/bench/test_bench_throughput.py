@@ -3,6 +3,7 @@ read, decode and HTTP arms end to end at tiny shapes on the CPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from types import SimpleNamespace
@@ -71,6 +72,22 @@ def test_options_and_paths():
         assert cfg.cuda_graph is False
     assert default_out("read", "qwen3-8b", "int8", torch.device("cuda")) == "bench/results/read_qwen3-8b_int8_cuda.json"
     assert default_out("decode", "tiny", "auto", torch.device("cpu")) == "bench/results/decode_tiny_cpu.json"
+
+
+def test_kernel_choice_flags_reach_the_config():
+    """`strata bench decode --no-pdl --moe-decode grouped`: the choices typed go into the engine config
+    (and are installed before a model is built); the others keep the config's defaults."""
+    from strata.bench.throughput import add_parsers, install_kernel_choices
+    from strata.kernels import choices
+
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers())
+    args = parser.parse_args(["decode", "--no-pdl", "--moe-decode", "grouped"])
+    cfg = engine_config(args, torch.device("cpu"), ctx=100, parallel=1, chunk=16)
+    assert (cfg.pdl, cfg.moe_decode, cfg.quant_decode) == (False, "grouped", "auto")
+    with choices.using():
+        install_kernel_choices(args)
+        assert choices.current() == cfg.kernel_choices()
 
 
 def _finite_positive(x) -> bool:
@@ -198,16 +215,20 @@ def test_server_streams_token_id_prompts_one_chunk_per_token_urllib():
 
 
 def test_results_record_the_switches_set(tmp_path, monkeypatch):
-    """Every bench JSON names the STRATA_* switches its command set, and only those."""
+    """Every bench JSON names the STRATA_* switches its command set, and only those, and the kernel
+    choices in force."""
     import json
 
     from strata.bench.results import save
+    from strata.kernels import choices
 
     monkeypatch.setenv("STRATA_SPLIT_MTP_BATCH", "1")
     monkeypatch.delenv("STRATA_PIPED_CONCURRENT", raising=False)
     monkeypatch.setenv("NOT_A_STRATA_SWITCH", "1")
     out = tmp_path / "r.json"
-    save({"bench": "x"}, str(out), lambda plt, info: plt.plot([0], [0]))
+    with choices.using(quant_decode="dp4a"):
+        save({"bench": "x"}, str(out), lambda plt, info: plt.plot([0], [0]))
     got = json.loads(out.read_text())
     assert got["bench"] == "x" and got["strata_env"].get("STRATA_SPLIT_MTP_BATCH") == "1"
     assert "STRATA_PIPED_CONCURRENT" not in got["strata_env"] and "NOT_A_STRATA_SWITCH" not in got["strata_env"]
+    assert got["kernel_choices"]["quant_decode"] == "dp4a" and got["kernel_choices"]["pdl"] is True

@@ -1,4 +1,4 @@
-"""Issue 15's matrix on the CPU in fp32: with `batch_invariant`, one request's tokens and logprobs (its
+"""The batch-invariance matrix on the CPU in fp32: with `batch_invariant`, one request's tokens and logprobs (its
 own and the top-5 alternatives, bitwise) are the same alone and in every busy case: other requests in
 the batch at other positions, small read chunks, a give-way, a prefix-cache hit, preemption and
 recompute, speculation, the concurrent read; int8 K/V as well. A seeded sampled request rides along
@@ -284,7 +284,7 @@ def _count_quantized_rows(monkeypatch) -> list[int]:
 def test_dense_model_fp8(tiny_model_dirs, monkeypatch):
     """`--quantize fp8` (made at load, on the CPU too): every projection an FP8 `QWeight`; the matrix
     holds through the quantized weights' invariant product."""
-    from strata.kernels.quant import qweights_of
+    from strata.models.quantize import qweights_of
 
     fp8 = load_model(tiny_model_dirs["qwen3"][0], device="cpu", dtype=torch.float32, progress=False, quantize="fp8")
     assert {q.ggml_type for q in qweights_of(fp8.model)} == {"FP8"}
@@ -295,7 +295,7 @@ def test_dense_model_fp8(tiny_model_dirs, monkeypatch):
 
 def test_dense_model_q8_0_kept_quantized(ggufs, monkeypatch):
     """A GGUF file's Q8_0 projections and LM head kept quantized: the same matrix."""
-    from strata.kernels.quant import qweights_of
+    from strata.models.quantize import qweights_of
 
     q8 = load_model(ggufs["q8_0"], device="cpu", dtype=torch.float32, progress=False, keep_quantized=True)
     assert {q.ggml_type for q in qweights_of(q8.model)} == {"Q8_0"} and q8.model.lm_head_q is not None
@@ -310,7 +310,7 @@ def test_dense_model_q8_0_kept_quantized(ggufs, monkeypatch):
 def test_gpu_quantized_weights_matrix(tiny_model_dirs, ggufs, fmt):
     """The matrix in bf16 on CUDA over weights kept quantized (`--quantize fp8`, a Q8_0 GGUF file's
     projections and LM head): their invariant Triton GEMM, graphs on, and graphs off."""
-    from strata.kernels.quant import qweights_of
+    from strata.models.quantize import qweights_of
 
     if fmt == "FP8":
         cfg = dict(quantize="fp8")

@@ -151,7 +151,7 @@ def test_splits_match_single_pass(seqs, short_splits):
 def assert_batch_invariant(case, seqs, q_start, num_splits, check_seqs):
     """A sequence alone equals itself inside the batch, bitwise, under the same launch configuration
     (`max_q_len` picks the tile shape; on the GPU a different tile height may reorder a row's fp32
-    reductions, which issue 15's batch-invariant mode has to pin down)."""
+    reductions, which the batch-invariant mode has to pin down)."""
     ws = workspace_for(case, num_splits) if num_splits > 1 else None
     batched = run(paged_attention_triton, case, num_splits, ws)
     device = case["q"].device

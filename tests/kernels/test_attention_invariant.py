@@ -1,4 +1,4 @@
-"""The paged attention kernel's invariant mode (`invariant=True`, issue 15): one tile shape for every
+"""The paged attention kernel's invariant mode (`invariant=True`): one tile shape for every
 step and key splits of INVARIANT_SPLIT_KEYS at absolute positions, merged in order. A query row gets
 the same bits as a decode row with the splits as programs of their own, as the last row of a prompt
 chunk whose programs walk their splits, and beside other sequences.

@@ -61,18 +61,13 @@ def test_rejects_strided_rows():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("k", [4096, 12288])
-def test_gpu_read_sizes_bitwise_and_timed(k):
+def test_gpu_read_sizes_bitwise(k):
     """A 4K read's activations at the 8B shape: codes and scales bitwise the reference's, padding rows
-    zero; the time against the torch form printed (`-s`), not asserted."""
-    from strata.kernels.timing import time_us
-
+    zero (timings: benchmarks/kernels/fp8.py --rows)."""
     x = _x(4090, k, torch.bfloat16, k)
     q, s = quantize_rows(x, 6)
     q_ref, s_ref = quantize_rows_ref(x, 6)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-    t_kernel = time_us([lambda: quantize_rows(x, 6)], 50)
-    t_ref = time_us([lambda: quantize_rows_ref(x, 6)], 50)
-    print(f"fp8 row quantization 4090x{k}: kernel {t_kernel:.1f} us, torch {t_ref:.1f} us ({t_ref / t_kernel:.1f}x)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -122,18 +117,12 @@ def test_fp8_silu_mul_matmul_matches_the_two_steps(m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_silu_mul_quantize_read_size_bitwise_and_timed():
+def test_gpu_silu_mul_quantize_read_size_bitwise():
     """A 4K read's down-projection input at the 8B shape (I = 12288): the fused quantization bitwise the
-    two kernels' and the torch reference's; both times printed (`-s`), not asserted."""
-    from strata.kernels.activation import silu_mul_triton
+    torch reference's (timings against the two kernels: benchmarks/kernels/fp8.py --rows)."""
     from strata.kernels.quant.fp8_rows import silu_mul_quantize_rows_ref, silu_mul_quantize_rows_triton
-    from strata.kernels.timing import time_us
 
     gate_up = _x(4090, 2 * 12288, torch.bfloat16, 7)
     q, s = silu_mul_quantize_rows_triton(gate_up, 6)
     q_ref, s_ref = silu_mul_quantize_rows_ref(gate_up, 6)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-    t_fused = time_us([lambda: silu_mul_quantize_rows_triton(gate_up, 6)], 50)
-    t_two = time_us([lambda: quantize_rows_triton(silu_mul_triton(gate_up), 6)], 50)
-    print(f"silu*up fp8 quantization 4090x12288: fused {t_fused:.1f} us, two kernels {t_two:.1f} us "
-          f"({t_two / t_fused:.2f}x)")

@@ -3,8 +3,8 @@
 Triton's compiler refuses a kernel that reads a plain module global (`E4M3_MAX = 448.0`): only
 `tl.constexpr` values, modules and other jitted functions may be named. The interpreter that runs the
 CPU suite does not check this, so such a kernel passes every CPU test and fails at its first launch
-on the GPU (it happened: `quant/fp8_rows.py`, found on the H200). This test reads each kernel's
-source and resolves the names it reads that are neither its arguments, its locals nor builtins.
+on the GPU. This test reads each kernel's source and resolves the names it reads that are neither its
+arguments, its locals nor builtins.
 """
 
 from __future__ import annotations

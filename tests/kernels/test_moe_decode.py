@@ -3,7 +3,7 @@
 CPU: the kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at small shapes in
 fp32, fp16 and bf16, with the default configuration and one forced to loop (several H steps, several
 I chunks, masked tails). GPU (`pytest -m gpu`): Qwen3-30B-A3B shapes in bf16 against the reference,
-batch invariance, CUDA-graph replay and the timing table (`-s` to see it).
+batch invariance and CUDA-graph replay (timings: benchmarks/kernels/moe_decode.py).
 
 Every case draws fresh inputs from its own seed; outputs start as NaN and are compared whole.
 Tolerances (max error / max |reference|): fp32 1e-5 (summation order only); fp16 3e-3 and bf16 2e-2
@@ -19,9 +19,7 @@ import pytest
 import torch
 
 from strata.kernels.moe_decode import (
-    BENCH_SHAPE,
     MoeDecodeConfig,
-    bench_moe_decode,
     moe_decode_supported,
     moe_experts_decode,
     moe_experts_decode_ref,
@@ -143,7 +141,8 @@ def test_dispatch_and_support():
 
 # ---------------------------------------------------------------------------------------------- GPU
 
-E, K, H, INTER = (BENCH_SHAPE[n] for n in ("experts", "top_k", "hidden", "inter"))
+SHAPE_30B = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B
+E, K, H, INTER = (SHAPE_30B[n] for n in ("experts", "top_k", "hidden", "inter"))
 
 
 @pytest.fixture(scope="module")
@@ -208,12 +207,3 @@ def test_gpu_cuda_graph_replay(weights_30b):
         torch.cuda.synchronize()
         assert torch.equal(out, moe_experts_decode(x, ids, w, w13, w2))
         assert rel_err(out, moe_experts_decode_ref(x, ids, w, w13, w2)) <= 1e-2
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_speed_report():
-    """Prints the table (run with -s); asserts only that numbers came out. Target: ~25 µs for both
-    kernels at T = 1 (MoE._grouped: ~46 µs of grouped_mm plus ~40 µs of sort/gather/scatter)."""
-    rows = bench_moe_decode("cuda", tokens=(1, 4, 16))
-    assert rows and all(r["both_us"] > 0 and r["rel_err"] <= 1e-2 for r in rows)

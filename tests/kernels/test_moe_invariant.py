@@ -10,8 +10,8 @@ difference in order shows. The layer path is `_grouped_invariant` called on CPU 
 `MoE.forward` takes it; on the CPU the invariant mode runs `_loop`).
 GPU (`pytest -m gpu`): Qwen3-30B-A3B shapes in bf16, the grouped GEMMs' rows and one token's layer
 output alone and inside batches of 7, 64 and 2048 tokens, bitwise; no host sync; CUDA-graph replay;
-the speed table against torch._grouped_mm (`-s`); the tiny MoE models' engine matrix (needs the
-engine's refusal of MoE on CUDA lifted: it skips while the engine refuses).
+the tiny MoE models' engine matrix (needs the engine's refusal of MoE on CUDA lifted: it skips while
+the engine refuses). Timings: benchmarks/kernels/moe_invariant.py.
 
 Tolerances (max error / max |reference|): fp32 1e-5 (summation order only), bf16 1e-2 (one final
 rounding); the layer against `_loop`: fp32 1e-5, bf16 3e-2 (h13 rounded to bf16 before the down GEMM).
@@ -26,7 +26,6 @@ import torch
 
 from strata.kernels.matmul import MatmulConfig
 from strata.kernels.moe_invariant import (
-    GROUPED_CONFIG,
     grouped_matmul_invariant,
     grouped_matmul_invariant_ref,
     grouped_matmul_invariant_triton,
@@ -308,16 +307,6 @@ def test_gpu_layer_cuda_graph_replay():
         torch.cuda.synchronize()
         with torch.no_grad():
             assert torch.equal(out, moe(x)), step
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_speed_report():
-    """µs against torch._grouped_mm and `_grouped`'s combine at the 30B shape (run with -s); not asserted."""
-    from strata.kernels.moe_invariant import bench
-
-    assert GROUPED_CONFIG.block_m == 64
-    bench(tokens=(1, 8, 64, 512, 2048), runs=20)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ softmax and sigmoid scoring, group limit and correction bias on and off, fused-r
 forced to loop (several H steps, expert blocks and token blocks), sorts over several histogram blocks
 with experts that get no pair. The wiring is checked by running a MoE module with the kernels switched
 on against its reference paths. GPU (`pytest -m gpu`): Qwen3-30B-A3B and 160-expert group-limited
-shapes, batch invariance, CUDA-graph replay and the timing table (`-s` to see it).
+shapes, batch invariance and CUDA-graph replay (timings: benchmarks/kernels/moe_routing.py).
 
 Every case draws fresh inputs from its own seed. Ids must equal torch's exactly (random inputs have no
 near ties); weights agree to fp32 rounding (the softmax denominator and the k-sum are summed in
@@ -377,13 +377,6 @@ def test_gpu_moe_module(router, monkeypatch):
         torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(out, out_ref)
         assert torch.isfinite(full).all()
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_bench_table():
-    rows = mr.bench_routing(runs=20)
-    assert all(r["equal"] for r in rows if r["op"] != "route")  # route at T = 4096: a tie may differ
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])

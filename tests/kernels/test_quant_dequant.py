@@ -44,11 +44,9 @@ def check_equal(ggml_type, planes, n, k, dtype, config=None, spare=0):
     return out
 
 
-@pytest.mark.parametrize("ggml_type,grid", [(f, "global") for f in FORMATS] + [("IQ3_S", "shared")])
-def test_kernel_equals_reference(ggml_type, grid, monkeypatch):
-    """Bit for bit, bf16 and fp16, two and three K tiles, ragged row tiles; only the first N·K written.
-    IQ3_S also with its grid gathered through shared memory (STRATA_IQ3S_GRID=shared)."""
-    monkeypatch.setenv("STRATA_IQ3S_GRID", grid)
+@pytest.mark.parametrize("ggml_type", FORMATS)
+def test_kernel_equals_reference(ggml_type):
+    """Bit for bit, bf16 and fp16, two and three K tiles, ragged row tiles; only the first N·K written."""
     n = 40
     for k in (512, 768):
         planes = make_planes(ggml_type, n, k, seed=k)
@@ -109,9 +107,8 @@ def device_planes(ggml_type, n, k, seed):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(24576, 4096), (4096, 12288)])
-@pytest.mark.parametrize("ggml_type,grid", [(f, "global") for f in FORMATS] + [("IQ3_S", "shared")])
-def test_gpu_real_shapes(ggml_type, grid, n, k, monkeypatch):
-    monkeypatch.setenv("STRATA_IQ3S_GRID", grid)
+@pytest.mark.parametrize("ggml_type", FORMATS)
+def test_gpu_real_shapes(ggml_type, n, k):
     planes = device_planes(ggml_type, n, k, seed=n + k)
     for dtype in DTYPES:
         out = torch.full((n * k + 64,), 7.0, dtype=dtype, device="cuda")

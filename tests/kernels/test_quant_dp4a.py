@@ -3,7 +3,7 @@ and IQ3_S (iq3_s_dp4a.py) against their definitions.
 
 CPU: the kernel in Triton's interpreter (dp4a emulated with shifts) at small shapes with forced
 configurations: split-K with uneven shares, partial row tiles, M from 1 to 16, fp32 and bf16 x, a row
-stride wider than K. The STRATA_*_DECODE switches: 'auto' runs dp4a up to the format's DP4A_MAX_ROWS
+stride wider than K. The kernel choice `quant_decode`: 'auto' runs dp4a up to the format's DP4A_MAX_ROWS
 and the dequantizing GEMV above (which kernel ran, bit for bit), one workspace serving both, the
 split-K rule of `config_for` at the 8B shapes. GPU (`pytest -m gpu`): the 8B shapes, bitwise batch
 invariance, CUDA-graph replay, 'auto' through `QWeight` alternating both kernels.
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.env import ENV, overridden
+from strata.kernels import choices
 from strata.kernels.quant import QWeight, dp4a, iq3_s, q4_k, q8_0
 from strata.kernels.quant import iq3_s_dp4a as iqd
 from strata.kernels.quant import q4_k_dp4a as q4d
@@ -185,27 +185,6 @@ def test_iq3s_matches_definition(n, k, m, cfg, dtype):
     assert not ws[: -(-n // cfg.block_n)].any()
 
 
-@pytest.mark.skipif(CUDA, reason="the interpreter cases run without a GPU")
-@pytest.mark.parametrize("n,k,m,cfg", [(40, 512, 3, Dp4aConfig(32, 256, split_k=2)),
-                                       (16, 512, 1, Dp4aConfig(16, 256, split_k=1))])
-def test_iq3s_shared_grid_gives_the_same_words(n, k, m, cfg, monkeypatch):
-    """The grid gathered from shared memory (tl.gather) or loaded from the global table: the same bits,
-    whether asked for by argument or by STRATA_IQ3S_GRID."""
-    planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed_of("wg", n, k))))
-    grid = iq3_s.grid_table(torch.device("cpu"))
-    x = make_x(m, k, torch.float32, seed_of("xg", n, k, m))
-    ws = torch.zeros(max(1, iqd.workspace_numel(n, k, cfg)), dtype=torch.int32)
-    base = iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=False)
-    assert torch.equal(iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=True), base)
-    monkeypatch.setenv("STRATA_IQ3S_GRID", "shared")
-    assert torch.equal(iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg), base)
-    assert ((base.float() - iqd.gemv_iq3s_dp4a_ref(x, planes, n, k, cfg.block_k)).abs().max()
-            / base.abs().max()).item() <= 2e-6
-    monkeypatch.setenv("STRATA_IQ3S_GRID", "smem")
-    with pytest.raises(ValueError, match="STRATA_IQ3S_GRID"):
-        iqd.iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
@@ -219,21 +198,17 @@ def test_gpu_iq3s_shapes_and_batch_invariance(n, k):
     assert ((full.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
     for m in (1, 3):
         assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k, workspace=ws), full[:m])
-    for m in (1, 3, 8):  # the grid through shared memory: the same words, the same bits
-        for shared in (False, True):
-            assert torch.equal(iqd.iq3s_gemv_dp4a(x[:m].contiguous(), planes, grid, n, k, workspace=ws,
-                                                  shared_grid=shared), full[:m])
 
 
 # ----------------------------------------------------------------------------------------------
-# The decode switches: 'auto' by rows, one workspace for both kernels
+# The kernel choice quant_decode: 'auto' by rows, one workspace for both kernels
 
 
 class Format:
-    """A format's switch and its two decode GEMVs called directly (each with a fresh workspace)."""
+    """A format's two decode GEMVs called directly (each with a fresh workspace)."""
 
-    def __init__(self, name, switch, module, dp4a_module, max_rows, rounded_tol, round_ref):
-        self.name, self.switch, self.module, self.dp4a_module = name, switch, module, dp4a_module
+    def __init__(self, name, module, dp4a_module, max_rows, rounded_tol, round_ref):
+        self.name, self.module, self.dp4a_module = name, module, dp4a_module
         self.max_rows, self.rounded_tol, self.round_ref = max_rows, rounded_tol, round_ref
 
     def rounded_ref(self, x, w):
@@ -268,24 +243,25 @@ class Format:
         return split_k_parts(n, cfg.block_n, cfg.split_k, 16)
 
 
-FORMATS = {f.name: f for f in (Format("Q8_0", ENV.Q8_DECODE, q8_0, dp4a, 3, 1e-3, True),
-                                Format("Q4_K", ENV.Q4K_DECODE, q4_k, q4d, 2, 2e-3, True),
-                                Format("IQ3_S", ENV.IQ3S_DECODE, iq3_s, iqd, 4, 5e-3, False))}
+FORMATS = {f.name: f for f in (Format("Q8_0", q8_0, dp4a, 3, 1e-3, True),
+                                Format("Q4_K", q4_k, q4d, 2, 2e-3, True),
+                                Format("IQ3_S", iq3_s, iqd, 4, 5e-3, False))}
 
 
-def test_switch_picks_by_rows():
+def test_quant_decode_picks_by_rows():
+    assert choices.KernelChoices().quant_decode == "auto"
     for fmt in FORMATS.values():
-        switch, limit = fmt.switch, fmt.max_rows
-        assert fmt.module.DP4A_MAX_ROWS == limit and switch.default == "auto"
+        limit = fmt.max_rows
+        assert fmt.module.DP4A_MAX_ROWS == limit
         rows = range(1, dp4a.MAX_ROWS + 1)
-        with overridden(switch, None):
-            assert [dp4a.decode_kernel(switch, m, limit) for m in rows] == ["dp4a"] * limit + ["dequant"] * (16 - limit)
+        with choices.using(quant_decode="auto"):
+            assert [dp4a.decode_kernel(m, limit) for m in rows] == ["dp4a"] * limit + ["dequant"] * (16 - limit)
         for choice in ("dequant", "dp4a", "auto"):
-            with overridden(switch, choice):
-                picks = {dp4a.decode_kernel(switch, m, limit) for m in rows}
+            with choices.using(quant_decode=choice):
+                picks = {dp4a.decode_kernel(m, limit) for m in rows}
                 assert picks == ({choice} if choice != "auto" else {"dp4a", "dequant"})
-        with overridden(switch, "fast"), pytest.raises(ValueError, match=switch.name):
-            dp4a.decode_kernel(switch, 1, limit)
+    with pytest.raises(ValueError, match="quant_decode"), choices.using(quant_decode="fast"):
+        pass
 
 
 def test_config_for_splits_by_powers_of_two():
@@ -320,12 +296,12 @@ def test_auto_takes_dp4a_up_to_the_limit(monkeypatch, name, extra):
     kernel_name = {"Q8_0": "q8_gemv_dp4a", "Q4_K": "q4k_gemv_dp4a", "IQ3_S": "iq3s_gemv_dp4a"}[name]
     real = getattr(fmt.dp4a_module, kernel_name)
     monkeypatch.setattr(fmt.dp4a_module, kernel_name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    with overridden(fmt.switch, None):
+    with choices.using(quant_decode="auto"):
         got = fmt.module.matmul(x, planes, n, k)
         fmt.module.matmul(x.float(), planes, n, k)  # fp32 x: always the dequantizing GEMV
     assert len(calls) == (1 if extra == 0 else 0)
     forced = "dequant" if extra == 0 else "dp4a"
-    with overridden(fmt.switch, forced):
+    with choices.using(quant_decode=forced):
         other = fmt.module.matmul(x, planes, n, k)
     assert len(calls) == 1
     assert torch.equal(other, fmt.dequant(x, planes, n, k) if forced == "dequant" else fmt.dp4a(x, planes, n, k))
@@ -354,8 +330,8 @@ def test_default_workspace_holds_both_kernels_apart(name):
         parts = [fmt.dequant_parts(n, k), split_k_parts(n, cfg.block_n, cfg.split_k, dp4a.MAX_ROWS)]
         numel = (iq3_s.decode_workspace_numel(n, k) if name == "IQ3_S" else fmt.module.gemv_workspace_numel(n, k))
         assert numel >= max(c for c, _ in parts) + max(p for _, p in parts)
-        for choice in ("dequant", "dp4a"):  # made once, whatever the switch says then
-            with overridden(fmt.switch, choice):
+        for choice in ("dequant", "dp4a"):  # made once, whatever quant_decode says then
+            with choices.using(quant_decode=choice):
                 again = (iq3_s.decode_workspace_numel(n, k) if name == "IQ3_S"
                          else fmt.module.gemv_workspace_numel(n, k))
             assert again == numel
@@ -376,7 +352,7 @@ def test_one_workspace_serves_both_kernels(name):
     assert fmt.dp4a_config(n, k).split_k > 1 and (name == "IQ3_S" or fmt.module.gemv_config(n, k).split_k > 1)
     if name == "IQ3_S":
         assert iq3_s.gemv_config(n, k).split_k > 1
-    with overridden(fmt.switch, None):
+    with choices.using(quant_decode="auto"):
         for rep, m in enumerate((1, fmt.max_rows + 1, 1)):
             x = make_x(m, k, torch.float16, seed_of("wsx", name, rep))
             got = qw.matmul(x)
@@ -395,7 +371,7 @@ def test_gpu_auto_through_qweight(name):
     for n, k in [(4096, 4096), (6144, 4096)]:
         qw = QWeight.from_raw(name, fmt.raw(n, k, seed_of("gauto", name, n)).cuda(), n, k)
         x = make_x(16, k, torch.bfloat16, seed_of("gautox", name, n), "cuda")
-        with overridden(fmt.switch, None):
+        with choices.using(quant_decode="auto"):
             for _ in range(2):
                 for m in range(1, 17):
                     xm = x[:m].contiguous()
@@ -431,7 +407,7 @@ def test_a_model_shares_one_workspace_across_formats():
     shared = {id(w.workspace) for w in weights.values()}
     assert len(shared) == 1 and weights["Q8_0"].workspace.numel() == 2 * max(own.values())
     ws = weights["Q8_0"].workspace
-    with overridden(ENV.Q8_DECODE, None), overridden(ENV.Q4K_DECODE, None), overridden(ENV.IQ3S_DECODE, None):
+    with choices.using(quant_decode="auto"):
         for rep in range(2):
             for name, w in weights.items():
                 fmt = FORMATS[name]

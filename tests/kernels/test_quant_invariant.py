@@ -11,7 +11,7 @@ K of 1100-1152): decode-sized launches run each range as a program of its own (w
 back at zero after each), longer ones walk the ranges in each program, bitwise alike.
 GPU (`pytest -m gpu`): Qwen3-8B shapes in bf16, rows of M = 1 ... 2048 bitwise against the same rows
 inside an M = 4096 launch (even rows cancelling, so their outputs are fp32 rounding residues),
-fp32 on CUDA, CUDA-graph replay, and a timing table (`-s`; not asserted).
+fp32 on CUDA and CUDA-graph replay (timings: benchmarks/kernels/quant_invariant.py).
 
 Tolerances (max error / max |reference|; reference: dequantized weight, F.linear in fp32): fp32 1e-5
 (summation order, FP8's scale applied after the sum); bf16 1e-2 (one final bf16 rounding, up to one
@@ -40,7 +40,6 @@ from strata.kernels.quant import QWeight, QWeightStack, random_blocks
 from strata.kernels.quant import invariant as k_quant_invariant
 from strata.kernels.quant.invariant import (
     FORMATS,
-    bench,
     invariant_q_workspace_parts,
     matmul_invariant_q,
     matmul_invariant_q_ref,
@@ -377,12 +376,3 @@ def test_gpu_cuda_graph_replay(fmt, m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, matmul_invariant_q(x, w, bias))
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_speed_report():
-    """Prints the invariant kernels against the formats' own kernels and cuBLAS on the dequantized
-    bf16 weight (run with -s); asserts only that numbers came out."""
-    rows = bench(ms=(1, 8, 512, 2048), runs=20)
-    assert rows and all(r["inv_us"] > 0 for r in rows)

@@ -3,8 +3,8 @@
 CPU: `dequantize` bit for bit against `gguf.quants.dequantize` on random blocks; the kernels in
 Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at K = 256 / 512, N ≤ 96, M in
 {1, 3, 16, 40}, fp32 and bf16, with forced configurations covering split-K, ragged column tiles
-and every K step size. GPU (`pytest -m gpu`): the real shapes, batch invariance, determinism, graph
-replay and the speed report (`-s` to see it).
+and every K step size. GPU (`pytest -m gpu`): the real shapes, batch invariance, determinism and graph
+replay (timings: benchmarks/kernels/quant_formats.py).
 
 Reference: x (in its dtype, as fp32) times the dequantized weight rounded to x's dtype, in fp32.
 Tolerances (relative Frobenius error of the product): fp32 1e-5 (summation order only); bf16 5e-3
@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from strata.env import ENV
+from strata.kernels import choices
 from strata.kernels.quant import QWeight
 from strata.kernels.quant import iq3_s as q
+from strata.kernels.quant import iq3_s_planes
 from strata.kernels.quant import iq3_s_quantize as qz
-from strata.kernels.timing import time_us
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -34,10 +34,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
 
 
 @pytest.fixture(autouse=True)
-def dequantizing_decode(monkeypatch):
-    """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
-    a few rows (tested in tests/kernels/test_quant_dp4a.py)."""
-    monkeypatch.setenv(ENV.IQ3S_DECODE.name, "dequant")
+def dequantizing_decode():
+    """These are the dequantizing GEMV's tests: the kernel choice quant_decode's default ('auto') takes
+    the dp4a GEMV at a few rows (tested in tests/kernels/test_quant_dp4a.py)."""
+    with choices.using(quant_decode="dequant"):
+        yield
 
 
 def gguf_reference(raw: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -59,8 +60,8 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_constants_and_grid():
     assert (q.GGML_TYPE, q.BLOCK_VALUES, q.BLOCK_BYTES) == ("IQ3_S", 256, 110)
-    assert q.GRID_WORDS.shape == (512,) and q.GRID_WORDS.dtype == torch.int32
-    mags = (q.GRID_WORDS[:, None] >> torch.tensor([0, 8, 16, 24])) & 0xFF
+    assert iq3_s_planes.GRID_WORDS.shape == (512,) and iq3_s_planes.GRID_WORDS.dtype == torch.int32
+    mags = (iq3_s_planes.GRID_WORDS[:, None] >> torch.tensor([0, 8, 16, 24])) & 0xFF
     assert set(mags.unique().tolist()) <= {1, 3, 5, 7, 9, 11, 13, 15}
 
 
@@ -149,12 +150,9 @@ def check_one_hot_rows(n: int, k: int, m: int, device: str) -> None:
     assert torch.equal(got, torch.from_numpy(gguf_reference(raw, n, k))[:, picks].t())
 
 
-@pytest.mark.parametrize("grid", ["global", "shared"])
 @pytest.mark.parametrize("m", [16, 40])
-def test_kernels_dequantize_exactly(m, grid, monkeypatch):
-    """The GEMV (16 rows) and the GEMM (40), with the grid from the global table or through shared
-    memory (STRATA_IQ3S_GRID)."""
-    monkeypatch.setenv(ENV.IQ3S_GRID.name, grid)
+def test_kernels_dequantize_exactly(m):
+    """The GEMV (16 rows) and the GEMM (40), the grid gathered through shared memory."""
     check_one_hot_rows(40, 512, m, "cpu")
 
 
@@ -313,9 +311,7 @@ def test_gpu_dequantize_bit_exact(n, k):
 @needs_cuda
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 @pytest.mark.parametrize("m", [16, 512])
-@pytest.mark.parametrize("grid", ["global", "shared"])
-def test_gpu_kernels_dequantize_exactly(n, k, m, grid, monkeypatch):
-    monkeypatch.setenv(ENV.IQ3S_GRID.name, grid)
+def test_gpu_kernels_dequantize_exactly(n, k, m):
     check_one_hot_rows(n, k, m, "cuda")
 
 
@@ -360,17 +356,3 @@ def test_gpu_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expect)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_speed_report():
-    for n, k in GPU_SHAPES:
-        raw, planes = planes_of(n, k, 9, "cuda")
-        weight_bytes = raw.nbytes
-        x1 = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-        xm = torch.randn(4096, k, device="cuda").to(torch.bfloat16)
-        t1 = time_us([lambda: q.matmul(x1, planes, n, k)])
-        tm = time_us([lambda: q.matmul(xm, planes, n, k)], runs=10)
-        print(f"\nIQ3_S {n}x{k}: M=1 {t1:.2f} us, {weight_bytes / t1 / 1e3:.1f} GB/s of weights; "
-              f"M=4096 {tm:.1f} us, {2 * 4096 * n * k / tm / 1e6:.1f} TFLOP/s")

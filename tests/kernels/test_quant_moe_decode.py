@@ -5,8 +5,8 @@ CPU: the kernels in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRE
 256 (96 for a Q8_0 and an FP8 case whose rows do not fill the tiles), T = 1-3, top-2/3, bf16 (two cases in fp16), with the
 default configuration's K steps and one forced to loop (several K steps in both kernels), in 64-row blocks
 (the shipped row blocks in one case). GPU (`pytest -m gpu`):
-Qwen3-30B-A3B sizes (E = 128, top-8, H = 2048, I = 768) in every format and FP8, graph capture and the
-timing table against the grouped path (`-s`).
+Qwen3-30B-A3B sizes (E = 128, top-8, H = 2048, I = 768) in every format and FP8 and graph capture
+(timings: benchmarks/kernels/quant_moe.py --decode).
 
 Inputs are fresh per case (their own seeds); outputs start as NaN and are compared whole. Tolerances
 (against `moe_decode_q_ref`, the exact dequantized weights and the rounding points of `MoE._grouped`):
@@ -23,6 +23,7 @@ import zlib
 import pytest
 import torch
 
+from strata.kernels import choices
 from strata.kernels.quant import format_module, fp8
 from strata.kernels.quant import moe_decode_q as mdq
 from strata.kernels.quant.moe_q import QExpertStack
@@ -154,13 +155,13 @@ def test_a_token_alone_equals_it_in_a_batch(fmt, wide_decode_rows):
     assert torch.equal(both[1:2], alone)
 
 
-def test_switch(monkeypatch):
+def test_moe_decode_choice():
     assert mdq.fused_chosen()
-    monkeypatch.setenv("STRATA_QMOE_DECODE", "grouped")
-    assert not mdq.fused_chosen()
-    monkeypatch.setenv("STRATA_QMOE_DECODE", "fast")
-    with pytest.raises(ValueError, match="STRATA_QMOE_DECODE"):
-        mdq.fused_chosen()
+    with choices.using(moe_decode="grouped"):
+        assert not mdq.fused_chosen()
+    assert mdq.fused_chosen()
+    with pytest.raises(ValueError, match="moe_decode"), choices.using(moe_decode="fast"):
+        pass
 
 
 def test_checks_and_support():
@@ -277,11 +278,3 @@ def test_gpu_30b_dp4a_tiles(fmt):
         ref = mdq.moe_decode_dp4a_ref(x, ids, w, w13, w2)
         print(f"{fmt} dp4a T={t}: max err {max_err(got, ref):.2e}, rel err {fro_err(got, ref):.2e}")
         assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= DP4A_FRO_TOL
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_speed_report():
-    """The kernels against the grouped path at the 30B-A3B shape (printed with -s; never asserted)."""
-    rows = mdq.bench(tokens=(1, 8), runs=20)
-    assert all(r["rel_err"] <= DP4A_FRO_TOL for r in rows)

@@ -4,7 +4,7 @@ CPU: `dequantize` equals gguf's numpy dequantizer bit for bit; the kernels run i
 (tests/conftest.py sets TRITON_INTERPRET=1) at K = 256/512, N ≤ 96, M in {1, 3, 16, 40}, fp32, fp16
 and bf16 (the interpreter multiplies bf16 operands as raw uint16 integers, so a fixture here widens
 them to fp32 first, as the GPU's tensor cores do exactly). GPU (`pytest -m gpu`): the 8B shapes at
-M = 1, 8, 512, CUDA-graph replay, and a speed report (`-s` to see it).
+M = 1, 8, 512 and CUDA-graph replay (timings: benchmarks/kernels/quant_formats.py).
 
 Tolerances, relative Frobenius error of the product:
 - against `matmul_ref` (the stated semantics: weights rounded to x's dtype, fp32 sums, one final
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.env import ENV
+from strata.kernels import choices
 from strata.kernels.quant import q4_k
 from strata.kernels.quant.q4_k import (
     BLOCK_BYTES,
@@ -73,7 +73,6 @@ class KQuantFormat:
     gemv: Callable  # the dequantizing GEMV (`gemv_q4k`, ...)
     gemm: Callable
     qtype: gguf.GGMLQuantizationType
-    decode_switch: object  # its STRATA_*_DECODE
     gemm_block_k: int  # values per K step of `test_gemm_configs`' small tiles
 
     def weight(self, n, k, seed, device=DEV):
@@ -91,7 +90,7 @@ class KQuantFormat:
         assert err <= TOL_FP32_REF[dtype], f"vs fp32 reference: {err:.3g} > {TOL_FP32_REF[dtype]}"
 
 
-Q4K = KQuantFormat(q4_k, gemv_q4k, gemm_q4k, gguf.GGMLQuantizationType.Q4_K, ENV.Q4K_DECODE, gemm_block_k=128)
+Q4K = KQuantFormat(q4_k, gemv_q4k, gemm_q4k, gguf.GGMLQuantizationType.Q4_K, gemm_block_k=128)
 make_weight = Q4K.weight
 check_product = Q4K.check_product
 
@@ -102,10 +101,11 @@ def kquant() -> KQuantFormat:
 
 
 @pytest.fixture(autouse=True)
-def dequantizing_decode(monkeypatch, kquant):
-    """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
-    a few rows (tested in tests/kernels/test_quant_dp4a.py and tests/kernels/test_quant_q6k_dp4a.py)."""
-    monkeypatch.setenv(kquant.decode_switch.name, "dequant")
+def dequantizing_decode():
+    """These are the dequantizing GEMV's tests: the kernel choice quant_decode's default ('auto') takes
+    the dp4a GEMV at a few rows (tested in tests/kernels/test_quant_dp4a.py and test_quant_q6k_dp4a.py)."""
+    with choices.using(quant_decode="dequant"):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -287,13 +287,13 @@ def test_rejects_bad_arguments(kquant):
         kquant.module.repack(torch.zeros(2, 200, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("switch", ["auto", "dp4a", "dequant"])
-def test_an_empty_batch_under_every_decode_kernel(kquant, monkeypatch, switch):
-    """No rows (or no weight rows) give an empty product, whichever decode kernel the switch picks."""
-    monkeypatch.setenv(kquant.decode_switch.name, switch)
+@pytest.mark.parametrize("choice", ["auto", "dp4a", "dequant"])
+def test_an_empty_batch_under_every_decode_kernel(kquant, choice):
+    """No rows (or no weight rows) give an empty product, whichever decode kernel quant_decode picks."""
     n, k = 16, 256
     _, planes = kquant.weight(n, k, 2)
-    out = kquant.module.matmul(torch.empty(0, k, dtype=torch.bfloat16, device=DEV), planes, n, k)
+    with choices.using(quant_decode=choice):
+        out = kquant.module.matmul(torch.empty(0, k, dtype=torch.bfloat16, device=DEV), planes, n, k)
     assert out.shape == (0, n) and out.dtype == torch.bfloat16
 
 
@@ -364,15 +364,3 @@ def test_gpu_batch_invariant_and_graph():
     for rows in (slice(5, 6), slice(2, 9)):
         assert torch.equal(matmul(x[rows].clone(), planes, n, k), full[rows])
     check_split_gemv_graph(Q4K, x, planes, n, k)
-
-
-@needs_cuda
-@pytest.mark.gpu
-def test_gpu_speed_report(kquant):
-    """Prints GB/s of weight bytes at M = 1 and TFLOP/s at M = 4096 (no assertion)."""
-    rows = kquant.module.bench(ms=(1, 4096), shapes=[("", n, k) for n, k in GPU_SHAPES])
-    name = kquant.module.GGML_TYPE
-    key = name.lower().replace("_", "")  # `microbench.bench_format`'s row keys
-    for r in rows:
-        print(f"{name} {r['n']}x{r['k']} M={r['m']}: {r[key + '_gbs']:.0f} GB/s, {r[key + '_tflops']:.1f} "
-              f"TFLOP/s (bf16 dense {r['bf16_gbs']:.0f} GB/s, {r['bf16_tflops']:.1f} TFLOP/s)")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_quant_q4_k import (  # noqa: F401  (the shared tests and the decode switch's fixture)
+from test_quant_q4_k import (  # noqa: F401  (the shared tests and the decode kernel's fixture)
     DEV,
     TOL_FP32_REF,
     KQuantFormat,
@@ -38,14 +38,12 @@ from test_quant_q4_k import (  # noqa: F401  (the shared tests and the decode sw
     test_an_empty_batch_under_every_decode_kernel,
     test_dequantize_bit_exact_against_gguf,
     test_gemm_configs,
-    test_gpu_speed_report,
     test_kernels_dequantize_exactly,
     test_matmul_matches_reference,
     test_reference_path_off_the_kernels,
     test_rejects_bad_arguments,
 )
 
-from strata.env import ENV
 from strata.kernels.quant import q6_k
 from strata.kernels.quant.q6_k import (
     BLOCK_BYTES,
@@ -65,7 +63,7 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 QT6 = gguf.GGMLQuantizationType.Q6_K
-Q6K = KQuantFormat(q6_k, gemv_q6k, gemm_q6k, QT6, ENV.Q6K_DECODE, gemm_block_k=256)
+Q6K = KQuantFormat(q6_k, gemv_q6k, gemm_q6k, QT6, gemm_block_k=256)
 make_weight = Q6K.weight
 gguf_bits = Q6K.gguf_bits
 check_product = Q6K.check_product

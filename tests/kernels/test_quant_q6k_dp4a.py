@@ -1,5 +1,5 @@
-"""The packed-int8 (dp4a) decode GEMV for Q6_K (strata/kernels/quant/q6_k_dp4a.py) and its switch
-STRATA_Q6K_DECODE in `q6_k.matmul`.
+"""The packed-int8 (dp4a) decode GEMV for Q6_K (strata/kernels/quant/q6_k_dp4a.py) and the kernel choice
+`quant_decode` in `q6_k.matmul`.
 
 CPU: the kernel in Triton's interpreter (dp4a emulated with shifts) at small shapes: forced
 configurations with split-K in uneven shares, 128- and 256-value steps, partial row tiles, M from 1 to
@@ -10,10 +10,10 @@ even, as the GPU does). The reference itself: within 1e-6 (max, relative to the 
 the fp64 product of x's quantized values and the dequantized weight (its integer form is that product
 up to fp32 rounding); against the product with the unquantized x and the dequantized weight,
 1.5e-2 relative Frobenius, the other dp4a tests' bound (x rounded to 8 bits per run of 32 values errs
-by up to half a step of amax/127, ~5e-3 RMS relative). The switch: 'auto' runs dp4a up to
+by up to half a step of amax/127, ~5e-3 RMS relative). The choice: 'auto' runs dp4a up to
 DP4A_MAX_ROWS = 2 rows and the dequantizing GEMV above (which kernel ran, spied; each result that
 kernel's own, bit for bit), one workspace serving both. The dequantizing GEMV's own tolerance, where
-'auto' takes it, is test_kernel_quant_q6_k.py's 2e-3 for fp16 x (fp16: the interpreter multiplies
+'auto' takes it, is test_quant_q6_k.py's 2e-3 for fp16 x (fp16: the interpreter multiplies
 bf16 dot operands as raw integers in that kernel). GPU (`pytest -m gpu`): the Qwen3-8B shapes against
 the reference, rows independent of M, CUDA-graph replay, 'auto' through `QWeight` at every M.
 """
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.env import ENV, overridden
+from strata.kernels import choices
 from strata.kernels.quant import QWeight, dp4a, q6_k
 from strata.kernels.quant import q4_k_dp4a as q4d
 from strata.kernels.quant import q6_k_dp4a as q6d
@@ -139,26 +139,23 @@ def test_configs():
 
 
 # ----------------------------------------------------------------------------------------------
-# The switch: 'auto' by rows, one workspace for both kernels
+# quant_decode: 'auto' by rows, one workspace for both kernels
 
 
 def dequant_gemv(x, planes, n, k):
     return q6_k.gemv_q6k(x, planes, n, k)
 
 
-def test_switch_picks_by_rows():
-    switch = ENV.Q6K_DECODE
-    # 'auto' by default, as the other formats' (the limit from the H200 sweep).
-    assert switch.name == "STRATA_Q6K_DECODE" and switch.default == "auto" and q6_k.DP4A_MAX_ROWS == 2
+def test_quant_decode_picks_by_rows():
+    # 'auto' by default, as for the other formats (the limit from the H200 sweep).
+    assert choices.KernelChoices().quant_decode == "auto" and q6_k.DP4A_MAX_ROWS == 2
     rows = range(1, dp4a.MAX_ROWS + 1)
-    for value in (None, "auto"):
-        with overridden(switch, value):
-            assert [q6_k._decode_kernel(m) for m in rows] == ["dp4a"] * 2 + ["dequant"] * 14
+    assert [q6_k._decode_kernel(m) for m in rows] == ["dp4a"] * 2 + ["dequant"] * 14
+    with choices.using(quant_decode="auto"):
+        assert [q6_k._decode_kernel(m) for m in rows] == ["dp4a"] * 2 + ["dequant"] * 14
     for choice in ("dequant", "dp4a"):
-        with overridden(switch, choice):
+        with choices.using(quant_decode=choice):
             assert {q6_k._decode_kernel(m) for m in rows} == {choice}
-    with overridden(switch, "fast"), pytest.raises(ValueError, match=switch.name):
-        q6_k._decode_kernel(1)
 
 
 @interpreter_only
@@ -174,12 +171,12 @@ def test_auto_takes_dp4a_up_to_the_limit(monkeypatch, extra):
     calls = []
     real = q6d.q6k_gemv_dp4a
     monkeypatch.setattr(q6d, "q6k_gemv_dp4a", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    with overridden(ENV.Q6K_DECODE, "auto"):
+    with choices.using(quant_decode="auto"):
         got = q6_k.matmul(x, planes, n, k)
         q6_k.matmul(x.float(), planes, n, k)
     assert len(calls) == (1 if extra == 0 else 0)
     forced = "dequant" if extra == 0 else "dp4a"
-    with overridden(ENV.Q6K_DECODE, forced):
+    with choices.using(quant_decode=forced):
         other = q6_k.matmul(x, planes, n, k)
         with pytest.raises(ValueError):  # the same argument checks on either side
             q6_k.matmul(x[:, :128], planes, n, k)
@@ -196,7 +193,7 @@ def test_auto_takes_dp4a_up_to_the_limit(monkeypatch, extra):
 
 def test_default_workspace_holds_both_kernels_apart():
     """At the 8B shapes and the LM head, the workspace made once per weight holds the larger counter
-    region and the larger partial region of the two GEMVs, whatever the switch says then."""
+    region and the larger partial region of the two GEMVs, whatever quant_decode says then."""
     for n, k in SHAPES_8B + [q6d.LM_HEAD_SHAPE, (2048, 4096), (1024, 4096)]:
         cfg, dq = q6d.gemv_config(n, k), q6_k.gemv_config(n, k)
         parts = [split_k_parts(n, dq.block_n, dq.split_k, 16),
@@ -204,7 +201,7 @@ def test_default_workspace_holds_both_kernels_apart():
         numel = q6_k.gemv_workspace_numel(n, k)
         assert numel >= max(c for c, _ in parts) + max(p for _, p in parts)
         for choice in ("dequant", "dp4a"):
-            with overridden(ENV.Q6K_DECODE, choice):
+            with choices.using(quant_decode=choice):
                 assert q6_k.gemv_workspace_numel(n, k) == numel
 
 
@@ -217,7 +214,7 @@ def test_one_workspace_serves_both_kernels():
     ws = qw.workspace
     assert ws is not None and ws.numel() == q6_k.gemv_workspace_numel(n, k)
     assert q6d.gemv_config(n, k).split_k > 1 and q6_k.gemv_config(n, k).split_k > 1
-    with overridden(ENV.Q6K_DECODE, "auto"):
+    with choices.using(quant_decode="auto"):
         for rep, m in enumerate((1, 3, 1)):
             x = make_x(m, k, torch.float16, seed_of("wsx", rep))
             expect = (q6d.q6k_gemv_dp4a if m <= q6_k.DP4A_MAX_ROWS else dequant_gemv)(x, qw.planes, n, k)
@@ -273,7 +270,7 @@ def test_gpu_auto_through_qweight():
         raw = random_blocks("Q6_K", n, k, torch.Generator("cuda").manual_seed(n), "cuda")
         qw = QWeight.from_raw("Q6_K", raw, n, k)
         x = make_x(16, k, torch.bfloat16, seed_of("gautox", n), "cuda")
-        with overridden(ENV.Q6K_DECODE, "auto"):
+        with choices.using(quant_decode="auto"):
             for _ in range(2):
                 for m in range(1, 17):
                     xm = x[:m].contiguous()

@@ -6,8 +6,8 @@ interpreter (tests/conftest.py sets TRITON_INTERPRET=1 and makes its fp32 -> bf1
 nearest even, like the GPU) at K = 256 / 512, N <= 96, M in {1, 3, 16, 40} (GEMV for M <= 16, GEMM
 above), with forced configurations for several K steps, partial tiles and grouped tile order, NaN-
 poisoned outputs written through column slices, and x with a row stride wider than K.
-GPU (`pytest -m gpu`): the real sizes, device repacking, batch invariance of the GEMV, CUDA-graph
-replay, and a speed table (`-s` to see it).
+GPU (`pytest -m gpu`): the real sizes, device repacking, batch invariance of the GEMV and CUDA-graph
+replay (timings: benchmarks/kernels/quant_formats.py).
 
 Tolerances, as the relative Frobenius error of the product:
 - against the fp32 reference F.linear(x.float(), dequantize(W)): fp32 x 1e-5 (summation order only);
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from strata.env import ENV
+from strata.kernels import choices
 from strata.kernels.quant import q8_0
 from strata.kernels.quant.q8_0 import Q8Config
 
@@ -41,10 +41,11 @@ TOL_ROUNDED_REF = 1e-3
 
 
 @pytest.fixture(autouse=True)
-def dequantizing_decode(monkeypatch):
-    """These are the dequantizing GEMV's tests: its switch's default ('auto') takes the dp4a GEMV at
-    a few rows (tested in tests/kernels/test_quant_dp4a.py)."""
-    monkeypatch.setenv(ENV.Q8_DECODE.name, "dequant")
+def dequantizing_decode():
+    """These are the dequantizing GEMV's tests: the kernel choice quant_decode's default ('auto') takes
+    the dp4a GEMV at a few rows (tested in tests/kernels/test_quant_dp4a.py)."""
+    with choices.using(quant_decode="dequant"):
+        yield
 
 
 def seed_of(*parts) -> int:
@@ -342,25 +343,3 @@ def test_gpu_cuda_graph_replay(gpu_weights, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, q8_0.matmul(x, planes, n, k))
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_speed_report(gpu_weights):
-    """Prints GB/s of Q8_0 weight bytes at M = 1 and TFLOP/s at M = 4096 (no assertion on speed)."""
-    print()
-    for n, k in GPU_SHAPES:
-        raw, planes = gpu_weights(n, k)
-        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
-        extra = max(1, -(-3 * l2 // raw.size))  # copies cycled through exceed L2: each call reads HBM
-        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(extra)]
-        for m in (1, 4096):
-            x = make_x(m, k, torch.bfloat16, seed_of("speed", m), device="cuda")
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            us = q8_0.time_us([lambda p=p: q8_0.matmul(x, p, n, k, out) for p in copies], runs=30)
-            if m == 1:
-                print(f"Q8_0 {n}x{k} M=1: {us:8.2f} us, {raw.size / us / 1e3:6.0f} GB/s of weight bytes")
-            else:
-                print(f"Q8_0 {n}x{k} M={m}: {us:8.2f} us, {2 * m * n * k / us / 1e6:6.1f} TFLOP/s")
-        del copies
-        torch.cuda.empty_cache()

@@ -7,8 +7,8 @@ count), P in {1, 2, 3, 5}; one worker equals q8_0's tiled GEMM bit for bit; run-
 with garbage in the partial slots; launches of different P and tiles sharing one context; the flag
 words left zero; the pool's growth (once, on the first launch with a shared tile) and reservation.
 GPU (`pytest -m gpu`): N = K = 4096 at M = 512 and 4096 against the reference and run to run, the
-pool with the real SM count, CUDA-graph replay (and growth refused during capture), and a speed table
-against q8_0.matmul (`-s` to see it).
+pool with the real SM count and CUDA-graph replay (and growth refused during capture). Timings against
+q8_0.matmul: benchmarks/kernels/quant_formats.py --streamk.
 
 Tolerances, relative Frobenius error of the product:
 - against q8_0.matmul_ref (fp32 F.linear of the dequantized weight): fp32 x 1e-5 (summation order
@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from strata.kernels.quant import q8_0, streamk
 from strata.kernels.quant.q8_0 import Q8Config
 from strata.kernels.quant.streamk import QMatmulContext, q8_0_matmul_streamk
-from strata.kernels.timing import time_us
 from test_quant_q8_0 import make_x, rel_fro  # the same inputs and error measure as the tiled GEMM
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -314,26 +313,6 @@ def test_gpu_cuda_graph_replay(gpu_weights, m):
     with pytest.raises(RuntimeError):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             q8_0_matmul_streamk(x, planes, n, k, unreserved, out)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_speed_report(gpu_weights):
-    """Prints µs and TFLOP/s of the stream-K GEMM and of q8_0.matmul (no assertion on speed)."""
-    print()
-    ctx = QMatmulContext("cuda")
-    ctx.reserve_fixup(QMatmulContext.largest_fixup(num_sms()))
-    for n, k in [(4096, 4096), (12288, 4096), (4096, 12288), (1024, 4096)]:
-        planes = gpu_weights(n, k)
-        for m in (512, 4096):
-            x = make_x(m, k, torch.bfloat16, seed_of("speed", m), device="cuda")
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            sk = time_us([lambda: q8_0_matmul_streamk(x, planes, n, k, ctx, out)], runs=30)
-            tiled = time_us([lambda: q8_0.matmul(x, planes, n, k, out)], runs=30)
-            flop = 2 * m * n * k / 1e6
-            print(f"Q8_0 {n}x{k} M={m}: stream-K {sk:8.2f} us {flop / sk:6.1f} TFLOP/s | "
-                  f"tiled {tiled:8.2f} us {flop / tiled:6.1f} TFLOP/s | x{tiled / sk:.2f}")
-    assert ctx.grows == 1
 
 
 @pytest.mark.gpu

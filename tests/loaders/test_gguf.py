@@ -74,14 +74,15 @@ def gguf_tokenizer_fields(w: GGUFWriter, tok_dir: str) -> None:
 
 def write_gguf(
     path, c: dict, tensors: dict[str, torch.Tensor], *, qtypes: dict[str, QT] | None = None, arch: str | None = None,
-    nextn: int = 0, tok_dir: str | None = None, rope_yarn: dict | None = None,
+    nextn: int = 0, tok_dir: str | None = None, rope_yarn: dict | None = None, split_max_tensors: int = 0,
 ) -> str:
-    """HF config `c` + HF-named `tensors` → a llama.cpp-layout GGUF file at `path`."""
+    """HF config `c` + HF-named `tensors` → a llama.cpp-layout GGUF file at `path` (with
+    `split_max_tensors`, parts `PATH-0000k-of-0000N.gguf` of at most that many tensors)."""
     path = str(path)
     mt = c["model_type"]
     arch = arch or MODEL_TYPE_TO_ARCH[mt]
     names_arch = MODEL_TYPE_TO_ARCH[mt]
-    w = GGUFWriter(path, arch)
+    w = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(c["num_hidden_layers"] + nextn)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -465,6 +466,27 @@ def test_yarn_metadata_gives_hf_rope(tiny_model_dirs, tmp_path):
     rope = {**c["rope_parameters"], **yarn}
     want = ModelConfig.from_hf({**c, "max_position_embeddings": 1024, "rope_parameters": rope})
     assert ours.rope == want.rope and ours.rope.kind == "yarn" and ours.max_position_embeddings == 1024
+
+
+def test_split_gguf_loads_from_any_part(tiny_model_dirs, tmp_path):
+    """llama.cpp's split files (NAME-0000k-of-0000N.gguf): the parts load as one file, from any part; a
+    missing part is a one-line error naming it."""
+    src, _ = tiny_model_dirs["qwen3"]
+    c = _hf_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    whole = load_model(write_gguf(tmp_path / "whole.gguf", c, tensors, tok_dir=src))
+    write_gguf(tmp_path / "m.gguf", c, tensors, tok_dir=src, split_max_tensors=5)
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) >= 3 and parts[0].name == f"m-00001-of-{len(parts):05d}.gguf"
+    ids = torch.randint(0, c["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(4))
+    want = _logits(whole, ids)
+    for part in (parts[0], parts[-1]):
+        lm = load_model(str(part))
+        assert lm.tokenizer is not None
+        assert torch.equal(_logits(lm, ids), want)
+    parts[1].unlink()
+    with pytest.raises(LoadError, match=f"missing part {parts[1].name}"):
+        load_model(str(parts[0]))
 
 
 @pytest.fixture(scope="module")

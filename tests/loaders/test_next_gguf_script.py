@@ -1,4 +1,4 @@
-"""scripts/next_gguf.py, the random-weight `qwen3next` GGUF written for llama-bench (issue 12), at a tiny
+"""scripts/next_gguf.py, the random-weight `qwen3next` GGUF written for llama-bench, at a tiny
 config: Strata's loader reads it back to the same model config and runs it, and the file carries what
 llama.cpp's qwen3next loader reads (lists below, taken from the llama.cpp that llama-cpp-python 0.3.36
 vendors, which `scripts/gpu_round.sh peer-build` builds)."""

@@ -11,8 +11,9 @@ from strata.bench.random_model import random_model
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
-from strata.kernels.quant import QWeight, QWeightStack, qweights_of
+from strata.kernels.quant import QWeight, QWeightStack
 from strata.kernels.quant.mixes import more_bits, tensor_type
+from strata.models.quantize import qweights_of
 from strata.params import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """`QWeight` and the stacking of weights the loader kept quantized (the per-format kernels have their
-own tests in tests/test_kernel_quant_*.py)."""
+own tests in tests/kernels/test_quant_*.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
-from strata.kernels.quant import FORMATS, QWeight, QWeightStack, format_module, qweights_of, random_blocks
+from strata.kernels import choices
+from strata.kernels.quant import FORMATS, QWeight, QWeightStack, format_module, random_blocks
+from strata.models.quantize import qweights_of
 from strata.models.layers import take_quantized
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -121,8 +123,8 @@ def test_q8_0_reads_in_the_stream_k_range_use_the_context(monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_long_reads_dequantize_into_the_shared_buffer(monkeypatch, fmt):
-    """With a buffer, a read of STRATA_QUANT_DEQUANT_ROWS rows or more dequantizes the weight into it
-    and multiplies once; fewer rows, a mismatched dtype or the switch at 0 keep the format's kernels."""
+    """With a buffer, a read of `dequant_read_rows` rows or more (a kernel choice) dequantizes the weight
+    into it and multiplies once; fewer rows, a mismatched dtype or the choice at 0 keep the format's kernels."""
     from strata.kernels.quant import dequant
 
     n, k = 24, 256
@@ -131,13 +133,12 @@ def test_long_reads_dequantize_into_the_shared_buffer(monkeypatch, fmt):
     calls = []
     real = dequant.dequantize_into
     monkeypatch.setattr(dequant, "dequantize_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setenv("STRATA_QUANT_DEQUANT_ROWS", "8")
     want_w = w.dequantize().to(torch.bfloat16)
-    for m, dtype, rows, expect in [(8, torch.bfloat16, "8", True), (7, torch.bfloat16, "8", False),
-                                   (8, torch.float32, "8", False), (8, torch.bfloat16, "0", False)]:
-        monkeypatch.setenv("STRATA_QUANT_DEQUANT_ROWS", rows)
+    for m, dtype, rows, expect in [(8, torch.bfloat16, 8, True), (7, torch.bfloat16, 8, False),
+                                   (8, torch.float32, 8, False), (8, torch.bfloat16, 0, False)]:
         x = torch.randn(m, k).to(dtype)
-        got = w.matmul(x)
+        with choices.using(dequant_read_rows=rows):
+            got = w.matmul(x)
         assert bool(calls) == expect, (m, dtype, rows)
         calls.clear()
         if expect:

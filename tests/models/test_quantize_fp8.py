@@ -1,7 +1,8 @@
 """FP8 weights made at load (`--quantize fp8`): e4m3 with a scale per output channel, against the
 dequantize-then-matmul reference and the float model. Reads: activations quantized per token, through
 torch._scaled_mm (on the CPU too). Decode (1-16 rows): the weight-only GEMV, in the interpreter on the
-CPU; on the GPU (`pytest -m gpu -s`) at 8B shapes, with CUDA-graph replay and a speed line."""
+CPU; on the GPU (`pytest -m gpu`) at 8B shapes, with CUDA-graph replay (timings:
+benchmarks/kernels/fp8.py)."""
 
 from __future__ import annotations
 
@@ -253,7 +254,8 @@ def test_decode_gemv_configs():
     """Per (N, K) only: the swept table's entry, else the bf16 GEMV's grid and split-K; BLOCK_K >= 64,
     pipeline buffers (e4m3 tiles, x tiles, x's even/odd halves) that leave room for two programs per SM,
     and a workspace sized for the configuration that runs."""
-    shapes = {(n, k) for _, n, k in fp8.BENCH_SHAPES} | set(fp8.GEMV_CONFIGS) | {(8192, 2048)}
+    qwen3 = {(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (5120, 2048), (2048, 4096)}
+    shapes = qwen3 | set(fp8.GEMV_CONFIGS) | {(8192, 2048)}
     for n, k in sorted(shapes):
         cfg, base = fp8.gemv_config(n, k), fp8.k_gemv.gemv_config(n, k)
         fp8.k_gemv.check_config(cfg, k)
@@ -333,15 +335,3 @@ def test_gpu_decode_gemv_cuda_graph_replay(shape):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fp8.gemv(x, q.planes, n, k))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_decode_gemv_speed_report():
-    """Prints the FP8 decode GEMV against the bf16 GEMV and _scaled_mm (run with -s); speed is never
-    asserted. Goal: >= 1.7x the bf16 GEMV at M = 1 (half the weight bytes)."""
-    rows = fp8.bench_gemv("cuda", ms=(1, 8), shapes=[(f"{n}x{k}", n, k) for n, k in GPU_SHAPES], runs=50)
-    for r in rows:
-        print(f"fp8 decode GEMV {r['shape']} M={r['m']}: {r['fp8_us']:.2f} us ({r['fp8_tbs']:.2f} TB/s), "
-              f"{r['vs_bf16']:.2f}x the bf16 GEMV, {r['vs_scaled_mm']:.2f}x _scaled_mm")
-    assert rows and all(r["fp8_us"] > 0 and r["rel_err"] <= 1e-2 for r in rows)

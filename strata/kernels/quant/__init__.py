@@ -1,4 +1,4 @@
-"""Quantized weights kept quantized on the device (issue 10): one module per GGUF format.
+"""Quantized weights kept quantized on the device: one module per GGUF format.
 
 Each format module (`q8_0`, `q4_k`, `iq3_s`, `q6_k`) follows one contract: `GGML_TYPE`, `BLOCK_VALUES`,
 `BLOCK_BYTES`; `repack(raw)` turns the file's blocks (uint8 [N, K / BLOCK_VALUES * BLOCK_BYTES], already
@@ -7,35 +7,31 @@ definition (equal to the gguf package's numpy dequantization, bit for bit); `mat
 computes x @ Wᵀ through Triton kernels (a GEMV for decode-sized M, a tiled GEMM for reads);
 `random_raw(n, k, seed)` writes valid random blocks for tests and benchmarks.
 
-`QWeight` binds one tensor's planes to its format and shape; `FORMATS` maps a GGUF type name to its
-module (imported on first use, so a CPU-only install without Triton still loads GGUF files).
+`QWeight` binds one tensor's planes to its format and shape; `format_module` maps a GGUF type name to
+its module (`formats.py`: imported on first use, so a CPU-only install without Triton still loads GGUF
+files).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-_MODULES = {"Q8_0": "q8_0", "Q4_K": "q4_k", "IQ3_S": "iq3_s", "Q6_K": "q6_k", "FP8": "fp8"}
-FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # GGUF types kept quantized; FP8 is made at load (`quantize_fp8`)
-WRITTEN = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")  # the formats `writers.quantize` makes from float weights
+from strata.kernels import choices
+from strata.kernels.quant.formats import FORMATS, WRITTEN, format_module
+
+__all__ = ["DEQUANT_READ_FORMATS", "FORMATS", "STREAMK_ROWS", "WRITTEN", "QWeight", "QWeightStack", "format_module",
+           "random_blocks"]
+
 # Reads whose row count falls here run Q8_0's stream-K GEMM when the weight has a context. On the H200
-# it beat the tiled GEMM at 512 rows (1.00-1.49x over the 8B shapes) and lost at 4,096 (0.94-0.98x;
-# tests/kernels/test_quant_streamk.py::test_gpu_speed_report): the range around the default 512-token
+# it beats the tiled GEMM at 512 rows (1.00-1.49x over the 8B shapes) and loses at 4,096 (0.94-0.98x;
+# `python benchmarks/kernels/quant_formats.py --streamk`): the range around the default 512-token
 # chunk, to be refined by a sweep between those two points.
 STREAMK_ROWS = (256, 1024)
 # Formats whose reads may dequantize into a bf16 buffer and run cuBLAS (`QWeight.dequant_buf`).
 DEQUANT_READ_FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")
-
-
-def format_module(ggml_type: str) -> ModuleType:
-    """The kernel module of a GGUF type name ("Q8_0", "Q4_K", "IQ3_S"), or of "FP8" (`--quantize fp8`)."""
-    if ggml_type not in _MODULES:
-        raise ValueError(f"no quantized kernels for {ggml_type} (kept quantized: {', '.join(FORMATS)})")
-    return importlib.import_module(f"strata.kernels.quant.{_MODULES[ggml_type]}")
 
 
 @dataclass
@@ -53,8 +49,8 @@ class QWeight:
     # sets it on CUDA): with it, Q8_0 reads of STREAMK_ROWS rows run the stream-K GEMM.
     context: object | None = None
     # A bf16/fp16 buffer of >= N*K values shared by a model's weights (CausalLM.pack sets it on CUDA):
-    # reads of at least `STRATA_QUANT_DEQUANT_ROWS` rows dequantize the whole weight into it and run one
-    # cuBLAS GEMM, faster than the fused dequantizing GEMMs once the rows amortise the weight's write.
+    # reads of at least `dequant_read_rows` rows (a kernel choice) dequantize the whole weight into it and
+    # run one cuBLAS GEMM, faster than the fused dequantizing GEMMs once the rows amortise the weight's write.
     dequant_buf: torch.Tensor | None = None
 
     @classmethod
@@ -73,9 +69,7 @@ class QWeight:
         return cls(ggml_type, n, k, planes, workspace)
 
     def _dequantized_read(self, x: torch.Tensor) -> bool:
-        from strata.env import ENV
-
-        rows = ENV.QUANT_DEQUANT_ROWS.get()
+        rows = choices.current().dequant_read_rows
         return (self.dequant_buf is not None and rows > 0 and x.dim() == 2 and x.shape[0] >= rows
                 and x.dtype == self.dequant_buf.dtype)
 
@@ -167,17 +161,6 @@ class QWeightStack:
         return y
 
 
-def qweights_of(model: torch.nn.Module) -> list[QWeight]:
-    """Every `QWeight` held by a model's modules (the parts of a `QWeightStack` included), each once."""
-    found: dict[int, QWeight] = {}
-    for m in model.modules():
-        for value in vars(m).values():
-            for q in value.parts if isinstance(value, QWeightStack) else (value,):
-                if isinstance(q, QWeight):
-                    found[id(q)] = q
-    return list(found.values())
-
-
 # Byte offsets of each block's fp16 scale fields (d; Q4_K also dmin), which `random_blocks` must keep
 # finite; every other byte of a block is valid whatever its value.
 _SCALE_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "IQ3_S": (0,), "Q6_K": (208,)}
@@ -198,46 +181,3 @@ def random_blocks(ggml_type: str, n: int, k: int, generator: torch.Generator, de
         raw[:, :, off : off + 2] = scale.view(torch.uint8)
     return raw.view(n, blocks * mod.BLOCK_BYTES)
 
-
-def quantize_fp8(model: torch.nn.Module) -> int:
-    """`--quantize fp8`: the attention and dense-MLP projections of a loaded, packed model become FP8
-    `QWeight`s and its MoE experts' stacked weights e4m3 (a scale per output channel; routers, norms,
-    embeddings and the LM head stay as they are). Their float weights are dropped (left on the meta
-    device). Returns the weights (stacks) converted."""
-    from strata.kernels.quant import fp8 as fp8_format
-    from strata.kernels.quant import moe_decode_q
-    from strata.models.layers import MLP, Attention
-    from strata.models.moe import MoE
-
-    experts = {id(e) for m in model.modules() if isinstance(m, MoE) for e in m.experts}
-    done = 0
-
-    def fp8(w: torch.Tensor) -> QWeight:
-        return QWeight.from_raw("FP8", w.detach(), w.shape[0], w.shape[1])
-
-    def drop(*linears: torch.nn.Module) -> None:
-        for lin in linears:
-            lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, device="meta", dtype=lin.weight.dtype),
-                                            requires_grad=False)
-
-    for m in model.modules():
-        if isinstance(m, Attention) and m.qkv_weight is not None:
-            m.qkv_q, m.o_q = fp8(m.qkv_weight), fp8(m.o_proj.weight)
-            m.qkv_weight = None
-            drop(m.q_proj, m.k_proj, m.v_proj, m.o_proj)
-            done += 2
-        elif isinstance(m, MLP) and id(m) not in experts and m.gate_up_weight is not None:
-            m.gate_up_q, m.down_q = fp8(m.gate_up_weight), fp8(m.down_proj.weight)
-            m.gate_up_weight = None
-            drop(m.gate_proj, m.up_proj, m.down_proj)
-            done += 2
-        elif isinstance(m, MoE) and m.w13 is not None:
-            dtype = m.w13.dtype
-            m.fp8 = (*fp8_format.quantize_experts(m.w13), *fp8_format.quantize_experts(m.w2))
-            m.w13 = m.w2 = m.w13_ext = m.w2_ext = None
-            m.decode_kernel = False
-            m.qdecode = moe_decode_q.decode_stacks(moe_decode_q.Fp8Experts(*m.fp8[:2]),
-                                                   moe_decode_q.Fp8Experts(*m.fp8[2:]), m.num_experts_per_tok, dtype)
-            drop(*(lin for e in m.experts for lin in (e.gate_proj, e.up_proj, e.down_proj)))
-            done += 2
-    return done

@@ -1,4 +1,4 @@
-"""Quantized weights dequantized into a bf16/fp16 buffer, for prompt reads through cuBLAS (issue 10).
+"""Quantized weights dequantized into a bf16/fp16 buffer, for prompt reads through cuBLAS.
 
 The fused dequantize-GEMM kernels of the format modules reach ~100-290 TFLOP/s on the H200 against
 ~750 for cuBLAS bf16, so reads of many rows are to run as "dequantize the layer's weight once into a
@@ -16,27 +16,27 @@ Grid: (row tiles of BLOCK_N weight rows, K tiles of BLOCK_K values). BLOCK_K is 
 divides K (256 for every model shape; Q8_0 halves it down to 32 for a K that 256 does not divide),
 so there is no K tail. Rows past N re-read row N-1 (`tl.minimum`) and are not stored. The kernels
 allocate nothing and their grids depend on shapes only (CUDA-graph safe); each begins with the PDL
-prologue. Tile sizes are chosen by reasoning, UNTIMED: `python -m strata.kernels.quant.dequant
+prologue. Tile sizes are chosen by reasoning, UNTIMED: `python benchmarks/kernels/quant_dequant.py
 [--sweep]` on the device times them and the fused GEMMs against dequantize + torch.mm.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.quant import format_module, random_blocks
-from strata.kernels.quant import iq3_s, q4_k, q6_k, q8_0
-from strata.kernels.quant.iq3_s import _dequant_tile as iq3_s_tile
-from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
+from strata.kernels.quant.formats import format_module
+from strata.kernels.quant.iq3_s import _check_planes as iq3_s_check_planes, _dequant_tile as iq3_s_tile
+from strata.kernels.quant.iq3_s_planes import grid_table, grid_table_words
 from strata.kernels.quant.q4_k import _dequant_tile as q4_k_tile, _low_columns as q4_k_low_columns
+from strata.kernels.quant.q4_k import _planes_args as q4_k_planes_args
+from strata.kernels.quant.q4_k_planes import check_q4k_planes
 from strata.kernels.quant.q6_k import _dequant_tile as q6_k_tile, _low_columns as q6_k_low_columns
-from strata.kernels.quant.q8_0 import _dequant_tile as q8_0_tile
+from strata.kernels.quant.q6_k_planes import check_q6k_planes, kernel_planes as q6_k_kernel_planes
+from strata.kernels.quant.q8_0 import _check_planes as q8_0_check_planes, _dequant_tile as q8_0_tile
 from strata.kernels.triton_import import jit, tl
 
 
@@ -115,14 +115,13 @@ def _q4_k_kernel(qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, n, k, BLOCK_N: tl.cons
 
 @jit
 def _iq3_s_kernel(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr, SHARED_GRID: tl.constexpr):
+                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)
+    table = grid_table_words(grid_ptr, True)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w_rows = tl.minimum(rows, n - 1).to(tl.int64)
-    w = iq3_s_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, w_rows, k0, k, BLOCK_N, BLOCK_K,
-                   INTERPRETED, SHARED_GRID)
+    w = iq3_s_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, table, w_rows, k0, k, BLOCK_N, BLOCK_K, INTERPRETED)
     _store_rows(out_ptr, w.to(out_ptr.dtype.element_ty), rows, n, k, k0 + tl.arange(0, BLOCK_K))
 
 
@@ -182,19 +181,18 @@ def dequantize_into_triton(ggml_type: str, planes: dict[str, torch.Tensor], n: i
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=block_k, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps)
     interpreted = not out.is_cuda
     if ggml_type == "Q8_0":
-        qs, d = q8_0._check_planes(planes, n, k)
+        qs, d = q8_0_check_planes(planes, n, k)
         _q8_0_kernel[grid](qs, d, dest, n, k, **common)
     elif ggml_type == "Q4_K":
-        q4_k._check_planes(planes, n, k)
-        _q4_k_kernel[grid](*q4_k._planes_args(planes), dest, n, k, **common)
+        check_q4k_planes(planes, n, k)
+        _q4_k_kernel[grid](*q4_k_planes_args(planes), dest, n, k, **common)
     elif ggml_type == "IQ3_S":
-        iq3_s._check_planes(planes, n, k)
-        weights = (planes["qs"], planes["signs"], planes["qh"], planes["scales"], planes["d"],
-                   iq3_s.grid_table(out.device))
-        _iq3_s_kernel[grid](*weights, dest, n, k, INTERPRETED=interpreted, SHARED_GRID=grid_in_shared(), **common)
+        iq3_s_check_planes(planes, n, k)
+        weights = (planes["qs"], planes["signs"], planes["qh"], planes["scales"], planes["d"], grid_table(out.device))
+        _iq3_s_kernel[grid](*weights, dest, n, k, INTERPRETED=interpreted, **common)
     else:
-        q6_k._check_planes(planes, n, k)
-        _q6_k_kernel[grid](*q6_k.kernel_planes(planes), dest, n, k, INTERPRETED=interpreted, **common)
+        check_q6k_planes(planes, n, k)
+        _q6_k_kernel[grid](*q6_k_kernel_planes(planes), dest, n, k, INTERPRETED=interpreted, **common)
     return dest
 
 
@@ -207,90 +205,3 @@ def dequantize_into(ggml_type: str, planes: dict[str, torch.Tensor], n: int, k: 
     if kernels_run(out, _q8_0_kernel):
         return dequantize_into_triton(ggml_type, planes, n, k, out)
     return dequantize_into_ref(ggml_type, planes, n, k, out)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device micro-benchmark (by hand on the GPU): python -m strata.kernels.quant.dequant [--sweep]
-
-BENCH_SHAPES = ((6144, 4096), (24576, 4096), (4096, 12288))
-BENCH_FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")
-
-
-def read_bytes(planes: dict[str, torch.Tensor]) -> int:
-    """Bytes of the planes a kernel reads (not IQ3_S's GEMV workspace)."""
-    return sum(t.numel() * t.element_size() for name, t in planes.items() if name != "workspace")
-
-
-def _plane_copies(ggml_type: str, n: int, k: int, generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
-    """Random weights (>= 2, >= 3x the L2 in all), so that cycling over them reads HBM, not L2."""
-    mod = format_module(ggml_type)
-    first = mod.repack(random_blocks(ggml_type, n, k, generator, "cuda"))
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
-    count = max(2, math.ceil(3 * l2 / read_bytes(first)))
-    return [first] + [mod.repack(random_blocks(ggml_type, n, k, generator, "cuda")) for _ in range(count - 1)]
-
-
-def bench(shapes=BENCH_SHAPES, formats=BENCH_FORMATS, ms=(512, 2048, 4096)) -> list[dict]:
-    """Per format and shape: dequantize_into (bf16) in µs and GB/s of quantized bytes read + bf16
-    bytes written; then per M the fused GEMM (`format_module(t).matmul`) against dequantize_into +
-    torch.mm into preallocated buffers, in µs and TFLOP/s (fused / dq+mm > 1: the buffer path wins)."""
-    from strata.kernels.timing import time_us
-
-    gen = torch.Generator("cuda").manual_seed(0)
-    rows = []
-    print(f"{'format':>6} {'N x K':>11} | {'dequant us':>10} {'GB/s':>6} | {'M':>5} | {'fused us':>9} {'TFLOP/s':>7} | "
-          f"{'dq+mm us':>9} {'TFLOP/s':>7} | {'fused/dq+mm':>11}", flush=True)
-    for t in formats:
-        mod = format_module(t)
-        for n, k in shapes:
-            copies = _plane_copies(t, n, k, gen)
-            buf = torch.empty(n * k, dtype=torch.bfloat16, device="cuda")
-            t_dq = time_us([lambda p=p: dequantize_into(t, p, n, k, buf) for p in copies])
-            gbs = (read_bytes(copies[0]) + 2 * n * k) / t_dq / 1e3
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                t_fused = time_us([lambda p=p: mod.matmul(x, p, n, k, y) for p in copies])
-                t_mm = time_us([lambda p=p: torch.mm(x, dequantize_into(t, p, n, k, buf).t(), out=y) for p in copies])
-                flop = 2 * m * n * k / 1e6
-                rows.append({"format": t, "n": n, "k": k, "m": m, "dequant_us": t_dq, "dequant_gbs": gbs,
-                             "fused_us": t_fused, "dq_mm_us": t_mm})
-                print(f"{t:>6} {f'{n}x{k}':>11} | {t_dq:10.1f} {gbs:6.0f} | {m:>5} | {t_fused:9.1f} "
-                      f"{flop / t_fused:7.1f} | {t_mm:9.1f} {flop / t_mm:7.1f} | {t_fused / t_mm:11.2f}", flush=True)
-            del copies, buf
-            torch.cuda.empty_cache()
-    return rows
-
-
-def sweep(shapes=BENCH_SHAPES, formats=BENCH_FORMATS) -> None:
-    """Times tile configurations of dequantize_into (bf16) per format and shape; prints the best four."""
-    from strata.kernels.timing import time_us
-
-    gen = torch.Generator("cuda").manual_seed(0)
-    for t in formats:
-        for n, k in shapes:
-            copies = _plane_copies(t, n, k, gen)
-            buf = torch.empty(n * k, dtype=torch.bfloat16, device="cuda")
-            moved = read_bytes(copies[0]) + 2 * n * k
-            results = []
-            for block_n in (16, 32, 64, 128):
-                for block_k in (128, 256, 512):
-                    for warps in (4, 8):
-                        cfg = DequantConfig(block_n, block_k, warps)
-                        if block_k < MIN_BLOCK_K[t] or block_n * block_k // (32 * warps) > 256:
-                            continue
-                        us = time_us([lambda p=p: dequantize_into_triton(t, p, n, k, buf, config=cfg)
-                                      for p in copies], runs=30)
-                        results.append((us, cfg))
-            results.sort(key=lambda r: r[0])
-            print(f"{t} {n}x{k}: default {CONFIGS[t]}", flush=True)
-            for us, cfg in results[:4]:
-                print(f"   {us:8.1f} us {moved / us / 1e3:6.0f} GB/s  {cfg}", flush=True)
-            del copies, buf
-            torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the dequantize micro-benchmark needs a CUDA device")
-    sweep() if "--sweep" in sys.argv[1:] else bench()

@@ -21,15 +21,15 @@ PTX: there `dp4a` is emulated with shifts and integer multiplies, which give the
 
 From two rows on, each thread adds the dp4a products of the words it holds (`_dp4a_words`): a
 tl.sum over the word axis of a [rows, groups, 8] tile lets Triton spread the words over a warp's lanes
-and add them with shuffles. Timed on the H200 (the fifth round's sweep against the fourth's, whose
-dequantizing GEMV times agree within 2%): at M = 8 the in-thread sums run 0.78-0.92x the time (Q6_K
-0.61-0.75x), at M = 1 1.01-1.11x (Q6_K 0.84-0.91x), though the sm_90 compile counts fewer instructions
-per weight at both. So Q8_0 and Q4_K keep the lane sum at M = 1 (IN_THREAD = BLOCK_M > 1); Q6_K adds in
+and add them with shuffles. Timed on the H200 against the lane sum (two sweeps whose dequantizing GEMV
+times agree within 2%): at M = 8 the in-thread sums run 0.78-0.92x the time (Q6_K 0.61-0.75x), at
+M = 1 1.01-1.11x (Q6_K 0.84-0.91x), though the sm_90 compile counts fewer instructions per weight at
+both. So Q8_0 and Q4_K keep the lane sum at M = 1 (IN_THREAD = BLOCK_M > 1); Q6_K adds in
 the thread at every M. Both give the same integers.
 
-STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes): 1.6-1.8x
-faster at M = 1, 1.2-1.6x slower at M = 8; whole-model decode at batch 1 went from 175 to 279 tok/s.
-`q8_0.matmul` takes it up to `q8_0.DP4A_MAX_ROWS` rows by default (STRATA_Q8_DECODE=auto).
+STATUS: timed on the H200 against the dequantizing GEMV (`benchmarks/kernels/quant_formats.py --dp4a`, the Qwen3-8B shapes): 1.6-1.8x
+faster at M = 1, 1.2-1.6x slower at M = 8; whole-model decode at batch 1: 279 tok/s, 175 without it.
+`q8_0.matmul` takes it up to `q8_0.DP4A_MAX_ROWS` rows by default (kernel choice `quant_decode`=auto).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.kernels import choices
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.plan import DEFAULT_SMS
 from strata.kernels.splitk import (
     shared_split_k_numel,
     split_k_numel,
@@ -52,7 +52,7 @@ from strata.kernels.triton_import import jit, tl, triton
 
 
 GROUP = 32
-NUM_SMS = DEFAULT_SMS  # a constant so configurations depend on shapes only
+NUM_SMS = 132  # the H200's and the H100's; a constant so configurations depend on shapes only
 MAX_ROWS = 16
 # `config_for`'s split-K rule: about PROGRAMS_PER_SM programs per SM, at least MIN_STEPS_PER_SPLIT
 # K steps per program, at most MAX_SPLIT parts.
@@ -74,8 +74,7 @@ def config_for(n: int, k: int, block_ks=(256, 128, 64), block_n: int = 64) -> Dp
     """`block_n` rows per program, the first of `block_ks` dividing K per step, and split-K to about
     four programs per SM: the largest power of two <= min(4 · NUM_SMS / tiles, steps / 2, 8), at least 1
     (the H200 sweeps' best configurations ran 2-4 programs per SM with power-of-two splits). With 64
-    rows and 256 values: 4096 x 4096 -> 8, 6144 x 4096 -> 4, 24576 x 4096 -> 1, 4096 x 12288 -> 8.
-    Not changed by `plan.planning_for`: another split would change the sums, and the bits."""
+    rows and 256 values: 4096 x 4096 -> 8, 6144 x 4096 -> 4, 24576 x 4096 -> 1, 4096 x 12288 -> 8."""
     block_k = next(b for b in block_ks if k % b == 0)
     tiles, steps = -(-n // block_n), k // block_k
     limit = max(1, min(PROGRAMS_PER_SM * NUM_SMS // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
@@ -105,15 +104,13 @@ def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
     return workspace_for(config or gemv_config(n, k), n)
 
 
-def decode_kernel(switch, rows: int, max_rows: int) -> str:
-    """The decode GEMV ('dequant' or 'dp4a') for a call of `rows` <= MAX_ROWS rows under a format's
-    STRATA_*_DECODE switch: 'dequant' and 'dp4a' name one; 'auto' takes dp4a up to the format's
+def decode_kernel(rows: int, max_rows: int) -> str:
+    """The decode GEMV ('dequant' or 'dp4a') for a call of `rows` <= MAX_ROWS rows under the kernel
+    choice `quant_decode`: 'dequant' and 'dp4a' name one; 'auto' takes dp4a up to the format's
     `max_rows` (its DP4A_MAX_ROWS) and the dequantizing GEMV above. The limits come from H200 sweeps
     at M = 1 and 8 only (dp4a faster at M = 1 for all three formats, slower at M = 8 for Q8_0 and
     Q4_K); rows 2-7 were interpolated linearly between the two, not measured."""
-    choice = switch.get()
-    if choice not in ("auto", "dequant", "dp4a"):
-        raise ValueError(f"{switch.name}={choice!r}: expected 'auto', 'dequant' or 'dp4a'")
+    choice = choices.current().quant_decode
     if choice == "auto":
         return "dp4a" if rows <= max_rows else "dequant"
     return choice
@@ -329,64 +326,3 @@ def q8_gemv_dp4a(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.
     n, k = qs.shape
     return launch(_q8_gemv_dp4a_kernel, x, (qs.view(torch.int32), d), n, k, out, workspace,
                   config or gemv_config(n, k), 64)
-
-
-# ----------------------------------------------------------------------------------------------
-# Micro-benchmark (CUDA): python -m strata.kernels.quant.dp4a — against the dequantizing Q8_0 GEMV
-
-
-SWEEP_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
-
-
-def sweep_against(name: str, make_planes, dequant_call, dp4a_call, workspace_fn, bytes_per_value: float,
-                  shapes=SWEEP_SHAPES, ms=(1, 8)) -> None:
-    """Per shape and M (CUDA): the dequantizing GEMV's µs (`dequant_call(x, planes, n, k, out, ws)`,
-    ws a workspace of `workspace_fn(n, k, None)` elements), then the five fastest dp4a configurations'
-    (`dp4a_call(x, planes, n, k, out, ws, cfg)`, ws of `workspace_fn(n, k, cfg)`), weight copies cycled
-    past L2 so every call reads HBM."""
-    from strata.kernels.timing import time_us
-
-    for n, k in shapes:
-        planes = make_planes(n, k)
-        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (300 << 20) // (n * k)))]
-        qbytes = n * k * bytes_per_value
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            base_ws = torch.zeros(max(1, workspace_fn(n, k, None)), dtype=torch.int32, device="cuda")
-            base = time_us([lambda p=p: dequant_call(x, p, n, k, out, base_ws) for p in copies], runs=30)
-            results = []
-            for block_n in (32, 64, 128):
-                for block_k in (128, 256):
-                    for split in (1, 2, 4, 8):
-                        for warps in (4, 8):
-                            cfg = Dp4aConfig(block_n, block_k, split, warps)
-                            if split > max(1, k // block_k // 2):
-                                continue
-                            ws = torch.zeros(max(1, workspace_fn(n, k, cfg)), dtype=torch.int32, device="cuda")
-                            results.append((time_us([lambda p=p: dp4a_call(x, p, n, k, out, ws, cfg) for p in copies],
-                                                    runs=30), cfg))
-            results.sort(key=lambda r: r[0])
-            print(f"{name} {n}x{k} M={m}: dequant {base:7.2f} us {qbytes / base / 1e3:5.0f} GB/s", flush=True)
-            for t, cfg in results[:5]:
-                print(f"   dp4a {t:7.2f} us {qbytes / t / 1e3:5.0f} GB/s  {cfg}", flush=True)
-        del copies, planes
-        torch.cuda.empty_cache()
-
-
-def sweep() -> None:
-    from strata.kernels.quant import q8_0
-
-    sweep_against("Q8_0", lambda n, k: q8_0.repack(torch.from_numpy(q8_0.random_raw(n, k, seed=n + k)).cuda()),
-                  # The configuration given: the dequantizing GEMV whatever STRATA_Q8_DECODE says.
-                  lambda x, p, n, k, out, ws: q8_0.matmul_triton(x, p, n, k, out, workspace=ws,
-                                                                 config=q8_0.gemv_config(n, k)),
-                  lambda x, p, n, k, out, ws, cfg: q8_gemv_dp4a(x, p["qs"], p["d"], out, workspace=ws, config=cfg),
-                  lambda n, k, cfg: q8_0.gemv_workspace_numel(n, k) if cfg is None else workspace_numel(n, k, cfg),
-                  34 / 32)
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the dp4a micro-benchmark needs a CUDA device")
-    sweep()

@@ -29,9 +29,6 @@ all experts, no host sync); elsewhere a loop over the experts' row ranges (the r
 
 from __future__ import annotations
 
-import math
-import statistics
-import sys
 from dataclasses import replace
 
 import torch
@@ -41,7 +38,6 @@ from strata.kernels import gemv as k_gemv
 from strata.kernels import kernels_run
 from strata.kernels.gemv import GemvConfig
 from strata.kernels.quant.fp8_rows import E4M3_MAX, quantize_rows
-from strata.kernels.timing import time_us
 
 GGML_TYPE = "FP8"  # Strata's own name: not a GGUF type
 BLOCK_VALUES = 1
@@ -73,8 +69,8 @@ def matmul_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
     return y if out is None else out.copy_(y)
 
 
-# Decode GEMV configurations tuned on the device (`python -m strata.kernels.quant.fp8 --sweep`, H200,
-# 2026-12-02: mean of M = 1, 4, 8; the rule's configuration's time after each); shapes not listed take
+# Decode GEMV configurations tuned on the device (`python benchmarks/kernels/fp8.py --sweep`, H200:
+# mean of M = 1, 4, 8; the rule's configuration's time after each); shapes not listed take
 # `gemv_config`'s rule (gate_up 24576x4096 is listed nowhere: the rule's 64x256 was the sweep's best).
 GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (6144, 4096): GemvConfig(64, 128, split_k=4, num_stages=3),  # qkv: 13.53 us (rule 15.94)
@@ -221,100 +217,3 @@ def grouped_matmul_ref(xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, o
                 matmul_ref(xs[start:end], planes, w.shape[1], w.shape[2])
         start = end
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Device benchmark and configuration sweep (by hand on the GPU: python -m strata.kernels.quant.fp8)
-
-BENCH_SHAPES = [(name, n, k) for name, n, k in k_gemv.BENCH_SHAPES if "lm_head" not in name]  # what FP8 converts
-
-
-def _planes_copies(n: int, k: int, device) -> list[dict[str, torch.Tensor]]:
-    """Enough FP8 weights that cycling through them reads HBM, not L2 (>= 4, >= 3x the L2 size)."""
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20)
-    return [repack(torch.randn(n, k, device=device) * k ** -0.5) for _ in range(max(4, math.ceil(3 * l2 / (n * k))))]
-
-
-def bench_gemv(device="cuda", ms=(1, 4, 8, 16), shapes=None, runs: int = 100, dtype=torch.bfloat16) -> list[dict]:
-    """Prints (and returns) per shape and M: the FP8 decode GEMV (µs, TB/s of its weight bytes), the
-    bf16 GEMV on the same shape, torch._scaled_mm with per-token x (the path decode took before), the
-    speed-ups over both, and the GEMV's relative error against `matmul_ref`."""
-    rows = []
-    print(f"{'shape':>12} {'N x K':>12} {'M':>3} | {'fp8 us':>7} {'TB/s':>5} | {'bf16 us':>7} {'x':>5} | "
-          f"{'scaled_mm':>9} {'x':>5} | {'rel err':>8} | config", flush=True)
-    for name, n, k in shapes or BENCH_SHAPES:
-        fp8_w, bf16_w = _planes_copies(n, k, device), k_gemv._weight_copies(n, k, device, dtype)
-        cfg = gemv_config(n, k)
-        ws = torch.zeros(max(1, gemv_workspace_numel(n, k)), dtype=torch.int32, device=device)
-        ws16 = k_gemv.gemv_workspace(n, k, device)
-        for m in ms:
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            t8 = time_us([lambda p=p: gemv(x, p, n, k, workspace=ws) for p in fp8_w], runs)
-            t16 = time_us([lambda w=w: k_gemv.gemv_triton(x, w, workspace=ws16) for w in bf16_w], runs)
-            tmm = time_us([lambda p=p: scaled_mm_matmul(x, p, n, k) for p in fp8_w], runs)
-            ref = matmul_ref(x, fp8_w[0], n, k).float()
-            err = ((gemv(x, fp8_w[0], n, k, workspace=ws).float() - ref).abs().max() / ref.abs().max()).item()
-            row = dict(shape=name, n=n, k=k, m=m, fp8_us=t8, bf16_us=t16, scaled_mm_us=tmm, fp8_tbs=n * k / 1e6 / t8,
-                       vs_bf16=t16 / t8, vs_scaled_mm=tmm / t8, rel_err=err, config=cfg)
-            rows.append(row)
-            print(f"{name:>12} {f'{n}x{k}':>12} {m:>3} | {t8:7.2f} {row['fp8_tbs']:5.2f} | {t16:7.2f} "
-                  f"{row['vs_bf16']:5.2f} | {tmm:9.2f} {row['vs_scaled_mm']:5.2f} | {err:8.1e} | {cfg}", flush=True)
-        del fp8_w, bf16_w
-        torch.cuda.empty_cache()
-    return rows
-
-
-def sweep_candidates(n: int, k: int) -> list[GemvConfig]:
-    """Configurations worth timing: wgmma-sized tiles, 100-2400 programs, >= 2 K blocks per program,
-    and pipeline buffers (e4m3 tiles, x tiles and x's even/odd halves) of at most 113 KB."""
-    out = []
-    for block_n in (64, 128):
-        for block_k in (128, 256, 512):
-            for split in (1, 2, 4, 8):
-                programs = -(-n // block_n) * split
-                if k % block_k or k // block_k < 2 * split or not 100 <= programs <= 2400:
-                    continue
-                for stages in (3, 4, 5):
-                    cfg = GemvConfig(block_n, block_k, split, 4, stages)
-                    if cfg.smem_bytes(w_bytes=1) + 32 * block_k <= 113 << 10:
-                        out.append(cfg)
-    return out
-
-
-def sweep_gemv(device="cuda", shapes=None, ms=(1, 4, 8), runs: int = 50) -> dict[tuple[int, int], GemvConfig]:
-    """Times every candidate per shape (mean µs over `ms`), prints the five best and a GEMV_CONFIGS
-    line per shape to paste."""
-    best = {}
-    for n, k in shapes or [(n, k) for _, n, k in BENCH_SHAPES]:
-        weights = _planes_copies(n, k, device)
-        xs = {m: torch.randn(m, k, device=device, dtype=torch.bfloat16) for m in ms}
-
-        def mean_us(cfg):
-            ws = torch.zeros(max(1, k_gemv.gemv_workspace_numel(n, k, cfg)), dtype=torch.int32, device=device)
-            return statistics.mean(time_us([lambda p=p, x=x: gemv(x, p, n, k, workspace=ws, config=cfg)
-                                            for p in weights], runs) for x in xs.values())
-
-        results = []
-        for cfg in sweep_candidates(n, k):
-            try:
-                results.append((mean_us(cfg), cfg))
-            except Exception as exc:  # out of shared memory or registers: skip the candidate
-                print(f"  {n}x{k} {cfg}: {type(exc).__name__}", file=sys.stderr)
-        results.sort(key=lambda r: r[0])
-        print(f"{n}x{k}: current {gemv_config(n, k)} {mean_us(gemv_config(n, k)):.2f} us")
-        for t, cfg in results[:5]:
-            print(f"   {t:8.2f} us {n * k / 1e6 / t:5.2f} TB/s  {cfg}")
-        if results:
-            c = best[(n, k)] = results[0][1]
-            print(f"    ({n}, {k}): GemvConfig({c.block_n}, {c.block_k}, split_k={c.split_k}, "
-                  f"num_warps={c.num_warps}, num_stages={c.num_stages}),", flush=True)
-        del weights
-        torch.cuda.empty_cache()
-    return best
-
-
-if __name__ == "__main__":
-    if "--sweep" in sys.argv[1:]:
-        sweep_gemv()
-    else:
-        bench_gemv()

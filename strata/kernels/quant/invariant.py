@@ -1,6 +1,6 @@
 """Batch-invariant GEMM over weights kept quantized (Q8_0, FP8): out [M, N] = x [M, K] @ Wᵀ (+ bias),
-for any M ≥ 1, a row's bits the same whatever other rows are computed with it (issue 15,
-`--batch-invariant` with `--keep-quantized` Q8_0 files or `--quantize fp8`).
+for any M ≥ 1, a row's bits the same whatever other rows are computed with it (`--batch-invariant`
+with `--keep-quantized` Q8_0 files or `--quantize fp8`).
 
 It is the construction of `strata.kernels.matmul` (its docstring says why a row cannot depend on M:
 K cut into ranges fixed by the weight's shape, `matmul.invariant_split_k`, each summed from zero in K
@@ -31,7 +31,7 @@ as matmul cuts them, a K tail in the last. Per format:
 Configurations (`q_config`): `matmul.invariant_config`'s tiles, warps, stages and K ranges, except
 that Q8_0 leaves out tiles whose accumulator takes more than 64 fp32 registers a thread (256x128 and
 128x256 on 8 warps): its `part` doubles that. fp32 on CUDA: one FMA configuration for every M. Reasoned,
-not timed (`python -m strata.kernels.quant.invariant` times them against the formats' own kernels and
+not timed (`python benchmarks/kernels/quant_invariant.py` times them against the formats' own kernels and
 cuBLAS). Decode-sized launches take a workspace (`invariant_q_workspace_parts`).
 
 Semantics (`matmul_invariant_q_ref`, what the CPU engine runs): the weight dequantized to fp32
@@ -47,7 +47,6 @@ sharing a given workspace).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
 import torch
@@ -314,55 +313,3 @@ def matmul_invariant_q(x: torch.Tensor, weight, bias: torch.Tensor | None = None
     if kernels_run(x, _q8_0_kernel):
         return matmul_invariant_q_triton(x, weight, bias, out, workspace=workspace)
     return matmul_invariant_q_ref(x, weight, bias, out)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device benchmark (by hand on the GPU: python -m strata.kernels.quant.invariant)
-
-BENCH_SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
-BENCH_MS = (1, 8, 64, 512, 2048, 8192)
-
-
-def random_qweight(ggml_type: str, n: int, k: int, seed: int, device) -> QWeight:
-    """A random Q8_0 (scales ~2e-4) or FP8 (from N(0, 1/K) values) weight made on the device."""
-    from strata.kernels.quant import random_blocks
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    if ggml_type == "FP8":
-        dense = torch.randn(n, k, generator=gen, device=device) * k ** -0.5
-        return QWeight.from_raw("FP8", dense, n, k)
-    return QWeight.from_raw(ggml_type, random_blocks(ggml_type, n, k, gen, device), n, k)
-
-
-def bench(shapes=BENCH_SHAPES, ms=BENCH_MS, runs: int = 30) -> list[dict]:
-    """Per format, shape and M: µs of the invariant kernel, of the format's own kernels
-    (`QWeight.matmul`, not invariant) and of cuBLAS on the dequantized bf16 weight; prints the table."""
-    from strata.kernels.timing import time_us
-
-    rows = []
-    print(f"{'fmt':>5} {'shape':>8} {'M':>5} | {'inv us':>8} {'own us':>8} {'cuBLAS':>8} | config", flush=True)
-    for fmt in FORMATS:
-        for name, n, k in shapes:
-            w = random_qweight(fmt, n, k, seed=n + k, device="cuda")
-            dense = w.dequantize().to(torch.bfloat16)
-            ws = torch.zeros(sum(invariant_q_workspace_parts(w)), dtype=torch.int32, device="cuda")
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                t_inv = time_us([lambda: matmul_invariant_q(x, w, out=out, workspace=ws)], runs)
-                t_own = time_us([lambda: w.matmul(x, out)], runs)
-                t_blas = time_us([lambda: torch.matmul(x, dense.t(), out=out)], runs)
-                cfg = q_config(fmt, m, n, k, x.dtype, True)
-                rows.append(dict(fmt=fmt, shape=name, n=n, k=k, m=m, inv_us=t_inv, own_us=t_own, cublas_us=t_blas,
-                                 config=cfg))
-                print(f"{fmt:>5} {name:>8} {m:>5} | {t_inv:8.2f} {t_own:8.2f} {t_blas:8.2f} | {cfg.block_m}x"
-                      f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}", flush=True)
-            del w, dense, ws
-            torch.cuda.empty_cache()
-    return rows
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs a CUDA device")
-    bench(ms=tuple(int(v) for v in sys.argv[1].split(",")) if len(sys.argv) > 1 else BENCH_MS)

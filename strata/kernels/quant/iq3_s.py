@@ -25,8 +25,8 @@ x: IEEE fp32 dot); the result is rounded once to x's dtype.
   strata/kernels/gemv.py), so every M ≤ 16 runs one binary and a row's result does not depend on
   the others. Optional deterministic split-K: the last program of a column tile to arrive (atomic
   ticket) sums the fp32 partials in split order and resets the ticket.
-- M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_IQ3S_DECODE=auto, the default): the packed-int8 GEMV of
-  `iq3_s_dp4a.py` instead; STRATA_IQ3S_DECODE=dequant or dp4a picks one kernel for every M ≤ 16. A
+- M ≤ DP4A_MAX_ROWS with 16-bit x (kernel choice quant_decode=auto, the default): the packed-int8 GEMV of
+  `iq3_s_dp4a.py` instead; quant_decode=dequant or dp4a picks one kernel for every M ≤ 16. A
   row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 - M > 16 (prompt reads): a tiled GEMM, x tiles [BLOCK_M, BLOCK_K] times dequantized weight tiles
   (each weight tile is dequantized once per BLOCK_M rows of x, so BLOCK_M is large).
@@ -38,22 +38,18 @@ fma (both exact: the GPU tests check the weights bit for bit).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.env import ENV
-from strata.kernels.quant import iq3_s_dp4a
-from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words, grid_words
 from strata.kernels.quant.dp4a import decode_kernel, shared_workspace_numel
+from strata.kernels.quant.iq3_s_dp4a import gemv_config as dp4a_gemv_config
+from strata.kernels.quant.iq3_s_planes import SIGN_BIT, grid_table, grid_table_words, grid_words, signed_quants
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
-from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.triton_import import jit, tl
 
@@ -64,43 +60,22 @@ BLOCK_BYTES = 110
 GEMV_MAX_ROWS = 16  # M ≤ this runs the GEMV; its MMA pads x to this many rows
 NUM_SMS = 132  # H200; a constant so that configurations depend on (N, K) only
 WORKSPACE_MAX_FRACTION = 0.08  # split-K only where its workspace stays this small next to the weight
-# Rows up to which STRATA_IQ3S_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes, with the
-# shared grid and interleaved signs (bench/results/iq3s_dp4a_sweep_round7_cuda.txt): dp4a 13.0-45.9 us
+# Rows up to which quant_decode=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes, with the
+# shared grid and interleaved signs (bench/results/iq3s_dp4a_sweep_cuda.txt): dp4a 13.0-45.9 us
 # against 24.1-99.2 at M = 1, but 31.4-126.4 against 24.3-99.3 at M = 8. The dp4a GEMV runs
 # next_power_of_2(M) rows, so M = 5-7 cost what M = 8 does; at 3-4 rows (interpolated, not measured)
-# it is still ahead. (The fourth round's sweep, before both changes: the dequantizing GEMV took
-# 34.0-153.7 us at M = 8 and the limit was 8.)
+# it is ahead.
 DP4A_MAX_ROWS = 4
 
 
-def _grid_words() -> torch.Tensor:
-    """int32 [512]: gguf's IQ3_S grid, entry i's 4 magnitudes as bytes 0..3 of word i."""
-    from gguf.quants import IQ3_S as GgufIQ3S
-
-    GgufIQ3S.init_grid()
-    mags = np.asarray(GgufIQ3S.grid, dtype=np.float32).reshape(512, 4)
-    assert np.array_equal(mags, np.round(mags)) and mags.min() >= 1 and mags.max() <= 15
-    mags = mags.astype(np.int32)
-    words = mags[:, 0] | (mags[:, 1] << 8) | (mags[:, 2] << 16) | (mags[:, 3] << 24)
-    return torch.from_numpy(words.astype(np.int32))
-
-
-GRID_WORDS = _grid_words()  # CPU; `grid_table` puts it on a device
-# Interleaved sign planes (`interleave_signs`): value v's sign at bit 8 (v % 4) + v // 4 of its sub-block's
-# word; _SPREAD_BYTE[x]: a byte x of the file's word (groups 2b, 2b + 1) spread to those bits for b = 0.
-SIGN_BIT = torch.tensor([8 * (v % 4) + v // 4 for v in range(32)], dtype=torch.int32)
+# _SPREAD_BYTE[x]: a byte x of the file's sign word (groups 2b, 2b + 1) spread to their interleaved bits
+# (`SIGN_BIT`, `interleave_signs`) for b = 0.
 _SPREAD_BYTE = torch.tensor([sum(((x >> v) & 1) << int(SIGN_BIT[v]) for v in range(8)) for x in range(256)],
                             dtype=torch.int64)
 
 
 def _decode_kernel(rows: int) -> str:
-    return decode_kernel(ENV.IQ3S_DECODE, rows, DP4A_MAX_ROWS)
-
-
-@lru_cache(maxsize=16)
-def grid_table(device: torch.device) -> torch.Tensor:
-    """The grid on `device` (made once per device; `repack` makes it, so never first under capture)."""
-    return GRID_WORDS.to(device)
+    return decode_kernel(rows, DP4A_MAX_ROWS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,21 +122,7 @@ def decode_workspace_numel(n: int, k: int) -> int:
     """int32 elements of planes["workspace"]: both decode GEMVs' split-K, whatever the switch says."""
     cfg = gemv_config(n, k)
     parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    return shared_workspace_numel(n, parts, iq3_s_dp4a.gemv_config(n, k))
-
-
-def signed_quants(planes: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grid magnitude times sign, ±{1, 3, ..., 15} as fp32 [N, K/32, 32]; d · (1 + 2 · scale) fp32
-    [N, K/32]): the two exact factors of every weight."""
-    qs, qh, signs = planes["qs"].long(), planes["qh"].long(), planes["signs"]
-    device = qs.device
-    high = ((qh.view(n, k // 32, 1) >> torch.arange(8, device=device)) & 1).view(n, k // 4)
-    mags = (grid_table(device)[qs | (high << 8)].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
-    negative = (signs.view(n, k // 32, 1) >> SIGN_BIT.to(device)) & 1
-    # The sign is a multiplication, as gguf's, so a zero d keeps gguf's sign of zero.
-    values = mags.float().view(n, k // 32, 32) * (1.0 - 2.0 * negative.float())
-    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
-    return values, planes["d"].float().repeat_interleave(8, dim=1) * (1 + 2 * scale).float()
+    return shared_workspace_numel(n, parts, dp4a_gemv_config(n, k))
 
 
 def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
@@ -283,11 +244,10 @@ def _byte_plane(db, word, signs, J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K
 
 
 @jit
-def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, rows64, k0, k,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                  SHARED_GRID: tl.constexpr):
+def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, table, rows64, k0, k,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 [BLOCK_N, BLOCK_K] weights of rows `rows64` (int64 [BLOCK_N], valid rows), K from k0. The
-    grid words come from `table` through shared memory or from the global table (`grid_words`).
+    grid words are gathered from `table` (`iq3_s_planes.grid_table_words`) through shared memory.
 
     The groups of 4 are laid out [group in sub-block, sub-block, row] and permuted to rows-first only
     at the end: the grid gather has no contiguity, and the compiler then makes dim 0 the lanes' fastest
@@ -304,7 +264,7 @@ def _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table,
     scale = (scale_byte >> ((sub % 2) * 4)) & 15
     db = (d * (1 + 2 * scale).to(tl.float32))[None, :, :]
     index = qs | (((qh[None, :, :] >> t) & 1) << 8)
-    word = grid_words(grid_ptr, index, table, SHARED_GRID)
+    word = grid_words(index, table)
     group_signs = signs[None, :, :] >> t  # bit 8j: value 4t + j (interleaved planes)
     w0 = _byte_plane(db, word, group_signs, 0, BLOCK_N, BLOCK_K, INTERPRETED)
     w1 = _byte_plane(db, word, group_signs, 1, BLOCK_N, BLOCK_K, INTERPRETED)
@@ -328,9 +288,9 @@ def _dot(a, b, acc, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr):
 def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, out_stride,
                  partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
-                 USE_PDL: tl.constexpr, SHARED_GRID: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)
+    table = grid_table_words(grid_ptr, True)
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -347,8 +307,8 @@ def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(step_begin, step_end):
         k0 = step * BLOCK_K
-        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, rows64, k0, k, BLOCK_N,
-                          BLOCK_K, INTERPRETED, SHARED_GRID)
+        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, table, rows64, k0, k, BLOCK_N, BLOCK_K,
+                          INTERPRETED)
         xt = tl.load(x_ptr + xrows[None, :] * x_stride + (k0 + offs_k)[:, None], mask=xrow_ok[None, :], other=0.0)
         acc = _dot(w.to(x_ptr.dtype.element_ty), xt, acc, IEEE_DOT, INTERPRETED)
 
@@ -366,10 +326,9 @@ def _gemv_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
 @jit
 def _gemm_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr, out_stride,
                  m, n, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr,
-                 SHARED_GRID: tl.constexpr):
+                 GROUP_M: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)
+    table = grid_table_words(grid_ptr, True)
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, m, n, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -381,8 +340,8 @@ def _gemm_kernel(x_ptr, x_stride, qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, 
     for step in range(0, k // BLOCK_K):
         k0 = step * BLOCK_K
         xt = tl.load(x_ptrs)
-        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, grid_ptr, table, rows64, k0, k, BLOCK_N,
-                          BLOCK_K, INTERPRETED, SHARED_GRID)
+        w = _dequant_tile(qs_ptr, signs_ptr, qh_ptr, scales_ptr, d_ptr, table, rows64, k0, k, BLOCK_N, BLOCK_K,
+                          INTERPRETED)
         acc = _dot(xt, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, IEEE_DOT, INTERPRETED)
         x_ptrs += BLOCK_K
     out_ptrs = out_ptr + xrows.to(tl.int64)[:, None] * out_stride + cols[None, :]
@@ -405,7 +364,7 @@ def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
            *, config: TileConfig | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ -> [M, N] in x's dtype. `config` overrides the (N, K) configuration of the regime
-    M selects (given, a GEMV is the dequantizing one; else STRATA_IQ3S_DECODE may pick dp4a); `workspace` (int32, ≥ workspace_numel, zeroed once) overrides planes["workspace"] for
+    M selects (given, a GEMV is the dequantizing one; else `quant_decode` may pick dp4a); `workspace` (int32, ≥ workspace_numel, zeroed once) overrides planes["workspace"] for
     a split-K GEMV, and one is allocated only when neither is there (a config override)."""
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x: expected [M, {k}] with contiguous rows, got {tuple(x.shape)} strides {x.stride()}")
@@ -425,7 +384,7 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
     check_config(cfg, k, gemv)
     on = use_pdl(x)
     common = dict(IEEE_DOT=x.dtype == torch.float32, INTERPRETED=not x.is_cuda, USE_PDL=on, launch_pdl=on,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED_GRID=grid_in_shared())
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     weights = (planes["qs"], planes["signs"], planes["qh"], planes["scales"], planes["d"], grid_table(x.device))
     if not gemv:
         grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
@@ -449,33 +408,3 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
         x, x.stride(0), *weights, out, out.stride(0), partials, counters, m, n, k, BLOCK_M=GEMV_MAX_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, **common)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Micro-benchmark (CUDA): python -m strata.kernels.quant.iq3_s
-
-BENCH_SHAPES = [("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up", 24576, 4096),
-                ("8B down", 4096, 12288)]
-
-
-def _bench() -> None:
-    print(f"{'shape':>12} {'M':>5} | {'iq3_s us':>9} {'GB/s or TFLOP/s':>16} | {'bf16 us':>9} | rel err")
-    for name, n, k in BENCH_SHAPES:
-        planes = repack(torch.from_numpy(random_raw(n, k, seed=n + k)).cuda())
-        w = dequantize(planes, n, k).to(torch.bfloat16)
-        weight_bytes = n * k // BLOCK_VALUES * BLOCK_BYTES
-        for m in (1, 4096):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            ours = time_us([lambda: matmul(x, planes, n, k, out)])
-            theirs = time_us([lambda: torch.matmul(x, w.t())])
-            ref = torch.matmul(x.float(), w.float().t())
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            speed = f"{weight_bytes / ours / 1e3:9.1f} GB/s" if m == 1 else f"{2 * m * n * k / ours / 1e6:7.1f} TFLOP/s"
-            print(f"{name:>12} {m:>5} | {ours:9.2f} {speed:>16} | {theirs:9.2f} | {err:.1e}", flush=True)
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        sys.exit("the IQ3_S micro-benchmark needs a CUDA device")
-    _bench()

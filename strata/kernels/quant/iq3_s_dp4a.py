@@ -15,33 +15,25 @@ Semantics (`gemv_iq3s_dp4a_ref`): term = (d·(1 + 2·scale)) · dx · S per sub-
 the first product is exact), a step's sub-blocks added by the pairwise tree, steps in K order,
 split-K partials in split order. A row's result does not depend on the other rows.
 
-STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes; the seventh
-round, both with the shared grid and interleaved signs): 1.9-2.2x faster at M = 1, 0.74-0.85x at M = 8;
-whole-model decode at batch 1 went from 74 to 180, then 202, 207 and 230 tok/s.
-`iq3_s.matmul` takes it up to `iq3_s.DP4A_MAX_ROWS` rows by default (STRATA_IQ3S_DECODE=auto).
+STATUS: timed on the H200 against the dequantizing GEMV (`benchmarks/kernels/quant_formats.py --dp4a`, the Qwen3-8B shapes, both with the
+shared grid and interleaved signs): 1.9-2.2x faster at M = 1, 0.74-0.85x at M = 8; whole-model decode
+at batch 1: 230 tok/s, 74 with the dequantizing GEMV alone.
+`iq3_s.matmul` takes it up to `iq3_s.DP4A_MAX_ROWS` rows by default (kernel choice quant_decode=auto).
 
-Tried and measured (the fifth H200 round, bench/results/dp4a_sweep_round5_cuda.txt): the eight grid
-words of a sub-block unrolled inside the thread that holds it, tensors [rows, sub-blocks], eight warps.
-It cut the sm_90 loop from 9.3 to 5.8 SASS instructions per weight and gave the same bits, yet ran
-1.22-1.38x slower at M = 1 (0.75-0.99x at M = 8) and took batch-1 decode from 202 to 120 tok/s: at
-M = 1 this GEMV waits on memory, and the count of instructions did not predict it. Reverted.
+Measured on the H200 and not taken: the eight grid words of a
+sub-block unrolled inside the thread that holds it, tensors [rows, sub-blocks], eight warps. It cuts
+the sm_90 loop from 9.3 to 5.8 SASS instructions per weight and gives the same bits, yet runs
+1.22-1.38x slower at M = 1 (0.75-0.99x at M = 8), batch-1 decode 120 tok/s against 202: at M = 1 this
+GEMV waits on memory, and the count of instructions does not predict it.
 
-Grid words through shared memory (`grid_words`, STRATA_IQ3S_GRID=shared, the default): the 512-word
-table is loaded once a program and gathered with tl.gather, which Triton lowers through shared memory,
-instead of 64 random global loads a thread per step through L1. Same words, same bits. The sixth H200
-round: this GEMV 1.04-1.07x at 128-row tiles (bench/results/iq3s_grid_cuda.txt), batch-1 decode 201.7
--> 205.0 tok/s; the grouped MoE kernel's dequantizing tile, which shares `grid_words`, 1.22x at the
-30B-A3B shape (docs/QUANTIZATION.md).
+Grid words are gathered from the table in shared memory (`iq3_s_planes.grid_words`).
 """
 
 from __future__ import annotations
 
-import sys
-from dataclasses import replace
 
 import torch
 
-from strata.env import ENV
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     Dp4aConfig,
@@ -52,9 +44,9 @@ from strata.kernels.quant.dp4a import (
     config_for,
     launch,
     quantize_ref,
-    sweep_against,
     workspace_for,
 )
+from strata.kernels.quant.iq3_s_planes import grid_table_words, grid_words, signed_quants
 from strata.kernels.splitk import split_k_range, split_k_store
 from strata.kernels.triton_import import jit, tl
 
@@ -62,8 +54,8 @@ from strata.kernels.triton_import import jit, tl
 def gemv_config(n: int, k: int) -> Dp4aConfig:
     """128 rows x 256 values (one super-block) per step, split-K to about four programs per SM
     (`dp4a.config_for`): 6144 x 4096 -> split 8, 24576 x 4096 -> 2, 4096 x 4096 and 4096 x 12288 -> 8.
-    The H200 comparison of the sixth round (`--shared-grid`) ran those with 128 rows 1.04-1.10x faster
-    than with 64 when the grid is gathered from shared memory (the sweeps' best at M = 1 also had 128)."""
+    On the H200, with the grid gathered from shared memory, those ran 1.04-1.10x faster with 128 rows
+    than with 64 (the sweeps' best at M = 1 also had 128)."""
     return config_for(n, k, block_ks=(256,), block_n=128)
 
 
@@ -74,8 +66,6 @@ def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
 def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
                        block_k: int = 256) -> torch.Tensor:
     """fp32 [M, N], the kernel's result before its rounding to x's dtype (no split-K)."""
-    from strata.kernels.quant.iq3_s import signed_quants
-
     m = x.shape[0]
     values, db = signed_quants(planes, n, k)
     xq, dx = quantize_ref(x)
@@ -85,29 +75,7 @@ def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int,
 
 
 @jit
-def grid_table_words(grid_ptr, SHARED_GRID: tl.constexpr):
-    """The 512 grid words in registers, once a program, for `grid_words` to gather from (0 when unused)."""
-    if SHARED_GRID:
-        return tl.load(grid_ptr + tl.arange(0, 512))
-    else:
-        return 0
-
-
-@jit
-def grid_words(grid_ptr, idx, table, SHARED_GRID: tl.constexpr):
-    """The grid words at `idx` (int32, any shape, 0..511). SHARED_GRID: gathered from `table`
-    (`grid_table_words`), which Triton lowers through shared memory; else loaded from the global table
-    (through L1, where 32 lanes' random words touch ~14 of its 16 lines)."""
-    if SHARED_GRID:
-        flat = tl.reshape(idx, (idx.numel,))
-        return tl.reshape(tl.gather(table, flat, 0), idx.shape)
-    else:
-        return tl.load(grid_ptr + idx)
-
-
-@jit
-def weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, table, w_rows, sub, k,
-                 SHARED_GRID: tl.constexpr):
+def weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, table, w_rows, sub, k):
     """Rows `w_rows` (int64 [R]) at sub-blocks `sub` (int32 [G], 32 values each) → (wq int32 [R, G, 8]: the
     signed 8-bit weights four to a word, in K order; db fp32 [R, G]: each sub-block's scale, exact)."""
     word = tl.arange(0, 8)
@@ -115,7 +83,7 @@ def weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, table, 
                   + word[None, None, :]).to(tl.int32)  # [R, G, 8]: a grid index per 4 values
     qh = tl.load(qh_ptr + w_rows[:, None] * (k // 32) + sub[None, :]).to(tl.int32)  # [R, G]
     idx |= ((qh << 8)[:, :, None] >> word[None, None, :]) & 256
-    mags = grid_words(grid_ptr, idx, table, SHARED_GRID)  # four magnitudes per word, one per byte lane
+    mags = grid_words(idx, table)  # four magnitudes per word, one per byte lane
     bits = tl.load(signs_ptr + w_rows[:, None] * (k // 32) + sub[None, :])  # one bit per value
     lanes = (bits[:, :, None] >> word[None, None, :]) & 0x01010101  # interleaved: 0x01 per negative lane
     wq = (mags ^ (lanes * 255)) + lanes  # the negative lanes negated
@@ -129,9 +97,9 @@ def weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, table, 
 def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, out_ptr,
                            out_stride, partial_ptr, counter_ptr, m, n, k, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                           EMULATE: tl.constexpr, USE_PDL: tl.constexpr, SHARED_GRID: tl.constexpr):
+                           EMULATE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)
+    table = grid_table_words(grid_ptr, True)
     G: tl.constexpr = BLOCK_K // 32
     tile, split, kb_begin, kb_end = split_k_range(k // BLOCK_K, SPLIT_K)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,8 +109,7 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
     rows = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_begin, kb_end):
-        wq, db = weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, grid_ptr, table, w_rows, kb * G + g, k,
-                              SHARED_GRID)
+        wq, db = weight_words(qs_ptr, qh_ptr, signs_ptr, scales_ptr, d_ptr, table, w_rows, kb * G + g, k)
         for r in tl.static_range(BLOCK_M):
             in_batch = tl.full((G, 32), r, tl.int32) < m
             xv = tl.load(x_ptr + r * x_stride + kb * BLOCK_K + g[:, None] * 32 + j[None, :], mask=in_batch,
@@ -155,76 +122,10 @@ def _iq3s_gemv_dp4a_kernel(x_ptr, x_stride, qs_ptr, qh_ptr, signs_ptr, scales_pt
                   SPLIT_K, BLOCK_M, BLOCK_N)
 
 
-def grid_in_shared() -> bool:
-    """STRATA_IQ3S_GRID: whether IQ3_S kernels gather grid words through shared memory."""
-    where = ENV.IQ3S_GRID.get()
-    if where not in ("shared", "global"):
-        raise ValueError(f"STRATA_IQ3S_GRID={where!r}: expected 'shared' or 'global'")
-    return where == "shared"
-
-
 def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch.Tensor, n: int, k: int,
                    out: torch.Tensor | None = None, *, workspace: torch.Tensor | None = None,
-                   config: Dp4aConfig | None = None, shared_grid: bool | None = None) -> torch.Tensor:
-    """x [M ≤ 16, K] (contiguous rows) @ IQ3_S planes (`grid`: iq3_s.grid_table on x's device) -> [M, N]
-    in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one.
-    `shared_grid`: the grid gathered from shared memory or from the global table (the same words); None
-    asks STRATA_IQ3S_GRID."""
-    if shared_grid is None:
-        shared_grid = grid_in_shared()
+                   config: Dp4aConfig | None = None) -> torch.Tensor:
+    """x [M ≤ 16, K] (contiguous rows) @ IQ3_S planes (`grid`: iq3_s_planes.grid_table on x's device) ->
+    [M, N] in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one."""
     weights = (planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid)
-    return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256,
-                  SHARED_GRID=shared_grid)
-
-
-def sweep() -> None:
-    """The dequantizing IQ3_S GEMV against the dp4a configurations (CUDA)."""
-    from strata.kernels.quant import iq3_s
-
-    grid = iq3_s.grid_table(torch.device("cuda"))
-    sweep_against("IQ3_S", lambda n, k: iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed=n + k)).cuda()),
-                  # The configuration given: the dequantizing GEMV whatever STRATA_IQ3S_DECODE says.
-                  lambda x, p, n, k, out, ws: iq3_s.matmul(x, p, n, k, out, config=iq3_s.gemv_config(n, k)),
-                  lambda x, p, n, k, out, ws, cfg: iq3s_gemv_dp4a(x, p, grid, n, k, out, workspace=ws, config=cfg),
-                  lambda n, k, cfg: 1 if cfg is None else workspace_numel(n, k, cfg), 110 / 256)
-
-
-def compare_shared_grid(shapes=None, ms=(1, 8), runs: int = 30) -> None:
-    """Per Qwen3-8B shape and M (CUDA): µs of the grid gathered from the global table (L1) against
-    from shared memory, at the shipped configuration and its 64-row twin, interleaved, weight copies
-    cycled past L2; whether the two give the same bits."""
-    from strata.kernels.quant import iq3_s
-    from strata.kernels.quant.dp4a import SWEEP_SHAPES
-    from strata.kernels.timing import time_us
-
-    grid = iq3_s.grid_table(torch.device("cuda"))
-    for n, k in shapes or SWEEP_SHAPES:
-        planes = iq3_s.repack(torch.from_numpy(iq3_s.random_raw(n, k, seed=n + k)).cuda())
-        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (300 << 20) // (n * k)))]
-        qbytes = n * k * 110 / 256
-        base = gemv_config(n, k)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            for cfg in (base, replace(base, block_n=64)):
-                ws = torch.zeros(max(1, workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
-                same = torch.equal(iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=False),
-                                   iq3s_gemv_dp4a(x, planes, grid, n, k, workspace=ws, config=cfg, shared_grid=True))
-                t = {sh: [] for sh in (False, True)}
-                for _ in range(2):
-                    for sh in (False, True):
-                        t[sh].append(time_us([lambda p=p, sh=sh: iq3s_gemv_dp4a(x, p, grid, n, k, out, workspace=ws,
-                                                                                 config=cfg, shared_grid=sh)
-                                              for p in copies], runs))
-                g, s = min(t[False]), min(t[True])
-                print(f"IQ3_S {n}x{k} M={m} {cfg.block_n}x{cfg.block_k} split {cfg.split_k}: global {g:7.2f} us "
-                      f"{qbytes / g / 1e3:5.0f} GB/s | shared {s:7.2f} us {qbytes / s / 1e3:5.0f} GB/s | "
-                      f"{g / s:4.2f}x | same bits {same}", flush=True)
-        del copies, planes
-        torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the IQ3_S dp4a micro-benchmark needs a CUDA device")
-    compare_shared_grid() if "--shared-grid" in sys.argv else sweep()
+    return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)

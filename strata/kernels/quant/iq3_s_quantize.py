@@ -7,7 +7,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from strata.kernels.quant.iq3_s import BLOCK_BYTES, BLOCK_VALUES, GRID_WORDS
+from strata.kernels.quant.iq3_s import BLOCK_BYTES, BLOCK_VALUES
+from strata.kernels.quant.iq3_s_planes import GRID_WORDS
 
 
 SCALE_MULTIPLIERS = np.arange(1, 32, 2, dtype=np.float32)  # 1 + 2s for the 16 scales s

@@ -27,11 +27,11 @@ on the other tokens.
 Q8_0 takes `dp4a` tiles by default (`QMoeDecodeConfig.dp4a`): x quantized per 32 values and packed int8
 dot products, the dense Q8_0 decode GEMV's arithmetic (`strata.kernels.quant.dp4a`), against
 `moe_decode_dp4a_ref`; `reference` picks the definition a configuration follows. IQ3_S has dp4a tiles
-too (its dense GEMV's `weight_words`), tested; on the H200 they ran level with its dequantizing tiles
-(ninth round, docs/QUANTIZATION.md) with x's int8 rounding on top, so they are not its default.
+too (its dense GEMV's `weight_words`), tested; on the H200 they run level with its dequantizing tiles
+(docs/QUANTIZATION.md) with x's int8 rounding on top, so they are not its default.
 
 STATUS: correct against the references in the interpreter and on the H200 (tests); configurations
-from `python -m strata.kernels.quant.moe_decode_q` on the H200 (`_CONFIGS`).
+from `python benchmarks/kernels/quant_moe.py --decode` on the H200 (`_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -41,22 +41,20 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.env import ENV
-from strata.kernels import kernels_run, use_pdl
+from strata.kernels import choices, kernels_run, use_pdl
 from strata.kernels import moe_decode as k_moe
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import _dp4a_words as dp4a_words
 from strata.kernels.quant.dp4a import _quantize_row as dp4a_quantize_row
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
-from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
 from strata.kernels.quant.iq3_s_dp4a import weight_words as iq3s_weight_words
-from strata.kernels.quant.moe_q import _FORMAT_IDS, _MIN_BLOCK_K, QExpertStack, _kernel_planes
+from strata.kernels.quant.iq3_s_planes import grid_table_words
+from strata.kernels.quant.moe_q import _FORMAT_IDS, _MIN_BLOCK_K, _kernel_planes
 from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
 from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
 from strata.kernels.quant.q6_k import _dequant_tile as q6k_dequant_tile
 from strata.kernels.quant.q6_k import _low_columns as q6k_low_columns
 from strata.kernels.quant.q8_0 import _dequant_tile as q8_dequant_tile
-from strata.kernels.timing import time_us
 from strata.kernels.triton_import import jit, tl, triton
 
 log = logging.getLogger("strata")
@@ -130,14 +128,14 @@ def _block_k(ggml_type: str, k: int, preferred: int) -> int:
 
 
 # Per format (gate_up rows, K step; down rows, K step; warps of each; dp4a), the fastest correct row of
-# `bench` on the H200 at the 30B-A3B shape (eighth round, bench/results/qmoe_decode_bench_cuda.txt),
+# `benchmarks/kernels/quant_moe.py --decode` on the H200 at the 30B-A3B shape (bench/results/qmoe_decode_bench_cuda.txt),
 # µs for both launches at T = 1 / 8 against the grouped path's: Q8_0 dp4a 36.1 / 132.4 (81.0 / 259.7),
 # Q4_K 38.9 / 170.8 (65.7 / 178.0), IQ3_S 40.6 / 181.0 (76.9 / 288.5), Q6_K 51.0 / 166.6 (78.9 / 235.7),
 # FP8 26.0 / 89.9 (78.0 / 170.9).
 _CONFIGS = {"Q8_0": (16, 256, 8, 256, 4, 4, True), "Q4_K": (16, 256, 8, 256, 4, 4, False),
             "IQ3_S": (8, 256, 4, 256, 4, 2, False), "Q6_K": (32, 128, 16, 128, 4, 4, False),
             "FP8": (16, 256, 8, 256, 4, 4, False)}
-# Past these many tokens the grouped path was faster (Q4_K at T = 16: 318 µs fused against 245 grouped):
+# Past these many tokens the grouped path is faster (Q4_K at T = 16: 318 µs fused against 245 grouped):
 # the fused kernels stream each pair's weights, so tokens sharing an expert each read it.
 MAX_TOKENS_BY_FORMAT = {"Q4_K": 8}
 
@@ -218,9 +216,8 @@ def reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 @jit
-def _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, x_row, FORMAT: tl.constexpr,
-              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr,
-              DP4A: tl.constexpr):
+def _fma_tile(acc, p0, p1, p2, p3, p4, table, w_rows, k0, k, x_row, FORMAT: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DP4A: tl.constexpr):
     """acc + the weight tile (rows `w_rows` of the flat planes, values k0 .. k0 + BLOCK_K) times the
     activation row at x_row, elementwise in fp32. acc is [ROWS, BLOCK_K / 2] for Q4_K and Q6_K (their
     tiles come as two halves), [ROWS, BLOCK_K] otherwise; with DP4A (Q8_0, IQ3_S) [ROWS, BLOCK_K / 32], a
@@ -233,7 +230,7 @@ def _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, x_row, FO
                          + tl.arange(0, 8)[None, None, :])
             dw = tl.load(p1 + w_rows[:, None] * (k // 32) + k0 // 32 + g4[None, :]).to(tl.float32)
         else:  # IQ3_S: the signed weights and sub-block scales as its dp4a GEMV builds them
-            wq, dw = iq3s_weight_words(p0, p2, p1, p3, p4, grid_ptr, table, w_rows, k0 // 32 + g4, k, SHARED_GRID)
+            wq, dw = iq3s_weight_words(p0, p2, p1, p3, p4, table, w_rows, k0 // 32 + g4, k)
         xw, dx = dp4a_quantize_row(tl.load(x_row + k0 + g4[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32))
         isum = dp4a_words(wq, tl.broadcast_to(xw[None, :, :], wq.shape), INTERPRETED, False)
         acc += isum.to(tl.float32) * dw * dx[None, :]
@@ -255,8 +252,7 @@ def _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, x_row, FO
             d_ptrs = p1 + w_rows[:, None] * (k // 32) + k0 // 32 + g[None, :]
             w = q8_dequant_tile(q_ptrs, d_ptrs, ROWS, BLOCK_K, tl.float32)
         elif FORMAT == 2:  # IQ3_S: qs, signs, qh, scales, d and the grid
-            w = iq3s_dequant_tile(p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, ROWS, BLOCK_K,
-                                  INTERPRETED, SHARED_GRID)
+            w = iq3s_dequant_tile(p0, p1, p2, p3, p4, table, w_rows, k0, k, ROWS, BLOCK_K, INTERPRETED)
         else:  # FP8: p0 e4m3 [rows, K] (its row scale, p1, multiplies the row's sum: `_row_sum`)
             w = tl.load(p0 + w_rows[:, None] * k + k0 + tl.arange(0, BLOCK_K)[None, :]).to(tl.float32)
         acc += w * tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)[None, :]
@@ -278,7 +274,7 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1
                     ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
                     SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only
+    table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only: its grid table, gathered through shared memory
     pair = tl.program_id(0)
     token = pair // top_k
     slot = pair % top_k
@@ -291,10 +287,10 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1
     acc_gate = tl.zeros((BLOCK_I, ACC_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_I, ACC_K), dtype=tl.float32)
     for k0 in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
-        acc_gate = _fma_tile(acc_gate, p0, p1, p2, p3, p4, grid_ptr, table, gate_rows, k0, hidden, x_row, FORMAT,
-                             BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
-        acc_up = _fma_tile(acc_up, p0, p1, p2, p3, p4, grid_ptr, table, up_rows, k0, hidden, x_row, FORMAT,
-                           BLOCK_I, BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
+        acc_gate = _fma_tile(acc_gate, p0, p1, p2, p3, p4, table, gate_rows, k0, hidden, x_row, FORMAT,
+                             BLOCK_I, BLOCK_K, INTERPRETED, DP4A)
+        acc_up = _fma_tile(acc_up, p0, p1, p2, p3, p4, table, up_rows, k0, hidden, x_row, FORMAT,
+                           BLOCK_I, BLOCK_K, INTERPRETED, DP4A)
     dtype = act_ptr.dtype.element_ty
     gate = _row_sum(acc_gate, p1, gate_rows, dtype, FORMAT)
     up = _row_sum(acc_up, p1, up_rows, dtype, FORMAT)
@@ -308,7 +304,7 @@ def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stri
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                  INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)
+    table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < hidden
@@ -323,8 +319,8 @@ def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stri
         a_row = act_ptr + (token * top_k + slot).to(tl.int64) * inter
         acc = tl.zeros((BLOCK_H, ACC_K), dtype=tl.float32)
         for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _fma_tile(acc, p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
-                            BLOCK_K, INTERPRETED, SHARED_GRID, DP4A)
+            acc = _fma_tile(acc, p0, p1, p2, p3, p4, table, w_rows, k0, inter, a_row, FORMAT, BLOCK_H,
+                            BLOCK_K, INTERPRETED, DP4A)
         y = _row_sum(acc, p1, w_rows, dtype, FORMAT)
         total += (y * weight).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * out_stride + rows, total.to(dtype), mask=row_ok)
@@ -381,10 +377,10 @@ def moe_decode_q_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 
 
 def _launch(x, topk_ids, topk_weights, w13, w2, act, out, cfg: QMoeDecodeConfig, which: str) -> None:
-    """Kernel 1 into act, kernel 2 from it into out ("both"), or one of them ("gate_up", "down": `bench`)."""
+    """Kernel 1 into act, kernel 2 from it into out ("both"), or one of them ("gate_up", "down": the benchmark's parts)."""
     (t, k), h, inter, fmt = topk_ids.shape, x.shape[1], act.shape[1], w13.ggml_type
     common = dict(FORMAT=FORMAT_IDS[fmt], INTERPRETED=not x.is_cuda,
-                  SHARED_GRID=fmt == "IQ3_S" and grid_in_shared(), DP4A=cfg.dp4a)
+                  SHARED_GRID=fmt == "IQ3_S", DP4A=cfg.dp4a)
     on = use_pdl(x)
     if which != "down":
         _gate_up_kernel[(t * k, triton.cdiv(inter, cfg.gate_up_block_i))](
@@ -407,16 +403,14 @@ def serves(x: torch.Tensor, top_k: int, w13, w2) -> bool:
 
 
 def fused_chosen() -> bool:
-    """STRATA_QMOE_DECODE: whether decode-sized steps may take these kernels ('fused') or keep the grouped path."""
-    choice = ENV.QMOE_DECODE.get()
-    if choice not in ("fused", "grouped"):
-        raise ValueError(f"STRATA_QMOE_DECODE={choice!r}: expected 'fused' or 'grouped'")
-    return choice == "fused"
+    """The kernel choice `moe_decode`: whether decode-sized steps may take these kernels ('fused') or keep
+    the grouped path ('grouped')."""
+    return choices.current().moe_decode == "fused"
 
 
 def decode_stacks(w13, w2, top_k: int, dtype: torch.dtype) -> tuple | None:
     """(w13, w2) when decode-sized steps of a MoE layer over these stacks should take the kernels: CUDA,
-    STRATA_QMOE_DECODE=fused and the pack-time probe passing; else None (the grouped path serves)."""
+    the kernel choice `moe_decode` 'fused' and the pack-time probe passing; else None (the grouped path serves)."""
     if w13.device.type != "cuda" or not fused_chosen() or not moe_decode_q_works(w13, w2, top_k, dtype):
         return None
     return w13, w2
@@ -437,79 +431,3 @@ def moe_decode_q_works(w13, w2, top_k: int, dtype: torch.dtype) -> bool:
         return False
     ref = reference(x, ids, w, w13, w2)
     return bool(((got.float() - ref.float()).norm() <= 2e-2 * ref.float().norm()).item())
-
-
-# ----------------------------------------------------------------------------------------------
-# Device benchmark (by hand on the GPU: python -m strata.kernels.quant.moe_decode_q)
-
-
-def bench(formats=FORMATS, tokens=(1, 4, 8, 16), runs: int = 50, routings: int = 8,
-          configs: dict[str, list[QMoeDecodeConfig]] | None = None) -> list[dict]:
-    """Per format and T at the Qwen3-30B-A3B shape: both kernels against the grouped path (`MoE._grouped`
-    over the same stacks: sort, gather, two `moe_q` (FP8: `_scaled_grouped_mm`) launches, SiLU·mul,
-    weighting, scatter, sum), µs,
-    GB/s of the distinct active experts' bytes, relative error against the configuration's definition
-    (`reference`). Each timed call
-    takes the next of `routings` random routings, so weights come from HBM. `configs`: more
-    configurations to time per format (the first row is `decode_config`'s)."""
-    from types import SimpleNamespace
-
-    from strata.kernels.moe_sort import sort_tokens_workspace
-    from strata.kernels.quant import fp8, random_blocks
-    from strata.models.moe import MoE
-
-    e, k, h, inter = (k_moe.BENCH_SHAPE[n] for n in ("experts", "top_k", "hidden", "inter"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-    print(f"{'fmt':>6} {'T':>3} | {'fused us':>8} {'GB/s':>6} {'gate_up':>7} {'down':>7} | {'grouped us':>10} "
-          f"{'GB/s':>6} | {'speedup':>7} "
-          f"{'rel err':>8} | config", flush=True)
-    for fmt in formats:
-        if fmt == "FP8":
-            f13, f2 = (fp8.quantize_experts((torch.randn(e, n, kk, device="cuda", generator=gen) * 0.02).to(torch.bfloat16))
-                       for n, kk in ((2 * inter, h), (h, inter)))
-            w13, w2 = Fp8Experts(*f13), Fp8Experts(*f2)
-            module = SimpleNamespace(num_experts=e, quant=None, fp8=(*f13, *f2), sort_ws=sort_tokens_workspace("cuda"))
-            per_expert = sum(t.numel() * t.element_size() for t in (*f13, *f2)) / e
-        else:
-            w13 = QExpertStack.from_raw(fmt, random_blocks(fmt, e * 2 * inter, h, gen, "cuda").view(e, 2 * inter, -1))
-            w2 = QExpertStack.from_raw(fmt, random_blocks(fmt, e * h, inter, gen, "cuda").view(e, h, -1))
-            module = SimpleNamespace(num_experts=e, quant=(w13, w2), fp8=None, sort_ws=sort_tokens_workspace("cuda"))
-            per_expert = (w13.nbytes + w2.nbytes) / e
-        for cfg in [decode_config(fmt, h, inter), *((configs or {}).get(fmt, []))]:
-            for t in tokens:
-                x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-                routes = []
-                for _ in range(routings):
-                    w, ids = torch.rand(t, e, device="cuda", generator=gen).softmax(-1).topk(k, dim=-1)
-                    routes.append((ids, (w / w.sum(-1, keepdim=True)).float()))
-                out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
-                act = torch.empty(t * k, inter, device="cuda", dtype=torch.bfloat16)
-                fused = time_us([lambda r=r: moe_decode_q_triton(x, r[0], r[1], w13, w2, out, config=cfg)
-                                 for r in routes], runs)
-                parts = [time_us([lambda r=r, p=p: _launch(x, r[0], r[1], w13, w2, act, out, cfg, p) for r in routes],
-                                 runs) for p in ("gate_up", "down")]
-                grouped = time_us([lambda r=r: MoE._grouped(module, x, r[1], r[0]) for r in routes], runs)
-                ids, w = routes[0]
-                got = moe_decode_q_triton(x, ids, w, w13, w2, config=cfg)
-                ref = reference(x, ids, w, w13, w2, cfg)
-                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-                gbytes = int(torch.unique(ids).numel()) * per_expert / 1e3
-                row = dict(format=fmt, t=t, fused_us=fused, gate_up_us=parts[0], down_us=parts[1],
-                           grouped_us=grouped, fused_gbs=gbytes / fused, grouped_gbs=gbytes / grouped, rel_err=err,
-                           config=str(cfg))
-                rows.append(row)
-                print(f"{fmt:>6} {t:>3} | {fused:8.2f} {row['fused_gbs']:6.0f} {parts[0]:7.2f} {parts[1]:7.2f} | "
-                      f"{grouped:10.2f} {row['grouped_gbs']:6.0f} | {grouped / fused:7.2f} {err:8.1e} | {cfg}", flush=True)
-    return rows
-
-
-if __name__ == "__main__":
-    alternatives = {"Q8_0": [QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
-                             QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],  # the FFMA tiles measured sound
-                    "Q4_K": [QMoeDecodeConfig(32, 128, 4, 3, 16, 128, 4, 3)],
-                    "IQ3_S": [QMoeDecodeConfig(8, 256, 4, 3, 4, 256, 2, 3, dp4a=True),
-                              QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3, dp4a=True)],
-                    "Q6_K": [QMoeDecodeConfig(16, 256, 4, 3, 8, 256, 4, 3)],
-                    "FP8": [QMoeDecodeConfig(16, 256, 4, 3, 4, 256, 2, 3)]}
-    bench(configs=alternatives)

@@ -40,17 +40,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from strata.kernels import kernels_run, triton_available, use_pdl
-from strata.kernels import moe_routing as k_route
-from strata.kernels import moe_sort as k_sort
+from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
-from strata.kernels.quant import FORMATS, format_module
+from strata.kernels.quant.formats import FORMATS, format_module
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
 from strata.kernels.quant.iq3_s import _dot as iq3s_dot
-from strata.kernels.quant.iq3_s import grid_table
-from strata.kernels.quant.iq3_s_dp4a import grid_in_shared, grid_table_words
+from strata.kernels.quant.iq3_s_planes import grid_table, grid_table_words
 from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
 from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
 from strata.kernels.quant.q6_k import _dequant_tile as q6k_dequant_tile
@@ -58,7 +54,6 @@ from strata.kernels.quant.q6_k import _low_columns as q6k_low_columns
 from strata.kernels.quant.q6_k import kernel_planes as q6k_kernel_planes
 from strata.kernels.quant.q8_0 import _dequant_tile as q8_dequant_tile
 from strata.kernels.tiles import grouped_tile
-from strata.kernels.timing import time_us
 from strata.kernels.triton_import import jit, tl, triton
 
 
@@ -251,7 +246,7 @@ def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, 
                     SHARED_GRID: tl.constexpr):
     pdl_prologue(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // 32  # Q8_0's scale groups per K step
-    table = grid_table_words(grid_ptr, SHARED_GRID)  # set for IQ3_S only
+    table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only: its grid table, gathered through shared memory
     dtype = x_ptr.dtype.element_ty
     tile_m, tile_n = grouped_tile(tl.program_id(0), tiles_m * BLOCK_M, n, BLOCK_M, BLOCK_N, GROUP_M)
     expert, row0, row_end = _expert_of_tile(offs_ptr, num_experts, tile_m, BLOCK_M, BLOCK_E)
@@ -285,8 +280,8 @@ def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, 
                     d_ptrs = p1 + w_rows[:, None] * (k // 32) + k0 // 32 + tl.arange(0, GROUPS)[None, :]
                     w = q8_dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, dtype)
                 else:  # IQ3_S: qs, signs, qh, scales, d and the grid table
-                    w = iq3s_dequant_tile(p0, p1, p2, p3, p4, grid_ptr, table, w_rows, k0, k, BLOCK_N, BLOCK_K,
-                                          INTERPRETED, SHARED_GRID).to(dtype)
+                    w = iq3s_dequant_tile(p0, p1, p2, p3, p4, table, w_rows, k0, k, BLOCK_N, BLOCK_K,
+                                          INTERPRETED).to(dtype)
                 xk = _load_x(x_ptr, x_stride, x_rows, k0 + tl.arange(0, BLOCK_K), SWAP_AB)
                 acc = _mma(xk, w, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
         if SWAP_AB:
@@ -348,7 +343,7 @@ def grouped_matmul_triton(xs: torch.Tensor, stack: QExpertStack, offs: torch.Ten
         BLOCK_E=max(16, triton.next_power_of_2(e)), GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
         IEEE_DOT=xs.dtype == torch.float32, INTERPRETED=not xs.is_cuda, USE_PDL=on, launch_pdl=on,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        SHARED_GRID=stack.ggml_type == "IQ3_S" and grid_in_shared())
+        SHARED_GRID=stack.ggml_type == "IQ3_S")
     return out
 
 
@@ -371,96 +366,3 @@ def grouped_matmul(xs: torch.Tensor, stack: QExpertStack, offs: torch.Tensor,
     if xs.dtype in SUPPORTED_DTYPES and kernels_run(xs, _grouped_kernel):
         return grouped_matmul_triton(xs, stack, offs, out)
     return grouped_matmul_ref(xs, stack, offs, out)
-
-
-# ----------------------------------------------------------------------------------------------
-# MoE layers
-
-
-def pack_quantized(moe: nn.Module) -> bool:
-    """`MoE.pack_experts` for experts the loader kept quantized (`quant_raw` parked on each expert's
-    projections, as `load_model(keep_quantized=True)` leaves them): gate|up rows of each expert
-    concatenated, the experts stacked, into `moe.quant` = (w13, w2) `QExpertStack`s; the float
-    weights are never made. The rest of what `pack_experts` sets up for the grouped path (router fp32
-    copy, sort and routing workspaces) is set up the same way. Returns False, changing nothing, when
-    no expert was kept quantized; where only some were, or formats differ within a stack, the kept
-    ones are expanded to float parameters (router dtype) and False tells `pack_experts` to pack floats."""
-    from strata.kernels.quant import moe_decode_q
-
-    linears = [(m.gate_proj, m.up_proj, m.down_proj) for m in moe.experts]
-    raws = [[lin.__dict__.pop("quant_raw", None) for lin in trio] for trio in linears]
-    flat = [r for trio in raws for r in trio]
-    if all(r is None for r in flat):
-        return False
-    dtype = moe.gate.weight.dtype
-    types13 = {r[0] for trio in raws for r in trio[:2] if r is not None}
-    types2 = {trio[2][0] for trio in raws if trio[2] is not None}
-    if any(r is None for r in flat) or len(types13) > 1 or len(types2) > 1:
-        for trio, lins in zip(raws, linears):
-            for r, lin in zip(trio, lins):
-                if r is not None:
-                    mod = format_module(r[0])
-                    w = mod.dequantize(mod.repack(r[1]), r[1].shape[0], lin.in_features)
-                    lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
-        return False
-    w13 = QExpertStack.from_raw(types13.pop(), torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in raws]))
-    w2 = QExpertStack.from_raw(types2.pop(), torch.stack([d[1] for _, _, d in raws]))
-    del raws, flat
-    moe.quant = (w13, w2)
-    if dtype != torch.float32:
-        moe.gate.weight_f32 = moe.gate.weight.detach().float()
-    if w13.device.type == "cuda" and triton_available():
-        moe.sort_ws = k_sort.sort_tokens_workspace(w13.device)
-        moe.gate.route_ws = k_route.router_decode_workspace(w13.device)
-    moe.decode_kernel = False  # the bf16 fused decode kernels; few-token steps take `moe_decode_q`'s if it serves:
-    moe.qdecode = moe_decode_q.decode_stacks(w13, w2, moe.num_experts_per_tok, dtype)
-    moe.path = "grouped"
-    return True
-
-
-# ----------------------------------------------------------------------------------------------
-# Device micro-benchmark (by hand on the GPU: python -m strata.kernels.quant.moe_q)
-
-BENCH_30B = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B
-
-
-def bench(formats=("Q8_0", "Q4_K", "IQ3_S"), tokens=(1, 16, 512, 4096), runs: int = 30) -> None:
-    """gate|up and down at the 30B-A3B shape: µs, GB/s of the active experts' weight bytes, TFLOP/s,
-    against bf16 `torch._grouped_mm` of the dequantized stacks; relative error vs the reference."""
-    from strata.kernels.quant import random_blocks
-
-    e, top_k, h, inter = (BENCH_30B[key] for key in ("experts", "top_k", "hidden", "inter"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'fmt':>6} {'proj':>7} {'T':>5} | {'ours us':>8} {'GB/s':>6} {'TFLOP/s':>7} | {'bf16 us':>8} {'GB/s':>6} | "
-          f"{'rel err':>8}", flush=True)
-    for fmt in formats:
-        mod = format_module(fmt)
-        for proj, n, k in (("gate_up", 2 * inter, h), ("down", h, inter)):
-            stack = QExpertStack.from_raw(fmt, random_blocks(fmt, e * n, k, gen, "cuda").view(e, n, -1))
-            w_bf16 = stack.dequantize().to(torch.bfloat16)
-            for t in tokens:
-                # Several routings, cycled: the active experts differ call to call, so weights come from HBM.
-                cases = []
-                for _ in range(8):
-                    ids = torch.rand(t, e, device="cuda", generator=gen).topk(top_k, dim=-1).indices
-                    xs = torch.randn(t * top_k, k, device="cuda", generator=gen).to(torch.bfloat16)
-                    active = int((torch.bincount(ids.flatten(), minlength=e) > 0).sum())
-                    cases.append((xs, k_sort.sort_tokens(ids, e)[1], active))
-                ours = time_us([lambda c=c: grouped_matmul(c[0], stack, c[1]) for c in cases], runs)
-                theirs = time_us([lambda c=c: torch._grouped_mm(c[0], w_bf16.transpose(1, 2), offs=c[1])
-                                  for c in cases], runs)
-                xs, offs, active = cases[0]
-                ref = grouped_matmul_ref(xs, stack, offs).float()
-                err = ((grouped_matmul(xs, stack, offs).float() - ref).norm() / ref.norm()).item()
-                q_bytes = active * n * k // mod.BLOCK_VALUES * mod.BLOCK_BYTES
-                flop = 2 * t * top_k * n * k / 1e6
-                print(f"{fmt:>6} {proj:>7} {t:>5} | {ours:8.2f} {q_bytes / ours / 1e3:6.0f} {flop / ours:7.1f} | "
-                      f"{theirs:8.2f} {active * n * k * 2 / theirs / 1e3:6.0f} | {err:8.1e}", flush=True)
-            del stack, w_bf16
-            torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the grouped quantized-expert micro-benchmark needs a CUDA device")
-    bench()

@@ -33,8 +33,8 @@ cp.async pipeline. Split-K: the last-arriving program of a row tile sums the fp3
 order (deterministic, no float atomics) and resets the tile's ticket, so one zeroed workspace
 (`gemv_workspace_numel`) serves every call on a stream; `matmul(..., workspace=)` takes it, and
 without it a split-K shape allocates a zeroed one per call (from the graph pool under capture).
-M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_Q4K_DECODE=auto, the default): the packed-int8 GEMV of
-`q4_k_dp4a.py` instead (x quantized per 32 values); STRATA_Q4K_DECODE=dequant or dp4a picks one kernel
+M ≤ DP4A_MAX_ROWS with 16-bit x (kernel choice quant_decode=auto, the default): the packed-int8 GEMV of
+`q4_k_dp4a.py` instead (x quantized per 32 values); quant_decode=dequant or dp4a picks one kernel
 for every M ≤ 16. A row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 M > 16 (prompt reads): a tiled GEMM in grouped tile order; each weight tile is dequantized in
 registers, stored to shared memory and read by wgmma. Grids depend on shapes only and nothing is
@@ -46,13 +46,10 @@ spills, wgmma, every load pipelined); they are UNTIMED (see the notes at the tab
 
 from __future__ import annotations
 
-import sys
-import statistics
 
 import numpy as np
 import torch
 
-from strata.env import ENV
 from strata.kernels import kernels_run
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import decode_kernel
@@ -63,7 +60,6 @@ from strata.kernels.quant.kquant_host import (
     SUPPORTED_DTYPES,
     GemmConfig,
     GemvConfig,
-    check_planes,
     check_raw,
     check_x_out,
     decode_workspace_numel,
@@ -74,17 +70,18 @@ from strata.kernels.quant.kquant_host import (
     split_gemv_config,
     tiled_gemm_config,
 )
-from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format, weight_copies
+from strata.kernels.quant.q4_k_dp4a import gemv_config as dp4a_gemv_config
+from strata.kernels.quant.q4_k_planes import check_q4k_planes as _check_planes
+from strata.kernels.quant.q4_k_planes import pair_fields
 from strata.kernels.splitk import split_k_reduce
 from strata.kernels.tiles import grouped_tile
-from strata.kernels.timing import time_us
 from strata.kernels.triton_import import jit, tl
 
 
 GGML_TYPE = "Q4_K"
 BLOCK_BYTES = 144
 
-# Rows up to which STRATA_Q4K_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
+# Rows up to which quant_decode=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
 # 9.9-28.1 us against 18.4-52.1 at M = 1, 25.4-122.5 against 18.8-52.3 at M = 8; the linear
 # interpolation crosses at M = 2.8-5.2. Rows 2-7 were interpolated, not measured.
 DP4A_MAX_ROWS = 2
@@ -122,23 +119,6 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qs": blocks[:, :, 16:].reshape(n, nb * 128).contiguous(),
             "scales": scales.reshape(n, nb * 16).contiguous(),
             "d_dmin": blocks[:, :, 0:4].contiguous().view(torch.float16).reshape(n, nb * 2)}
-
-
-def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
-    check_planes(GGML_TYPE, planes, k, {"qs": ((n, k // 2), torch.uint8), "scales": ((n, k // 16), torch.uint8),
-                                        "d_dmin": ((n, k // 128), torch.float16)})
-
-
-def pair_fields(planes: dict[str, torch.Tensor], n: int, k: int):
-    """Per 64-value pair of sub-blocks, all fp32 and exact: quants [N, K/64, 2, 32] (the low nibbles'
-    sub-block, then the high ones'), the fields [N, K/64, 4] (scale lo, scale hi, min lo, min hi) and
-    the super-block's d and dmin [N, K/64] each."""
-    _check_planes(planes, n, k)
-    qs = planes["qs"].view(n, k // 64, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).float()
-    fields = planes["scales"].view(n, k // 64, 4).float()
-    d_dmin = planes["d_dmin"].view(n, k // 256, 2).float().repeat_interleave(4, dim=1)
-    return q, fields, d_dmin[..., 0], d_dmin[..., 1]
 
 
 def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
@@ -320,14 +300,12 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
     without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
-    configurations, whatever STRATA_Q4K_DECODE says: the switch is read per call, the workspace made once."""
-    from strata.kernels.quant import q4_k_dp4a
-
-    return decode_workspace_numel(n, k, config, gemv_config, q4_k_dp4a.gemv_config)
+    configurations, whatever the kernel choice `quant_decode` says: it is read per call, the workspace made once."""
+    return decode_workspace_numel(n, k, config, gemv_config, dp4a_gemv_config)
 
 
 def _decode_kernel(rows: int) -> str:
-    return decode_kernel(ENV.Q4K_DECODE, rows, DP4A_MAX_ROWS)
+    return decode_kernel(rows, DP4A_MAX_ROWS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +342,7 @@ def gemm_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
            *, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ → [M, N] in x's dtype (semantics: `matmul_ref`). M ≤ 16: the GEMV (a row's bits
-    do not depend on M; STRATA_Q4K_DECODE picks it or, up to DP4A_MAX_ROWS rows, the dp4a GEMV);
+    do not depend on M; `quant_decode` picks it or, up to DP4A_MAX_ROWS rows, the dp4a GEMV);
     larger M: the GEMM. Off CUDA (no interpreter): `matmul_ref`."""
     if not kernels_run(x, _gemv_kernel):
         _check_call(x, planes, n, k, out, allocate=False)
@@ -378,46 +356,3 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
             return out if n == 0 else q4k_gemv_dp4a(x, planes, n, k, out, workspace=workspace)
         return gemv_q4k(x, planes, n, k, out, workspace=workspace)
     return gemm_q4k(x, planes, n, k, out)
-
-
-# ----------------------------------------------------------------------------------------------
-# Micro-benchmark (CUDA): python -m strata.kernels.quant.q4_k [--sweep]
-
-def bench(ms=(1, 4096), shapes=BENCH_SHAPES) -> list[dict]:
-    """Q4_K matmul against bf16 torch.matmul of the dequantized weight (`microbench.bench_format`)."""
-    return bench_format(sys.modules[__name__], ms, shapes)
-
-
-def sweep_gemv(shapes=BENCH_SHAPES, ms=(1, 8)) -> None:
-    """Times GEMV configurations per shape (mean µs over `ms`) and prints the five best."""
-    for name, n, k in shapes:
-        planes = weight_copies(sys.modules[__name__], n, k)
-        results = []
-        for block_n in (64, 128):
-            for block_k in (128, 256):
-                for split in (1, 2, 3, 4, 6, 8, 12):
-                    for stages in (3, 4, 6):
-                        cfg = GemvConfig(block_n, block_k, split, stages)
-                        if split > k // block_k // 2 or not 100 <= cfg.programs(n) <= 1600:
-                            continue
-                        ws = torch.zeros(max(1, gemv_workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
-                        times = []
-                        for m in ms:
-                            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                            times.append(time_us([lambda p=p: gemv_q4k(x, p, n, k, workspace=ws, config=cfg)
-                                                   for p in planes], runs=30))
-                        results.append((statistics.mean(times), times, cfg))
-        results.sort(key=lambda r: r[0])
-        qbytes = n * k * 148 // 256
-        print(f"{name} {n}x{k}: current {gemv_config(n, k)}")
-        for mean_t, times, cfg in results[:5]:
-            print(f"   {mean_t:8.2f} us {qbytes / mean_t / 1e3:6.0f} GB/s  per M {[round(t, 2) for t in times]}  {cfg}",
-                  flush=True)
-        del planes
-        torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the Q4_K micro-benchmark needs a CUDA device")
-    sweep_gemv() if "--sweep" in sys.argv[1:] else bench()

@@ -16,9 +16,9 @@ in fp32 in that order (the GPU may fuse a multiply and an add into an FMA: the G
 tolerance); a step's pairs are added by the pairwise tree, steps in K order, split-K partials in split
 order. Each row of x is quantized and reduced alone: a row's result does not depend on the others.
 
-STATUS: timed on the H200 against the dequantizing GEMV (`sweep`, the Qwen3-8B shapes): 1.9-2.5x
-faster at M = 1, 1.35-2.3x slower at M = 8; whole-model decode at batch 1 went from 171 to 292 tok/s.
-`q4_k.matmul` takes it up to `q4_k.DP4A_MAX_ROWS` rows by default (STRATA_Q4K_DECODE=auto).
+STATUS: timed on the H200 against the dequantizing GEMV (`benchmarks/kernels/quant_formats.py --dp4a`, the Qwen3-8B shapes): 1.9-2.5x
+faster at M = 1, 1.35-2.3x slower at M = 8; whole-model decode at batch 1: 292 tok/s, 171 without it.
+`q4_k.matmul` takes it up to `q4_k.DP4A_MAX_ROWS` rows by default (kernel choice quant_decode=auto).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from strata.kernels.quant.dp4a import (
     accumulate_ref,
     launch,
     quantize_ref,
-    sweep_against,
     wide_config,
     workspace_for,
 )
+from strata.kernels.quant.q4_k_planes import pair_fields
 from strata.kernels.splitk import split_k_range, split_k_store
 from strata.kernels.triton_import import jit, tl
 
@@ -56,8 +56,6 @@ def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
 def gemv_q4k_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
                       block_k: int) -> torch.Tensor:
     """fp32 [M, N], the kernel's result before its rounding to x's dtype (no split-K, no FMA)."""
-    from strata.kernels.quant.q4_k import pair_fields
-
     m = x.shape[0]
     q, f, d, dmin = pair_fields(planes, n, k)
     q_lo, q_hi = q[:, :, 0], q[:, :, 1]
@@ -142,20 +140,3 @@ def q4k_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     (zeroed int32 of >= `workspace_numel`) or allocates one."""
     weights = (planes["qs"].view(torch.int32), planes["scales"].view(torch.int32), planes["d_dmin"].view(torch.int32))
     return launch(_q4k_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)
-
-
-def sweep() -> None:
-    """The dequantizing Q4_K GEMV against the dp4a configurations (CUDA)."""
-    from strata.kernels.quant import q4_k
-
-    sweep_against("Q4_K", lambda n, k: q4_k.repack(torch.from_numpy(q4_k.random_raw(n, k, seed=n + k)).cuda()),
-                  lambda x, p, n, k, out, ws: q4_k.gemv_q4k(x, p, n, k, out, workspace=ws),
-                  lambda x, p, n, k, out, ws, cfg: q4k_gemv_dp4a(x, p, n, k, out, workspace=ws, config=cfg),
-                  lambda n, k, cfg: q4_k.gemv_workspace_numel(n, k) if cfg is None else workspace_numel(n, k, cfg),
-                  144 / 256)
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the Q4_K dp4a micro-benchmark needs a CUDA device")
-    sweep()

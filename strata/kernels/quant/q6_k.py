@@ -39,7 +39,7 @@ x padded to 16 rows, M a runtime argument Triton does not specialise on, so ever
 binary and a row's result does not depend on the other rows; deterministic split-K through
 strata/kernels/splitk.py (the last program of a row tile sums the partials in split order and resets
 the ticket; the zeroed workspace is `gemv_workspace_numel` elements, which `QWeight` holds; it also
-holds the dp4a GEMV's). M ≤ DP4A_MAX_ROWS with 16-bit x (STRATA_Q6K_DECODE=auto, the default): the
+holds the dp4a GEMV's). M ≤ DP4A_MAX_ROWS with 16-bit x (kernel choice quant_decode=auto, the default): the
 packed-int8 GEMV of `q6_k_dp4a.py` instead (x quantized per 32 values; a row's bits then depend on
 which side of DP4A_MAX_ROWS its batch is); 'dequant' or 'dp4a' picks one kernel for every M ≤ 16. M > 16:
 a tiled GEMM in grouped tile order. Grids depend on shapes only and nothing is read back to the host
@@ -52,12 +52,10 @@ the bf16 GEMM (128x128x128) at 181 registers, 155 KB of shared memory, no spills
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import torch
 
-from strata.env import ENV
 from strata.kernels import kernels_run
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import decode_kernel
@@ -69,7 +67,6 @@ from strata.kernels.quant.kquant_host import (
     SUPPORTED_DTYPES,
     GemmConfig,
     GemvConfig,
-    check_planes,
     check_raw,
     check_x_out,
     decode_workspace_numel,
@@ -80,7 +77,9 @@ from strata.kernels.quant.kquant_host import (
     split_gemv_config,
     tiled_gemm_config,
 )
-from strata.kernels.quant.microbench import BENCH_SHAPES, bench_format
+from strata.kernels.quant.q6_k_dp4a import gemv_config as dp4a_gemv_config
+from strata.kernels.quant.q6_k_planes import check_q6k_planes as _check_planes
+from strata.kernels.quant.q6_k_planes import kernel_planes, quants
 from strata.kernels.splitk import split_k_range, split_k_store
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.triton_import import jit, tl
@@ -89,8 +88,8 @@ from strata.kernels.triton_import import jit, tl
 GGML_TYPE = "Q6_K"
 BLOCK_BYTES = 210
 
-# Rows up to which STRATA_Q6K_DECODE=auto runs the dp4a GEMV (`q6_k_dp4a.py`). H200, the four Qwen3-8B
-# shapes and the 151,936-row head (`python -m strata.kernels.quant.q6_k_dp4a`): dp4a 15.4-318 us against
+# Rows up to which quant_decode=auto runs the dp4a GEMV (`q6_k_dp4a.py`). H200, the four Qwen3-8B
+# shapes and the 151,936-row head (`python benchmarks/kernels/quant_formats.py --dp4a Q6_K`): dp4a 15.4-318 us against
 # 22.3-528 at M = 1, 38.7-1191 against 22.1-542 at M = 8; the linear interpolation crosses at M = 2.3-3.0.
 # Rows 2-7 were interpolated, not measured.
 DP4A_MAX_ROWS = 2
@@ -120,22 +119,6 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
             "qh": blocks[:, :, 128:192].reshape(n, nb * 64).contiguous(),
             "scales": blocks[:, :, 192:208].reshape(n, nb * 16).contiguous().view(torch.int8),
             "d": blocks[:, :, 208:210].contiguous().view(torch.float16).reshape(n, nb).float()}
-
-
-def _check_planes(planes: dict[str, torch.Tensor], n: int, k: int) -> None:
-    check_planes(GGML_TYPE, planes, k, {"ql": ((n, k // 2), torch.uint8), "qh": ((n, k // 4), torch.uint8),
-                                        "scales": ((n, k // 16), torch.int8), "d": ((n, k // 256), torch.float32)})
-
-
-def quants(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
-    """The 6-bit quants q (0..63), uint8 [N, K] in K order."""
-    _check_planes(planes, n, k)
-    halves = k // 128
-    ql = planes["ql"].view(n, halves, 64)
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # [N, halves, 128]: values j, then 64 + j
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=ql.device).view(1, 1, 4, 1)
-    high = ((planes["qh"].view(n, halves, 1, 32) >> shifts) & 3).view(n, halves, 128)  # values 32t + i
-    return (low | (high << 4)).view(n, k)
 
 
 def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
@@ -307,14 +290,12 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
 def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
     without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
-    configurations, whatever STRATA_Q6K_DECODE says: the switch is read per call, the workspace made once."""
-    from strata.kernels.quant import q6_k_dp4a
-
-    return decode_workspace_numel(n, k, config, gemv_config, q6_k_dp4a.gemv_config)
+    configurations, whatever the kernel choice `quant_decode` says: it is read per call, the workspace made once."""
+    return decode_workspace_numel(n, k, config, gemv_config, dp4a_gemv_config)
 
 
 def _decode_kernel(rows: int) -> str:
-    return decode_kernel(ENV.Q6K_DECODE, rows, DP4A_MAX_ROWS)
+    return decode_kernel(rows, DP4A_MAX_ROWS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,12 +306,6 @@ def _check_call(x: torch.Tensor, planes, n: int, k: int, out: torch.Tensor | Non
                 allocate: bool = True) -> torch.Tensor | None:
     _check_planes(planes, n, k)
     return check_x_out(x, planes["ql"].device, n, k, out, allocate)
-
-
-def kernel_planes(planes: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The kernels' plane arguments: ql, qh and scales as int32 words, d."""
-    return (planes["ql"].view(torch.int32), planes["qh"].view(torch.int32), planes["scales"].view(torch.int32),
-            planes["d"])
 
 
 def gemv_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
@@ -353,7 +328,7 @@ def gemm_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
            *, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ Wᵀ → [M, N] in x's dtype (semantics: `matmul_ref`). M ≤ 16: the GEMV (a row's bits
-    do not depend on M; STRATA_Q6K_DECODE picks it or, up to DP4A_MAX_ROWS rows of 16-bit x, the dp4a
+    do not depend on M; `quant_decode` picks it or, up to DP4A_MAX_ROWS rows of 16-bit x, the dp4a
     GEMV, whose semantics are `q6_k_dp4a.gemv_q6k_dp4a_ref`); larger M: the GEMM. Off CUDA (no
     interpreter): `matmul_ref`."""
     if not kernels_run(x, _gemv_kernel):
@@ -368,17 +343,3 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
             return out if n == 0 else q6k_gemv_dp4a(x, planes, n, k, out, workspace=workspace)
         return gemv_q6k(x, planes, n, k, out, workspace=workspace)
     return gemm_q6k(x, planes, n, k, out)
-
-
-# ----------------------------------------------------------------------------------------------
-# Micro-benchmark (CUDA): python -m strata.kernels.quant.q6_k
-
-def bench(ms=(1, 4096), shapes=BENCH_SHAPES) -> list[dict]:
-    """Q6_K matmul against bf16 torch.matmul of the dequantized weight (`microbench.bench_format`)."""
-    return bench_format(sys.modules[__name__], ms, shapes)
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the Q6_K micro-benchmark needs a CUDA device")
-    bench()

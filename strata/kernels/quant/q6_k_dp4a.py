@@ -21,9 +21,9 @@ partials in split order. Every operation after the integers is one correctly rou
 (no FMA contraction, `dp4a.launch`), so the reference gives the kernel's bits. Each row of x is
 quantized and reduced alone: a row's result does not depend on the others.
 
-Timed on the H200 (`sweep`, `scripts/gpu_round.sh q6k-dp4a-sweep`; bench/results/q6k_dp4a_sweep_cuda.txt):
+Timed on the H200 (`benchmarks/kernels/quant_formats.py --dp4a Q6_K`; bench/results/q6k_dp4a_sweep_cuda.txt):
 1.4-1.7x the dequantizing GEMV at M = 1, 1.75-2.3x slower at M = 8, so `q6_k.matmul` takes it up to
-`q6_k.DP4A_MAX_ROWS` = 2 rows (STRATA_Q6K_DECODE=auto, the default).
+`q6_k.DP4A_MAX_ROWS` = 2 rows (kernel choice quant_decode=auto, the default).
 """
 
 from __future__ import annotations
@@ -32,17 +32,16 @@ import torch
 
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
-    SWEEP_SHAPES,
     Dp4aConfig,
     _dp4a_words,
     _pairwise_sum,
     _quantize_row,
     launch,
     quantize_ref,
-    sweep_against,
     wide_config,
     workspace_for,
 )
+from strata.kernels.quant.q6_k_planes import kernel_planes, quants
 from strata.kernels.splitk import split_k_range, split_k_store
 from strata.kernels.triton_import import jit, tl
 
@@ -66,8 +65,6 @@ def gemv_q6k_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, 
                       split_k: int = 1) -> torch.Tensor:
     """fp32 [M, N]: the kernel's result before its rounding to x's dtype, under a configuration of
     `block_k` values per step and `split_k` splits (the module docstring's definition)."""
-    from strata.kernels.quant.q6_k import quants
-
     m = x.shape[0]
     xq, dx = quantize_ref(x)
     xq = xq.view(m, k // 16, 16).float()
@@ -164,31 +161,7 @@ def q6k_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
                   *, workspace: torch.Tensor | None = None, config: Dp4aConfig | None = None) -> torch.Tensor:
     """x [M ≤ 16, K] (16-bit or fp32, contiguous rows) @ Q6_K planes (`q6_k.repack`) -> [M, N] in x's
     dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`, left zeroed) or allocates one."""
-    from strata.kernels.quant.q6_k import kernel_planes
-
     cfg = config or gemv_config(n, k)
     if cfg.block_k not in (128, 256):
         raise ValueError(f"Q6_K dp4a GEMV: block_k={cfg.block_k}, expected 128 or 256")
     return launch(_q6k_gemv_dp4a_kernel, x, kernel_planes(planes), n, k, out, workspace, cfg, 256)
-
-
-def sweep() -> None:
-    """The dequantizing Q6_K GEMV against the dp4a configurations (CUDA): the Qwen3-8B shapes and the LM
-    head."""
-    from strata.kernels.quant import q6_k, random_blocks
-
-    def planes(n, k):
-        return q6_k.repack(random_blocks("Q6_K", n, k, torch.Generator("cuda").manual_seed(n + k), "cuda"))
-
-    sweep_against("Q6_K", planes,
-                  # The dequantizing GEMV itself, whatever STRATA_Q6K_DECODE says.
-                  lambda x, p, n, k, out, ws: q6_k.gemv_q6k(x, p, n, k, out, workspace=ws),
-                  lambda x, p, n, k, out, ws, cfg: q6k_gemv_dp4a(x, p, n, k, out, workspace=ws, config=cfg),
-                  lambda n, k, cfg: q6_k.gemv_workspace_numel(n, k) if cfg is None else workspace_numel(n, k, cfg),
-                  210 / 256, shapes=SWEEP_SHAPES + (LM_HEAD_SHAPE,))
-
-
-if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        raise SystemExit("the Q6_K dp4a micro-benchmark needs a CUDA device")
-    sweep()

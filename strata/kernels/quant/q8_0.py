@@ -26,8 +26,8 @@ Kernels.
   (`QWeight` keeps one per weight) or allocated per call. M is not specialised on and the
   tile never depends on M, so every M ≤ 16 runs one binary and a row's result is bit-identical
   whatever else is in the batch, and from run to run.
-- M ≤ DP4A_MAX_ROWS with 16-bit x and K % 64 == 0 (STRATA_Q8_DECODE=auto, the default): the
-  packed-int8 GEMV of `dp4a.py` instead (x quantized per 32 values); STRATA_Q8_DECODE=dequant or dp4a
+- M ≤ DP4A_MAX_ROWS with 16-bit x and K % 64 == 0 (kernel choice quant_decode=auto, the default): the
+  packed-int8 GEMV of `dp4a.py` instead (x quantized per 32 values); quant_decode=dequant or dp4a
   picks one kernel for every M ≤ 16. A row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 - M > 16 (prompt reads): a tiled GEMM over (BLOCK_M, BLOCK_N) output tiles in grouped order (a
   group of M tiles shares each weight tile through L2); each weight tile is dequantized in registers
@@ -52,12 +52,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.env import ENV
-from strata.kernels.quant.dp4a import decode_kernel
+from strata.kernels.quant.dp4a import decode_kernel, shared_workspace_numel
+from strata.kernels.quant.dp4a import gemv_config as dp4a_gemv_config
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_range, split_k_store, split_k_views
-from strata.kernels.timing import time_us
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.triton_import import jit, tl
 
@@ -70,7 +69,7 @@ GEMV_MAX_ROWS = 16  # M up to this runs the GEMV, whose MMA pads x to 16 rows
 NUM_SMS = 132  # H200; a constant, not a device query, so configurations depend on shapes only
 SMEM_BUDGET = 110 << 10  # pipeline buffers per GEMV program: two programs fit an SM's 227 KB
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Rows up to which STRATA_Q8_DECODE=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
+# Rows up to which quant_decode=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
 # 11.1-33.9 us against 18.1-61.1 at M = 1, 21.2-98.5 against 18.1-61.9 at M = 8; the linear
 # interpolation crosses at M = 3.9-5.8. Rows 2-7 were interpolated, not measured.
 DP4A_MAX_ROWS = 3
@@ -99,13 +98,13 @@ def _block_k(k: int, preferred: int) -> int:
     return block
 
 
-# The GEMV for 16-bit x (the decode path). The first one-program-per-SM tiles without split-K gave
-# 88 tok/s at 8B shapes; an int8-activation variant (x quantized per 32 values, int8 MMAs per scale
-# group) was measured at 443-829 GB/s, no better (bench/results/q8_0_int8_gemv_sweep_cuda.txt,
-# commit 6922040). Now: 128-row tiles on 4 warps, 128 or 256 values per step, 4 stages, and split-K
-# up to about three programs per SM, at most MAX_SPLIT_K. The table holds the sweep's picks on the
-# H200 (`python -m strata.kernels.quant.q8_0 --sweep`, bench/results/q8_0_gemv_sweep_cuda.txt:
-# 979-1734 GB/s of weight bytes at M = 1 and 8, against 791-1275 for the 64-row tiles).
+# The GEMV for 16-bit x (the decode path): 128-row tiles on 4 warps, 128 or 256 values per step, 4
+# stages, and split-K up to about three programs per SM, at most MAX_SPLIT_K. One-program-per-SM tiles
+# without split-K give 88 tok/s at 8B shapes; an int8-activation variant (x quantized per 32 values,
+# int8 MMAs per scale group) measures 443-829 GB/s, no better (bench/results/q8_0_int8_gemv_sweep_cuda.txt).
+# The table holds the sweep's picks on the H200 (`python benchmarks/kernels/quant_formats.py --sweep Q8_0`,
+# bench/results/q8_0_gemv_sweep_cuda.txt: 979-1734 GB/s of weight bytes at M = 1 and 8, against 791-1275
+# for the 64-row tiles).
 MAX_SPLIT_K = 8
 GEMV_CONFIGS: dict[tuple[int, int], Q8Config] = {
     (4096, 4096): Q8Config(GEMV_MAX_ROWS, 128, 256, num_warps=4, num_stages=4, split_k=4),  # o_proj, 18.2 us
@@ -130,18 +129,16 @@ def gemv_config(n: int, k: int) -> Q8Config:
 def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
     """int32 elements of the GEMV's split-K workspace (0 without split-K); without a config, one that
     the dequantizing GEMV and (K % 64 == 0) the dp4a GEMV can both use in their (N, K) configurations,
-    whatever STRATA_Q8_DECODE says: the switch is read per call, the workspace made once."""
+    whatever the kernel choice `quant_decode` says: it is read per call, the workspace made once."""
     if config is not None:
         return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
-    from strata.kernels.quant import dp4a
-
     cfg = gemv_config(n, k)
     parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    return dp4a.shared_workspace_numel(n, parts, dp4a.gemv_config(n, k) if k % 64 == 0 else None)
+    return shared_workspace_numel(n, parts, dp4a_gemv_config(n, k) if k % 64 == 0 else None)
 
 
 def _decode_kernel(rows: int) -> str:
-    return decode_kernel(ENV.Q8_DECODE, rows, DP4A_MAX_ROWS)
+    return decode_kernel(rows, DP4A_MAX_ROWS)
 
 
 def fp32_gemv_config(n: int, k: int) -> Q8Config:
@@ -351,7 +348,7 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     """The kernels: the GEMV for M ≤ 16, the GEMM above. x [M, K] bf16/fp16/fp32 with contiguous rows
     (any row stride) on the planes' device; out [M, N] in x's dtype with contiguous rows, or None.
     `config` overrides the regime's configuration (a GEMV one must have block_m 16; given, the GEMV is
-    the dequantizing one, else STRATA_Q8_DECODE may pick dp4a)."""
+    the dequantizing one, else `quant_decode` may pick dp4a)."""
     qs, d = _check_planes(planes, n, k)
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.dtype not in SUPPORTED_DTYPES or x.device != qs.device:
         raise ValueError(f"x: expected [M, {k}] bf16/fp16/fp32 with contiguous rows on {qs.device}, got "
@@ -373,9 +370,9 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     fp32_dot = x.dtype == torch.float32 or not x.is_cuda
     common = dict(FP32_DOT=fp32_dot, USE_PDL=on, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if gemv and x.dtype != torch.float32 and config is None and k % 64 == 0 and _decode_kernel(m) == "dp4a":
-        from strata.kernels.quant import dp4a
+        from strata.kernels.quant.dp4a import q8_gemv_dp4a
 
-        return dp4a.q8_gemv_dp4a(x, qs, d, out, workspace=workspace)
+        return q8_gemv_dp4a(x, qs, d, out, workspace=workspace)
     if gemv:
         counters = partials = out  # placeholders, untouched without split-K
         if cfg.split_k > 1:
@@ -398,90 +395,3 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
     if kernels_run(x, _q8_gemv_kernel):
         return matmul_triton(x, planes, n, k, out, workspace=workspace)
     return matmul_ref(x, planes, n, k, out)
-
-
-# ----------------------------------------------------------------------------------------------
-# Device micro-benchmark (by hand on the GPU: python -m strata.kernels.quant.q8_0)
-
-BENCH_SHAPES = [  # (name, N, K) of Qwen3-8B
-    ("q/o_proj", 4096, 4096), ("k/v_proj", 1024, 4096), ("gate/up", 12288, 4096), ("down", 4096, 12288),
-    ("lm_head", 151936, 4096),
-]
-
-
-def bench(ms=(1, 4096), shapes=BENCH_SHAPES, runs: int = 50) -> None:
-    """matmul against torch.matmul of the dequantized weight in bf16, per shape and M: µs, GB/s of
-    weight bytes read (Q8_0 vs bf16), TFLOP/s, relative Frobenius error vs the fp32 reference."""
-    device = torch.device("cuda")
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20)
-    print(f"{'shape':>10} {'N x K':>12} {'M':>5} | {'q8_0 us':>9} {'GB/s':>6} {'TFLOP/s':>7} | "
-          f"{'bf16 us':>9} {'GB/s':>6} {'TFLOP/s':>7} | {'rel err':>8}", flush=True)
-    for name, n, k in shapes:
-        raw = torch.from_numpy(random_raw(n, k, seed=n + k)).to(device)
-        planes = repack(raw)
-        copies = max(2, -(-3 * l2 // (n * k * 2)))
-        q_copies = [{key: t.clone() for key, t in planes.items()} for _ in range(copies)]
-        w_copies = [dequantize(planes, n, k).to(torch.bfloat16) for _ in range(copies)]
-        q_bytes = raw.numel()
-        for m in ms:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-            ours = time_us([lambda p=p: matmul(x, p, n, k, out) for p in q_copies], runs)
-            theirs = time_us([lambda w=w: torch.matmul(x, w.t()) for w in w_copies], runs)
-            ref = F.linear(x.float(), dequantize(planes, n, k))
-            err = ((matmul(x, planes, n, k).float() - ref).norm() / ref.norm()).item()
-            flop = 2 * m * n * k / 1e6
-            print(f"{name:>10} {f'{n}x{k}':>12} {m:>5} | {ours:9.2f} {q_bytes / ours / 1e3:6.0f} {flop / ours:7.1f} | "
-                  f"{theirs:9.2f} {n * k * 2 / theirs / 1e3:6.0f} {flop / theirs:7.1f} | {err:8.1e}", flush=True)
-        del q_copies, w_copies
-        torch.cuda.empty_cache()
-
-
-SWEEP_SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
-
-
-def sweep_gemv(shapes=SWEEP_SHAPES, ms=(1, 8)) -> None:
-    """Times GEMV configurations per shape (mean µs over `ms`, weight copies past L2) and prints
-    the five best beside the current one."""
-    import statistics
-
-    for name, n, k in shapes:
-        planes = repack(torch.from_numpy(random_raw(n, k, seed=n + k)).cuda())
-        copies = [planes] + [{key: t.clone() for key, t in planes.items()} for _ in range(max(1, (150 << 20) // (n * k)))]
-        candidates = {gemv_config(n, k)}
-        for block_n in (32, 64, 128):
-            for block_k in (128, 256):
-                for split in (1, 2, 3, 4, 6, 8):
-                    for warps, stages in ((4, 4), (8, 3)):
-                        cfg = Q8Config(GEMV_MAX_ROWS, block_n, block_k, warps, stages, split_k=split)
-                        steps = k // block_k
-                        if k % block_k or split > max(1, steps // 2) or not 100 <= _cdiv(n, block_n) * split <= 1600:
-                            continue
-                        candidates.add(cfg)
-        results = []
-        for cfg in candidates:
-            ws = torch.zeros(max(1, gemv_workspace_numel(n, k, cfg)), dtype=torch.int32, device="cuda")
-            times = []
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                times.append(time_us([lambda p=p: matmul_triton(x, p, n, k, out, config=cfg, workspace=ws)
-                                      for p in copies], runs=30))
-            results.append((statistics.mean(times), times, cfg))
-        results.sort(key=lambda r: r[0])
-        qbytes = n * k * BLOCK_BYTES // BLOCK_VALUES
-        current = next(r for r in results if r[2] == gemv_config(n, k))
-        print(f"{name} {n}x{k}: current {current[0]:8.2f} us {qbytes / current[0] / 1e3:6.0f} GB/s {current[2]}")
-        for mean_t, times, cfg in results[:5]:
-            print(f"   {mean_t:8.2f} us {qbytes / mean_t / 1e3:6.0f} GB/s  per M {[round(t, 2) for t in times]}  {cfg}",
-                  flush=True)
-        del copies, planes
-        torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    import sys
-
-    if not torch.cuda.is_available():
-        raise SystemExit("the Q8_0 micro-benchmark needs a CUDA device")
-    sweep_gemv() if "--sweep" in sys.argv[1:] else bench()

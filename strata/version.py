@@ -1,0 +1,3 @@
+"""The package version (pyproject.toml keeps the same number)."""
+
+__version__ = "0.1.0"
