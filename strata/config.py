@@ -271,6 +271,14 @@ class EngineConfig:
     linear_attention_kernel: str = "auto"
     # Programmatic dependent launch on sm_90+: each Triton kernel's launch overlaps its predecessor's tail
     pdl: bool = True
+    # GiB of GPU memory Strata may place (weights, KV, scratch, graphs); None: the card's free memory
+    # x gpu_memory_utilization. The memory plan fits everything in it and torch's allocator is capped to it.
+    gpu_memory: float | None = None
+    cpu_moe: bool = False  # every MoE layer's routed experts in host RAM, computed on the CPU
+    n_cpu_moe: int | None = None  # the first N MoE layers' routed experts in host RAM; None: as the memory plan fits
+    # The CPU format of routed experts in RAM: float (the model dtype, exact) | int8 (a scale per row) | int4
+    # (groups of 32) | auto (float for float weights, int8 for files of 6+ bits, int4 for fewer)
+    host_experts: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
@@ -296,6 +304,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         if self.dequant_read_rows < 0:
             raise ValueError("dequant_read_rows must be >= 0 (0 = off)")
+        if self.gpu_memory is not None and self.gpu_memory <= 0:
+            raise ValueError("gpu_memory must be > 0 (GiB)")
+        if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.cpu_moe):
+            raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
+        if self.host_experts not in ("auto", "float", "int8", "int4"):
+            raise ValueError(f"host_experts must be auto, float, int8 or int4, not {self.host_experts!r}")
 
     def kernel_choices(self) -> KernelChoices:
         """The kernel choices this config asks for (`strata.kernels.choices.KernelChoices`: one set per

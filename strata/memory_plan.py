@@ -72,6 +72,7 @@ class Plan:
     kv_tokens: int
     gpu_budget: int
     auto: bool = True  # the split was chosen by the planner (not --cpu-moe / --n-cpu-moe)
+    scratch_bytes: int = 0  # the scratch estimate inside gpu_bytes
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -150,7 +151,7 @@ def plan_memory(req: PlanRequest) -> Plan:
     notes = ()
     if auto and n_cpu:
         notes = (f"{n_cpu} of {n_moe} MoE layers keep their routed experts in host RAM (as --n-cpu-moe {n_cpu})",)
-    return Plan(tuple(rows), tuple(cpu_layers), kv_tokens, req.gpu_budget, auto, notes)
+    return Plan(tuple(rows), tuple(cpu_layers), kv_tokens, req.gpu_budget, auto, req.scratch_bytes, notes)
 
 
 def _smallest_split(experts: tuple[int, ...], room: int) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.config import EngineConfig
+from strata.config import ConfigError, EngineConfig, ModelConfig
 from strata.engine.concurrent import ConcurrentReadSetup
 from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
                                  EngineStats, RateWindow, SlotSnapshot)
@@ -35,7 +35,9 @@ from strata.grammar import GrammarCompiler, GrammarError
 from strata.kernels import choices as kernel_choices
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
-from strata.loaders import LoadedModel, load_model
+from strata.engine import placement
+from strata.loaders import LoadedModel, LoadError, default_model_path, load_model, read_checkpoint
+from strata.memory_plan import Plan
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
 from strata.runner.prompt_graphs import prompt_graph_sizes
@@ -77,7 +79,8 @@ class _TextState:
     logprobs: bool = False
 
 
-def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device, reserved: int) -> int:
+def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device, reserved: int,
+                        plan: Plan | None = None) -> int:
     if cfg.kv_size:
         return cfg.kv_size
     if device.type == "cuda":
@@ -85,6 +88,10 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
         # with its pool, or as blocks in PyTorch's cache: neither counts as free unless released.
         gc.collect()
         torch.cuda.empty_cache()
+        if cfg.gpu_memory is not None and plan is not None:
+            # Within the cap: what the plan left for K/V, less what loading took beyond its estimate.
+            left = plan.gpu_budget - plan.scratch_bytes - torch.cuda.memory_reserved(device) - reserved
+            return max(min(plan.kv_tokens, int(left) // per_token), 0)
         free, _ = torch.cuda.mem_get_info(device)
         # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
         # the rest of the margin is for one step's activations.
@@ -156,9 +163,10 @@ class LLMEngine:
         kernel_choices.set_choices(cfg.kernel_choices())  # before the model is loaded and packed
         self.device = torch.device(cfg.resolved_device)
         dtype = cfg.torch_dtype
+        self.memory_plan: Plan | None = None
         if loaded is None:
-            loaded = load_model(cfg.model, device=self.device, dtype=dtype, progress=progress,
-                                keep_quantized=cfg.keep_quantized, quantize=cfg.quantize)
+            loaded = self._load_placed(cfg, dtype, progress)
+            cfg = self.cfg
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = cfg.model or "strata-default"
         self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)
@@ -182,7 +190,7 @@ class LLMEngine:
                      mc.num_hidden_layers - mc.num_full_attention_layers, layers)
         self.concurrent = ConcurrentReadSetup.from_env()
         self.concurrent.log_decision()
-        tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes)
+        tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes, self.memory_plan)
         num_blocks = max(tokens // cfg.block_size, 2) + 1  # +1: block 0 is the padding block
         self.pool = make_pool(cfg.kv, layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
                               self.device, dtype)
@@ -291,6 +299,33 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.pending_events)
+
+    def _load_placed(self, cfg: EngineConfig, dtype: torch.dtype, progress: bool) -> LoadedModel:
+        """Start-up's first steps: read the checkpoint's index, decide where its parts go (on CUDA the
+        memory plan, printed; elsewhere --cpu-moe / --n-cpu-moe), then load them there."""
+        path = cfg.model or default_model_path()
+        ckpt = read_checkpoint(path)
+        try:
+            mc = ModelConfig.from_hf(ckpt.config)
+        except ConfigError as e:
+            raise LoadError(path, str(e)) from None
+        host = placement.flagged_host_layers(cfg, mc)
+        if self.device.type == "cuda":
+            placement.cap_allocator(cfg, self.device)
+            kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
+            self.memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, placement.gpu_budget(cfg, self.device),
+                                                        kv_layers, kv_tokens_max=1 << 40)
+            log.info("%s", self.memory_plan.table())
+            host = list(self.memory_plan.cpu_moe_layers)
+        if host and (cfg.cuda_graph or cfg.async_scheduling) and self.device.type == "cuda":
+            # The CPU's experts sit between a layer's router and its output: no graph can hold that step,
+            # and the host waits for each router.
+            log.info("CUDA graphs and async scheduling off: %d MoE layers compute their routed experts on the CPU",
+                     len(host))
+            self.cfg = dataclasses.replace(self.cfg, cuda_graph=False, async_scheduling=False)
+        return load_model(path, device=self.device, dtype=dtype, progress=progress, keep_quantized=cfg.keep_quantized,
+                          quantize=cfg.quantize, host_moe_layers=host or (), host_experts=cfg.host_experts,
+                          checkpoint=ckpt)
 
     def _solo_read_tokens(self, cfg: EngineConfig) -> int:
         """The scheduler's `solo_read_tokens`: the largest prompt-chunk graph the runner will capture (CUDA

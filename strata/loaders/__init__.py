@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -80,11 +81,15 @@ def _mtp_prefix(cfg: ModelConfig) -> str:
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                progress: bool = True, pack_experts: bool = True, keep_quantized: bool = False,
-               quantize: str | None = None) -> LoadedModel:
+               quantize: str | None = None, host_moe_layers: Collection[int] = (), host_experts: str = "auto",
+               checkpoint: Checkpoint | None = None) -> LoadedModel:
     """`pack_experts=False` keeps projections unstacked and MoE layers on the reference loop path (e.g.
-    to copy weights out for training). `keep_quantized`: see the module docstring (needs packing)."""
+    to copy weights out for training). `keep_quantized`: see the module docstring (needs packing).
+    `host_moe_layers`: decoder layers whose routed experts stay in host RAM, computed on the CPU in the
+    format `host_experts` (`strata.models.host_experts`; "auto": `host_format`). `checkpoint`: `path`
+    already read."""
     path = os.fspath(path or default_model_path())
-    ckpt = read_checkpoint(path)
+    ckpt = checkpoint or read_checkpoint(path)
     try:
         cfg = ModelConfig.from_hf(ckpt.config)
         names = set(ckpt.names)
@@ -96,7 +101,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
     except ConfigError as e:
         raise LoadError(path, str(e)) from None
     quantizable = _quantizable_linears(model) if keep_quantized and pack_experts and ckpt.raw else set()
-    _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable)
+    on_host = _place_host_experts(model, ckpt, host_moe_layers, host_experts) if pack_experts else set()
+    _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable - on_host, on_host)
     if pack_experts:
         _pack(model, torch.device(device))
     if quantize == "fp8":
@@ -173,8 +179,42 @@ def _quantizable_linears(model: CausalLM) -> set[str]:
     return out
 
 
+def host_format(stored_type: str | None, shapes: Collection[tuple[int, int]]) -> str:
+    """The CPU format of routed experts stored as `stored_type` (a safetensors dtype or GGUF type name):
+    float for float weights (exact), int8 for files of 5 bits or more, int4 (groups of 32, about 5 bits
+    with its scales) below that, where every weight's shape takes it."""
+    from strata.models.host_experts import format_fits
+
+    if stored_type is None or stored_type.upper() in ("F32", "F16", "BF16", "F64"):
+        return "float"
+    if stored_type.upper().startswith(("Q8", "Q6", "Q5")):
+        return "int8"
+    return "int4" if all(format_fits("int4", *s) for s in shapes) else "int8"
+
+
+def _place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int], fmt: str) -> set[str]:
+    """Marks the MoE layers among `layers` to keep their routed experts in RAM (`MoE.host_format`);
+    returns those experts' tensor names, which the loader then reads to the CPU as floats."""
+    from strata.models.moe import MoE
+
+    names: set[str] = set()
+    for i in sorted(set(layers)):
+        if i >= model.num_layers:
+            raise LoadError(ckpt.path, f"no layer {i} to place experts of (the model has {model.num_layers})")
+        moe = next((m for m in model.model.layers[i].modules() if isinstance(m, MoE)), None)
+        if moe is None:
+            continue  # a dense layer of a MoE model: nothing to place
+        prefix = next(n for n, m in model.named_modules() if m is moe) + ".experts."
+        mine = {n for n in ckpt.names if n.startswith(prefix)}
+        inter, hidden = moe.experts[0].gate_proj.weight.shape
+        stored = ckpt.types.get(min(mine)) if mine else None
+        moe.host_format = host_format(stored, [(2 * inter, hidden), (hidden, inter)]) if fmt == "auto" else fmt
+        names |= mine
+    return names
+
+
 def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool,
-                    quantizable: set[str] = frozenset()) -> None:
+                    quantizable: set[str] = frozenset(), on_host: set[str] = frozenset()) -> None:
     names = set(ckpt.names)
     cfg = model.config
     _optional_mtp_copies(model, names)
@@ -212,7 +252,7 @@ def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dty
             raise LoadError(ckpt.path, f"shape mismatch for {name}: file has {tuple(t.shape)}, model expects {tuple(target.shape)}")
         # The routing bias stays fp32: bf16 would reorder near-tied expert scores.
         want = torch.float32 if name.endswith("e_score_correction_bias") else dtype
-        value = t.to(device=device, dtype=want)
+        value = t.to(device="cpu" if name in on_host else device, dtype=want)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         if name in params:

@@ -41,6 +41,10 @@ class Checkpoint:
     tokenizer: Any = None
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     raw: Callable[[str], tuple[str, torch.Tensor] | None] | None = None
+    # Each tensor's stored type (a safetensors dtype such as "BF16", or a GGUF type such as "Q8_0") and
+    # its bytes in the file, where the format says (what the memory plan weighs before anything loads).
+    types: dict[str, str] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n in self.names:

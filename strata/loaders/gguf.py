@@ -236,12 +236,16 @@ def read_gguf(path: str) -> Checkpoint:
 
     where: dict[str, TensorRef] = {}
     hf_shapes: dict[str, tuple[int, ...]] = {}
+    types: dict[str, str] = {}
+    nbytes: dict[str, int] = {}
     for n in tensors:
         if n in IGNORED_TENSORS:
             continue
         n_experts = shapes[n][0] if len(shapes[n]) == 3 else 0
         for hf, ref in gguf_to_hf(arch, n, n_experts) or ():
             where[hf] = ref
+            types[hf] = tensors[n].tensor_type.name
+            nbytes[hf] = sum(int(tensors[g].n_bytes) for g in (n, *ref.more)) // (n_experts if ref.expert is not None else 1)
             shape = shapes[n][1:] if ref.expert is not None else shapes[n]
             if ref.undo is not None:
                 parts = [torch.empty(shape if g == n else shapes[g], device="meta") for g in (n, *ref.more)]
@@ -286,4 +290,5 @@ def read_gguf(path: str) -> Checkpoint:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise LoadError(path, f"cannot build the tokenizer ({why})") from None
     return Checkpoint(path=path, config=config, names=list(where), get=get, tokenizer=tokenizer, shapes=hf_shapes,
+                      types=types, nbytes=nbytes,
                       raw=raw)

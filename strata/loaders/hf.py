@@ -7,6 +7,7 @@ arbitrary code from the file.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from safetensors import SafetensorError, safe_open
@@ -15,6 +16,8 @@ from strata.loaders.base import Checkpoint, LoadError
 from strata.tokenizer import Tokenizer
 
 INDEX = "model.safetensors.index.json"
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def _shard_files(path: str) -> list[str]:
@@ -46,6 +49,8 @@ def read_hf_dir(path: str) -> Checkpoint:
 
     where: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    types: dict[str, str] = {}
+    nbytes: dict[str, int] = {}
     handles = {}
     for file in _shard_files(path):
         if not os.path.exists(file):
@@ -54,7 +59,10 @@ def read_hf_dir(path: str) -> Checkpoint:
             h = safe_open(file, framework="pt")
             for name in h.keys():
                 where[name] = file
-                shapes[name] = tuple(h.get_slice(name).get_shape())
+                part = h.get_slice(name)
+                shapes[name] = tuple(part.get_shape())
+                types[name] = part.get_dtype()
+                nbytes[name] = math.prod(shapes[name]) * _DTYPE_BYTES.get(types[name], 4)
         except (SafetensorError, OSError, ValueError) as e:
             raise LoadError(file, f"truncated or corrupt safetensors file ({str(e).splitlines()[0]})") from None
         handles[file] = h
@@ -71,4 +79,5 @@ def read_hf_dir(path: str) -> Checkpoint:
         eos = config.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         tokenizer = Tokenizer.from_hf_dir(path, eos_ids)
-    return Checkpoint(path=path, config=config, names=list(where), get=get, tokenizer=tokenizer, shapes=shapes)
+    return Checkpoint(path=path, config=config, names=list(where), get=get, tokenizer=tokenizer, shapes=shapes,
+                      types=types, nbytes=nbytes)

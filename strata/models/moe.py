@@ -18,6 +18,7 @@ from strata.kernels import moe_sort as k_sort
 from strata.kernels import triton_available, use_triton
 from strata.kernels.quant import moe_decode_q
 from strata.kernels.scratch import scratch
+from strata.models.host_experts import HostExperts
 from strata.models.layers import MLP, silu_mul
 
 log = logging.getLogger("strata")
@@ -200,6 +201,10 @@ class MoE(nn.Module):
         self.quant: tuple | None = None
         # The stacks of `fp8` or `quant` when decode-sized steps run `moe_decode_q`'s kernels (probed at pack).
         self.qdecode: tuple | None = None
+        # `--cpu-moe` / `--n-cpu-moe`: the loader leaves this layer's routed experts on the CPU and names
+        # their CPU format here; `pack_experts` moves them into `host` (path "host").
+        self.host_format: str | None = None
+        self.host: HostExperts | None = None
 
     @torch.no_grad()
     def pack_experts(self, extra: MLP | None = None) -> str:
@@ -208,6 +213,9 @@ class MoE(nn.Module):
         dtype: moving the module afterwards copies the views apart. `extra`: an MLP of the experts'
         shape stacked after them (`w13_ext`/`w2_ext`; its gate|up a view too), for a subclass that
         runs it as one more expert. Returns `self.path`."""
+        if self.host_format is not None:
+            self._pack_host()
+            return self.path
         if self._pack_quantized():  # experts the loader kept quantized: stacked as blocks
             return self.path
         members = list(self.experts) + ([extra] if extra is not None else [])
@@ -286,11 +294,32 @@ class MoE(nn.Module):
         self.path = "grouped"
         return True
 
+    def _pack_host(self) -> None:
+        """The routed experts into host RAM in `host_format` (`HostExperts`); their parameters emptied."""
+        gate_up = [torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self.experts]
+        down = [m.down_proj.weight for m in self.experts]
+        self.host = HostExperts(gate_up, down, self.host_format)
+        for m in self.experts:
+            for lin in (m.gate_proj, m.up_proj, m.down_proj):
+                lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+        if self.gate.weight.dtype != torch.float32:
+            self.gate.weight_f32 = self.gate.weight.detach().float()
+        self.path = "host"
+
+    def _host_forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts in RAM: the step's rows, ids and routing weights to the host (a wait for
+        the router), the experts on the CPU, their sum back to x's device."""
+        if x.device.type == "cpu":
+            return self.host.forward(x, ids, w).to(x.dtype)
+        return self.host.forward(x.cpu(), ids.cpu(), w.cpu()).to(device=x.device, dtype=x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids, _ = self.gate(x)
         if self.keep_routing:
             self.last_expert_ids = ids.detach()
-        if self.batch_invariant and not x.is_cuda:
+        if self.host is not None:
+            out = self._host_forward(x, w, ids)
+        elif self.batch_invariant and not x.is_cuda:
             out = self._loop(x, w, ids)  # each expert's rows through the row-invariant linear, in expert order
         elif self.batch_invariant and self.w13 is not None and x.dtype == self.w13.dtype and use_triton(x):
             out = self._grouped_invariant(x, w, ids)  # never the fused decode kernel: its order is its own

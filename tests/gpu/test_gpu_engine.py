@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -132,7 +133,11 @@ def test_cuda_speculation_identity_scenarios(scenario, monkeypatch):
     else:
         spec_kw["batch_groups"] = 2
     for dtype in ("float32", "bfloat16"):
-        base, _ = run(device="cuda", dtype=dtype, **kw)
+        base, e = run(device="cuda", dtype=dtype, **kw)
+        # Each engine sizes its KV pool from the free memory: the one before must be gone first.
+        del e
+        gc.collect()
+        torch.cuda.empty_cache()
         out, e = run(device="cuda", dtype=dtype, **kw, **spec_kw)
         if scenario == "give_way":
             assert e.scheduler.give_ways_total >= 1
@@ -144,3 +149,6 @@ def test_cuda_speculation_identity_scenarios(scenario, monkeypatch):
         else:
             same = sum(a == b for k in base for a, b in zip(base[k], out[k]))
             print(f"bf16 {scenario}: {same}/{sum(map(len, base.values()))} tokens equal to no speculation")
+        del e
+        gc.collect()
+        torch.cuda.empty_cache()

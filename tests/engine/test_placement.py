@@ -1,0 +1,96 @@
+"""Routed experts in host RAM through the engine (`--cpu-moe`, `--n-cpu-moe N`, strata/engine/placement.py)
+on the embedded MoE model, on the CPU: the same greedy tokens with the experts in RAM in float form, close
+ones in int8, and the memory plan of the real checkpoint on made-up GPU budgets."""
+
+import pytest
+import torch
+
+from strata.config import EngineConfig, ModelConfig
+from strata.engine import placement
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.loaders import default_model_path, host_format, read_checkpoint
+from strata.memory_plan import MiB, PlanError
+from strata.models.moe import MoE
+from strata.params import SamplingParams
+
+PROMPTS = ["It is a truth universally acknowledged, that", "To be, or not to be:"]
+
+
+def _greedy(**kw):
+    e = LLMEngine(EngineConfig(device="cpu", parallel=2, **kw), progress=False)
+    for i, p in enumerate(PROMPTS):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)), SamplingParams(max_tokens=24, ignore_eos=True),
+                                    0.0))
+    out = {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in e.run_to_completion().items()}
+    return out, e
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _greedy()[0]
+
+
+def _host_layers(e):
+    return [i for i, layer in enumerate(e.model.model.layers) for m in layer.modules()
+            if isinstance(m, MoE) and m.host is not None]
+
+
+def test_cpu_moe_float_gives_the_same_tokens(plain):
+    out, e = _greedy(cpu_moe=True, host_experts="float")
+    moe_layers = placement.moe_layers(e.model_config)
+    assert moe_layers and _host_layers(e) == moe_layers
+    assert all(m.path == "host" and m.host.fmt == "float" for m in e.model.modules() if isinstance(m, MoE)
+               and m.host is not None)
+    assert out == plain
+
+
+def test_n_cpu_moe_places_the_first_layers(plain):
+    out, e = _greedy(n_cpu_moe=1, host_experts="float")
+    assert _host_layers(e) == placement.moe_layers(e.model_config)[:1]
+    assert out == plain
+
+
+def test_int8_experts_stay_close(plain):
+    out, e = _greedy(cpu_moe=True, host_experts="int8")
+    assert {m.host.fmt for m in e.model.modules() if isinstance(m, MoE) and m.host is not None} == {"int8"}
+    same = sum(a == b for k in plain for a, b in zip(plain[k], out[k]))
+    assert same >= 0.5 * sum(map(len, plain.values()))  # an 8-bit copy of a 9M model: most tokens agree
+
+
+def test_auto_format_follows_the_stored_type():
+    assert host_format("BF16", [(64, 32)]) == "float"
+    assert host_format("Q8_0", [(64, 32)]) == "int8" and host_format("Q6_K", [(64, 32)]) == "int8"
+    assert host_format("IQ3_S", [(64, 64), (64, 32)]) == "int4"
+    assert host_format("Q4_K", [(24, 64)]) == "int8"  # rows not in tiles of 16: int4 cannot hold it
+
+
+def test_flags_must_agree():
+    with pytest.raises(ValueError, match="n_cpu_moe"):
+        EngineConfig(cpu_moe=True, n_cpu_moe=2)
+    with pytest.raises(ValueError, match="host_experts"):
+        EngineConfig(host_experts="int2")
+    with pytest.raises(ValueError, match="gpu_memory"):
+        EngineConfig(gpu_memory=0)
+
+
+def test_the_plan_of_the_embedded_checkpoint():
+    ckpt = read_checkpoint(default_model_path())
+    mc = ModelConfig.from_hf(ckpt.config)
+    cfg = EngineConfig(device="cuda", ctx=4096, parallel=2, gpu_memory=2.0).resolved()
+    kv_layers = mc.num_full_attention_layers
+    sizes = placement.model_sizes(ckpt, mc, cfg, torch.bfloat16, kv_layers)
+    assert len(sizes.routed_experts) == len(placement.moe_layers(mc)) and all(sizes.routed_experts)
+    # Everything the file holds is counted once, at 2 bytes a value (bf16 file, bf16 model).
+    total = sum(b for _, b in sizes.fixed) + sizes.shared_experts + sum(sizes.routed_experts)
+    assert total == sum(ckpt.nbytes.values())
+    big = placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 2 << 30, kv_layers)
+    assert big.cpu_moe_layers == () and "memory plan (GPU budget 2.00 GiB)" in big.table()
+    # A budget that holds everything but the routed experts of the first MoE layer.
+    fixed = (sum(b for _, b in sizes.fixed) + sizes.shared_experts + placement.scratch_bytes(cfg, mc)
+             + cfg.ctx * cfg.parallel * sizes.kv_bytes_per_token)
+    tight = placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, fixed + sum(sizes.routed_experts[1:]),
+                                     kv_layers)
+    assert tight.cpu_moe_layers == tuple(placement.moe_layers(mc)[:1])
+    with pytest.raises(PlanError, match="does not fit the GPU budget"):
+        placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 64 * MiB, kv_layers)
