@@ -227,9 +227,10 @@ class EngineConfig:
     seed: int | None = None  # seeds requests that bring none (in arrival order): reproducible runs
     parallel: int = 1  # slots: requests decoding at once; more wait in a queue
     kv: str = "auto"  # KV cache storage: auto (the model dtype) | bf16 | int8
-    # GGUF Q8_0 / Q4_K / IQ3_S / Q6_K linear weights and MoE experts stay quantized on the device (their
-    # Triton kernels) instead of being expanded to the model dtype at load (docs/QUANTIZATION.md).
-    keep_quantized: bool = False
+    # A GGUF file's quantized linear weights and MoE experts stay quantized on the device (their Triton
+    # kernels, docs/QUANTIZATION.md) instead of being expanded to the model dtype at load. None: on for
+    # CUDA (the file's size, not bf16's), off on the CPU and with --batch-invariant or --quantize.
+    keep_quantized: bool | None = None
     # Quantize an HF checkpoint's attention and MLP projections (MoE experts too) at load: None or "fp8"
     # (e4m3, a scale per output channel; decode rows weight-only through the GEMV, reads through
     # torch._scaled_mm with activations quantized per token).
@@ -329,7 +330,11 @@ class EngineConfig:
         async_ = self.async_scheduling
         if async_ is None:
             async_ = self.resolved_device.startswith("cuda") and not self.spec and self.batch_groups == 1
-        return dataclasses.replace(self, chunk_size=chunk, max_num_batched_tokens=budget, async_scheduling=async_)
+        keep = self.keep_quantized
+        if keep is None:
+            keep = self.resolved_device.startswith("cuda") and not self.batch_invariant and self.quantize is None
+        return dataclasses.replace(self, chunk_size=chunk, max_num_batched_tokens=budget, async_scheduling=async_,
+                                   keep_quantized=keep)
 
     @property
     def resolved_device(self) -> str:

@@ -134,8 +134,9 @@ def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device, model: t
         ("MoE layers whose experts are not stacked on CUDA", unstacked),
         (f"{mc.model_type}'s linear-attention layers", mc.is_hybrid),
         (f"weights kept quantized in {', '.join(formats)} (covered: "
-         f"{', '.join(k_quant_invariant.FORMATS)})", bool(formats)),
-        ("MoE experts kept quantized (--keep-quantized, --quantize fp8)", quantized_experts)) if lacking]
+         f"{', '.join(k_quant_invariant.FORMATS)}; --no-keep-quantized expands them)", bool(formats)),
+        ("MoE experts kept quantized (--keep-quantized, --quantize fp8)", quantized_experts),
+        ("MoE experts in host RAM (--cpu-moe, --n-cpu-moe)", any(m.host is not None for m in moes))) if lacking]
     if missing:
         raise ValueError("--batch-invariant is not built yet for " + "; ".join(missing))
 

@@ -119,6 +119,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
         raise LoadError(path, f"unknown --quantize {quantize!r} (fp8)")
     if quantizable or quantize:
         _log_quantized(model)
+    if quantizable:
+        _log_expanded(ckpt, quantizable - on_host, dtype)
     model.eval()
     return LoadedModel(model=model, config=cfg, tokenizer=ckpt.tokenizer, path=path, has_mtp=with_mtp)
 
@@ -138,6 +140,28 @@ def _log_quantized(model: CausalLM) -> None:
                  ", ".join(sorted({s.ggml_type for s in stacks})), sum(s.nbytes for s in stacks) / 2**20)
     if not kept and not stacks:
         log.info("no weight was kept quantized (no Q8_0 / Q4_K / IQ3_S / Q6_K linear weights in this file)")
+
+
+def _log_expanded(ckpt: Checkpoint, names: set[str], dtype: torch.dtype) -> None:
+    """One line naming the quantized types of `names` that have no kernels here, and what expanding
+    them to `dtype` costs."""
+    from strata.kernels.quant import FORMATS
+
+    size = torch.empty(0, dtype=dtype).element_size()
+    expanded: dict[str, list[int]] = {}
+    for n in names:
+        stored = ckpt.types.get(n)
+        if stored is None or stored in FORMATS or stored in ("F32", "F16", "BF16", "F64"):
+            continue
+        numel = 1
+        for d in ckpt.shapes.get(n, ()):
+            numel *= d
+        entry = expanded.setdefault(stored, [0, 0])
+        entry[0] += 1
+        entry[1] += numel * size
+    if expanded:
+        log.warning("not kept quantized (no kernels for the type), expanded to %s: %s", str(dtype).removeprefix("torch."),
+                    ", ".join(f"{t} ({c} tensors, {b / 2**20:.1f} MiB)" for t, (c, b) in sorted(expanded.items())))
 
 
 def _pack(model: CausalLM, device: torch.device) -> None:

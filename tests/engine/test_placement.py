@@ -94,3 +94,8 @@ def test_the_plan_of_the_embedded_checkpoint():
     assert tight.cpu_moe_layers == tuple(placement.moe_layers(mc)[:1])
     with pytest.raises(PlanError, match="does not fit the GPU budget"):
         placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 64 * MiB, kv_layers)
+
+
+def test_batch_invariance_refuses_experts_in_ram():
+    with pytest.raises(ValueError, match=r"MoE experts in host RAM \(--cpu-moe"):
+        LLMEngine(EngineConfig(device="cpu", cpu_moe=True, batch_invariant=True), progress=False)

@@ -9,6 +9,7 @@ per layer as llama.cpp stores them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -326,6 +327,36 @@ def test_quantized_weights_kept_quantized(tmp_path):
         ids = torch.randint(0, c["vocab_size"], (1, t))
         err = rel_err(_logits(kept, ids), _logits(floats, ids))
         assert err < 1e-4, (t, err)
+
+
+def test_a_type_without_kernels_is_named_with_its_cost(tmp_path, caplog):
+    """A projection in a GGUF type Strata has no kernels for is expanded, and one warning line names the
+    type, its tensors and the bytes it costs; the rest stays quantized."""
+    src = str(tmp_path / "hf")
+    save_tiny_model("qwen3", src, intermediate_size=256)
+    c = _hf_config(src)
+    qtypes = {f"blk.{i}.{t}.weight": QT.Q8_0 for i in range(c["num_hidden_layers"])
+              for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
+    qtypes.update({f"blk.{i}.ffn_down.weight": QT.Q5_0 for i in range(c["num_hidden_layers"])})
+    path = write_gguf(tmp_path / "q.gguf", c, load_file(os.path.join(src, "model.safetensors")), qtypes=qtypes)
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        kept = load_model(path, keep_quantized=True)
+    lines = [r.getMessage() for r in caplog.records if "not kept quantized" in r.getMessage()]
+    mib = c["num_hidden_layers"] * c["hidden_size"] * 256 * 4 / 2**20
+    assert lines == [f"not kept quantized (no kernels for the type), expanded to float32: Q5_0 "
+                     f"({c['num_hidden_layers']} tensors, {mib:.1f} MiB)"]
+    mlp = kept.model.model.layers[0].mlp
+    assert mlp.down_q is None and mlp.gate_up_q is not None
+
+
+def test_gguf_stays_quantized_by_default_on_cuda():
+    from strata.config import EngineConfig
+
+    assert EngineConfig(device="cuda").resolved().keep_quantized is True
+    assert EngineConfig(device="cpu").resolved().keep_quantized is False
+    assert EngineConfig(device="cuda", keep_quantized=False).resolved().keep_quantized is False
+    assert EngineConfig(device="cuda", batch_invariant=True).resolved().keep_quantized is False
+    assert EngineConfig(device="cuda", quantize="fp8").resolved().keep_quantized is False
 
 
 def test_mixed_format_qkv_stays_quantized(tmp_path):
