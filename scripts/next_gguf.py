@@ -4,8 +4,13 @@ random Q8_0 blocks; what llama.cpp's converter and quantizer keep in F32 is F32 
 router, the shared expert's gate, the conv kernel, ssm_a, ssm_dt.bias). Tensors are made (on the GPU
 when there is one) and written one at a time, so the host holds at most one tensor (1 GiB at the 80B
 expert stacks in bf16). The tokenizer fields come from a vocab-only GGUF (llama.cpp ships
-`models/ggml-vocab-qwen2.gguf`), without which llama.cpp refuses the file. The MTP layer is left out:
-llama-bench never runs it.
+`models/ggml-vocab-qwen2.gguf`), without which llama.cpp refuses the file.
+
+The MTP layer is left out unless `--mtp`: llama-bench never runs it, and llama.cpp's qwen3next loader
+creates no tensor for it and refuses a file holding tensors it did not create ("wrong number of
+tensors"). With `--mtp` the file is for Strata (`--spec`): the layer as llama.cpp writes DeepSeek's and
+GLM-4.5's, counted in block_count and `nextn_predict_layers`, block L = num_hidden_layers a full-attention
+MoE block under qwen3next's names plus the head's nextn.eh_proj / enorm / hnorm / shared_head_norm.
 
     python3 scripts/next_gguf.py /tmp/peer_next.gguf --shape qwen3-next-80b-a3b-12l --type bf16 \
         --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf
@@ -53,15 +58,21 @@ def _config(cfg: ModelConfig | dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def metadata(cfg: ModelConfig) -> dict[str, int | float | list[bool]]:
+def mtp_layers(cfg: ModelConfig, mtp: bool) -> int:
+    """The MTP layers written: the config's (one if it names none) with `mtp`, else none."""
+    return (cfg.num_nextn_predict_layers or 1) if mtp else 0
+
+
+def metadata(cfg: ModelConfig, mtp: bool = False) -> dict[str, int | float | list[bool]]:
     """`qwen3next.*` keys → values, as llama.cpp's loader reads them (llama-model.cpp `load_hparams`,
-    models/qwen3next.cpp `load_arch_hparams`)."""
+    models/qwen3next.cpp `load_arch_hparams`); with `mtp`, the MTP layers counted in block_count."""
+    nextn = mtp_layers(cfg, mtp)
     every = cfg.layer_types.index("full_attention") + 1 if "full_attention" in cfg.layer_types else 0
     periodic = every > 0 and all(cfg.layer_is_linear(i) == ((i + 1) % every != 0) for i in range(cfg.num_hidden_layers))
     meta: dict[str, int | float | list[bool]] = {
         "context_length": cfg.max_position_embeddings,
         "embedding_length": cfg.hidden_size,
-        "block_count": cfg.num_hidden_layers,
+        "block_count": cfg.num_hidden_layers + nextn,
         "feed_forward_length": cfg.intermediate_size,
         "attention.head_count": cfg.num_attention_heads,
         "attention.head_count_kv": cfg.num_key_value_heads,
@@ -84,24 +95,35 @@ def metadata(cfg: ModelConfig) -> dict[str, int | float | list[bool]]:
     if periodic:
         meta["full_attention_interval"] = every
     else:
-        meta["attention.recurrent_layers"] = [cfg.layer_is_linear(i) for i in range(cfg.num_hidden_layers)]
+        recurrent = [cfg.layer_is_linear(i) for i in range(cfg.num_hidden_layers)]
+        meta["attention.recurrent_layers"] = recurrent + [False] * nextn  # MTP layers: full attention
+    if nextn:
+        meta["nextn_predict_layers"] = nextn
     return meta
 
 
-def tensor_plan(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str]]:
+def tensor_plan(cfg: ModelConfig, mtp: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
     """(GGUF name, numpy shape, what it holds) for every tensor llama.cpp's qwen3next creates for the
     trunk (models/qwen3next.cpp `load_arch_tensors`: separate q/k/v in attention layers, attn_qkv +
-    attn_gate in linear ones, separate gate/up expert stacks)."""
+    attn_gate in linear ones, separate gate/up expert stacks); with `mtp`, the MTP layers after it
+    (full attention, MoE; the head's own tensors in the first)."""
     h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, hv * dv
     e, mi, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     plan = [("token_embd.weight", (v, h), MATRIX), ("output_norm.weight", (h,), ONES), ("output.weight", (v, h), MATRIX)]
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers + mtp_layers(cfg, mtp)):
         b = f"blk.{i}."
         plan += [(b + "attn_norm.weight", (h,), ONES), (b + "post_attention_norm.weight", (h,), ONES)]
-        if cfg.layer_is_linear(i):
+        if i == cfg.num_hidden_layers:  # the MTP head: eh_proj takes [embedding; hidden state]
+            plan += [
+                (b + "nextn.eh_proj.weight", (h, 2 * h), MATRIX),
+                (b + "nextn.enorm.weight", (h,), ONES),
+                (b + "nextn.hnorm.weight", (h,), ONES),
+                (b + "nextn.shared_head_norm.weight", (h,), ONES),
+            ]
+        if i < cfg.num_hidden_layers and cfg.layer_is_linear(i):
             plan += [
                 (b + "attn_qkv.weight", (2 * kd + vd, h), MATRIX),
                 (b + "attn_gate.weight", (vd, h), MATRIX),
@@ -162,12 +184,13 @@ def _make(shape: tuple[int, ...], kind: str, qtype: QT, gen: torch.Generator, de
 
 def write_next_gguf(path: str | os.PathLike, cfg: ModelConfig | dict[str, Any], wtype: str = "bf16",
                     vocab: str | None = None, seed: int = 0, device: str | torch.device | None = None,
-                    model_name: str = "random qwen3next",
-                    log: Callable[[str], None] | None = None) -> tuple[int, int]:
+                    model_name: str = "random qwen3next", log: Callable[[str], None] | None = None,
+                    mtp: bool = False) -> tuple[int, int]:
     """Writes the GGUF for `cfg` (a qwen3_next `ModelConfig`, or its HF config dict) at `path`, the
     matrices in `wtype` ("bf16" or "Q8_0"), the tokenizer copied from the vocab-only GGUF `vocab`
-    (whose token count must be the config's vocab_size). Refuses before writing when the disk lacks
-    the room. The file appears at `path` only once whole (written as `path`.part, then renamed).
+    (whose token count must be the config's vocab_size); with `mtp`, the MTP layer too (a file
+    llama.cpp refuses; see the module docstring). Refuses before writing when the disk lacks the
+    room. The file appears at `path` only once whole (written as `path`.part, then renamed).
     Returns (file bytes, tensor count)."""
     cfg = _config(cfg)
     path = os.fspath(path)
@@ -177,7 +200,8 @@ def write_next_gguf(path: str | os.PathLike, cfg: ModelConfig | dict[str, Any], 
     qtype, file_type = TYPES[wtype]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gen = torch.Generator(device=device).manual_seed(seed)
-    plan = tensor_plan(cfg)
+    plan = tensor_plan(cfg, mtp)
+    blocks = cfg.num_hidden_layers + mtp_layers(cfg, mtp)
     stored = [_stored(shape, kind, qtype) for _, shape, kind in plan]
     planned = sum(gguf.GGUFWriter.ggml_pad(math.prod(s), gguf.GGUF_DEFAULT_ALIGNMENT) for _, s in stored)
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
@@ -187,7 +211,7 @@ def write_next_gguf(path: str | os.PathLike, cfg: ModelConfig | dict[str, Any], 
     w = gguf.GGUFWriter(part, ARCH)
     w.add_name(model_name)
     w.add_file_type(file_type)
-    for key, value in metadata(cfg).items():
+    for key, value in metadata(cfg, mtp).items():
         full = f"{ARCH}.{key}"
         if isinstance(value, list):
             w.add_array(full, value)
@@ -210,7 +234,7 @@ def write_next_gguf(path: str | os.PathLike, cfg: ModelConfig | dict[str, Any], 
     for tensor, shape, kind in plan:
         if log and tensor.startswith("blk.") and int(tensor.split(".")[1]) != layer:
             layer = int(tensor.split(".")[1])
-            log(f"layer {layer + 1}/{cfg.num_hidden_layers} ({time.perf_counter() - t0:.0f} s)")
+            log(f"layer {layer + 1}/{blocks} ({time.perf_counter() - t0:.0f} s)")
         w.write_tensor_data(_make(shape, kind, qtype, gen, device))
     w.close()
     os.replace(part, path)
@@ -226,17 +250,20 @@ def main() -> None:
     p.add_argument("--vocab", default=None, help="a vocab-only GGUF whose tokenizer.* fields are copied "
                    "(llama.cpp needs them; Strata reads the file without)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp", action="store_true", help="also write the MTP layer (blk.L + nextn.*, "
+                   "nextn_predict_layers), for Strata's --spec; off by default because llama.cpp refuses "
+                   "a qwen3next file with tensors it does not create, so llama-bench cannot read it")
     args = p.parse_args()
     cfg = shape_config(args.shape)
     if not args.vocab:
         print("no --vocab: llama.cpp will refuse a file without tokenizer fields", file=sys.stderr)
     t0 = time.perf_counter()
     size, count = write_next_gguf(args.out, cfg, args.type, args.vocab, args.seed, model_name=f"random {args.shape}",
-                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+                                  log=lambda s: print(s, file=sys.stderr, flush=True), mtp=args.mtp)
     linear = sum(cfg.layer_is_linear(i) for i in range(cfg.num_hidden_layers))
     print(f"wrote {args.out}: {args.shape} {args.type}, {size / 2**30:.2f} GiB ({size} bytes), {count} tensors, "
           f"{cfg.num_hidden_layers} layers ({linear} linear-attention + {cfg.num_hidden_layers - linear} full-attention, "
-          f"no MTP layer) in {time.perf_counter() - t0:.0f} s")
+          f"{'+ MTP layer, not for llama.cpp' if args.mtp else 'no MTP layer'}) in {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Compile a Triton kernel for sm_90 without a GPU and count the SASS instructions of its loops: a
-proxy for what a kernel costs per value when it is issue-bound (a decode GEMV on packed formats),
-checkable on a CPU before device time is spent. Uses the ptxas and nvdisasm that Triton's NVIDIA
-backend ships; the compile is this machine's Triton, which may differ from the device's.
+"""Compile a Triton kernel for sm_90 (or another target: `--arch`) without a GPU and count the SASS
+instructions of its loops: a proxy for what a kernel costs per value when it is issue-bound (a
+decode GEMV on packed formats), checkable on a CPU before device time is spent. Uses the ptxas and
+nvdisasm that Triton's NVIDIA backend ships; the compile is this machine's Triton, which may differ from the device's.
 
     python scripts/sass_loops.py strata.kernels.quant.iq3_s_dp4a:_iq3s_gemv_dp4a_kernel \
         --sig x_ptr=*bf16 ... --const BLOCK_M=1 ... [--warps 4 --stages 3 --no-fp-fusion]
@@ -44,24 +44,37 @@ def launch_attrs(kernel, signature: dict, aligned_ints=ALIGNED_INTS) -> dict:
             and (signature[name].startswith("*") or name in aligned_ints)}
 
 
-def sass(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
-         fp_fusion: bool = True, aligned: bool = True) -> str:
-    """SASS of `kernel` compiled for sm_90; `aligned`: specialised as a launch with aligned tensors
-    and shapes would be (`launch_attrs`)."""
+def compile_kernel(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                   fp_fusion: bool = True, aligned: bool = True, arch: int = 90):
+    """`kernel` compiled for sm_`arch` (80, 86, 89, 90): the compiled kernel, its `asm["cubin"]` and its
+    `metadata` (`shared`: bytes of shared memory per block, `n_regs`, `n_spills`); `aligned`: specialised
+    as a launch with aligned tensors and shapes would be (`launch_attrs`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     attrs = launch_attrs(kernel, signature) if aligned else {}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages,
-                                       "enable_fp_fusion": fp_fusion})
+    return triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion})
+
+
+def disassemble(compiled) -> str:
+    """SASS of a compiled kernel (`compile_kernel`), by the nvdisasm Triton ships."""
+    import triton
+
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         return subprocess.run([nvdisasm, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def sass(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+         fp_fusion: bool = True, aligned: bool = True, arch: int = 90) -> str:
+    """SASS of `kernel` compiled for sm_`arch` (`compile_kernel`)."""
+    return disassemble(compile_kernel(kernel, signature, constexprs, num_warps, num_stages, fp_fusion, aligned, arch))
 
 
 def loops(text: str) -> list[tuple[int, int, int, collections.Counter]]:
@@ -106,12 +119,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--no-fp-fusion", action="store_true")
+    p.add_argument("--arch", type=int, default=90, help="the target: 80, 86, 89 or 90")
     p.add_argument("--dump", default=None, help="write the SASS here")
     args = p.parse_args(argv)
     module, _, name = args.kernel.partition(":")
     kernel = getattr(importlib.import_module(module), name)
     text = sass(kernel, {k: v for k, v in (s.split("=", 1) for s in args.sig)}, _kv(args.const), args.warps,
-                args.stages, not args.no_fp_fusion)
+                args.stages, not args.no_fp_fusion, arch=args.arch)
     if args.dump:
         open(args.dump, "w").write(text)
     for start, end, count, hist in loops(text):

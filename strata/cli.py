@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import secrets
 import sys
 import time
 
@@ -15,8 +16,10 @@ from strata.cli_args import add_engine_flags, add_model_arg, engine_config, run_
 from strata.config import EngineConfig
 from strata.sampling import SamplingParams
 
-_SP = SamplingParams()
 _EC = EngineConfig()
+# generate and chat sample as llama.cpp's CLI does, so a small model does not loop on its likeliest
+# words; `--temperature 0` is greedy. The server keeps OpenAI's defaults (strata.server.protocol).
+CLI_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 # `--seed` on generate and chat is the request's sampling seed; the engine's `seed` field (which seeds
 # requests that bring none) has a flag of its own, `--engine-seed`, and is `seed` in a --config file
@@ -40,14 +43,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-n", type=int, default=_SP.max_tokens)
-    p.add_argument("--temperature", "--temp", type=float, default=_SP.temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=_SP.top_k)
-    p.add_argument("--top-p", type=float, default=_SP.top_p)
-    p.add_argument("--min-p", type=float, default=_SP.min_p)
-    p.add_argument("--repetition-penalty", type=float, default=_SP.repetition_penalty)
-    p.add_argument("--seed", type=int, default=_SP.seed,
-                   help="the request's sampling seed (chat: every turn's); --engine-seed seeds requests without one")
+    sp = CLI_SAMPLING
+    p.add_argument("--max-tokens", "-n", type=int, default=sp.max_tokens, help="(default: %(default)s)")
+    p.add_argument("--temperature", "--temp", type=float, default=sp.temperature,
+                   help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=sp.top_k, help="0 = off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=sp.top_p, help="1 = off (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=sp.min_p, help="0 = off (default: %(default)s)")
+    p.add_argument("--repetition-penalty", type=float, default=sp.repetition_penalty,
+                   help="1 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=sp.seed,
+                   help="the request's sampling seed (chat: every turn's); without it (and without --engine-seed) "
+                        "a random one, printed on stderr so the run can be repeated")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks)")
 
@@ -58,6 +65,16 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
         max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, ignore_eos=a.ignore_eos,
     )
+
+
+def _seeded(params: SamplingParams, cfg: EngineConfig) -> SamplingParams:
+    """`params` with a seed: a sampled run given neither --seed nor --engine-seed gets a random one,
+    printed on stderr, so that `--seed N` repeats it."""
+    if params.greedy or params.seed is not None or cfg.seed is not None:
+        return params
+    seed = secrets.randbits(31)
+    print(f"seed: {seed} (--seed {seed} repeats this run; --temperature 0 is greedy)", file=sys.stderr)
+    return dataclasses.replace(params, seed=seed)
 
 
 def resolve_engine(a: argparse.Namespace) -> EngineConfig:
@@ -123,7 +140,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         ids = llm.tokenizer.encode(text, add_special=False)
     else:
         ids = llm.tokenizer.encode(a.prompt)
-    _stream(llm, ids, sampling_params(a))
+    _stream(llm, ids, _seeded(sampling_params(a), llm.engine_config))
     sys.stdout.write("\n")
     return 0
 
@@ -133,7 +150,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if a.system:
         messages.append({"role": "system", "content": a.system})
-    params = sampling_params(a)
+    params = _seeded(sampling_params(a), llm.engine_config)
     while True:
         try:
             line = input("> ")

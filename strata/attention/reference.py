@@ -6,7 +6,9 @@
   Each step gathers every scheduled sequence's K/V from the pool into a padded [R, L] batch and runs
   one masked SDPA, so there is no Python loop over tokens or sequences per layer. The gather index
   and mask depend only on the step's layout, so they are built once per step in `prepare` and shared
-  by all layers. The Triton backend replaces `attend`, not the layout.
+  by all layers. K/V are gathered whole blocks at a time. A step whose sequences all end at the same
+  position (a lone decode, one sequence's prompt chunk) needs no row maps and at most a causal mask.
+  The Triton backend replaces `attend`, not the layout.
 """
 
 from __future__ import annotations
@@ -95,22 +97,43 @@ class PagedAttention(AttentionBackend):
         self.pool = pool
         self.slots: torch.Tensor | None = None
         self.batch_invariant = batch_invariant  # `strata.kernels.invariant.attention` instead of SDPA
+        # The layout of a step (`prepare`): its block tables and key count, and where needed the rows'
+        # maps and the mask.
+        self.blocks: torch.Tensor | None = None
+        self.keys = 0
+        self.q_rows: torch.Tensor | None = None  # None: q is [R, Q] rows already (every sequence has Q rows)
+        self.out_rows: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None  # None: every query sees every gathered key
+        self._kpos: torch.Tensor | None = None  # positions 0..L-1, made once (grown by doubling), sliced per step
+
+    def _key_positions(self, lmax: int, device: torch.device) -> torch.Tensor:
+        kpos = self._kpos
+        if kpos is None or kpos.shape[0] < lmax or kpos.device != device:
+            self._kpos = kpos = torch.arange(max(lmax, 2 * kpos.shape[0] if kpos is not None else 256), device=device)
+        return kpos[:lmax]
 
     def prepare(self, slots: torch.Tensor, starts: list[int], lens: list[int], block_tables: torch.Tensor) -> None:
         """slots [N]: pool slot of each new token; starts/lens: per sequence, the first new position and
         the number of new tokens (rows are laid out sequence after sequence); block_tables [R, B]."""
-        device, bs = slots.device, self.pool.block_size
+        device = slots.device
         r = len(starts)
+        self.slots = slots
         # Sizes come from the host lists and the per-sequence vectors travel in one pinned copy:
         # nothing here waits for the device, so a step can be launched while the previous one runs.
         lmax, qmax = max(s + n for s, n in zip(starts, lens)), max(lens)
+        # K/V are gathered whole blocks at a time; positions past a sequence's context are masked.
+        self.blocks, self.keys = block_tables[:, : -(-lmax // self.pool.block_size)], lmax
+        kpos = self._key_positions(lmax, device)
+        if not self.batch_invariant and all(n == qmax and s + n == lmax for s, n in zip(starts, lens)):
+            # Every sequence reads Q rows ending at the same position (a decode step of one sequence, or
+            # of sequences as long as each other; one sequence's prompt chunk): q and the output are
+            # plain views, and only a chunk's causal order hides keys.
+            self.q_rows = self.out_rows = None
+            self.mask = None if qmax == 1 else (kpos[None] <= kpos[lmax - qmax : lmax, None])[None]  # [1, Q, L]
+            return
         start_t, n_t = to_device([list(starts), list(lens)], device)
         ctx = start_t + n_t
-        kpos = torch.arange(lmax, device=device)
-        blocks = block_tables[:, : (lmax + bs - 1) // bs].long()
-        idx = blocks.gather(1, (kpos // bs).expand(r, -1)) * bs + kpos % bs
-        self.kv_index = torch.where(kpos[None] < ctx[:, None], idx, torch.zeros_like(idx))  # [R, L]
-        qi = torch.arange(qmax, device=device)
+        qi = kpos[:qmax]
         row_start = torch.cumsum(n_t, 0) - n_t
         q_valid = qi[None] < n_t[:, None]  # [R, Q]
         self.q_rows = torch.where(q_valid, row_start[:, None] + qi[None], torch.zeros_like(qi)[None])
@@ -121,15 +144,16 @@ class PagedAttention(AttentionBackend):
         self.out_rows = seq * qmax + torch.arange(n_tokens, device=device) - row_start[seq]
         qpos = start_t[:, None] + qi[None]
         self.mask = (kpos[None, None] <= qpos[:, :, None]) & (kpos[None, None] < ctx[:, None, None])  # [R, Q, L]
-        self.slots = slots
 
     def attend(self, layer, q, k, v):
         self.pool.write(layer, self.slots, k, v)
-        kk, vv = self.pool.gather(layer, self.kv_index, q.dtype)  # [R, L, Hkv, D]
-        qq = q[self.q_rows]  # [R, Q, Hq, D]
+        kk, vv = self.pool.gather_blocks(layer, self.blocks, self.keys, q.dtype)  # [R, L, Hkv, D]
+        qq = q.view(kk.shape[0], -1, *q.shape[1:]) if self.q_rows is None else q[self.q_rows]  # [R, Q, Hq, D]
         if self.batch_invariant:
             o = k_invariant.attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), self.mask)
         else:
-            o = sdpa(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=False, mask=self.mask[:, None])
+            mask = None if self.mask is None else self.mask[:, None]
+            o = sdpa(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=False, mask=mask)
         o = o.transpose(1, 2)  # [R, Q, Hq, D]
-        return o.reshape(-1, *o.shape[2:]).index_select(0, self.out_rows)
+        o = o.reshape(-1, *o.shape[2:])
+        return o if self.out_rows is None else o.index_select(0, self.out_rows)

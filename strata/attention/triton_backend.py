@@ -20,6 +20,7 @@ import torch
 from strata.kernels import attention as k_attn
 from strata.kernels import kv_dequant as k_dequant
 from strata.kernels import kv_store as k_store
+from strata.kernels.device import current as device_spec
 from strata.kvcache.pool import Int8Pool, KVPool
 from strata.attention.base import AttentionBackend
 from strata.kernels.transfer import to_device
@@ -51,7 +52,7 @@ class TritonPagedAttention(AttentionBackend):
         max_splits = max(MAX_SPLITS, self.invariant_splits) if batch_invariant else MAX_SPLITS
         self.workspace = k_attn.SplitWorkspace(max_split_rows, num_q_heads, pool.head_dim, max_splits, self.device)
         self.max_split_rows = max_split_rows
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = device_spec(self.device).sm_count  # key splits fill this device's SMs
         self.slots: torch.Tensor | None = None
         self.tables: torch.Tensor | None = None
         self.num_seqs = self.max_q_len = self.num_splits = 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import os
 import time
 
 import torch
@@ -207,10 +208,15 @@ def _hf_read(args, device, dtype, ceilings, info, rows: list[dict]) -> None:
 # ---- decode -----------------------------------------------------------------------------------------
 
 def _decode_once(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str, device) -> dict:
+    t_add = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(EngineRequest(f"{tag}-{i}", tuple(p), params, time.monotonic()))
+    first_s = None  # submission to the first request's first token (its read)
     while any(r.num_computed_tokens < len(r.prompt_ids) for r in eng.requests.values()):
-        eng.step()  # finish the reads; decode timing starts after them
+        events = eng.step()  # finish the reads; decode timing starts after them
+        if first_s is None and any(ev.token_ids for ev in events):
+            _sync(device)
+            first_s = time.perf_counter() - t_add
     # A request whose read ended early may have decoded a few tokens already: count only the rest.
     before = sum(len(r.output_ids) for r in eng.requests.values())
     _sync(device)
@@ -228,14 +234,52 @@ def _decode_once(eng: LLMEngine, prompts: list[list[int]], params: SamplingParam
     if params.grammar is None:
         new = len(prompts) * params.max_tokens - before
     return {"s": time.perf_counter() - t0, "new": new, "steps": len(step_s), "step_s": step_s,
-            "finished_early": early}
+            "finished_early": early, "first_s": first_s}
+
+
+def _model_config(args) -> ModelConfig:
+    """The config of the model a run measures: `--model`'s checkpoint, else the random `--shape`."""
+    if getattr(args, "model", None):
+        from strata.loaders import read_checkpoint
+
+        return ModelConfig.from_hf(read_checkpoint(_model_path(args)).config)
+    return shape_config(args.shape)
+
+
+def _model_path(args) -> str:
+    from strata.loaders import default_model_path
+
+    return default_model_path() if args.model == "default" else args.model
+
+
+def _load_weights(args, device, dtype) -> LoadedModel:
+    if getattr(args, "model", None):
+        from strata.loaders import load_model
+
+        return load_model(_model_path(args), device, dtype, progress=False)
+    return _random_weights(args, device, dtype)
+
+
+def _median(values: list[float]) -> float | None:
+    return percentile(values, 50)
+
+
+def _summary(rows: list[dict], runs: list[dict], prompt: int) -> dict:
+    """Batch 1's timed runs, as medians: decode tok/s (after the read), the first token's time for a
+    `prompt`-token prompt (submission to the read's token) and the time per decoded token."""
+    tok_s = [r["new"] / r["s"] for r in runs]
+    return {"batch": 1, "prompt_tokens": prompt, "new_tokens": rows[0]["new_tokens"], "runs": len(runs),
+            "decode_tok_s": _median(tok_s), "decode_tok_s_runs": tok_s,
+            "first_token_ms": _median([r["first_s"] * 1e3 for r in runs if r["first_s"] is not None]),
+            "per_token_ms": _median([r["s"] * 1e3 / r["new"] for r in runs]),
+            "step_p50_ms": rows[0]["strata_step_p50_ms"]}
 
 
 def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
-    mc = shape_config(args.shape)
+    mc = _model_config(args)
     ctx = args.prompt + args.tokens + 8
     check_context(mc, args.prompt + args.tokens, args.shape)
-    loaded, info["model_init_s"] = timed(lambda: _random_weights(args, device, dtype), device)
+    loaded, info["model_init_s"] = timed(lambda: _load_weights(args, device, dtype), device)
     grammar = getattr(args, "grammar", None)
     if grammar and not getattr(args, "tokenizer", None):
         raise SystemExit("--grammar json needs --tokenizer: a vocab GGUF (e.g. .cache/llama-cpp-vocab-0.3.16/"
@@ -257,6 +301,8 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
         prompts = _prompts(mc.vocab_size, [args.prompt] * b, args.seed + b)
         runs = [_decode_once(eng, prompts, params, f"d{b}-{rep}", device) for rep in range(args.repeats + 1)]
         best = min(runs[1:], key=lambda r: r["s"] / max(r["new"], 1))
+        if b == 1:
+            batch1 = runs[1:]
         w = roofline.weight_bytes_per_step(mc, b, itemsize)
         kv = roofline.kv_bytes_per_step(mc, b, context, args.kv, dtype)
         steps_per_s = best["steps"] / best["s"]
@@ -269,6 +315,8 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
                      "weight_bytes_per_step": w, "kv_bytes_per_step": kv, "bandwidth_fraction": frac})
         print(f"decode batch {b:3d}: strata {best['new'] / best['s']:9.1f} tok/s"
               + (f"  bandwidth {frac:.3f}" if frac is not None else ""), flush=True)
+        if b == 1:
+            info["summary"] = _summary(rows[-1:], batch1, args.prompt)
         del eng
         _free(device)
     if args.http:
@@ -276,6 +324,10 @@ def _strata_decode(args, device, dtype, ceilings, info) -> list[dict]:
         b1 = next((r for r in rows if r["batch"] == 1), None)
         if b1 is not None:
             b1.update({k: v for k, v in info["http"].items() if k in HTTP_ROW_FIELDS})
+        if "summary" in info and info["http"].get("http_b1_tok_s"):
+            # The server's batch-1 rate (its best run, as the engine row's `strata_tok_s`) beside the engine's.
+            info["summary"]["http_decode_tok_s"] = info["http"]["http_b1_tok_s"]
+            info["summary"]["http_vs_engine"] = info["http"]["http_b1_tok_s"] / b1["strata_tok_s"]
     del loaded
     _free(device)
     return rows
@@ -308,11 +360,11 @@ HTTP_ROW_FIELDS = ("http_b1_tok_s", "http_itl_p50_ms", "http_itl_p99_ms")
 
 def _http(args, device, loaded: LoadedModel, mc: ModelConfig) -> dict:
     # The server needs a tokenizer: it checks prompt ids against the vocabulary and streams text, one
-    # chunk per token only when every token decodes to text of its own.
-    served = with_tokenizer(loaded, synthetic_tokenizer(mc.vocab_size))
+    # chunk per token only when every token decodes to text of its own (a real model's may merge some:
+    # `http_tokens_per_chunk` says so).
+    served = loaded if getattr(args, "model", None) else with_tokenizer(loaded, synthetic_tokenizer(mc.vocab_size))
     eng, startup = build_engine(engine_config(args, device, args.prompt + args.tokens + 8, 1, args.chunk), served)
-    out = measure_http(eng, f"random-{args.shape}", args.prompt, args.tokens, mc.vocab_size, args.repeats,
-                       seed=args.seed)
+    out = measure_http(eng, _name(args), args.prompt, args.tokens, mc.vocab_size, args.repeats, seed=args.seed)
     out["http_startup_s"] = startup
     del eng
     _free(device)
@@ -370,7 +422,32 @@ def default_out(which: str, shape: str, kv: str, device: torch.device, quant: st
             f"_{device.type}.json")
 
 
+def _name(args) -> str:
+    """What the run measured, in file names and titles: `default` (the embedded model), a checkpoint's
+    name, or `random-SHAPE`."""
+    model = getattr(args, "model", None)
+    if model:
+        return model if model == "default" else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+    return f"random-{args.shape}"
+
+
+# `bench decode` of a real model (`--model`) measures what its user sees first: one request, a short
+# prompt, a long answer, five timed runs (medians in `summary`); a random shape keeps the batch sweep.
+_DECODE_DEFAULTS = {"batch": ([1, 8, 32], [1]), "prompt": (512, 32), "tokens": (128, 256), "repeats": (2, 5)}
+
+
 def run(args) -> int:
+    if args.which == "decode":
+        for key, (shape_default, model_default) in _DECODE_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, model_default if args.model else shape_default)
+    elif args.repeats is None:
+        args.repeats = 2
+    if getattr(args, "model", None):
+        if not args.no_hf:
+            print("--model: Strata only (the HF arm runs random shapes)", flush=True)
+            args.no_hf = True
+        args.shape = _name(args)
     install_kernel_choices(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -382,7 +459,7 @@ def run(args) -> int:
     info: dict = {"bench": args.which, "shape": args.shape, "device": str(device), "dtype": args.dtype,
                   "kv": args.kv, "quant": getattr(args, "quant", None),
                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__}
-    mc = shape_config(args.shape)
+    mc = _model_config(args)
     info["params"] = {"total": roofline.total_params(mc), "active_per_token": roofline.active_params_per_token(mc)}
     info["ceilings"] = _ceilings(args, device, dtype)
     strata_arm, hf_arm = (_strata_read, _hf_read) if args.which == "read" else (_strata_decode, _hf_decode)
@@ -461,7 +538,8 @@ def add_parsers(sub) -> None:
         p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
         p.add_argument("--kv", default="auto", choices=["auto", "bf16", "int8"], help="KV cache storage")
         p.add_argument("--chunk", type=int, default=8192, help="prompt tokens per step")
-        p.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up")
+        p.add_argument("--repeats", type=int, default=None,
+                       help="timed runs after one warm-up (default: 2; decode of a --model: 5)")
         p.add_argument("--seed", type=int, default=0, help="weights and prompts")
         p.add_argument("--no-hf", action="store_true", help="Strata only")
         p.add_argument("--no-cuda-graph", action="store_true", help="EngineConfig(cuda_graph=False)")
@@ -479,9 +557,12 @@ def add_parsers(sub) -> None:
             p.add_argument("--chunks", type=_int_list, default=None,
                            help="time each length at these chunk sizes (e.g. 512,2048,8192); overrides --chunk")
         else:
-            p.add_argument("--batch", type=_int_list, default=[1, 8, 32])
-            p.add_argument("--prompt", type=int, default=512)
-            p.add_argument("--tokens", type=int, default=128)
+            p.add_argument("--model", default=None,
+                           help="`default` (the embedded model) or an HF directory / .gguf file, instead of random "
+                                "weights at --shape; Strata only, and a `summary` of batch 1 in the JSON")
+            p.add_argument("--batch", type=_int_list, default=None, help="default: 1,8,32; with --model 1")
+            p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: 512; with --model 32)")
+            p.add_argument("--tokens", type=int, default=None, help="new tokens (default: 128; with --model 256)")
             p.add_argument("--http", action="store_true", help="also batch-1 decode through the OpenAI server")
             p.add_argument("--tokenizer", default=None,
                            help="a vocab GGUF or HF model dir: the engine gets a grammar compiler (mask kernel on)")

@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 
 from strata.kernels import choices
+from strata.kernels.device import current as device_spec
 
 
 @lru_cache(maxsize=1)
@@ -23,9 +24,8 @@ def triton_available() -> bool:
     return True
 
 
-@lru_cache(maxsize=8)
 def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return device_spec(device_index).pdl
 
 
 def use_pdl(t: torch.Tensor) -> bool:

@@ -62,7 +62,9 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels import device as devices
 from strata.kernels import use_pdl, use_triton
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 
 LOG2E = 1.4426950408889634
@@ -125,19 +127,43 @@ PREFILL_CONFIG_WIDE_HEAD = TileConfig(block_m=128, num_warps=8, num_stages=2)
 # profile, decode attention takes 15.7 us a layer, 24 with 32-key tiles.
 DECODE_CONFIG_WIDE_HEAD = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=64)
 DECODE_CONFIG_WIDE_HEAD_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=64)
+# Devices whose MMAs take their operands from registers (mma.sync: Ampere, Ada, consumer Blackwell;
+# not `DeviceSpec.wgmma`) keep the K and V tiles, the scores and the accumulator in registers, where
+# the tiles above spill (compiled for sm_80 / sm_86 / sm_89: the 256-row prompt tile ~2,100 spill
+# instructions, 64-key bf16 decode tiles ~50, heads of 256 ~300; sm_80 spills soonest). These compile
+# without spills for all three and fit 99 KiB of shared memory (tests/kernels/test_compile_consumer.py);
+# untimed. Prompt steps: 8 warps over 128 query rows and 16-key tiles (bf16 / fp16), 64 rows and
+# 32-key tiles read straight from int8, 64 rows and 16-key tiles for heads of 256. Decode: 32-key
+# bf16 tiles on 4 warps, heads of 256 16-key tiles on 4 warps; int8 decode keeps DECODE_CONFIG_INT8 /
+# DECODE_CONFIG_WIDE_HEAD_INT8. Verification steps of 32 and 64 rows take a warp per 8 rows and half
+# the keys per doubling of rows, at least 16 (heads of 256 at 64 rows still spill ~40 instructions).
+MMA_DECODE_CONFIG = TileConfig(block_m=16, num_warps=4, num_stages=3, kv_tile=32)
+MMA_DECODE_CONFIG_WIDE_HEAD = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=16)
+MMA_PREFILL_CONFIG = TileConfig(block_m=128, num_warps=8, num_stages=2, kv_tile=16)
+MMA_PREFILL_CONFIG_INT8 = TileConfig(block_m=64, num_warps=8, num_stages=2, kv_tile=32)
+MMA_PREFILL_CONFIG_WIDE_HEAD = TileConfig(block_m=64, num_warps=8, num_stages=2, kv_tile=16)
+
+
+def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool = False,
+                  head_dim: int = 128, invariant: bool = False, spec: DeviceSpec | None = None) -> TileConfig:
+    """Tile shape for a launch (`fp32`: 4-byte queries) on `spec` (default: the current device); reads
+    the module constants, so a sweep that changes them clears the cache (`select_config.cache_clear`).
+    Heads wider than 128 (Qwen3-Next's 256) halve what shared memory holds per key: two stages,
+    prompt-sized steps one warp group over 64-key tiles, and decode-sized steps their own tiles
+    (DECODE_CONFIG_WIDE_HEAD). Devices without `wgmma` take the MMA_* tiles (mma.sync), the invariant
+    mode excepted."""
+    return _select_config(max_q_len, group, is_int8, fp32, head_dim, invariant, spec or devices.current())
 
 
 @lru_cache(maxsize=256)
-def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool = False,
-                  head_dim: int = 128, invariant: bool = False) -> TileConfig:
-    """Tile shape for a launch (`fp32`: 4-byte queries); reads the module constants, so a sweep that
-    changes them clears the cache. Heads wider than 128 (Qwen3-Next's 256) halve what shared memory
-    holds per key: two stages, prompt-sized steps one warp group over 64-key tiles, and decode-sized
-    steps their own tiles (DECODE_CONFIG_WIDE_HEAD)."""
+def _select_config(max_q_len: int, group: int, is_int8: bool, fp32: bool, head_dim: int, invariant: bool,
+                   spec: DeviceSpec) -> TileConfig:
     if invariant:
         cfg = INVARIANT_CONFIG
         return TileConfig(max(cfg.block_m, triton.next_power_of_2(group)), cfg.num_warps, cfg.num_stages, cfg.kv_tile)
     rows = max_q_len * group
+    if not spec.wgmma:
+        return _mma_config(rows, group, is_int8, head_dim)
     if rows <= DECODE_MAX_ROWS:
         cfg = DECODE_CONFIG_INT8 if is_int8 else DECODE_CONFIG
         block_m = max(cfg.block_m, triton.next_power_of_2(rows))
@@ -154,6 +180,25 @@ def select_config(max_q_len: int, group: int, is_int8: bool = False, fp32: bool 
         kv_tile = PREFILL_KV_TILE if wide and not is_int8 and head_dim <= 128 else KV_TILE
     stages = min(cfg.num_stages, 2) if head_dim > 128 else cfg.num_stages
     return TileConfig(block_m, cfg.num_warps, stages, kv_tile)
+
+
+select_config.cache_clear = _select_config.cache_clear
+
+
+def _mma_config(rows: int, group: int, is_int8: bool, head_dim: int) -> TileConfig:
+    """The tiles of a device whose MMAs read registers (`_select_config`'s MMA_* branch)."""
+    if rows <= DECODE_MAX_ROWS:
+        if head_dim > 128:
+            cfg = DECODE_CONFIG_WIDE_HEAD_INT8 if is_int8 else MMA_DECODE_CONFIG_WIDE_HEAD
+        else:
+            cfg = DECODE_CONFIG_INT8 if is_int8 else MMA_DECODE_CONFIG
+        kv_tile = KV_TILE_INT8 if is_int8 and head_dim <= 128 else cfg.kv_tile
+        block_m = max(cfg.block_m, triton.next_power_of_2(rows))
+        growth = block_m // cfg.block_m
+        return TileConfig(block_m, max(cfg.num_warps, block_m // 8), cfg.num_stages, max(16, kv_tile // growth))
+    cfg = (MMA_PREFILL_CONFIG_WIDE_HEAD if head_dim > 128 else MMA_PREFILL_CONFIG_INT8 if is_int8
+           else MMA_PREFILL_CONFIG)
+    return TileConfig(max(cfg.block_m, triton.next_power_of_2(group)), cfg.num_warps, cfg.num_stages, cfg.kv_tile)
 
 
 class SplitWorkspace:
@@ -524,7 +569,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
     if r == 0 or n == 0 or max_q_len <= 0:
         return out
     group = hq // hkv
-    cfg = select_config(max_q_len, group, is_int8, q.dtype == torch.float32, d, invariant)
+    cfg = select_config(max_q_len, group, is_int8, q.dtype == torch.float32, d, invariant, devices.current(q))
     block_q = cfg.block_m // group
     num_q_tiles = triton.cdiv(max_q_len, block_q)
     ks, vs = (k_scale, v_scale) if is_int8 else (k_cache, v_cache)  # placeholders, never read

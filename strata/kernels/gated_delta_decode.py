@@ -38,7 +38,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import device as devices
 from strata.kernels import use_pdl, use_triton
+from strata.kernels.device import DeviceSpec
 from strata.kernels.gated_delta import causal_conv1d_step_ref, gated_delta_step_ref
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.triton_import import jit, libdevice, tl, triton
@@ -46,8 +48,9 @@ from strata.kernels.triton_import import jit, libdevice, tl, triton
 
 L2_EPS = 1e-6  # `gated_delta.l2_normalize`'s epsilon
 CONV_BLOCK_C = 128
-# Below this many (sequence, value head) x 32-column programs the Dv block halves, so a batch-1 step
-# (32 value heads) still spreads over the H200's 132 SMs.
+# Below this many (sequence, value head) x 32-column programs on the reference's 132 SMs (in proportion
+# on other devices: `_block_dv`) the Dv block halves, so a batch-1 step (32 value heads) still spreads
+# over the SMs.
 MIN_PROGRAMS = 256
 
 
@@ -225,9 +228,10 @@ def _gated_delta_decode_kernel(q_ptr, q_ss, q_sh, k_ptr, k_ss, k_sh, v_ptr, v_ss
     tl.store(o_ptr + s * o_ss + h * o_sh + cols, o.to(o_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _block_dv(seqs: int, hv: int, dv: int) -> int:
+def _block_dv(seqs: int, hv: int, dv: int, spec: DeviceSpec | None = None) -> int:
+    sms = (spec or devices.current()).sm_count
     block = min(32, triton.next_power_of_2(dv))
-    if block > 16 and seqs * hv * triton.cdiv(dv, block) < MIN_PROGRAMS:
+    if block > 16 and seqs * hv * triton.cdiv(dv, block) < -(-MIN_PROGRAMS * sms // devices.REFERENCE.sm_count):
         block = 16
     return block
 
@@ -272,7 +276,7 @@ def _launch_delta(q, k, v, g, beta, gates: tuple[torch.Tensor, torch.Tensor] | N
         raise ValueError(f"out: expected {tuple(v.shape)} {v.dtype} with a contiguous head dim")
     if s == 0:
         return out
-    block = block_dv or _block_dv(s, hv, dv)
+    block = block_dv or _block_dv(s, hv, dv, devices.current(v))
     on = use_pdl(v)
     _gated_delta_decode_kernel[(s, hv, triton.cdiv(dv, block))](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),

@@ -16,7 +16,8 @@ bumps the tile's counter; the program that arrives last sums the partials in spl
 no second launch is needed and a workspace is reusable on the same stream.
 
 Determinism and batch invariance: the configuration (tile sizes, split count) is a function of
-(N, K) alone, BLOCK_M is 16 for every M and M is a runtime argument that Triton does not
+(N, K) and the device alone (`strata.kernels.device`: the split follows its SM count, the stages its
+shared memory), BLOCK_M is 16 for every M and M is a runtime argument that Triton does not
 specialise on, so every M ≤ 16 runs the same binary; tensor-core rows are independent and the K
 order (blocks in order inside a split, splits summed in index order) is fixed, so a row's result is
 bit-identical whether it is computed alone or among 15 others, and from run to run.
@@ -41,12 +42,14 @@ SASS is unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import device as devices
 from strata.kernels import use_pdl, use_triton
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.triton_import import jit, libdevice, tl
@@ -61,7 +64,6 @@ else:  # CPU-only installs: the kernels are never launched
 
 BLOCK_M = 16  # rows of the MMA: M is padded to it, whatever M is, so every M runs one binary
 MAX_ROWS = BLOCK_M
-NUM_SMS = 132  # the H200's and the H100's; a constant, not a device query, so configurations depend on (N, K) only
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -76,16 +78,23 @@ class GemvConfig:
     def programs(self, n: int) -> int:
         return _cdiv(n, self.block_n) * self.split_k
 
+    def stage_bytes(self, w_bytes: int = 2, x_tiles: int = 1) -> int:
+        """One pipeline stage: a weight tile (`w_bytes` per value) and `x_tiles` 16-bit x tiles (2 with
+        SwiGLU: gate and up)."""
+        return (self.block_n * w_bytes + x_tiles * BLOCK_M * 2) * self.block_k
+
     def smem_bytes(self, w_bytes: int = 2) -> int:
         """Pipeline buffers: num_stages weight tiles (`w_bytes` per value) and 16-bit x tiles."""
-        return self.num_stages * (self.block_n * w_bytes + BLOCK_M * 2) * self.block_k
+        return self.num_stages * self.stage_bytes(w_bytes)
 
 
-# Per (N, K), chosen by reasoning and checked by compiling for sm_90 (wgmma, cp.async pipeline, no
-# spills), not yet timed: `benchmarks/kernels/gemv.py --sweep` times the alternatives on the device. The rules: wgmma-sized
-# tiles (BLOCK_N ≥ 64, 4 warps); pipeline buffers ≤ 113 KB so ≥ 2 programs share an SM; a grid no
-# larger than what is resident at once (2-3 per SM), so every program streams from the start and
-# they finish together with no second-wave tail; split-K only where N alone gives too few tiles.
+# Per (N, K) on the reference device (`devices.tuned`), chosen by reasoning and checked by compiling
+# for sm_90 (wgmma, cp.async pipeline, no spills), not yet timed: `benchmarks/kernels/gemv.py --sweep`
+# times the alternatives on the device. The rules: wgmma-sized tiles (BLOCK_N ≥ 64, 4 warps);
+# pipeline buffers ≤ 113 KB so ≥ 2 programs share an SM; a grid no larger than what is resident at
+# once (2-3 per SM), so every program streams from the start and they finish together with no
+# second-wave tail; split-K only where N alone gives too few tiles. Other devices take
+# `_heuristic_config`, the same rules on their SM count, with the stages that fit their shared memory.
 GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     # Qwen3-8B
     (6144, 4096): GemvConfig(64, 128, split_k=2, num_stages=4),  # qkv: 192 programs, 16 blocks each, 80 KB
@@ -105,21 +114,35 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _heuristic_config(n: int, k: int) -> GemvConfig:
+def fit(cfg: GemvConfig, spec: DeviceSpec, w_bytes: int = 2) -> GemvConfig:
+    """`cfg` with as many of its stages as fit the device's shared memory per block, SwiGLU's second
+    x tile counted (never fewer than 2)."""
+    stages = devices.fit_stages(spec, cfg.num_stages, cfg.stage_bytes(w_bytes, x_tiles=2))
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
+
+
+def _heuristic_config(n: int, k: int, spec: DeviceSpec) -> GemvConfig:
+    """128-row tiles where they give 2 per SM, else 64; split-K doubling while the grid stays within
+    2 programs per SM and every split keeps >= 4 K blocks."""
+    sms = spec.sm_count
     block_k = next(b for b in (128, 64) if k % b == 0)
     k_blocks = k // block_k
-    block_n = 128 if _cdiv(n, 128) >= 2 * NUM_SMS else 64
+    block_n = 128 if _cdiv(n, 128) >= 2 * sms else 64
     tiles = _cdiv(n, block_n)
     split = 1
-    while tiles * split * 2 <= 2 * NUM_SMS and k_blocks // (split * 2) >= 4:
+    while tiles * split * 2 <= 2 * sms and k_blocks // (split * 2) >= 4:
         split *= 2
-    return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3 if block_n == 128 else 4)
+    return fit(GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3 if block_n == 128 else 4), spec)
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
-    """The configuration for weight [N, K]: the table entry, else a heuristic; a function of
-    (N, K) only, which is what makes the results independent of M."""
-    return GEMV_CONFIGS.get((n, k)) or _heuristic_config(n, k)
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> GemvConfig:
+    """The configuration for weight [N, K] on `spec` (default: the current device): the table entry on
+    the reference device, else the heuristic with the device's SM count and shared memory; a function
+    of (N, K) only for a device, which is what makes the results independent of M."""
+    spec = spec or devices.current()
+    if devices.tuned(spec) and (n, k) in GEMV_CONFIGS:
+        return GEMV_CONFIGS[(n, k)]
+    return _heuristic_config(n, k, spec)
 
 
 def check_config(cfg: GemvConfig, k: int) -> None:
@@ -134,23 +157,25 @@ def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return 1 <= m <= MAX_ROWS and n >= 1 and k >= 64 and k % 64 == 0 and dtype in SUPPORTED_DTYPES
 
 
-def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
+def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None, spec: DeviceSpec | None = None) -> int:
     """int32 elements of workspace for weight [N, K] (0 without split-K); one buffer serves any M ≤ 16.
     Several shapes share one sized by `shared_split_k_numel` of their `gemv_workspace_parts` (not by
     the largest of these: one shape's partials would overlap another's counters)."""
-    cfg = config or gemv_config(n, k)
+    cfg = config or gemv_config(n, k, spec)
     return split_k_numel(n, cfg.block_n, cfg.split_k, BLOCK_M)
 
 
-def gemv_workspace_parts(n: int, k: int, config: GemvConfig | None = None) -> tuple[int, int]:
+def gemv_workspace_parts(n: int, k: int, config: GemvConfig | None = None,
+                         spec: DeviceSpec | None = None) -> tuple[int, int]:
     """(counter slots, partial elements) of weight [N, K]'s workspace, for `shared_split_k_numel`."""
-    cfg = config or gemv_config(n, k)
+    cfg = config or gemv_config(n, k, spec)
     return split_k_parts(n, cfg.block_n, cfg.split_k, BLOCK_M)
 
 
 def gemv_workspace(n: int, k: int, device, config: GemvConfig | None = None) -> torch.Tensor:
     """A zeroed workspace for weight [N, K]; the kernel leaves its counters at zero after each call."""
-    return torch.zeros(gemv_workspace_numel(n, k, config), dtype=torch.int32, device=device)
+    return torch.zeros(gemv_workspace_numel(n, k, config, devices.current(device)), dtype=torch.int32,
+                       device=device)
 
 
 def _check_act(act: str | None) -> bool:
@@ -349,7 +374,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"out: expected [{m}, {n}] {x.dtype} with contiguous rows, got {tuple(out.shape)} "
                          f"{out.dtype} strides {out.stride()}")
-    cfg = config or gemv_config(n, k)
+    cfg = config or gemv_config(n, k, devices.current(x))
     check_config(cfg, k)
     if scale is not None and cfg.block_k < 64:
         raise ValueError(f"{cfg}: e4m3 weights need block_k >= 64 (16 words of four values per row)")

@@ -10,7 +10,7 @@ Why a row cannot depend on M, by construction:
 - K is cut into S ranges fixed by the weight's shape (`invariant_split_k`, never by M; S = 1 while
   SPLIT_RANGES is off). Each range is summed from zero in one fixed order, block 0, 1, 2, ..., with
   the fp32 accumulator chained through `acc = tl.dot(a, b, acc)`: each MMA adds into the running
-  sum. (`acc += tl.dot(a, b)` would first round a partial sum of BLOCK_K products and then add it:
+  sum. (`acc += tl.dot(a, b)` would round a partial sum of BLOCK_K products before adding it:
   the result would depend on BLOCK_K.) The S
   sums are then added in range order. At decode sizes the ranges are programs of their own (the last
   to finish adds them, `strata.kernels.splitk`); in longer launches one program walks them one after
@@ -50,7 +50,8 @@ Configurations (reasoned, not yet timed: `python benchmarks/kernels/matmul.py --
   up to about four an SM (qkv 2, o_proj and down 4, gate_up and the LM head 1): the H200 timed these
   projections at 0.78-0.92x the split-K decode GEMV without them.
 - M > 64: compute bound as M grows. The largest of WIDE_CONFIGS (128x256 with 8 warps, 128x128,
-  64x128, 64x64) that still makes ≥ MIN_TILES tiles, so the SMs stay busy; programs walk the tiles in
+  64x128, 64x64) that fits the device's shared memory and still makes ≥ `min_tiles` tiles (7/8 of
+  its SMs), so the SMs stay busy; programs walk the tiles in
   GROUP_M-row groups so that a weight tile is read from HBM once and reused from L2.
 
 PDL: `pdl_prologue` first, launched with `launch_pdl`. CUDA graphs: the grid and the configuration
@@ -65,18 +66,18 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import device as devices
 from strata.kernels import kernels_run, use_pdl
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.triton_import import jit, tl
 
 
-NUM_SMS = 132  # H200; a constant, not a device query, so the configuration depends on shapes only
 BLOCK_K = 64  # every 16-bit configuration: the K tail is then handled the same way for every M
 DECODE_MAX_M = 64  # one 64-row tile: the decode configuration
-SMEM_PER_SM = 220 << 10  # of the H200's 228 KB, what the decode configuration plans its stages in
-MIN_TILES = NUM_SMS - NUM_SMS // 8  # a wide configuration must give at least this many tiles
+SMEM_RESERVE = 7 << 10  # of a block's shared memory, what the decode configuration leaves out of its plan
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLIT_K = 8
 MIN_SPLIT_BLOCKS = 8  # K blocks per range at least, so that each range's pipeline fills
@@ -106,7 +107,7 @@ class MatmulConfig:
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
 
 
-# Largest first; `invariant_config` takes the first that gives ≥ MIN_TILES tiles. 256x128 with two
+# Largest first; `invariant_config` takes the first that fits and gives ≥ `min_tiles` tiles. 256x128 with two
 # warp groups (each a 128x128 accumulator) led the H200 sweep (`python benchmarks/kernels/matmul.py
 # --sweep`) at M ≥ 2048 on every projection, 7-9% ahead of the classic 128x256 tile (48 KB
 # a stage) kept next; 128x128 uses two warp groups too, so each holds a 64x128 accumulator.
@@ -130,23 +131,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def decode_config(n: int) -> MatmulConfig:
+def min_tiles(spec: DeviceSpec) -> int:
+    """The tiles a wide configuration must give on `spec`: all but an eighth of its SMs busy."""
+    return spec.sm_count - spec.sm_count // 8
+
+
+def decode_config(n: int, spec: DeviceSpec | None = None) -> MatmulConfig:
     """M ≤ 64: one 64-row tile; BLOCK_N as wide as still leaves enough programs to stream weights
     from every SM, and stages sized so that every program is resident at once (at most 3 an SM
-    planned for: gate_up's 384; the lm_head's 1187 programs run in waves anyway)."""
-    if _cdiv(n, 128) >= 4 * NUM_SMS:
+    planned for: gate_up's 384; the lm_head's 1187 programs run in waves anyway), in the shared
+    memory of `spec` (default: the current device) less SMEM_RESERVE (220 of the H200's 227 KB)."""
+    spec = spec or devices.current()
+    sms = spec.sm_count
+    if _cdiv(n, 128) >= 4 * sms:
         block_n = 128
-    elif _cdiv(n, 64) >= 2 * NUM_SMS:
+    elif _cdiv(n, 64) >= 2 * sms:
         block_n = 64
     else:
         block_n = 32
-    per_sm = min(_cdiv(_cdiv(n, block_n), NUM_SMS), 3)
+    per_sm = min(_cdiv(_cdiv(n, block_n), sms), 3)
     stage_bytes = (DECODE_MAX_M + block_n) * BLOCK_K * 2
-    stages = max(3, min(8, SMEM_PER_SM // per_sm // stage_bytes))
+    plan = spec.smem_per_block - SMEM_RESERVE
+    stages = max(3, min(8, plan // per_sm // stage_bytes))
     return MatmulConfig(DECODE_MAX_M, block_n, num_warps=4, num_stages=stages)
 
 
-def invariant_split_k(n: int, k: int) -> int:
+def invariant_split_k(n: int, k: int, spec: DeviceSpec | None = None) -> int:
     """S, the number of K ranges a row of x @ weight [n, k]ᵀ is summed in: each range from zero in K
     order, then the S sums added in range order. From the weight's shape only, never M: decode runs
     the ranges as programs of their own (S times the programs of its column tiles, up to about four
@@ -156,31 +166,39 @@ def invariant_split_k(n: int, k: int) -> int:
     while SPLIT_RANGES is off."""
     if not SPLIT_RANGES:
         return 1
-    tiles, blocks = _cdiv(n, decode_config(n).block_n), _cdiv(k, BLOCK_K)
+    spec = spec or devices.current()
+    tiles, blocks = _cdiv(n, decode_config(n, spec).block_n), _cdiv(k, BLOCK_K)
     split = 1
-    while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= 4 * NUM_SMS
+    while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= 4 * spec.sm_count
            and blocks // (split * 2) >= MIN_SPLIT_BLOCKS):
         split *= 2
     return split
 
 
-def invariant_config(m: int, n: int, k: int) -> MatmulConfig:
+def wide_configs(spec: DeviceSpec) -> tuple[MatmulConfig, ...]:
+    """WIDE_CONFIGS whose pipeline buffers fit `spec`'s shared memory per block."""
+    return tuple(cfg for cfg in WIDE_CONFIGS if cfg.smem_bytes() <= spec.smem_per_block)
+
+
+def invariant_config(m: int, n: int, k: int, spec: DeviceSpec | None = None) -> MatmulConfig:
     """The configuration of x [m, k] @ weight [n, k]ᵀ for 16-bit inputs. It may vary with m only in
     what leaves a row's reduction alone (tile height and width, warps, stages); BLOCK_K and the K
     ranges (`invariant_split_k`) are fixed by the weight. To run one tile for every M, return
-    INVARIANT_FALLBACK (with the split) here."""
-    split = invariant_split_k(n, k)
+    INVARIANT_FALLBACK (with the split) here. `spec`: the device (default: the current one), whose
+    SM count sets `min_tiles` and whose shared memory bounds the wide tiles."""
+    spec = spec or devices.current()
+    split = invariant_split_k(n, k, spec)
     if m > DECODE_MAX_M:
-        for cfg in WIDE_CONFIGS:
-            if cfg.tiles(m, n) >= MIN_TILES:
+        for cfg in wide_configs(spec):
+            if cfg.tiles(m, n) >= min_tiles(spec):
                 return replace(cfg, split_k=split)
-    return replace(decode_config(n), split_k=split)
+    return replace(decode_config(n, spec), split_k=split)
 
 
-def invariant_workspace_parts(n: int, k: int) -> tuple[int, int]:
+def invariant_workspace_parts(n: int, k: int, spec: DeviceSpec | None = None) -> tuple[int, int]:
     """(counter slots, partial elements) of the workspace decode-sized launches on weight [n, k] take
     (`strata.kernels.splitk`; for `shared_split_k_numel`); (0, 0) without split ranges."""
-    return split_k_parts(n, decode_config(n).block_n, invariant_split_k(n, k), DECODE_MAX_M)
+    return split_k_parts(n, decode_config(n, spec).block_n, invariant_split_k(n, k, spec), DECODE_MAX_M)
 
 
 def check_config(cfg: MatmulConfig, dtype: torch.dtype) -> None:
@@ -308,7 +326,9 @@ def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if config is None:
         fp32_cuda = x.dtype == torch.float32 and x.is_cuda
-        config = replace(FP32_CONFIG, split_k=invariant_split_k(n, k)) if fp32_cuda else invariant_config(m, n, k)
+        spec = devices.current(x)
+        config = (replace(FP32_CONFIG, split_k=invariant_split_k(n, k, spec)) if fp32_cuda
+                  else invariant_config(m, n, k, spec))
     check_config(config, x.dtype)
     if m == 0 or n == 0:
         return out

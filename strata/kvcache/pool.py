@@ -7,7 +7,8 @@ Rules every pool follows:
   turns (block table, position) into slots. Block 0 is the allocator's padding block: writes to it
   are harmless and reads from it are masked out.
 - `write(layer, slots, k, v)` stores the step's new K/V ([N, Hkv, D]); `gather(layer, index)` returns
-  K and V at the slots in `index` (any shape) in the compute dtype, dequantized if need be.
+  K and V at the slots in `index` (any shape) in the compute dtype, dequantized if need be;
+  `gather_blocks` those of whole blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class KVPool(ABC):
     @abstractmethod
     def gather(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def gather_blocks(self, layer: int, blocks: torch.Tensor, length: int,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first `length` positions of the sequences whose block tables are the rows of
+        `blocks` [R, B] (int32 or int64, B * block_size >= length): [R, length, Hkv, D], whole blocks
+        copied at once rather than slot by slot."""
+        slots = blocks.long()[:, :, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)
+        return self.gather(layer, slots.flatten(1)[:, :length], dtype)
+
 
 def kv_bytes_per_token(num_layers: int, n_kv: int, head_dim: int, kind: str, model_dtype: torch.dtype) -> int:
     if kind == "int8":
@@ -53,8 +62,18 @@ class DensePool(KVPool):
         self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
 
+    def gather_blocks(self, layer, blocks, length, dtype):
+        r, b = blocks.shape
+        flat, shape = blocks.reshape(-1), (r, b * self.block_size, self.n_kv, self.head_dim)
+        k = self.k[layer].view(self.num_blocks, -1).index_select(0, flat).view(shape)[:, :length]
+        v = self.v[layer].view(self.num_blocks, -1).index_select(0, flat).view(shape)[:, :length]
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
+
     def gather(self, layer, index, dtype):
-        return self.k[layer][index].to(dtype), self.v[layer][index].to(dtype)
+        flat, shape = index.reshape(-1), (*index.shape, self.n_kv, self.head_dim)
+        k = self.k[layer].index_select(0, flat).view(shape)
+        v = self.v[layer].index_select(0, flat).view(shape)
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

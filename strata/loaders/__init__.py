@@ -139,7 +139,9 @@ def _log_quantized(model: CausalLM) -> None:
         log.info("kept %d MoE expert stacks quantized (%s): %.1f MiB", len(stacks),
                  ", ".join(sorted({s.ggml_type for s in stacks})), sum(s.nbytes for s in stacks) / 2**20)
     if not kept and not stacks:
-        log.info("no weight was kept quantized (no Q8_0 / Q4_K / IQ3_S / Q6_K linear weights in this file)")
+        from strata.kernels.quant import FORMATS
+
+        log.info("no weight was kept quantized (no %s linear weights in this file)", " / ".join(FORMATS))
 
 
 def _log_expanded(ckpt: Checkpoint, names: set[str], dtype: torch.dtype) -> None:

@@ -242,7 +242,7 @@ def read_gguf(path: str) -> Checkpoint:
         if n in IGNORED_TENSORS:
             continue
         n_experts = shapes[n][0] if len(shapes[n]) == 3 else 0
-        for hf, ref in gguf_to_hf(arch, n, n_experts) or ():
+        for hf, ref in gguf_to_hf(arch, n, n_experts, cfg.num_hidden_layers) or ():
             where[hf] = ref
             types[hf] = tensors[n].tensor_type.name
             nbytes[hf] = sum(int(tensors[g].n_bytes) for g in (n, *ref.more)) // (n_experts if ref.expert is not None else 1)

@@ -8,6 +8,10 @@ in one tensor (`blk.N.ffn_gate_exps.weight`, numpy shape [E, I, H]); HF names ea
 A few tensors are stored transformed by llama.cpp's converter (Qwen3-Next: norms offset by one, A_log
 as -exp(A_log), the conv kernel squeezed, in_proj_qkvz regrouped into q|k|v and z); their `TensorRef`
 names the inverse (`undo`), which `strata.loaders.gguf` applies when the tensor is read.
+
+Multi-token-prediction (MTP) layers are stored as llama.cpp stores DeepSeek's and GLM-4.5's: counted in
+`block_count`, `{arch}.nextn_predict_layers` of them after the decoder's, as blocks `blk.{L + d}` (L =
+num_hidden_layers) holding the block's own tensors under the arch's block names plus `nextn.*`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ _NEXTN = {
     "nextn.shared_head_head.weight": "shared_head.head.weight",
     "nextn.embed_tokens.weight": "embed_tokens.weight",
 }
+# Qwen3-Next keeps its MTP head apart from the decoder, as `mtp.*` (`Qwen3NextMTP`): block L + d is
+# `mtp.layers.{d}` (a full-attention block, MoE when the model is) and the head's own tensors are read
+# from block L's `nextn.*` (what later MTP blocks repeat of them is not read). fc's input is
+# [embedding; hidden state], the order of eh_proj's [enorm(embedding); hnorm(hidden)]. The embedding and
+# the LM head are the main model's: a file's nextn.embed_tokens / nextn.shared_head_head are accepted
+# and not read.
+MTP_BLOCK_PREFIX = {"qwen3next": "mtp.layers."}
+MTP_HEAD_TENSORS: dict[str, dict[str, str]] = {
+    "qwen3next": {
+        "nextn.eh_proj.weight": "mtp.fc.weight",
+        "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+        "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+        "nextn.shared_head_norm.weight": "mtp.norm.weight",
+    },
+}
+MTP_SHARED_TENSORS = {"nextn.embed_tokens.weight", "nextn.shared_head_head.weight"}
 STACKED_EXPERTS = {
     "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
@@ -92,10 +112,14 @@ JOINED_TENSORS: dict[str, dict[str, tuple[str, tuple[str, ...], str]]] = {
 }
 # HF name (a global name, or the suffix after `model.layers.N.`) → the inverse of llama.cpp's transform
 # (implemented in strata.loaders.gguf). The Qwen3-Next converter adds 1 to every zero-centred norm (all
-# but linear_attn.norm), stores -exp(A_log) and squeezes the conv kernel [C, 1, K] to [C, K].
+# but linear_attn.norm; the MTP head's and its block's too), stores -exp(A_log) and squeezes the conv
+# kernel [C, 1, K] to [C, K].
 UNDO: dict[str, dict[str, str]] = {
     "qwen3next": {
         "model.norm.weight": "minus_one",
+        "mtp.pre_fc_norm_embedding.weight": "minus_one",
+        "mtp.pre_fc_norm_hidden.weight": "minus_one",
+        "mtp.norm.weight": "minus_one",
         "input_layernorm.weight": "minus_one",
         "post_attention_layernorm.weight": "minus_one",
         "self_attn.q_norm.weight": "minus_one",
@@ -150,9 +174,11 @@ class TensorRef:
     undo: str | None = None
 
 
-def gguf_to_hf(arch: str, name: str, n_experts: int) -> list[tuple[str, TensorRef]] | None:
+def gguf_to_hf(arch: str, name: str, n_experts: int,
+               n_layers: int | None = None) -> list[tuple[str, TensorRef]] | None:
     """HF names held by GGUF tensor `name` (several for a stack of experts, none for the second part
-    of a joined tensor); None if unknown."""
+    of a joined tensor or a copy of a shared tensor); None if unknown. `n_layers`: the decoder's layer
+    count, past which blocks are MTP layers (needed where the arch keeps those apart, `MTP_BLOCK_PREFIX`)."""
     undo = UNDO.get(arch, {})
     if name in GLOBAL_TENSORS:
         hf = GLOBAL_TENSORS[name]
@@ -162,6 +188,16 @@ def gguf_to_hf(arch: str, name: str, n_experts: int) -> list[tuple[str, TensorRe
         return None
     layer, suffix = m.group(1), m.group(2)
     prefix = f"model.layers.{layer}."
+    if arch in MTP_BLOCK_PREFIX and n_layers is not None and int(layer) >= n_layers:
+        depth = int(layer) - n_layers
+        if suffix in MTP_SHARED_TENSORS:
+            return []
+        if suffix in MTP_HEAD_TENSORS[arch]:
+            if depth:  # a repeat of block n_layers' (`expected_tensors`)
+                return []
+            hf = MTP_HEAD_TENSORS[arch][suffix]
+            return [(hf, TensorRef(name, undo=undo.get(hf)))]
+        prefix = f"{MTP_BLOCK_PREFIX[arch]}{depth}."
     joined = JOINED_TENSORS.get(arch, {})
     if suffix in joined:
         hf, rest, how = joined[suffix]
@@ -177,14 +213,21 @@ def gguf_to_hf(arch: str, name: str, n_experts: int) -> list[tuple[str, TensorRe
     return None
 
 
-def hf_to_gguf(arch: str, name: str) -> TensorRef | None:
+def hf_to_gguf(arch: str, name: str, n_layers: int | None = None) -> TensorRef | None:
     """The GGUF tensor (and expert index) that holds HF tensor `name`, as current llama.cpp converters
-    write it; None if it has no GGUF name."""
+    write it; None if it has no GGUF name. `n_layers`: as for `gguf_to_hf` (MTP names need it)."""
     undo = UNDO.get(arch, {})
     for g, h in GLOBAL_TENSORS.items():
         if h == name:
             return TensorRef(g, undo=undo.get(h))
     m = _HF_BLOCK_RE.match(name)
+    if arch in MTP_BLOCK_PREFIX and n_layers is not None:
+        for g, h in MTP_HEAD_TENSORS[arch].items():
+            if h == name:
+                return TensorRef(f"blk.{n_layers}.{g}", undo=undo.get(h))
+        mtp = re.match(re.escape(MTP_BLOCK_PREFIX[arch]) + r"(\d+)\.(.+)$", name)
+        if mtp is not None:
+            m = _HF_BLOCK_RE.match(f"model.layers.{n_layers + int(mtp.group(1))}.{mtp.group(2)}")
     if m is None:
         return None
     layer, suffix = m.group(1), m.group(2)
@@ -345,10 +388,11 @@ def _hybrid_config(get: Any, recurrent: Any, n_layers: int, tensor_shapes: dict[
 
 
 def _hybrid_mixer(b: str, i: int, cfg: Any, present: Collection[str]) -> dict[str, tuple[int, ...]]:
-    """Qwen3-Next block i's token mixer: gated full attention (q_proj yields q and its gate) or Gated
-    DeltaNet, whose in_proj_qkvz is `ssm_in` in older files and q|k|v + z in current ones."""
+    """Qwen3-Next block i's token mixer: gated full attention (q_proj yields q and its gate; always in
+    an MTP block) or Gated DeltaNet, whose in_proj_qkvz is `ssm_in` in older files and q|k|v + z in
+    current ones."""
     h, hd = cfg.hidden_size, cfg.head_dim
-    if not cfg.layer_is_linear(i):
+    if i >= cfg.num_hidden_layers or not cfg.layer_is_linear(i):
         q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         return {
             b + "attn_q.weight": (2 * q, h),
@@ -380,10 +424,9 @@ def expected_tensors(arch: str, cfg: Any, with_mtp: bool,
     """(GGUF name → numpy shape for every tensor the model needs, names that may be absent).
 
     `cfg` is a `strata.config.ModelConfig`; `present`, the file's tensor names, picks between a
-    layer's alternative layouts. Numpy shapes are GGUF dims reversed (torch order).
+    layer's alternative layouts. Numpy shapes are GGUF dims reversed (torch order). `with_mtp`: the
+    MTP blocks too (`cfg.num_nextn_predict_layers` of them after the decoder's).
     """
-    if arch == "qwen3next":
-        with_mtp = False  # Strata has no Qwen3-Next MTP layer: such blocks are unexpected tensors
     h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     out: dict[str, tuple[int, ...]] = {
@@ -410,7 +453,10 @@ def expected_tensors(arch: str, cfg: Any, with_mtp: bool,
                 out.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
             if cfg.use_qk_norm:
                 out.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
-        if cfg.layer_is_moe(i):
+        mtp = i >= cfg.num_hidden_layers
+        # A Qwen3-Next MTP layer is MoE whenever the model is (`HybridDecoderLayer`).
+        moe = cfg.is_moe if mtp and arch == "qwen3next" else cfg.layer_is_moe(i)
+        if moe:
             e, mi = cfg.num_experts, cfg.moe_intermediate_size
             out.update({
                 b + "ffn_gate_inp.weight": (e, h),
@@ -438,14 +484,19 @@ def expected_tensors(arch: str, cfg: Any, with_mtp: bool,
         else:
             it = cfg.intermediate_size
             out.update({b + "ffn_gate.weight": (it, h), b + "ffn_up.weight": (it, h), b + "ffn_down.weight": (h, it)})
-        if i >= cfg.num_hidden_layers:
-            out.update({
+        if mtp:
+            own = {
                 b + "nextn.eh_proj.weight": (h, 2 * h),
                 b + "nextn.enorm.weight": (h,),
                 b + "nextn.hnorm.weight": (h,),
                 b + "nextn.shared_head_norm.weight": (h,),
                 b + "nextn.shared_head_head.weight": (v, h),
                 b + "nextn.embed_tokens.weight": (v, h),
-            })
+            }
+            out.update(own)
             optional |= {b + "nextn.shared_head_head.weight", b + "nextn.embed_tokens.weight"}
+            if arch in MTP_HEAD_TENSORS and i > cfg.num_hidden_layers:
+                # One head, read from the first MTP block; later ones may repeat it (llama.cpp's Qwen3.5
+                # converter writes it in each).
+                optional |= own.keys()
     return out, optional

@@ -40,6 +40,8 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | QWeight", bias: torch.Tensor
     weight kept quantized) goes through its format's kernels. `invariant` (`--batch-invariant`, float
     weights and Q8_0 / FP8 ones kept quantized): a row's result is the same for any number of rows
     (`strata.kernels.invariant`, `strata.kernels.quant.invariant`)."""
+    if workspace is None and not invariant and isinstance(weight, torch.Tensor):  # no kernel to choose (the CPU)
+        return F.linear(x, weight, bias)
     if invariant and k_quant_invariant.supports(weight):
         if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
             return k_quant_invariant.matmul_invariant_q(x, weight, bias, workspace=scratch(workspace))
@@ -72,11 +74,7 @@ class RMSNorm(nn.Module):
                                           zero_centred=self.zero_centred).view(x.shape)
         if self.zero_centred:
             return k_norm.rms_norm_ref(x, self.weight, self.eps, zero_centred=True)
-        # Normalise in fp32 as the reference implementations do; bf16 variance loses too much.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm. With no residual
@@ -87,6 +85,20 @@ class RMSNorm(nn.Module):
             return k_norm.fused_add_rms_norm_triton(x, residual, self.weight, self.eps, zero_centred=self.zero_centred)
         residual = x + residual
         return self(residual), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, normalised in fp32 as the reference implementations do (bf16 variance
+    loses too much); `weight` broadcasts against x (one row per head for a stack of heads). In fp32 it
+    is torch's one op, which gives the same floats as the steps below: a small model's CPU step pays
+    per op, not per element."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if weight.shape == x.shape[-1:]:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return F.rms_norm(x, x.shape[-1:], None, eps) * weight
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> tuple[torch.Tensor, float]:
@@ -136,11 +148,27 @@ class RopeInputs:
     rotary: "Rotary"
     dtype: torch.dtype
     _tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _signed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None:
             self._tables = self.rotary.cos_sin(self.positions, self.dtype)
         return self._tables
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary(x, *cos_sin())` for x [N, heads, head_dim] (any number of heads: q and k
+        stacked rotate in one go), in four ops on the rotary dims: the rotate-half's sign is folded
+        into a signed sin table, made once per step, so x·cos + roll(x)·sin_signed gives the same
+        floats (negation is exact) without the slices, negation and concatenation."""
+        if self._signed is None:
+            cos, sin = self.cos_sin()
+            self._signed = cos[:, None], (sin * self.rotary.sin_sign(sin.device, sin.dtype))[:, None]
+        cos, sin = self._signed
+        rd = cos.shape[-1]
+        if rd == x.shape[-1]:
+            return x * cos + x.roll(rd // 2, -1) * sin
+        rot = x[..., :rd]
+        return torch.cat([rot * cos + rot.roll(rd // 2, -1) * sin, x[..., rd:]], dim=-1)
 
 
 class Rotary(nn.Module):
@@ -151,11 +179,26 @@ class Rotary(nn.Module):
         self.rotary_dim = cfg.rotary_dim
         inv_freq, self.scale = rope_inv_freq(cfg.rope, self.rotary_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._sin_signs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def sin_sign(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """-1 on the first half of the rotary dims, +1 on the second: rotate-half's sign
+        (`RopeInputs.rotate`), made once per device and dtype."""
+        sign = self._sin_signs.get((device, dtype))
+        if sign is None:
+            half = self.rotary_dim // 2
+            with torch.inference_mode(False):  # a plain tensor, usable outside inference mode
+                sign = torch.cat([-torch.ones(half), torch.ones(self.rotary_dim - half)]).to(device=device, dtype=dtype)
+            self._sin_signs[(device, dtype)] = sign
+        return sign
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:  # x * 1.0 is x: skipped, as the conversion to fp32
+            cos, sin = cos * self.scale, sin * self.scale
+        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -191,6 +234,7 @@ class Attention(nn.Module):
         self.o_q: QWeight | None = None
         self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
         self.batch_invariant = False  # CausalLM.set_batch_invariant
+        self._qk_norm_stack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # _qk_norm_weight
 
     @torch.no_grad()
     def pack(self, dtype: torch.dtype | None = None) -> None:
@@ -213,6 +257,20 @@ class Attention(nn.Module):
         """The float weights `linear` runs through the decode GEMV (`CausalLM.pack` sizes its workspace)."""
         return self.qkv_weight, self.o_proj.weight
 
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """The q and k norms' weights as one [Hq + Hkv, D] stack (a row per head), made once for weights
+        that no longer train (the loader's), else per call so a gradient reaches both."""
+        w = self._qk_norm_stack
+        if w is not None and w[0] is self.q_norm.weight and w[1] is self.k_norm.weight:
+            return w[2]
+        parts = (self.q_norm.weight.expand(self.n_heads, -1), self.k_norm.weight.expand(self.n_kv, -1))
+        if self.q_norm.weight.requires_grad or self.k_norm.weight.requires_grad:
+            return torch.cat(parts)
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode
+            stack = torch.cat(parts)
+        self._qk_norm_stack = (self.q_norm.weight, self.k_norm.weight, stack)
+        return stack
+
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         w_qkv = self.qkv_q if self.qkv_q is not None else self.qkv_weight
@@ -223,17 +281,24 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.eps, self.n_heads, self.n_kv, d, self.rotary_dim)
+        elif w_qkv is not None:
+            # The q and k heads as one [N, Hq + Hkv, D] stack: one norm (a weight row per head) and one
+            # rotation for both, the same floats as normalising and rotating each (all per row).
+            qkv = linear(x, w_qkv, self.qkv_bias, invariant=self.batch_invariant)
+            nqk = (self.n_heads + self.n_kv) * d
+            qk, v = qkv[:, :nqk].view(n, -1, d), qkv[:, nqk:].view(n, self.n_kv, d)
+            if self.q_norm is not None:
+                qk = rms_norm(qk, self._qk_norm_weight(), self.eps)
+            qk = rope.rotate(qk)
+            if qk.dtype != v.dtype:  # fp32 norm weights promote q/k under autocast; attention wants one dtype
+                qk = qk.to(v.dtype)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
-            if w_qkv is not None:
-                qkv = linear(x, w_qkv, self.qkv_bias, invariant=self.batch_invariant)
-                q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             q, k, v = q.reshape(n, self.n_heads, d), k.reshape(n, self.n_kv, d), v.reshape(n, self.n_kv, d)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             cos, sin = rope.cos_sin()
-            # fp32 norm weights promote q/k under autocast; attention kernels want one 16-bit dtype.
             q, k = apply_rotary(q, cos, sin).to(v.dtype), apply_rotary(k, cos, sin).to(v.dtype)
         o = attn.attend(self.layer_idx, q, k, v)
         w_o = self.o_q if self.o_q is not None else self.o_proj.weight

@@ -23,6 +23,10 @@ from strata.models.layers import MLP, silu_mul
 
 log = logging.getLogger("strata")
 
+# The CPU runs steps of up to this many (token, expert) pairs through `MoE._picked`: past it the pairs'
+# per-op cost outweighs the grouped path's matmul per expert group.
+PICKED_PAIRS = 16
+
 class Router(nn.Module):
     """Top-k expert choice. Softmax (Qwen3-MoE) or sigmoid with a correction bias and optional
     group limit (DeepSeek-V3 / GLM-4.5). Scores are computed in fp32 in both cases."""
@@ -93,7 +97,7 @@ class Router(nn.Module):
         w = scores.gather(1, ids)
         if self.norm:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.scale, ids, logits
+        return (w * self.scale if self.scale != 1.0 else w), ids, logits
 
 
 def _grouped_mm_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -165,6 +169,8 @@ class MoE(nn.Module):
     - "grouped" (after `pack_experts()`): all experts in two `torch._grouped_mm` calls over stacked
       weights, with no host sync, so a step can be queued on the GPU without the host waiting.
     - "masked" (after `pack_experts()` on CUDA where grouped_mm cannot serve, e.g. fp32): `_masked`.
+    Whatever the path, a packed module on the CPU runs steps of few tokens (decodes) through `_picked`,
+    two products per (token, expert) pair.
     With `batch_invariant` the CPU runs "loop" through the row-invariant linear, and CUDA runs
     `_grouped_invariant` on the stacked float experts whatever the path (kept-quantized experts are not
     covered: the engine refuses them)."""
@@ -329,6 +335,8 @@ class MoE(nn.Module):
             out = self._grouped(x, w, ids)
         elif self.decode_kernels_serve(x, ids.shape[1], self.w13):
             out = k_moe.moe_experts_decode_triton(x, ids, w, self.w13, self.w2)
+        elif self.w13 is not None and not x.is_cuda and 0 < ids.numel() <= PICKED_PAIRS and x.dtype == self.w13.dtype:
+            out = self._picked(x, w, ids)
         elif self.path == "grouped" and x.dtype == self.w13.dtype:
             out = self._grouped(x, w, ids)
         elif self.path == "masked":
@@ -362,6 +370,18 @@ class MoE(nn.Module):
             out.index_add_(0, tok, y.to(x.dtype))
             start += c
         return out
+
+    def _picked(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The CPU's few-token steps: each (token, expert) pair's two products on views of the stacked
+        weights, its expert read from the ids on the host (no device to wait for). `_grouped` on the
+        CPU runs a matmul per expert group, empty ones included, and gathering the chosen experts'
+        weights for one batched matmul copies them; this reads each chosen expert once. The combine is
+        `_grouped`'s: fp32 routing weights, each contribution rounded to x.dtype, a sum over k."""
+        n, k = ids.shape
+        pairs = [F.linear(silu_mul(F.linear(x[t : t + 1], self.w13[e])), self.w2[e])
+                 for t, row in enumerate(ids.tolist()) for e in row]
+        y = (torch.cat(pairs) * w.reshape(-1, 1)).to(x.dtype)
+        return y.view(n, k, y.shape[-1]).sum(1)
 
     def _masked(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, weighted by a routing weight that is 0 where the token did

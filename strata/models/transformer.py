@@ -13,6 +13,7 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.attention import AttentionBackend
+from strata.kernels import device as devices
 from strata.kernels import triton_available
 from strata.kernels.gemv import gemv_supported, gemv_workspace_parts
 from strata.kernels.matmul import invariant_workspace_parts
@@ -107,10 +108,12 @@ class CausalLM(nn.Module):
             shapes += [tuple(m.shared_head.head.weight.shape) for m in self.modules()
                        if getattr(getattr(m, "shared_head", None), "head", None) is not None]
             # The batch-invariant GEMM's decode-sized launches take their split ranges' partials there too.
-            parts = [gemv_workspace_parts(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype)]
-            parts += [invariant_workspace_parts(n, k) for n, k in shapes]
-            # Kept-quantized projections (and a stack's parts) launch with shapes `shapes` does not list.
-            parts += [invariant_q_workspace_parts(q) for q in qweights_of(self) if supports_invariant_q(q)]
+            # Configurations, and so the sizes, are the model's device's (`strata.kernels.device`).
+            with devices.using(self.model.embed_tokens.weight.device):
+                parts = [gemv_workspace_parts(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype)]
+                parts += [invariant_workspace_parts(n, k) for n, k in shapes]
+                # Kept-quantized projections (and a stack's parts) launch with shapes `shapes` does not list.
+                parts += [invariant_q_workspace_parts(q) for q in qweights_of(self) if supports_invariant_q(q)]
             numel = shared_split_k_numel(parts)
             self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.model.embed_tokens.weight.device)
             for m in packed:
@@ -158,7 +161,7 @@ class CausalLM(nn.Module):
             return
         device = weights[0].device
         ctx = QMatmulContext(device)
-        ctx.reserve_fixup(QMatmulContext.largest_fixup(torch.cuda.get_device_properties(device).multi_processor_count))
+        ctx.reserve_fixup(QMatmulContext.largest_fixup(devices.current(device).sm_count))
         for q in weights:
             q.context = ctx
 

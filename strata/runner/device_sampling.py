@@ -100,6 +100,7 @@ class SamplePlan:
     width: int  # seen-list columns (0: no penalty stage)
     sort: bool  # a top-k or top-p row: sort each row once, both read the sorted values
     sample: bool  # any row not greedy (else argmax only)
+    top_k: int = 0  # every row has top-k on: the largest k (the CPU sorts only that many candidates), else 0
 
 
 # ---- the hash ---------------------------------------------------------------------------------------
@@ -236,6 +237,11 @@ def race_triton(score: torch.Tensor, ids: torch.Tensor | None, k1: torch.Tensor,
 def race(score, ids, k1, k2, noise) -> torch.Tensor:
     if use_triton(score):
         return race_triton(score, ids, k1, k2, noise)
+    if ids is not None and not score.is_cuda:
+        # Sorted columns: the filters keep a prefix of each row and a -inf score never wins, so the CPU
+        # (which reads the count for free) hashes noise for the longest kept prefix only.
+        kept = int((score > float("-inf")).sum(-1).max())
+        score, ids = score[:, :kept], ids[:, :kept]
     return race_ref(score, ids, k1, k2, noise)
 
 
@@ -247,28 +253,48 @@ def _penalise(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> tor
     return x.clone().scatter_(1, seen, torch.where(picked > 0, picked / penalty, picked * penalty))
 
 
-def _filtered_scores(x: torch.Tensor, f: torch.Tensor, i: torch.Tensor, sort: bool):
+def _top_k_sorted(z: torch.Tensor, i: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`z.sort(descending=True, stable=True)` as far as a top-k filter of at most `top_k` reads it, for
+    the CPU (a host check): the top_k + 1 largest of each row in the stable sort's order (value, then
+    id), the rest of the sorted row -inf. The values are the full sort's wherever top-k keeps them, so
+    the filtered scores are the same floats; the ids cover the candidates only. None when a row's k-th
+    value ties the last candidate (values the full sort keeps may lie past it)."""
+    w = min(top_k + 1, z.shape[1])
+    _, idx = z.topk(w, dim=-1)
+    idx = idx.sort(dim=-1).values  # the stable sort orders equal values by id
+    sv, o = z.gather(1, idx).sort(dim=-1, descending=True, stable=True)
+    if w < z.shape[1] and not bool((sv[:, w - 1 :] < sv.gather(1, i[:, _KTH : _KTH + 1])).all()):
+        return None
+    sz = torch.full_like(z, float("-inf"))
+    sz[:, :w] = sv
+    return sz, idx.gather(1, o)
+
+
+def _filtered_scores(x: torch.Tensor, f: torch.Tensor, i: torch.Tensor, sort: bool, top_k: int = 0):
     """Temperature, top-k, top-p and min-p on penalised logits x [M, V]. Returns (score, ids): the
     scaled logits with dropped tokens at -inf, and the vocabulary id of each column (None: unsorted).
     A row's scores are the same floats on both paths: top-k/top-p are off there when unsorted, and
-    min-p is decided in the logit domain (z_v - z_max < log min_p), which needs no order."""
+    min-p is decided in the logit domain (z_v - z_max < log min_p), which needs no order. `top_k`: every
+    row's k is at most this; the CPU then sorts candidates only (`_top_k_sorted`) and the ids cover them,
+    the scores past them being -inf."""
     z = x / f[:, _TEMP : _TEMP + 1]
     if not sort:
         drop = (z - z.amax(-1, keepdim=True)) < f[:, _LOG_MIN_P : _LOG_MIN_P + 1]
         return z.masked_fill(drop, float("-inf")), None
-    sz, order = z.sort(dim=-1, descending=True, stable=True)
+    top = _top_k_sorted(z, i, top_k) if top_k and not z.is_cuda else None
+    sz, order = top if top is not None else z.sort(dim=-1, descending=True, stable=True)
     sz = sz.masked_fill(sz < sz.gather(1, i[:, _KTH : _KTH + 1]), float("-inf"))
     sp = sz.softmax(-1)
     # Keep the smallest prefix whose mass reaches top-p (the token crossing it included).
     drop = (sp.cumsum(-1) - sp) >= f[:, _TOP_P : _TOP_P + 1]
     drop |= (sz - sz[:, :1]) < f[:, _LOG_MIN_P : _LOG_MIN_P + 1]
-    return sz.masked_fill(drop, float("-inf")), order
+    return sz.masked_fill(drop, float("-inf"))[:, : order.shape[1]], order
 
 
 def _pick(x, f, i, plan: SamplePlan) -> torch.Tensor:
     if not plan.sample:
         return x.argmax(-1)
-    score, ids = _filtered_scores(x, f, i, plan.sort)
+    score, ids = _filtered_scores(x, f, i, plan.sort, plan.top_k)
     return race(score, ids, i[:, _KEY1], i[:, _KEY2], f[:, _NOISE])
 
 
@@ -374,7 +400,9 @@ class DeviceSampler:
             self.copied[s].record()
         if static:
             return self.static_plan(r_total)
-        return SamplePlan(r_total, width, sort, sample)
+        kth = h_i.numpy()[:r_total, _KTH]
+        top_k = int(kth.max()) + 1 if sort and r_total == m and kth.max() < self.vocab - 1 else 0
+        return SamplePlan(r_total, width, sort, sample, top_k)
 
     def run(self, logits: torch.Tensor, plan: SamplePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Device half: (tokens [R] int64, logprobs [R] fp32) for logits [R, V] and the last `fill`.

@@ -53,6 +53,14 @@ from strata.kernels.transfer import to_device
 
 log = logging.getLogger("strata")
 
+# A CPU step of at most this many rows (a decode step, a short prompt) runs on one thread: its ops take
+# microseconds (a product of one row is read-bound and torch does not split it), so another thread only
+# adds a hand-off per op, and a wait of a scheduler tick whenever another process holds that core (a
+# 32-token read of the embedded model on 2 busy cores: 10 ms on one thread, 30-370 ms on two). Longer
+# steps (long prompt reads) get torch's thread count.
+CPU_ONE_THREAD_ROWS = 64
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
                  max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
@@ -74,6 +82,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.attn.states = states
         cuda = self.device.type == "cuda"
+        self.cpu_threads = None if cuda else torch.get_num_threads()  # a long CPU step's threads
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
         self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
         self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
@@ -82,14 +91,14 @@ class ModelRunner:
         self.h_meta = torch.zeros(3, s, dtype=torch.int32, pin_memory=cuda)
         self.np_ids, self.np_pos, self.np_slots = self.h_ids.numpy(), self.h_pos.numpy(), self.h_slots.numpy()
         self.np_tables, self.np_meta = self.h_tables.numpy(), self.h_meta.numpy()
-        self.d_ids = torch.zeros(t, dtype=torch.long, device=self.device)
-        self.d_pos = torch.zeros(t, dtype=torch.long, device=self.device)
-        self.d_slots = torch.zeros(t, dtype=torch.long, device=self.device)
-        self.d_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=self.device)
+        # On the CPU the host buffers are the device's: nothing to copy (`_upload`).
+        dev = (lambda h: torch.zeros_like(h, device=self.device)) if cuda else (lambda h: h)
+        self.d_ids, self.d_pos, self.d_slots, self.d_tables = (dev(h) for h in (self.h_ids, self.h_pos, self.h_slots,
+                                                                                 self.h_tables))
         # Run-ahead inputs: (input row, row in the previous launch's picks) per pending chunk.
         self.h_pending = torch.zeros(2, max_seqs, dtype=torch.long, pin_memory=cuda)
         self.np_pending = self.h_pending.numpy()
-        self.d_pending = torch.zeros(2, max_seqs, dtype=torch.long, device=self.device)
+        self.d_pending = dev(self.h_pending)
         self.d_pending_ids = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self.last_picks: torch.Tensor | None = None  # the latest launch's picks (device), one per row
         self.last_pick_rows: dict[str, int] = {}  # request id -> its sampled token's row in last_picks
@@ -117,7 +126,7 @@ class ModelRunner:
             shape = (max_seqs * self.rows_per_seq, grammar.mask_words)
             self.h_mask = torch.full(shape, -1, dtype=torch.int32, pin_memory=cuda)
             self.np_mask = self.h_mask.numpy()
-            self.d_mask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+            self.d_mask = torch.full(shape, -1, dtype=torch.int32, device=self.device) if cuda else self.h_mask
         self.next_out = 0
         self.two_stage_steps = 0  # steps sampled by launch_head (tests and benchmarks read it)
         self.samplers: dict[str, Sampler] = {}
@@ -222,16 +231,18 @@ class ModelRunner:
         return bool(entries)
 
     def _upload(self, rows: int, seqs: int) -> None:
-        for h, d in ((self.h_ids, self.d_ids), (self.h_pos, self.d_pos), (self.h_slots, self.d_slots)):
-            d[:rows].copy_(h[:rows], non_blocking=True)
-        self.d_tables[:seqs].copy_(self.h_tables[:seqs], non_blocking=True)
+        if self.d_ids is not self.h_ids:
+            for h, d in ((self.h_ids, self.d_ids), (self.h_pos, self.d_pos), (self.h_slots, self.d_slots)):
+                d[:rows].copy_(h[:rows], non_blocking=True)
+            self.d_tables[:seqs].copy_(self.h_tables[:seqs], non_blocking=True)
         if self.attn.meta is not None:
             self.attn.meta[:, :seqs].copy_(self.h_meta[:, :seqs], non_blocking=True)
         p = self.num_pending
-        if self.mask_rows:
+        if self.mask_rows and self.d_mask is not self.h_mask:
             self.d_mask[: self.mask_rows].copy_(self.h_mask[: self.mask_rows], non_blocking=True)
         if p:
-            self.d_pending[:, :p].copy_(self.h_pending[:, :p], non_blocking=True)
+            if self.d_pending is not self.h_pending:
+                self.d_pending[:, :p].copy_(self.h_pending[:, :p], non_blocking=True)
             picked = torch.index_select(self.last_picks, 0, self.d_pending[1, :p], out=self.d_pending_ids[:p])
             self.d_ids.index_copy_(0, self.d_pending[0, :p], picked)
         if self.copied is not None:
@@ -341,6 +352,10 @@ class ModelRunner:
         if not chunks:
             return None
         n, starts, lens = self._fill(chunks)
+        if self.cpu_threads is not None:
+            threads = 1 if n <= CPU_ONE_THREAD_ROWS else self.cpu_threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         r = len(chunks)
         row_starts = [0] * r
         for i in range(1, r):
@@ -391,7 +406,7 @@ class ModelRunner:
         step.head_pending = False
         self.two_stage_steps += 1
         masked = self._fill_masks(step.chunks, step.picks, step.spans)
-        if self.mask_rows:
+        if self.mask_rows and self.d_mask is not self.h_mask:
             self.d_mask[: self.mask_rows].copy_(self.h_mask[: self.mask_rows], non_blocking=True)
             if self.copied is not None:
                 self.copied.record()  # the next fill of the host mask waits for this copy too
@@ -409,7 +424,9 @@ class ModelRunner:
             ch = chunks[i]
             first = row_starts[i] + ch.num_tokens - len(ch.drafts) - 1
             rows.extend(range(first, first + len(ch.drafts) + 1))
-        step.logits = self.model.compute_logits(hidden.index_select(0, to_device(rows, self.device)))
+        if len(rows) < hidden.shape[0]:  # else every row samples (a decode step): no gather
+            hidden = hidden.index_select(0, to_device(rows, self.device))
+        step.logits = self.model.compute_logits(hidden)
         if masked:
             apply_token_mask(step.logits, self.d_mask[: len(rows)])
         step.lse = row_logsumexp(step.logits, self.batch_invariant)

@@ -75,10 +75,11 @@ class Prefill:
 
     def reserve_draft_kv(self) -> None:
         """Grow the stage's stream-K pools to the largest fix-up (one 128 x 128 fp32 tile per SM)."""
+        from strata.kernels.device import current as device_spec
         from strata.kernels.quant.streamk import QMatmulContext
 
         for ctx in self.contexts:
-            sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if ctx.device.type == "cuda" else 1
+            sms = device_spec(ctx.device).sm_count if ctx.device.type == "cuda" else 1
             ctx.reserve_fixup(QMatmulContext.largest_fixup(sms))
 
     def draft_kv(self, chunks, hidden: torch.Tensor, row_starts: list[int]) -> dict[str, int]:

@@ -151,6 +151,22 @@ def test_http_arm_end_to_end(tmp_path):
     assert [len(r["times"]) for r in http["http_raw"]] == [6, 6]  # warm-up + one measured run
 
 
+def test_decode_of_the_embedded_model_writes_a_summary(tmp_path, capsys):
+    """`--model default`: the embedded model at batch 1, medians of the timed runs in `summary`, the
+    server's rate beside the engine's with --http."""
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--model", "default", "--prompt", "32", "--tokens", "8", "--repeats", "2",
+                 "--http", "--no-ceilings", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["shape"] == "default" and "hf_init_s" not in res and [r["batch"] for r in res["rows"]] == [1]
+    s = res["summary"]
+    assert (s["batch"], s["prompt_tokens"], s["new_tokens"], s["runs"]) == (1, 32, 7, 2)
+    assert all(_finite_positive(s[k]) for k in ("decode_tok_s", "first_token_ms", "per_token_ms", "http_decode_tok_s"))
+    assert s["per_token_ms"] == pytest.approx(1e3 / s["decode_tok_s"], rel=0.5)
+    assert s["http_vs_engine"] == pytest.approx(s["http_decode_tok_s"] / res["rows"][0]["strata_tok_s"])
+    assert default_out("decode", "default", "auto", torch.device("cpu")) == "bench/results/decode_default_cpu.json"
+
+
 def test_http_summary():
     runs = [{"times": [9.0, 9.5], "completion_tokens": 2},  # warm-up: dropped
             {"times": [0.1, 0.2, 0.3, 0.5], "completion_tokens": 4},

@@ -109,12 +109,17 @@ def test_abort_during_a_read_frees_its_blocks_after_the_step(monkeypatch):
 
 
 def test_the_guard_fails_without_the_reservation(monkeypatch):
-    """With `reserve()` a no-op the upload ring starts at 16 bytes and grows during the first read."""
+    """With `reserve()` a no-op the upload ring starts at 16 bytes and grows during the first read that
+    uploads more: two prompts of different lengths read in one step (their layout's per-sequence vectors;
+    without give-way, so the newer does not read first alone)."""
     _set(monkeypatch, piped=True)
     monkeypatch.setattr(ReadStage, "reserve", lambda self: None)
-    e = _engine(alloc_guard=True)
+    e = _engine(alloc_guard=True, give_way=False)
+    ids = e.tokenizer.encode(FILLER)
+    e.add_request(_req("a", ids[:300], 4))
+    e.add_request(_req("b", ids[:10], 4))
     with pytest.raises(AllocationGrowth, match="up_ring"):
-        _scenario(e)
+        e.run_to_completion()
     e.close()
 
 

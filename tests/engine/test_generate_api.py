@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
 import torch
 
 from strata import LLM, SamplingParams
+from strata.cli import CLI_SAMPLING
 
 
 def test_llm_generate_matches_hf_greedy(tiny_model_dirs):
@@ -75,7 +78,10 @@ def test_cli_generate_stdout_is_only_text(tiny_model_dirs):
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    expected = LLM(path, device="cpu").generate("In the", SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    # Sampled as llama.cpp's CLI samples, from a random seed that stderr names.
+    seed = int(re.search(r"seed: (\d+)", r.stderr)[1])
+    params = dataclasses.replace(CLI_SAMPLING, max_tokens=10, seed=seed, ignore_eos=True)
+    expected = LLM(path, device="cpu").generate("In the", params)[0]
     assert r.stdout == expected.outputs[0].text + "\n"
     assert "loading weights" in r.stderr and "tok/s" in r.stderr
 

@@ -1,5 +1,6 @@
 """The decode path's kernels compile for sm_90 (the H200) at the configurations the engine launches, on a
-machine without a GPU (`tests/sm90_cases.py`, in a process of its own: this one interprets the kernels).
+machine without a GPU (`tests/compile_cases.py sm_90 --set sm90`, in a process of its own: this one
+interprets the kernels).
 The interpreter checks the kernels' semantics but not their compile, which can refuse a kernel only on
 the device (a plain float global). This machine's Triton may be newer than the device's, so a pass here
 is a strong hint, not proof.
@@ -29,8 +30,9 @@ pytestmark = pytest.mark.skipif(not all(os.path.exists(os.path.join(TOOLS, t)) f
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "..", "sm90_cases.py")
-    run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=900)
+    script = os.path.join(os.path.dirname(__file__), "..", "compile_cases.py")
+    run = subprocess.run([sys.executable, script, "sm_90", "--set", "sm90"], capture_output=True, text=True, env=env,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

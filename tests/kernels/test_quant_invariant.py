@@ -148,10 +148,10 @@ def test_matches_reference(case, dtype):
 def test_rows_invariant_across_m(fma_chain_dot, monkeypatch, fmt, dtype):
     """Under `q_config`'s own choices: rows of M = 1, 3, 8 (the decode tile, 64 x 32) bitwise equal to
     the same rows of an M = 70 launch (past DECODE_MAX_M: the 64 x 128 wide tile), and a row alone
-    equal to itself in the second row tile. K has a tail. MIN_TILES is lowered so that a small N
+    equal to itself in the second row tile. K has a tail. `min_tiles` is lowered so that a small N
     reaches the wide tiles (at its real value N ≥ 3712 would: minutes in the interpreter)."""
     for module in (k_matmul, k_quant_invariant):
-        monkeypatch.setattr(module, "MIN_TILES", 2)
+        monkeypatch.setattr(module, "min_tiles", lambda spec: 2)
     n, k, m = 96, 96, 70
     w, _ = make_weight(fmt, n, k, seed_of("inv", fmt))
     x = make_x(m, k, dtype, seed_of("inv-x", fmt, dtype))

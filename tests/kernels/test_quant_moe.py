@@ -138,7 +138,7 @@ def interpreter_tiles(monkeypatch):
     """Large tiles for the layer and model tests: the interpreter's cost is per program and step, and
     the configurations themselves are `test_kernel_matches_reference`'s business."""
     monkeypatch.setattr(moe_q, "grouped_config",
-                        lambda fmt, t, e, n, k, dtype: GroupedConfig(64, 128, moe_q._block_k(fmt, k, 256)))
+                        lambda fmt, t, e, n, k, dtype, spec=None: GroupedConfig(64, 128, moe_q._block_k(fmt, k, 256)))
 
 
 MOE_CONFIG = dict(model_type="qwen3_moe", vocab_size=320, intermediate_size=128, num_hidden_layers=2,

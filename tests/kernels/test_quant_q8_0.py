@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from strata.kernels import choices
+from strata.kernels.device import PRESETS
 from strata.kernels.quant import q8_0
 from strata.kernels.quant.q8_0 import Q8Config
 
@@ -226,25 +227,27 @@ def test_dispatch_and_validation():
             call()
 
 
+@pytest.mark.parametrize("spec", PRESETS.values(), ids=PRESETS.keys())
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (151936, 4096),
                                  (2048, 1536), (96, 256), (40, 96)])
-def test_configs_valid(n, k):
-    gemv = q8_0.gemv_config(n, k)
+def test_configs_valid(n, k, spec):
+    sms = spec.sm_count
+    gemv = q8_0.gemv_config(n, k, spec)
     q8_0.check_config(gemv, k, gemv=True)
     assert gemv.block_m == q8_0.GEMV_MAX_ROWS
     for m in (17, 40, 64, 65, 128, 512, 4096):
         for dtype in (torch.bfloat16, torch.float32):
-            q8_0.check_config(q8_0.gemm_config(m, n, k, dtype), k, gemv=False)
-    fp32 = q8_0.fp32_gemv_config(n, k)
+            q8_0.check_config(q8_0.gemm_config(m, n, k, dtype, spec), k, gemv=False)
+    fp32 = q8_0.fp32_gemv_config(n, k, spec)
     q8_0.check_config(fp32, k, gemv=True)
     assert fp32.split_k == 1
     if n >= 2048:  # ~one program per SM or more at decode
-        assert -(-n // fp32.block_n) >= 0.9 * q8_0.NUM_SMS
+        assert -(-n // fp32.block_n) >= 0.9 * sms
         # (about) every SM busy, unless K is too short to split further (each split keeps >= 2 steps)
-        assert (0.9 * q8_0.NUM_SMS <= -(-n // gemv.block_n) * gemv.split_k
+        assert (0.9 * sms <= -(-n // gemv.block_n) * gemv.split_k
                 or gemv.split_k in (k // gemv.block_k // 2, q8_0.MAX_SPLIT_K))
-    assert -(-n // gemv.block_n) * gemv.split_k <= max(3 * q8_0.NUM_SMS, -(-n // gemv.block_n))
-    assert q8_0.gemv_workspace_numel(n, k) >= q8_0.gemv_workspace_numel(n, k, gemv)  # and room for dp4a
+    assert -(-n // gemv.block_n) * gemv.split_k <= max(3 * sms, -(-n // gemv.block_n))
+    assert q8_0.gemv_workspace_numel(n, k, spec=spec) >= q8_0.gemv_workspace_numel(n, k, gemv)  # and room for dp4a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -329,6 +329,48 @@ def test_quantized_weights_kept_quantized(tmp_path):
         assert err < 1e-4, (t, err)
 
 
+def test_iq4_xs_and_q3_k_weights_kept_quantized(tmp_path):
+    """`keep_quantized` on a file with IQ4_XS q, k and v projections and a Q3_K ffn_down and output head
+    (random valid blocks: gguf writes neither type): QWeights of the file's own blocks, their float
+    parameters never made, and the logits of the file expanded to floats (fp32 activations: the kernels
+    against dequantize-then-matmul)."""
+    from strata.kernels.quant import QWeight
+    from strata.kernels.quant.iq4_xs import random_raw as iq4_xs_blocks
+    from strata.kernels.quant.q3_k import random_raw as q3_k_blocks
+
+    src = str(tmp_path / "hf")
+    save_tiny_model("qwen3", src, hidden_size=256, intermediate_size=256)
+    c = _hf_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        tensors.pop(f"model.layers.0.{name}.weight")
+    tensors.pop("lm_head.weight")
+    q_rows, kv_rows = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    raw = {"blk.0.attn_q.weight": (iq4_xs_blocks(q_rows, 256, 1), QT.IQ4_XS),
+           "blk.0.attn_k.weight": (iq4_xs_blocks(kv_rows, 256, 2), QT.IQ4_XS),
+           "blk.0.attn_v.weight": (iq4_xs_blocks(kv_rows, 256, 3), QT.IQ4_XS),
+           "blk.0.ffn_down.weight": (q3_k_blocks(c["hidden_size"], 256, 4), QT.Q3_K),
+           "output.weight": (q3_k_blocks(c["vocab_size"], 256, 5), QT.Q3_K)}
+    path = str(tmp_path / "iq4_xs_q3_k.gguf")
+    _write_with_raw(path, c, tensors, raw, intermediate=256)
+
+    floats = load_model(path)
+    kept = load_model(path, keep_quantized=True)
+    attn, mlp = kept.model.model.layers[0].self_attn, kept.model.model.layers[0].mlp
+    assert isinstance(attn.qkv_q, QWeight) and attn.qkv_q.ggml_type == "IQ4_XS" and attn.qkv_weight is None
+    assert isinstance(mlp.down_q, QWeight) and mlp.down_q.ggml_type == "Q3_K"
+    assert isinstance(kept.model.lm_head_q, QWeight) and kept.model.lm_head_q.ggml_type == "Q3_K"
+    assert attn.q_proj.weight.is_meta and mlp.down_proj.weight.is_meta  # never materialised
+    want_qkv = np.concatenate([dequantize(raw[f"blk.0.attn_{p}.weight"][0], QT.IQ4_XS) for p in "qkv"])
+    assert np.array_equal(attn.qkv_q.dequantize().numpy().view(np.uint32), want_qkv.view(np.uint32))
+    want_down = dequantize(raw["blk.0.ffn_down.weight"][0], QT.Q3_K)
+    assert np.array_equal(mlp.down_q.dequantize().numpy().view(np.uint32), want_down.view(np.uint32))
+    for t in (24, 5):  # a prompt-sized GEMM and decode-sized GEMVs
+        ids = torch.randint(0, c["vocab_size"], (1, t), generator=torch.Generator().manual_seed(t))
+        err = rel_err(_logits(kept, ids), _logits(floats, ids))
+        assert err < 1e-4, (t, err)
+
+
 def test_a_type_without_kernels_is_named_with_its_cost(tmp_path, caplog):
     """A projection in a GGUF type Strata has no kernels for is expanded, and one warning line names the
     type, its tensors and the bytes it costs; the rest stays quantized."""

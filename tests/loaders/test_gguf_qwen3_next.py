@@ -7,12 +7,18 @@ QWEN3NEXT, and it applies the converter's transforms (norms + 1 but linear_attn.
 -exp(A_log), dt_bias → ssm_dt.bias, conv1d squeezed, in_proj_qkvz regrouped into attn_qkv + attn_gate,
 experts stacked). `legacy=True` writes what older converters wrote: in_proj_qkvz as `ssm_in` and every
 tensor squeezed (so the shared expert's gate [1, H] is stored as [H]).
+
+The MTP head (`mtp.*`, which llama.cpp's converter drops) is written as llama.cpp writes DeepSeek's and
+GLM-4.5's: `nextn_predict_layers`, counted in `block_count`, its block `blk.{L}` (L = num_hidden_layers)
+under the arch's block names and transforms, and mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden /
+norm as that block's nextn.eh_proj / enorm / hnorm / shared_head_norm (norms + 1 as every other).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import gguf
@@ -22,14 +28,23 @@ import torch
 from gguf import GGUFWriter
 from safetensors.torch import load_file
 
-from strata.config import ModelConfig
+from strata.config import EngineConfig, ModelConfig
 from strata.loaders import LoadError, load_model
 from strata.loaders.gguf import read_gguf
+from strata.loaders.names import gguf_to_hf, hf_to_gguf
 from strata.attention import CausalBatch
 from test_gguf import gguf_tokenizer_fields
 
 REL_TOL = 1e-4
 ARCH = gguf.MODEL_ARCH.QWEN3NEXT
+# The MTP head's own tensors → (the layer-indexed name llama.cpp's Qwen3.5 converter gives them before
+# its transforms, which add 1 to each of these norms as to every other; their NEXTN tensor).
+MTP_HEAD = {
+    "mtp.fc.weight": ("eh_proj.weight", gguf.MODEL_TENSOR.NEXTN_EH_PROJ),
+    "mtp.pre_fc_norm_embedding.weight": ("enorm.weight", gguf.MODEL_TENSOR.NEXTN_ENORM),
+    "mtp.pre_fc_norm_hidden.weight": ("hnorm.weight", gguf.MODEL_TENSOR.NEXTN_HNORM),
+    "mtp.norm.weight": ("shared_head.norm.weight", gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM),
+}
 
 
 def _qkv_and_gate(w: torch.Tensor, c: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +58,11 @@ def _qkv_and_gate(w: torch.Tensor, c: dict) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _converted(c: dict, tensors: dict[str, torch.Tensor], legacy: bool) -> dict[str, torch.Tensor]:
-    """HF tensors → GGUF-named, transformed tensors, as the converter yields them."""
+    """HF tensors → GGUF-named, transformed tensors, as the converter yields them; `mtp.layers.{d}` as
+    block n + d, the MTP head's own tensors as block n's nextn.*."""
     n = c["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(ARCH, n)
+    depths = {k.split(".")[2] for k in tensors if k.startswith("mtp.layers.")}
+    names = gguf.get_tensor_name_map(ARCH, n + len(depths))
     # llama.cpp has no dense Qwen3-Next blocks; Strata reads HF's `mlp_only_layers` under the dense
     # names of dense Qwen3 (as in Qwen3-MoE files).
     dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, n)
@@ -53,6 +70,13 @@ def _converted(c: dict, tensors: dict[str, torch.Tensor], legacy: bool) -> dict[
     stacks: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in tensors.items():
         t = t.float()
+        head = None
+        if name.startswith("mtp.layers."):
+            d, rest = name.removeprefix("mtp.layers.").split(".", 1)
+            name = f"model.layers.{n + int(d)}.{rest}"
+        elif name in MTP_HEAD:
+            head = MTP_HEAD[name][1]
+            name = f"model.layers.{n}.{MTP_HEAD[name][0]}"
         if name.endswith(".A_log"):
             t = -torch.exp(t)
         elif name.endswith(".dt_bias"):
@@ -61,6 +85,9 @@ def _converted(c: dict, tensors: dict[str, torch.Tensor], legacy: bool) -> dict[
             t = t.squeeze()
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             t = t + 1
+        if head is not None:
+            out[gguf.TENSOR_NAMES[head].format(bid=n) + ".weight"] = t
+            continue
         if "in_proj_qkvz" in name and not legacy:
             bid = int(name.split(".")[2])
             qkv, z = _qkv_and_gate(t, c)
@@ -84,13 +111,16 @@ def _converted(c: dict, tensors: dict[str, torch.Tensor], legacy: bool) -> dict[
 
 def write_next_gguf(path, c: dict, tensors: dict[str, torch.Tensor], *, legacy: bool = False,
                     layer_flags: bool = False, tok_dir: str | None = None, drop_tensors: tuple[str, ...] = (),
-                    drop_keys: tuple[str, ...] = ()) -> str:
-    """`layer_flags`: state the layer kinds as `attention.recurrent_layers` instead of the interval."""
+                    drop_keys: tuple[str, ...] = (), nextn: int = 0,
+                    extra_tensors: dict[str, torch.Tensor] | None = None) -> str:
+    """`layer_flags`: state the layer kinds as `attention.recurrent_layers` instead of the interval.
+    `nextn`: the MTP layers the metadata counts (their `mtp.*` tensors, if in `tensors`, are written).
+    `extra_tensors`: GGUF-named tensors written as they are."""
     path = str(path)
     w = GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCH])
     arch = w.arch
     meta = {
-        "block_count": c["num_hidden_layers"],
+        "block_count": c["num_hidden_layers"] + nextn,
         "context_length": c["max_position_embeddings"],
         "embedding_length": c["hidden_size"],
         "feed_forward_length": c["intermediate_size"],
@@ -109,6 +139,8 @@ def write_next_gguf(path, c: dict, tensors: dict[str, torch.Tensor], *, legacy: 
         "ssm.inner_size": c["linear_value_head_dim"] * c["linear_num_value_heads"],
         "rope.dimension_count": int(c["head_dim"] * c["partial_rotary_factor"]),
     }
+    if nextn:
+        meta["nextn_predict_layers"] = nextn
     for key, value in meta.items():
         if key not in drop_keys:
             w.add_uint32(f"{arch}.{key}", value)
@@ -122,7 +154,7 @@ def write_next_gguf(path, c: dict, tensors: dict[str, torch.Tensor], *, legacy: 
         w.add_full_attention_interval(every)
     if tok_dir:
         gguf_tokenizer_fields(w, tok_dir)
-    for g, t in _converted(c, tensors, legacy).items():
+    for g, t in {**_converted(c, tensors, legacy), **(extra_tensors or {})}.items():
         if g not in drop_tensors:
             w.add_tensor(g, t.numpy().astype(np.float32))
     w.write_header_to_file()
@@ -212,3 +244,171 @@ def test_bad_qwen3next_files_give_one_line_errors(drop_tensors, drop_keys, legac
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith(path), msg
     assert expect in msg, msg
+
+
+# ---- the MTP head ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def next_mtp_parts(next_parts, tmp_path_factory):
+    """The tiny checkpoint plus random `mtp.*` tensors (HF's class drops them on save) and
+    `num_nextn_predict_layers: 1`, as an HF directory: the GGUF's twin."""
+    from safetensors.torch import save_file
+
+    from strata.models.registry import build_model
+
+    src, hf, c, tensors = next_parts
+    c = {**c, "num_nextn_predict_layers": 1}
+    torch.manual_seed(4)
+    donor = build_model(ModelConfig.from_hf(c), with_mtp=True)
+    mtp = {k: v.clone() for k, v in donor.state_dict().items() if k.startswith("mtp.")}
+    for k, v in mtp.items():
+        v.copy_(0.1 * torch.randn_like(v) if k.endswith("norm.weight") else 0.05 * torch.randn_like(v))
+    twin = tmp_path_factory.mktemp("next_mtp_dir")
+    (twin / "config.json").write_text(json.dumps(c))
+    save_file({**tensors, **mtp}, str(twin / "model.safetensors"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (twin / f).write_bytes(Path(src, f).read_bytes())
+    return str(twin), c, {**tensors, **mtp}, mtp
+
+
+@pytest.fixture(scope="module")
+def mtp_gguf(next_mtp_parts, tmp_path_factory):
+    twin, c, tensors, _ = next_mtp_parts
+    return write_next_gguf(tmp_path_factory.mktemp("next_mtp_gguf") / "m.gguf", c, tensors, nextn=1, tok_dir=twin)
+
+
+def test_mtp_block_names():
+    """mtp.layers.0 is block L under the arch's block names; the head's own tensors are block L's nextn.*
+    (norms stored plus one); copies of the embedding and LM head there are accepted and not read."""
+    n = 4
+    pairs = {
+        "blk.4.nextn.eh_proj.weight": "mtp.fc.weight",
+        "blk.4.nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+        "blk.4.nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+        "blk.4.nextn.shared_head_norm.weight": "mtp.norm.weight",
+        "blk.4.attn_q.weight": "mtp.layers.0.self_attn.q_proj.weight",
+        "blk.4.attn_norm.weight": "mtp.layers.0.input_layernorm.weight",
+        "blk.4.post_attention_norm.weight": "mtp.layers.0.post_attention_layernorm.weight",
+        "blk.4.attn_k_norm.weight": "mtp.layers.0.self_attn.k_norm.weight",
+        "blk.4.ffn_gate_inp_shexp.weight": "mtp.layers.0.mlp.shared_expert_gate.weight",
+        "blk.3.attn_q.weight": "model.layers.3.self_attn.q_proj.weight",
+    }
+    for g, h in pairs.items():
+        [(got, ref)] = gguf_to_hf("qwen3next", g, 0, n)
+        assert got == h and hf_to_gguf("qwen3next", h, n) == ref, g
+        assert (ref.undo == "minus_one") == g.endswith("norm.weight"), g
+    stack = gguf_to_hf("qwen3next", "blk.4.ffn_up_exps.weight", 8, n)
+    assert [h for h, _ in stack] == [f"mtp.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(8)]
+    assert hf_to_gguf("qwen3next", "mtp.layers.0.mlp.experts.5.up_proj.weight", n).expert == 5
+    assert gguf_to_hf("qwen3next", "blk.4.nextn.embed_tokens.weight", 0, n) == []
+    assert gguf_to_hf("qwen3next", "blk.4.nextn.shared_head_head.weight", 0, n) == []
+    # GLM keeps its MTP layer among the decoder's.
+    assert gguf_to_hf("glm4moe", "blk.4.nextn.eh_proj.weight", 0, n)[0][0] == "model.layers.4.eh_proj.weight"
+
+
+def test_qwen3next_gguf_with_mtp_matches_hf_dir(next_mtp_parts, mtp_gguf):
+    twin, c, tensors, mtp = next_mtp_parts
+    n, h = c["num_hidden_layers"], c["hidden_size"]
+    reader = gguf.GGUFReader(mtp_gguf)
+    assert reader.fields["qwen3next.block_count"].contents() == n + 1
+    assert reader.fields["qwen3next.nextn_predict_layers"].contents() == 1
+    stored = {t.name: tuple(t.shape.tolist()) for t in reader.tensors}
+    assert stored["blk.4.nextn.eh_proj.weight"] == (2 * h, h)  # GGUF dims: [in, out]
+    assert {"blk.4.nextn.enorm.weight", "blk.4.nextn.hnorm.weight", "blk.4.nextn.shared_head_norm.weight",
+            "blk.4.attn_q.weight", "blk.4.attn_q_norm.weight", "blk.4.ffn_gate_exps.weight",
+            "blk.4.ffn_gate_inp_shexp.weight"} <= stored.keys()
+    assert not any(k.startswith("blk.4.ssm") or k.startswith("blk.4.attn_qkv") for k in stored)
+
+    ckpt = read_gguf(mtp_gguf)
+    ours_cfg, hf_cfg = ModelConfig.from_hf(ckpt.config), ModelConfig.from_hf(c)
+    assert ours_cfg.replace(bos_token_id=None, eos_token_ids=()) == hf_cfg
+    assert ours_cfg.num_hidden_layers == n and ours_cfg.num_nextn_predict_layers == 1
+    assert sorted(ckpt.names) == sorted(tensors)
+    for k, t in mtp.items():
+        got = ckpt.get(k)
+        assert ckpt.shapes[k] == tuple(t.shape) == tuple(got.shape), k
+        if "norm" in k.split(".")[-2]:  # stored as fl(1 + w); the model's 1 + w gives back exactly that
+            assert torch.equal(1 + got, 1 + t), k
+        else:
+            assert torch.equal(got, t), k
+
+    lm_g, lm_d = load_model(mtp_gguf), load_model(twin)
+    assert lm_g.has_mtp and lm_d.has_mtp and len(lm_g.model.mtp_layers) == 1
+    torch.manual_seed(2)
+    t = 20
+    ids = torch.randint(0, c["vocab_size"], (t + 1,))
+    with torch.no_grad():
+        hidden = lm_d.model(ids[:t], torch.arange(t), CausalBatch(1, t))
+        outs = []
+        for lm in (lm_g, lm_d):
+            hm = lm.model.mtp_hidden(hidden, ids[1:], torch.arange(t), CausalBatch(1, t))
+            outs.append((hm, lm.model.mtp_logits(hm)))
+    (h_g, l_g), (h_d, l_d) = outs
+    err_h, err_l = rel_err(h_g, h_d), rel_err(l_g, l_d)
+    print(f"qwen3next MTP head: GGUF vs HF dir max relative error hidden {err_h:.2e}, logits {err_l:.2e}")
+    assert err_h < REL_TOL and err_l < REL_TOL
+
+
+def test_qwen3next_gguf_with_mtp_speculates(mtp_gguf):
+    """An engine on the GGUF with --spec 2 (fp32, CPU) drafts with the head and emits the plain greedy
+    tokens."""
+    from strata.engine.engine import LLMEngine
+    from strata.engine.types import EngineRequest
+    from strata.params import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 30, 13)]
+
+    def run(**kw):
+        e = LLMEngine(EngineConfig(model=mtp_gguf, device="cpu", dtype="float32", ctx=256, parallel=3,
+                                   chunk_size=256, max_num_batched_tokens=512, **kw), progress=False)
+        for i, p in enumerate(prompts):
+            e.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=12, ignore_eos=True),
+                                        time.monotonic()))
+        got = e.run_to_completion()
+        return [[tok for ev in got[f"r{i}"] for tok in ev.token_ids] for i in range(len(prompts))], e
+
+    plain, _ = run()
+    spec, e = run(spec=2)
+    assert spec == plain and all(len(o) == 12 for o in plain)
+    assert e.stats().spec["drafts_proposed"] > 0
+
+
+@pytest.mark.parametrize("nextn", [0, 1], ids=["not-counted", "counted-but-stripped"])
+def test_qwen3next_gguf_without_mtp_block_loads_without_head(nextn, next_mtp_parts, tmp_path):
+    twin, c, tensors, mtp = next_mtp_parts
+    plain = {k: v for k, v in tensors.items() if k not in mtp}
+    path = write_next_gguf(tmp_path / "p.gguf", c, plain, nextn=nextn)
+    lm = load_model(path)
+    assert not lm.has_mtp and lm.model.mtp is None
+    assert lm.config.num_hidden_layers == c["num_hidden_layers"] and lm.config.num_nextn_predict_layers == nextn
+    from strata.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="MTP head"):
+        LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", ctx=128, spec=2), progress=False)
+
+
+def test_qwen3next_mtp_block_copies_of_shared_tensors(next_mtp_parts, tmp_path):
+    """nextn.embed_tokens / nextn.shared_head_head (copies of the model's own, shared) may be in the file."""
+    _, c, tensors, _ = next_mtp_parts
+    copies = {"blk.4.nextn.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+              "blk.4.nextn.shared_head_head.weight": tensors["lm_head.weight"]}
+    path = write_next_gguf(tmp_path / "s.gguf", c, {**tensors}, nextn=1, extra_tensors=copies)
+    assert copies.keys() <= {t.name for t in gguf.GGUFReader(path).tensors}
+    ckpt = read_gguf(path)
+    assert sorted(ckpt.names) == sorted(tensors)
+    assert load_model(path).has_mtp
+
+
+@pytest.mark.parametrize("drop,expect", [
+    ("blk.4.nextn.hnorm.weight", "missing tensors: blk.4.nextn.hnorm.weight"),
+    ("blk.4.attn_q_norm.weight", "missing tensors: blk.4.attn_q_norm.weight"),
+    ("blk.4.ffn_gate_inp_shexp.weight", "missing tensors: blk.4.ffn_gate_inp_shexp.weight"),
+])
+def test_incomplete_mtp_block_gives_one_line_error(drop, expect, next_mtp_parts, tmp_path):
+    _, c, tensors, _ = next_mtp_parts
+    path = write_next_gguf(tmp_path / "bad.gguf", c, tensors, nextn=1, drop_tensors=(drop,))
+    with pytest.raises(LoadError) as ei:
+        load_model(path)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(path) and expect in msg, msg

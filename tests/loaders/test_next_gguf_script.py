@@ -146,6 +146,39 @@ def test_file_has_what_llama_cpp_reads(vocab, tmp_path):
     assert (reader.get_tensor(list(tensors).index("blk.0.ssm_a")).data < 0).all()  # -exp(A_log)
 
 
+@pytest.mark.parametrize("layer_flags", [False, True], ids=["interval", "flags"])
+def test_mtp_file_loads_with_its_head(layer_flags, vocab, tmp_path):
+    """With `mtp`, the MTP layer as block 4 (full attention, MoE) plus the head's nextn.* tensors,
+    counted in block_count and nextn_predict_layers: Strata loads the head and runs it."""
+    vocab_path, n_tokens = vocab
+    c = _tiny(n_tokens)
+    if layer_flags:  # not every 4th layer: written as attention.recurrent_layers
+        c["layer_types"] = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    path = str(tmp_path / "mtp.gguf")
+    _, count = write_next_gguf(path, c, "Q8_0", vocab_path, seed=3, mtp=True)
+    reader = gguf.GGUFReader(path)
+    assert reader.fields[A + "block_count"].contents() == 5 and reader.fields[A + "nextn_predict_layers"].contents() == 1
+    if layer_flags:
+        assert reader.fields[A + "attention.recurrent_layers"].contents() == [True, False, True, True, False]
+    plain = {n for n, _, _ in tensor_plan(ModelConfig.from_hf(c))}
+    extra = {t.name for t in reader.tensors} - plain
+    assert extra == {f"blk.4.{t}" for t in LLAMA_EVERY_BLOCK + LLAMA_FULL_BLOCK} | {
+        "blk.4.nextn.eh_proj.weight", "blk.4.nextn.enorm.weight", "blk.4.nextn.hnorm.weight",
+        "blk.4.nextn.shared_head_norm.weight"}
+    assert count == len(reader.tensors) == len(plain) + len(extra)
+    assert tuple(next(t for t in reader.tensors if t.name == "blk.4.nextn.eh_proj.weight").shape) == (128, 64)
+
+    cfg = ModelConfig.from_hf(read_gguf(path).config)
+    assert cfg.replace(bos_token_id=None, eos_token_ids=()) == ModelConfig.from_hf(c).replace(num_nextn_predict_layers=1)
+    lm = load_model(path)
+    assert lm.has_mtp and len(lm.model.mtp_layers) == 1
+    ids = torch.randint(0, n_tokens, (13,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = lm.model(ids[:12], torch.arange(12), CausalBatch(1, 12))
+        _, logits = lm.model.mtp_forward(hidden, ids[1:], torch.arange(12), CausalBatch(1, 12))
+    assert logits.shape == (12, n_tokens) and torch.isfinite(logits).all()
+
+
 def test_refusals(vocab, tmp_path, monkeypatch):
     vocab_path, n_tokens = vocab
     with pytest.raises(ValueError, match="tokens"):

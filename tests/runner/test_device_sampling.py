@@ -13,6 +13,7 @@ from strata.runner.device_sampling import (
     DeviceSampler,
     RowParams,
     _row_keys_np,
+    _top_k_sorted,
     draw_from,
     filtered_probs_batched,
     mix32,
@@ -192,6 +193,32 @@ def test_batch_independence_and_static_plan():
         t_static, lp_static = s.run(torch.cat([x, torch.zeros(32 - m, v)]), plan)
         assert t_static[:m].tolist() == tokens.tolist()
         assert torch.allclose(lp_static[:m], logprobs, atol=1e-6)
+
+
+def test_top_k_candidates_give_the_full_sorts_tokens():
+    """Rows that all have top-k on: the CPU sorts the k + 1 largest only and races over the kept prefix;
+    the same tokens and logprobs as sorting the whole vocabulary, ties at the k-th value included (the
+    full sort serves those)."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(9)
+    m, v = 40, 300
+    x = torch.randn(m, v, generator=g) * 3
+    x[::4, :45] = x[::4, :1].abs() + 8  # rows whose k-th value ties values past the candidates
+    x[1::4] = torch.round(x[1::4])  # rows with many ties among the candidates
+    rows = [RowParams(temperature=0.7 + j % 3 * 0.2, top_k=[1, 5, 40][j % 3], top_p=[1.0, 0.9, 0.95][j % 3],
+                      min_p=[0.0, 0.05][j % 2], seed=j, counter=3 * j,
+                      repetition_penalty=1.3 if j % 5 == 0 else 1.0, seen=[1, 2, 3] if j % 5 == 0 else None)
+            for j in range(m)]
+    s = DeviceSampler(m + 1, v, "cpu", max_seen=8)
+    plan = s.fill(rows)
+    assert plan.top_k == 40
+    fast = s.run(x, plan)
+    full = s.run(x, dataclasses.replace(plan, top_k=0))
+    assert fast[0].tolist() == full[0].tolist() and torch.equal(fast[1], full[1])
+    assert _top_k_sorted(x[:1], s.d_i[:1], 40) is None  # a tie past the candidates: the full sort
+    # A row without top-k in the batch: every row sorts the whole vocabulary.
+    assert s.fill(rows + [RowParams(temperature=1.0, top_p=0.9)]).top_k == 0
 
 
 def test_seen_lists_deduplicated_or_rejected():

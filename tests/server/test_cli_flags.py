@@ -7,11 +7,12 @@ import argparse
 import dataclasses
 import io
 import json
+import re
 
 import pytest
 
 from strata import LLM, SamplingParams
-from strata.cli import ENGINE_DESTS, build_parser, main, resolve_engine, sampling_params
+from strata.cli import CLI_SAMPLING, ENGINE_DESTS, build_parser, main, resolve_engine, sampling_params
 from strata.cli_args import ConfigFileError
 from strata.config import EngineConfig
 from strata.server.serve import resolve
@@ -90,13 +91,41 @@ def test_generate_seed_keeps_todays_meaning(capsys, default_llm):
     argv = ["generate", "-p", PROMPT, "-n", "8", "--temperature", "1", "--ignore-eos", "--device", "cpu",
             "--ctx", "256", "--seed", "7"]
     assert main(argv) == 0
-    want = default_llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True))
-    assert capsys.readouterr().out == want[0].outputs[0].text + "\n"
+    params = dataclasses.replace(CLI_SAMPLING, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    out, err = capsys.readouterr()
+    assert out == default_llm.generate(PROMPT, params)[0].outputs[0].text + "\n"
+    assert "seed:" not in err  # the seed was typed
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_sample_as_llama_cpp_by_default(command):
+    a = _parse(command, *(["-p", "x"] if command == "generate" else []))
+    p = sampling_params(a)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.seed) == (0.8, 40, 0.95, 0.05, 1.0, None)
+    assert SamplingParams().temperature == 0.0  # the API's default stays greedy; the server has OpenAI's
+
+
+def test_generate_prints_the_random_seed_that_repeats_it(capsys, default_llm):
+    argv = ["generate", "-p", PROMPT, "-n", "12", "--ignore-eos", "--device", "cpu", "--ctx", "256"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    seed = int(re.search(r"seed: (\d+) \(--seed \1 repeats this run", err)[1])
+    params = dataclasses.replace(CLI_SAMPLING, max_tokens=12, seed=seed, ignore_eos=True)
+    assert out == default_llm.generate(PROMPT, params)[0].outputs[0].text + "\n"
+    assert main(argv + ["--seed", str(seed)]) == 0
+    again, err = capsys.readouterr()
+    assert again == out and "seed:" not in err
+    assert main(argv + ["--temperature", "0"]) == 0  # greedy: no randomness, no seed
+    greedy, err = capsys.readouterr()
+    assert greedy == default_llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0].text + "\n"
+    assert "seed:" not in err
+    assert main(argv + ["--engine-seed", "3"]) == 0  # the engine's seed seeds the request: none is drawn
+    assert "seed:" not in capsys.readouterr().err
 
 
 def test_generate_with_spec_prints_only_text_on_stdout(capsys, default_llm):
     argv = ["generate", "-p", PROMPT, "--spec", "2", "--batch-mtp", "--max-tokens", "8", "--device", "cpu",
-            "--ctx", "256"]
+            "--ctx", "256", "--temperature", "0"]
     cfg = resolve_engine(_parse(*argv))
     assert (cfg.spec, cfg.batch_mtp) == (2, True)
     assert main(argv) == 0

@@ -1,11 +1,12 @@
 """Quantized weights kept quantized on the device: one module per GGUF format.
 
-Each format module (`q8_0`, `q4_k`, `iq3_s`, `q6_k`) follows one contract: `GGML_TYPE`, `BLOCK_VALUES`,
-`BLOCK_BYTES`; `repack(raw)` turns the file's blocks (uint8 [N, K / BLOCK_VALUES * BLOCK_BYTES], already
-on the device) into the kernel's planes with device ops only; `dequantize(planes, n, k)` is the fp32
-definition (equal to the gguf package's numpy dequantization, bit for bit); `matmul(x, planes, n, k)`
-computes x @ Wᵀ through Triton kernels (a GEMV for decode-sized M, a tiled GEMM for reads);
-`random_raw(n, k, seed)` writes valid random blocks for tests and benchmarks.
+Each format module (`q8_0`, `q4_k`, `iq3_s`, `q6_k`, `iq4_xs`, `q3_k`, `q5_k`, `q4_0`) follows one
+contract: `GGML_TYPE`, `BLOCK_VALUES`, `BLOCK_BYTES`; `repack(raw)` turns the file's blocks (uint8 [N,
+K / BLOCK_VALUES * BLOCK_BYTES], already on the device) into the kernel's planes with device ops only;
+`dequantize(planes, n, k)` is the fp32 definition (equal to the gguf package's numpy dequantization,
+bit for bit); `matmul(x, planes, n, k)` computes x @ Wᵀ through Triton kernels (a GEMV for
+decode-sized M, a tiled GEMM for reads); `random_raw(n, k, seed)` writes valid random blocks for tests
+and benchmarks.
 
 `QWeight` binds one tensor's planes to its format and shape; `format_module` maps a GGUF type name to
 its module (`formats.py`: imported on first use, so a CPU-only install without Triton still loads GGUF
@@ -20,6 +21,7 @@ from types import ModuleType
 import torch
 
 from strata.kernels import choices
+from strata.kernels import device as devices
 from strata.kernels.quant.formats import FORMATS, WRITTEN, format_module
 
 __all__ = ["DEQUANT_READ_FORMATS", "FORMATS", "STREAMK_ROWS", "WRITTEN", "QWeight", "QWeightStack", "format_module",
@@ -31,7 +33,7 @@ __all__ = ["DEQUANT_READ_FORMATS", "FORMATS", "STREAMK_ROWS", "WRITTEN", "QWeigh
 # chunk, to be refined by a sweep between those two points.
 STREAMK_ROWS = (256, 1024)
 # Formats whose reads may dequantize into a bf16 buffer and run cuBLAS (`QWeight.dequant_buf`).
-DEQUANT_READ_FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K")
+DEQUANT_READ_FORMATS = ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "IQ4_XS", "Q3_K", "Q5_K", "Q4_0")
 
 
 @dataclass
@@ -59,11 +61,13 @@ class QWeight:
         if k % mod.BLOCK_VALUES or tuple(raw.shape) != (n, k // mod.BLOCK_VALUES * mod.BLOCK_BYTES):
             raise ValueError(f"{ggml_type} [{n}, {k}]: expected raw blocks of shape "
                              f"({n}, {k // mod.BLOCK_VALUES * mod.BLOCK_BYTES}), got {tuple(raw.shape)}")
-        planes = mod.repack(raw.contiguous())
-        # A format whose repack makes its split-K workspace (IQ3_S) hands it over: one place for every
-        # format's, which `CausalLM.pack` shares across a model's weights and the read stage twins.
-        workspace = planes.pop("workspace", None)
-        numel = mod.gemv_workspace_numel(n, k) if hasattr(mod, "gemv_workspace_numel") else 0
+        # Configurations, and so workspace sizes, follow the device the weight is on.
+        with devices.using(raw.device):
+            planes = mod.repack(raw.contiguous())
+            # A format whose repack makes its split-K workspace (IQ3_S) hands it over: one place for every
+            # format's, which `CausalLM.pack` shares across a model's weights and the read stage twins.
+            workspace = planes.pop("workspace", None)
+            numel = mod.gemv_workspace_numel(n, k) if hasattr(mod, "gemv_workspace_numel") else 0
         if workspace is None and numel:
             workspace = torch.zeros(numel, dtype=torch.int32, device=raw.device)
         return cls(ggml_type, n, k, planes, workspace)
@@ -163,9 +167,13 @@ class QWeightStack:
 
 # Byte offsets of each block's fp16 scale fields (d; Q4_K also dmin), which `random_blocks` must keep
 # finite; every other byte of a block is valid whatever its value.
-_SCALE_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "IQ3_S": (0,), "Q6_K": (208,)}
-# Q6_K multiplies d by an int8 scale and q − 32 (RMS ~74 and ~18 for random bytes): a smaller d.
-_SCALE_RANGE = {"Q6_K": (1e-5, 2e-5)}
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_K": (0, 2), "IQ3_S": (0,), "Q6_K": (208,), "IQ4_XS": (0,), "Q3_K": (108,),
+                 "Q5_K": (0, 2), "Q4_0": (0,)}
+# Q6_K multiplies d by an int8 scale and q − 32 (RMS ~74 and ~18 for random bytes): a smaller d. IQ4_XS
+# by a scale − 32 and a table value (~18 and ~66), Q3_K by a scale − 32 and u − 4 (~18 and ~2.3); Q5_K
+# has twice Q4_K's quant range: half its d; Q4_0 multiplies d by q − 8 alone (~4.6): a larger d.
+_SCALE_RANGE = {"Q6_K": (1e-5, 2e-5), "IQ4_XS": (1e-5, 2e-5), "Q3_K": (3e-4, 6e-4), "Q5_K": (5e-5, 1.5e-4),
+                "Q4_0": (2e-3, 6e-3)}
 
 
 def random_blocks(ggml_type: str, n: int, k: int, generator: torch.Generator, device) -> torch.Tensor:

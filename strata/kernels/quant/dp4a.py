@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from strata.kernels import choices
+from strata.kernels import device as devices
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import (
     shared_split_k_numel,
@@ -52,7 +54,6 @@ from strata.kernels.triton_import import jit, tl, triton
 
 
 GROUP = 32
-NUM_SMS = 132  # the H200's and the H100's; a constant so configurations depend on shapes only
 MAX_ROWS = 16
 # `config_for`'s split-K rule: about PROGRAMS_PER_SM programs per SM, at least MIN_STEPS_PER_SPLIT
 # K steps per program, at most MAX_SPLIT parts.
@@ -70,29 +71,33 @@ class Dp4aConfig:
     num_stages: int = 3
 
 
-def config_for(n: int, k: int, block_ks=(256, 128, 64), block_n: int = 64) -> Dp4aConfig:
+def config_for(n: int, k: int, block_ks=(256, 128, 64), block_n: int = 64,
+               spec: DeviceSpec | None = None) -> Dp4aConfig:
     """`block_n` rows per program, the first of `block_ks` dividing K per step, and split-K to about
-    four programs per SM: the largest power of two <= min(4 · NUM_SMS / tiles, steps / 2, 8), at least 1
-    (the H200 sweeps' best configurations ran 2-4 programs per SM with power-of-two splits). With 64
-    rows and 256 values: 4096 x 4096 -> 8, 6144 x 4096 -> 4, 24576 x 4096 -> 1, 4096 x 12288 -> 8."""
+    four programs per SM of `spec` (default: the current device): the largest power of two
+    <= min(4 · SMs / tiles, steps / 2, 8), at least 1 (the H200 sweeps' best configurations ran 2-4
+    programs per SM with power-of-two splits). With 64 rows and 256 values on 132 SMs: 4096 x 4096 -> 8,
+    6144 x 4096 -> 4, 24576 x 4096 -> 1, 4096 x 12288 -> 8."""
+    sms = (spec or devices.current()).sm_count
     block_k = next(b for b in block_ks if k % b == 0)
     tiles, steps = -(-n // block_n), k // block_k
-    limit = max(1, min(PROGRAMS_PER_SM * NUM_SMS // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
+    limit = max(1, min(PROGRAMS_PER_SM * sms // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT))
     return Dp4aConfig(block_n, block_k, 1 << (limit.bit_length() - 1))
 
 
-def wide_config(n: int, k: int, block_ks=(256, 128, 64)) -> Dp4aConfig:
+def wide_config(n: int, k: int, block_ks=(256, 128, 64), spec: DeviceSpec | None = None) -> Dp4aConfig:
     """128 rows per program where that still leaves >= 2 programs per SM after split-K, else 64 (the
     Q4_K and IQ3_S sweeps' best M = 1 configurations mostly had 128 rows)."""
-    wide = config_for(n, k, block_ks, block_n=128)
-    if -(-n // 128) * wide.split_k >= 2 * NUM_SMS:
+    spec = spec or devices.current()
+    wide = config_for(n, k, block_ks, block_n=128, spec=spec)
+    if -(-n // 128) * wide.split_k >= 2 * spec.sm_count:
         return wide
-    return config_for(n, k, block_ks)
+    return config_for(n, k, block_ks, spec=spec)
 
 
-def gemv_config(n: int, k: int) -> Dp4aConfig:
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> Dp4aConfig:
     """Q8_0: 64 rows x 256 values per step (16 KB of quants, 32 registers of them per thread)."""
-    return config_for(n, k)
+    return config_for(n, k, spec=spec)
 
 
 def workspace_for(cfg: Dp4aConfig, n: int) -> int:
@@ -100,8 +105,8 @@ def workspace_for(cfg: Dp4aConfig, n: int) -> int:
     return split_k_numel(n, cfg.block_n, cfg.split_k, MAX_ROWS)
 
 
-def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
-    return workspace_for(config or gemv_config(n, k), n)
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None, spec: DeviceSpec | None = None) -> int:
+    return workspace_for(config or gemv_config(n, k, spec), n)
 
 
 def decode_kernel(rows: int, max_rows: int) -> str:
@@ -325,4 +330,4 @@ def q8_gemv_dp4a(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.
     -> [M, N] in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates."""
     n, k = qs.shape
     return launch(_q8_gemv_dp4a_kernel, x, (qs.view(torch.int32), d), n, k, out, workspace,
-                  config or gemv_config(n, k), 64)
+                  config or gemv_config(n, k, devices.current(x)), 64)

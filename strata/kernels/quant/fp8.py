@@ -11,7 +11,7 @@ concatenate as blocks do), which `repack` quantizes per row on the device.
   each e4m3 weight becomes x's dtype exactly, the products are summed in fp32 and the row's scale
   multiplies the sum once before the one rounding to x's dtype; so it equals the reference
   `matmul_ref` up to the fp32 summation order. Batch invariant like the bf16 GEMV (configuration from
-  (N, K) only, `gemv_config`), split-K through `workspace` (`gemv_workspace_numel`: `QWeight` keeps
+  (N, K) and the device only, `gemv_config`), split-K through `workspace` (`gemv_workspace_numel`: `QWeight` keeps
   one per weight, so no call allocates).
 - Reads (more rows), and decode where the GEMV does not serve: x quantized per row too (dynamic, e4m3,
   scale = amax / 448) and `torch._scaled_mm` with row-wise scales, the H200's FP8 tensor cores
@@ -34,8 +34,10 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import device as devices
 from strata.kernels import gemv as k_gemv
 from strata.kernels import kernels_run
+from strata.kernels.device import DeviceSpec
 from strata.kernels.gemv import GemvConfig
 from strata.kernels.quant.fp8_rows import E4M3_MAX, quantize_rows
 
@@ -46,7 +48,13 @@ _ROW_MULTIPLE = 16  # cuBLASLt's FP8 GEMM wants every dimension a multiple of 16
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (e4m3 [M, K], fp32 scale [M]) with x ≈ q * scale per row (`fp8_rows`)."""
+    """x [M, K] → (e4m3 [M, K], fp32 scale [M]) with x ≈ q * scale per row (`fp8_rows`). On a CUDA
+    device without e4m3 conversions (before sm_89) it refuses: the quantizing kernel does not compile
+    there (Triton's fp8e4nv), nor do the reads' torch._scaled_mm and the experts' FP8 decode kernels run."""
+    spec = devices.current(x)
+    if x.is_cuda and not spec.fp8:
+        raise RuntimeError(f"FP8 weights (--quantize fp8) need e4m3 support, sm_89 or later (Ada, Hopper); "
+                           f"{spec.name} is sm_{spec.arch}")
     return quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
 
 
@@ -81,30 +89,33 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
-    """The decode GEMV's configuration for weight [N, K], a function of (N, K) only (batch invariance):
-    the table's, else the bf16 GEMV's (its grid and split-K, chosen for the H200) with BLOCK_K doubled
-    while every program keeps >= 4 K blocks, so a pipeline stage moves as many weight bytes as in bf16.
-    E.g. the Qwen3-8B shapes: qkv 64x256 split 2, o_proj 64x256 split 4, gate_up 64x256, down 128x128
-    split 8 (compiled for sm_90: 56-86 KB of shared memory, 136-150 registers, no spills); not timed."""
-    if (n, k) in GEMV_CONFIGS:
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> GemvConfig:
+    """The decode GEMV's configuration for weight [N, K] on `spec` (default: the current device), a
+    function of (N, K) only for a device (batch invariance): the table's on the reference device, else
+    the bf16 GEMV's (its grid and split-K for the device) with BLOCK_K doubled while every program
+    keeps >= 4 K blocks, so a pipeline stage moves as many weight bytes as in bf16, in the stages that
+    fit the device. E.g. the Qwen3-8B shapes on the H200's rule: qkv 64x256 split 2, o_proj 64x256
+    split 4, gate_up 64x256, down 128x128 split 8 (compiled for sm_90: 56-86 KB of shared memory,
+    136-150 registers, no spills); not timed."""
+    spec = spec or devices.current()
+    if devices.tuned(spec) and (n, k) in GEMV_CONFIGS:
         return GEMV_CONFIGS[(n, k)]
-    cfg = k_gemv.gemv_config(n, k)
+    cfg = k_gemv.gemv_config(n, k, spec)
     if k % (2 * cfg.block_k) == 0 and k // (2 * cfg.block_k) // cfg.split_k >= 4:
         cfg = replace(cfg, block_k=2 * cfg.block_k)
-    return cfg
+    return k_gemv.fit(cfg, spec, w_bytes=1)
 
 
 def gemv_supported(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return k_gemv.gemv_supported(m, n, k, dtype)
 
 
-def gemv_workspace_numel(n: int, k: int) -> int:
+def gemv_workspace_numel(n: int, k: int, spec: DeviceSpec | None = None) -> int:
     """int32 elements of the decode GEMV's split-K workspace for weight [N, K] (0 without split-K, or
     where the GEMV does not serve): `QWeight.from_raw` makes one per weight."""
     if not gemv_supported(1, n, k, torch.bfloat16):
         return 0
-    return k_gemv.gemv_workspace_numel(n, k, gemv_config(n, k))
+    return k_gemv.gemv_workspace_numel(n, k, gemv_config(n, k, spec))
 
 
 def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None, *,
@@ -114,8 +125,9 @@ def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: 
     dtype, (x @ wᵀ) · scale (module docstring). `workspace`: zeroed int32 of >= `gemv_workspace_numel`
     elements, left zeroed (not shared by concurrent streams); None allocates one per call.
     `w8_conversion`: see `strata.kernels.gemv.gemv_triton`."""
-    return k_gemv.gemv_triton(x, planes["w"], None, out, workspace=workspace, config=config or gemv_config(n, k),
-                              scale=planes["scale"], w8_conversion=w8_conversion)
+    return k_gemv.gemv_triton(x, planes["w"], None, out, workspace=workspace,
+                              config=config or gemv_config(n, k, devices.current(x)), scale=planes["scale"],
+                              w8_conversion=w8_conversion)
 
 
 def _gemv_serves(x2: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int) -> bool:

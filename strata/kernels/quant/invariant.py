@@ -51,20 +51,22 @@ from dataclasses import replace
 
 import torch
 
+from strata.kernels import device as devices
 from strata.kernels import invariant as k_invariant
 from strata.kernels import kernels_run, use_pdl
+from strata.kernels.device import DeviceSpec
 from strata.kernels.matmul import (
     BLOCK_K,
     DECODE_MAX_M,
     FP32_CONFIG,
-    MIN_TILES,
-    WIDE_CONFIGS,
     MatmulConfig,
     _matmul_kernel,
     check_config,
     decode_config,
     invariant_config,
     invariant_split_k,
+    min_tiles,
+    wide_configs,
 )
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant import QWeight, QWeightStack
@@ -90,21 +92,23 @@ def _acc_regs(cfg: MatmulConfig) -> int:
     return cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
 
 
-def q_config(ggml_type: str, m: int, n: int, k: int, dtype: torch.dtype, on_cuda: bool) -> MatmulConfig:
-    """The configuration of x [m, k] @ Wᵀ for a weight in `ggml_type` (module docstring). Varies with
-    m only in tile sizes, warps, stages and program order; BLOCK_K is 64 (FP8 in fp32 on CUDA: the FMA
-    configuration's, one for every M, whose chain no BLOCK_K reorders) and the K ranges are
-    `invariant_split_k(n, k)`, whatever m."""
-    split = invariant_split_k(n, k)
+def q_config(ggml_type: str, m: int, n: int, k: int, dtype: torch.dtype, on_cuda: bool,
+             spec: DeviceSpec | None = None) -> MatmulConfig:
+    """The configuration of x [m, k] @ Wᵀ for a weight in `ggml_type` (module docstring) on `spec`
+    (default: the current device). Varies with m only in tile sizes, warps, stages and program order;
+    BLOCK_K is 64 (FP8 in fp32 on CUDA: the FMA configuration's, one for every M, whose chain no
+    BLOCK_K reorders) and the K ranges are `invariant_split_k(n, k)`, whatever m."""
+    spec = spec or devices.current()
+    split = invariant_split_k(n, k, spec)
     if dtype == torch.float32 and on_cuda:
         return replace(FP32_CONFIG, block_k=BLOCK_K if ggml_type == "Q8_0" else FP32_CONFIG.block_k, split_k=split)
     if ggml_type != "Q8_0":
-        return invariant_config(m, n, k)
+        return invariant_config(m, n, k, spec)
     if m > DECODE_MAX_M:
-        for cfg in WIDE_CONFIGS:
-            if _acc_regs(cfg) <= Q8_0_MAX_ACC_REGS and cfg.tiles(m, n) >= MIN_TILES:
+        for cfg in wide_configs(spec):
+            if _acc_regs(cfg) <= Q8_0_MAX_ACC_REGS and cfg.tiles(m, n) >= min_tiles(spec):
                 return replace(cfg, block_k=BLOCK_K, split_k=split)
-    return replace(decode_config(n), block_k=BLOCK_K, split_k=split)
+    return replace(decode_config(n, spec), block_k=BLOCK_K, split_k=split)
 
 
 def invariant_q_workspace_parts(weight) -> tuple[int, int]:
@@ -257,7 +261,7 @@ def matmul_invariant_q_ref(x: torch.Tensor, weight, bias: torch.Tensor | None = 
 def _launch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, out: torch.Tensor,
             config: MatmulConfig | None, workspace: torch.Tensor | None) -> None:
     m, n, k = x.shape[0], w.n, w.k
-    cfg = config or q_config(w.ggml_type, m, n, k, x.dtype, x.is_cuda)
+    cfg = config or q_config(w.ggml_type, m, n, k, x.dtype, x.is_cuda, devices.current(x))
     check_config(cfg, x.dtype)
     if w.ggml_type == "Q8_0" and cfg.block_k != 64:
         raise ValueError(f"{cfg}: the Q8_0 kernel steps 64 values of K (two groups) at a time")

@@ -30,8 +30,8 @@ x: IEEE fp32 dot); the result is rounded once to x's dtype.
   row's bits then depend on which side of DP4A_MAX_ROWS its batch is.
 - M > 16 (prompt reads): a tiled GEMM, x tiles [BLOCK_M, BLOCK_K] times dequantized weight tiles
   (each weight tile is dequantized once per BLOCK_M rows of x, so BLOCK_M is large).
-Configurations depend on (N, K) (the GEMM's also on x's dtype and M ≤ 128) only; timed on the H200
-by the dp4a sweep and `strata bench quant` (docs/QUANTIZATION.md). Under TRITON_INTERPRET the 16-bit
+Configurations depend on (N, K) (the GEMM's also on x's dtype and M ≤ 128) and the device only; timed
+on the H200 by the dp4a sweep and `strata bench quant` (docs/QUANTIZATION.md). Under TRITON_INTERPRET the 16-bit
 dot runs in fp32 on the rounded values, and the byte-to-weight step multiplies where the GPU uses an
 fma (both exact: the GPU tests check the weights bit for bit).
 """
@@ -47,7 +47,9 @@ import torch.nn.functional as F
 from strata.kernels.quant.dp4a import decode_kernel, shared_workspace_numel
 from strata.kernels.quant.iq3_s_dp4a import gemv_config as dp4a_gemv_config
 from strata.kernels.quant.iq3_s_planes import SIGN_BIT, grid_table, grid_table_words, grid_words, signed_quants
+from strata.kernels import device as devices
 from strata.kernels import kernels_run, use_pdl
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_reduce, split_k_views
 from strata.kernels.tiles import grouped_tile
@@ -58,7 +60,6 @@ GGML_TYPE = "IQ3_S"
 BLOCK_VALUES = 256
 BLOCK_BYTES = 110
 GEMV_MAX_ROWS = 16  # M ≤ this runs the GEMV; its MMA pads x to this many rows
-NUM_SMS = 132  # H200; a constant so that configurations depend on (N, K) only
 WORKSPACE_MAX_FRACTION = 0.08  # split-K only where its workspace stays this small next to the weight
 # Rows up to which quant_decode=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes, with the
 # shared grid and interleaved signs (bench/results/iq3s_dp4a_sweep_cuda.txt): dp4a 13.0-45.9 us
@@ -99,7 +100,7 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
         "scales": field(106, 110).view(n, k // 64),
         "d": field(0, 2).view(torch.float16).view(n, k // 256),
     }
-    numel = decode_workspace_numel(n, k)
+    numel = decode_workspace_numel(n, k, devices.current(raw.device))
     if numel:
         planes["workspace"] = torch.zeros(numel, dtype=torch.int32, device=raw.device)
     grid_table(raw.device)
@@ -118,11 +119,13 @@ def interleave_signs(signs: torch.Tensor) -> torch.Tensor:
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
 
 
-def decode_workspace_numel(n: int, k: int) -> int:
-    """int32 elements of planes["workspace"]: both decode GEMVs' split-K, whatever the switch says."""
-    cfg = gemv_config(n, k)
+def decode_workspace_numel(n: int, k: int, spec: DeviceSpec | None = None) -> int:
+    """int32 elements of planes["workspace"]: both decode GEMVs' split-K on `spec` (default: the current
+    device), whatever the switch says."""
+    spec = spec or devices.current()
+    cfg = gemv_config(n, k, spec)
     parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    return shared_workspace_numel(n, parts, dp4a_gemv_config(n, k))
+    return shared_workspace_numel(n, parts, dp4a_gemv_config(n, k, spec))
 
 
 def dequantize(planes: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
@@ -170,14 +173,15 @@ def workspace_numel(n: int, cfg: TileConfig) -> int:
 GEMV_INSTRUCTIONS_PER_VALUE = {32: 11.8, 16: 14.9}
 
 
-def gemv_config(n: int, k: int) -> TileConfig:
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> TileConfig:
     """Untimed. The dequantization costs more issue slots than its bytes cost time (~3x at 4.8 TB/s),
     so the kernel is compute bound: the estimate is instructions per value times the load imbalance
     of the grid over the SMs, counting an SM with one program as half-rate (all programs resident:
     128 registers and ≤ 36 KB of shared memory each). Candidates: 16- or 32-row tiles (mma.sync;
     wgmma's 64 rows leave too few programs), a whole super-block per step (one d per row), 4 warps,
     K split 1-8 ways with ≥ 4 steps per split and a workspace of at most WORKSPACE_MAX_FRACTION of
-    the weight; ties go to less splitting."""
+    the weight; ties go to less splitting. The SM count is `spec`'s (default: the current device's)."""
+    sms = (spec or devices.current()).sm_count
     steps = k // 256
     weight_bytes = n * k // BLOCK_VALUES * BLOCK_BYTES
     best = None
@@ -190,22 +194,25 @@ def gemv_config(n: int, k: int) -> TileConfig:
             programs = cfg.split_k * _cdiv(n, block_n)
             # Time ∝ the busiest SM's share of the work over its issue rate, full from 2 programs
             # (2 warps per scheduler) up: per_value * max(programs on it, 2) / programs.
-            cost = per_value * max(_cdiv(programs, NUM_SMS), 2) * NUM_SMS / programs * (1 + 0.01 * split)
+            cost = per_value * max(_cdiv(programs, sms), 2) * sms / programs * (1 + 0.01 * split)
             if best is None or cost < best[0]:
                 best = (cost, cfg)
     return best[1]
 
 
-def gemm_config(n: int, k: int, dtype: torch.dtype = torch.bfloat16, m: int = 4096) -> TileConfig:
+def gemm_config(n: int, k: int, dtype: torch.dtype = torch.bfloat16, m: int = 4096,
+                spec: DeviceSpec | None = None) -> TileConfig:
     """Untimed. 16-bit x: wgmma tiles with 8 warps, the dequantized tile stored to shared memory once
     per K step of 64 (32 values a thread). Dequantizing costs ~12 instructions a weight value per
     step whatever BLOCK_M is, the MMA grows with it: at BLOCK_M 256 a step is ~800 issue cycles of
     dequantization against ~1000 of MMA (128: ~740 against 500), at 246 registers and 91 KB of
-    shared memory (one program per SM), no spills. M ≤ 128 keeps 128-row tiles. fp32 x (an FMA
-    dot): 32 x 32 tiles, which spill ~300 bytes (64 x 64 tiles spill kilobytes)."""
+    shared memory (one program per SM), no spills. M ≤ 128 keeps 128-row tiles, and so does every M
+    on a device without `wgmma` (`spec`, default: the current one), where the 256-row tile spills.
+    fp32 x (an FMA dot): 32 x 32 tiles, which spill ~300 bytes (64 x 64 tiles spill kilobytes)."""
     if dtype == torch.float32:
         return TileConfig(32, 32, 64, 1, num_warps=4, num_stages=2)
-    return TileConfig(128 if m <= 128 else 256, 128, 64, 1, num_warps=8, num_stages=3)
+    wide = m > 128 and (spec or devices.current()).wgmma  # 256 rows spill with mma.sync's register operands
+    return TileConfig(256 if wide else 128, 128, 64, 1, num_warps=8, num_stages=3)
 
 
 def check_config(cfg: TileConfig, k: int, gemv: bool) -> None:
@@ -380,7 +387,8 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out
     if m == 0 or n == 0:
         return out
     gemv = m <= GEMV_MAX_ROWS
-    cfg = config or (gemv_config(n, k) if gemv else gemm_config(n, k, x.dtype, m))
+    spec = devices.current(x)
+    cfg = config or (gemv_config(n, k, spec) if gemv else gemm_config(n, k, x.dtype, m, spec))
     check_config(cfg, k, gemv)
     on = use_pdl(x)
     common = dict(IEEE_DOT=x.dtype == torch.float32, INTERPRETED=not x.is_cuda, USE_PDL=on, launch_pdl=on,

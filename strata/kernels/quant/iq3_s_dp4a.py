@@ -31,9 +31,12 @@ Grid words are gathered from the table in shared memory (`iq3_s_planes.grid_word
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import torch
 
+from strata.kernels import device as devices
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     Dp4aConfig,
@@ -51,16 +54,20 @@ from strata.kernels.splitk import split_k_range, split_k_store
 from strata.kernels.triton_import import jit, tl
 
 
-def gemv_config(n: int, k: int) -> Dp4aConfig:
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> Dp4aConfig:
     """128 rows x 256 values (one super-block) per step, split-K to about four programs per SM
     (`dp4a.config_for`): 6144 x 4096 -> split 8, 24576 x 4096 -> 2, 4096 x 4096 and 4096 x 12288 -> 8.
     On the H200, with the grid gathered from shared memory, those ran 1.04-1.10x faster with 128 rows
     than with 64 (the sweeps' best at M = 1 also had 128)."""
-    return config_for(n, k, block_ks=(256,), block_n=128)
+    spec = spec or devices.current()
+    cfg = config_for(n, k, block_ks=(256,), block_n=128, spec=spec)
+    # Elsewhere than the reference, 8 warps over the 128 rows: 4 spill at M > 1 (on sm_90 too, where the
+    # 4-warp tile is the one timed); 8 compile without spills up to M = 8.
+    return cfg if devices.tuned(spec) else replace(cfg, num_warps=8)
 
 
-def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
-    return workspace_for(config or gemv_config(n, k), n)
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None, spec: DeviceSpec | None = None) -> int:
+    return workspace_for(config or gemv_config(n, k, spec), n)
 
 
 def gemv_iq3s_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
@@ -128,4 +135,5 @@ def iq3s_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], grid: torch
     """x [M ≤ 16, K] (contiguous rows) @ IQ3_S planes (`grid`: iq3_s_planes.grid_table on x's device) ->
     [M, N] in x's dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`) or allocates one."""
     weights = (planes["qs"], planes["qh"], planes["signs"], planes["scales"], planes["d"], grid)
-    return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)
+    return launch(_iq3s_gemv_dp4a_kernel, x, weights, n, k, out, workspace,
+                  config or gemv_config(n, k, devices.current(x)), 256)

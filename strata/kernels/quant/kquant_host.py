@@ -13,13 +13,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import device as devices
 from strata.kernels import use_pdl
+from strata.kernels.device import DeviceSpec
 from strata.kernels.quant.dp4a import Dp4aConfig, shared_workspace_numel
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_views
 
 BLOCK_VALUES = 256  # values per super-block, in every K-quant format
 GEMV_MAX_ROWS = 16  # x is padded to this many rows: the MMA's N side in the swap-AB GEMV
-NUM_SMS = 132  # H200; a constant so configurations depend on shapes only
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -59,35 +60,44 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def split_gemv_config(n: int, k: int, block_k: int) -> GemvConfig:
+def split_gemv_config(n: int, k: int, block_k: int, spec: DeviceSpec | None = None) -> GemvConfig:
     """`block_k` values per step; 64-row tiles (one wgmma warp group), 128 rows once those alone give
     two programs per SM; split-K up to about 3 programs per SM with ≥ 2 steps per program (the
-    reasoning at `q4_k.GEMV_CONFIGS`)."""
-    block_n = 128 if cdiv(n, 128) >= 2 * NUM_SMS else 64
+    reasoning at `q4_k.GEMV_CONFIGS`), on `spec`'s SM count (default: the current device's)."""
+    sms = (spec or devices.current()).sm_count
+    block_n = 128 if cdiv(n, 128) >= 2 * sms else 64
     steps, tiles = k // block_k, cdiv(n, block_n)
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2))
+    split = max(1, min(3 * sms // tiles, steps // 2))
     return GemvConfig(block_n, block_k, split, num_stages=3 if block_k == 256 else 4)
 
 
-def tiled_gemm_config(m: int, dtype: torch.dtype, fp32_tile: int) -> GemmConfig:
+def tiled_gemm_config(m: int, dtype: torch.dtype, fp32_tile: int, spec: DeviceSpec | None = None) -> GemmConfig:
     """16-bit x: 128x128 output tiles (64 rows for M ≤ 64), 8 warps, 128 values per step, 3 stages.
-    fp32 x: square `fp32_tile` tiles, the largest that the format's FMA dot compiles without (much)
-    spilling, 2 stages."""
+    On a device without `wgmma` (`spec`, default: the current device) the dequantized tile and the
+    accumulator both sit in registers for mma.sync, and 128-row tiles spill (Q4_K ~150 spill
+    instructions compiled for sm_86): 64 rows at every M there, as many of the 3 stages as fit its
+    shared memory (a stage: 16 KB of x, at most 16 KB of planes). fp32 x: square `fp32_tile` tiles,
+    the largest that the format's FMA dot compiles without (much) spilling, 2 stages."""
     if dtype == torch.float32:
         return GemmConfig(fp32_tile, fp32_tile, 128, num_warps=8, num_stages=2)
+    spec = spec or devices.current()
+    if not spec.wgmma:
+        return GemmConfig(64, 128, 128, num_warps=8, num_stages=devices.fit_stages(spec, 3, 32 << 10))
     return GemmConfig(64 if m <= 64 else 128, 128, 128, num_warps=8, num_stages=3)
 
 
 def decode_workspace_numel(n: int, k: int, config: GemvConfig | None,
                            gemv_config: Callable[[int, int], GemvConfig],
-                           dp4a_config: Callable[[int, int], Dp4aConfig]) -> int:
+                           dp4a_config: Callable[[int, int], Dp4aConfig], spec: DeviceSpec | None = None) -> int:
     """int32 elements of the split-K workspace of the GEMV under `config`; without one, of a workspace
-    that the format's dequantizing GEMV (`gemv_config`) and its dp4a GEMV (`dp4a_config`) can both use."""
+    that the format's dequantizing GEMV (`gemv_config`) and its dp4a GEMV (`dp4a_config`) can both use
+    on `spec` (default: the current device)."""
     if config is not None:
         return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
-    cfg = gemv_config(n, k)
-    parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    return shared_workspace_numel(n, parts, dp4a_config(n, k))
+    with devices.using(spec or devices.current()):
+        cfg = gemv_config(n, k)
+        parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
+        return shared_workspace_numel(n, parts, dp4a_config(n, k))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,9 +144,9 @@ def reference_matmul(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None)
 # Launchers
 
 
-def check_block_k(block_k: int, k: int) -> None:
-    if block_k < 128 or block_k & (block_k - 1) or k % block_k:
-        raise ValueError(f"block_k={block_k}: a power of two >= 128 dividing K={k} expected")
+def check_block_k(block_k: int, k: int, least: int = 128) -> None:
+    if block_k < least or block_k & (block_k - 1) or k % block_k:
+        raise ValueError(f"block_k={block_k}: a power of two >= {least} dividing K={k} expected")
 
 
 def check_x_out(x: torch.Tensor, device: torch.device, n: int, k: int, out: torch.Tensor | None,
@@ -164,15 +174,17 @@ def _launch_options(x: torch.Tensor, cfg: GemvConfig | GemmConfig, constexprs: d
 
 
 def launch_gemv(kernel, name: str, x: torch.Tensor, weights: tuple, n: int, k: int, out: torch.Tensor,
-                workspace: torch.Tensor | None, cfg: GemvConfig, **constexprs) -> torch.Tensor:
+                workspace: torch.Tensor | None, cfg: GemvConfig, *, least_block_k: int = 128,
+                **constexprs) -> torch.Tensor:
     """Checks M ≤ GEMV_MAX_ROWS and `cfg`, then runs a swap-AB GEMV kernel of the K-quant formats on x
     and `out` (both checked by the caller): (x, x_stride, *weights, out, out_stride, partials,
     counters, m, n, k) and the constexprs BLOCK_M/N/K, SPLIT_K, IEEE_DOT, USE_PDL and `constexprs`.
-    Split-K uses `workspace` (zeroed int32, left zeroed) or allocates one."""
+    Split-K uses `workspace` (zeroed int32, left zeroed) or allocates one. `least_block_k`: the
+    format's least K step (Q4_0's 32-value blocks take 32)."""
     m = x.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"{name}: M={m} > {GEMV_MAX_ROWS}")
-    check_block_k(cfg.block_k, k)
+    check_block_k(cfg.block_k, k, least_block_k)
     if cfg.block_n not in (16, 32, 64, 128) or not 1 <= cfg.split_k <= k // cfg.block_k:
         raise ValueError(f"invalid {cfg} for K={k}")
     if m == 0 or n == 0:
@@ -188,12 +200,12 @@ def launch_gemv(kernel, name: str, x: torch.Tensor, weights: tuple, n: int, k: i
 
 
 def launch_gemm(kernel, x: torch.Tensor, weights: tuple, n: int, k: int, out: torch.Tensor, cfg: GemmConfig,
-                **constexprs) -> torch.Tensor:
+                *, least_block_k: int = 128, **constexprs) -> torch.Tensor:
     """Checks `cfg`, then runs a tiled GEMM kernel of the K-quant formats on x and `out` (both checked by
     the caller): (x, x_stride, *weights, out, out_stride, m, n, k) and the constexprs BLOCK_M/N/K,
-    GROUP_M, IEEE_DOT, USE_PDL and `constexprs`."""
+    GROUP_M, IEEE_DOT, USE_PDL and `constexprs`; `least_block_k` as `launch_gemv`'s."""
     m = x.shape[0]
-    check_block_k(cfg.block_k, k)
+    check_block_k(cfg.block_k, k, least_block_k)
     if m == 0 or n == 0:
         return out
     kernel[(cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)](

@@ -1,5 +1,5 @@
-"""Routed MoE experts kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K, or `--quantize fp8`), decode-sized
-batches, in two launches.
+"""Routed MoE experts kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K / Q5_K / Q4_0 / IQ4_XS / Q3_K, or
+`--quantize fp8`), decode-sized batches, in two launches.
 
 The quantized twin of `strata.kernels.moe_decode`: the same two kernels, the same rounding points
 (`moe_experts_decode_ref`), the weights read as their blocks from `QExpertStack`s (or e4m3 with a scale
@@ -49,9 +49,16 @@ from strata.kernels.quant.dp4a import _quantize_row as dp4a_quantize_row
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
 from strata.kernels.quant.iq3_s_dp4a import weight_words as iq3s_weight_words
 from strata.kernels.quant.iq3_s_planes import grid_table_words
+from strata.kernels.quant.iq4_xs import _dequant_tile as iq4xs_dequant_tile
+from strata.kernels.quant.iq4_xs import _low_columns as iq4xs_low_columns
+from strata.kernels.quant.iq4_xs import load_kvalues as iq4xs_load_kvalues
 from strata.kernels.quant.moe_q import _FORMAT_IDS, _MIN_BLOCK_K, _kernel_planes
+from strata.kernels.quant.q3_k import _dequant_tile as q3k_dequant_tile
+from strata.kernels.quant.q4_0 import _dequant_tile as q40_dequant_tile
+from strata.kernels.quant.q4_0 import _low_columns as q40_low_columns
 from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
 from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
+from strata.kernels.quant.q5_k import _dequant_tile as q5k_dequant_tile
 from strata.kernels.quant.q6_k import _dequant_tile as q6k_dequant_tile
 from strata.kernels.quant.q6_k import _low_columns as q6k_low_columns
 from strata.kernels.quant.q8_0 import _dequant_tile as q8_dequant_tile
@@ -60,7 +67,9 @@ from strata.kernels.triton_import import jit, tl, triton
 log = logging.getLogger("strata")
 MAX_TOKENS = k_moe.MAX_TOKENS
 SUPPORTED_DTYPES = k_moe.SUPPORTED_DTYPES
-FORMAT_IDS = {**_FORMAT_IDS, "FP8": 4}  # the kernels' FORMAT constexpr: moe_q's ids, then e4m3
+# The kernels' FORMAT constexpr: moe_q's ids of the formats these kernels have tiles for, then e4m3.
+FORMAT_IDS = {**{f: _FORMAT_IDS[f] for f in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "Q3_K")},
+              "FP8": 4}
 MIN_BLOCK_K = {**_MIN_BLOCK_K, "FP8": 16}
 FORMATS = tuple(FORMAT_IDS)
 
@@ -134,10 +143,15 @@ def _block_k(ggml_type: str, k: int, preferred: int) -> int:
 # FP8 26.0 / 89.9 (78.0 / 170.9).
 _CONFIGS = {"Q8_0": (16, 256, 8, 256, 4, 4, True), "Q4_K": (16, 256, 8, 256, 4, 4, False),
             "IQ3_S": (8, 256, 4, 256, 4, 2, False), "Q6_K": (32, 128, 16, 128, 4, 4, False),
-            "FP8": (16, 256, 8, 256, 4, 4, False)}
+            "FP8": (16, 256, 8, 256, 4, 4, False),
+            # Untimed: Q4_K's rows (Q5_K's tile is Q4_K's with the high bits, Q4_0's a lighter one), Q5_K's
+            # gate_up at 128 values a step, where 256 spilled in the sm_90a compile.
+            "Q5_K": (16, 128, 8, 256, 4, 4, False), "Q4_0": (16, 256, 8, 256, 4, 4, False),
+            # Untimed: IQ4_XS takes Q4_K's row (its tile is built like Q4_K's), Q3_K Q6_K's (like Q6_K's).
+            "IQ4_XS": (16, 256, 8, 256, 4, 4, False), "Q3_K": (32, 128, 16, 128, 4, 4, False)}
 # Past these many tokens the grouped path is faster (Q4_K at T = 16: 318 µs fused against 245 grouped):
 # the fused kernels stream each pair's weights, so tokens sharing an expert each read it.
-MAX_TOKENS_BY_FORMAT = {"Q4_K": 8}
+MAX_TOKENS_BY_FORMAT = {"Q4_K": 8, "Q5_K": 8, "IQ4_XS": 8}  # Q5_K, IQ4_XS: Q4_K's, untimed
 
 
 def decode_config(ggml_type: str, hidden: int, inter: int) -> QMoeDecodeConfig:
@@ -219,9 +233,10 @@ def reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 def _fma_tile(acc, p0, p1, p2, p3, p4, table, w_rows, k0, k, x_row, FORMAT: tl.constexpr,
               ROWS: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DP4A: tl.constexpr):
     """acc + the weight tile (rows `w_rows` of the flat planes, values k0 .. k0 + BLOCK_K) times the
-    activation row at x_row, elementwise in fp32. acc is [ROWS, BLOCK_K / 2] for Q4_K and Q6_K (their
-    tiles come as two halves), [ROWS, BLOCK_K] otherwise; with DP4A (Q8_0, IQ3_S) [ROWS, BLOCK_K / 32], a
-    group's exact int32 sum of products with x quantized per 32 values, scaled by d_w · dx (`dp4a`)."""
+    activation row at x_row, elementwise in fp32. acc is [ROWS, BLOCK_K / 2] for Q4_K, Q6_K, Q5_K, Q4_0
+    and IQ4_XS (their tiles come as two halves), [ROWS, BLOCK_K] otherwise; with DP4A (Q8_0, IQ3_S) [ROWS,
+    BLOCK_K / 32], a group's exact int32 sum of products with x quantized per 32 values, scaled by
+    d_w · dx (`dp4a`)."""
     if DP4A:
         GROUPS_4: tl.constexpr = BLOCK_K // 32
         g4 = tl.arange(0, GROUPS_4)
@@ -244,6 +259,21 @@ def _fma_tile(acc, p0, p1, p2, p3, p4, table, w_rows, k0, k, x_row, FORMAT: tl.c
         low = k0 + q6k_low_columns(BLOCK_K)
         acc += w_lo * tl.load(x_row + low).to(tl.float32)[None, :]
         acc += w_hi * tl.load(x_row + low + 64).to(tl.float32)[None, :]
+    elif FORMAT == 7:  # Q5_K: Q4_K's halves and columns, the high bits in p3
+        w_lo, w_hi = q5k_dequant_tile(p0, p1, p2, p3, w_rows, k0, k, ROWS, BLOCK_K, tl.float32)
+        low = k0 + q4k_low_columns(BLOCK_K)
+        acc += w_lo * tl.load(x_row + low).to(tl.float32)[None, :]
+        acc += w_hi * tl.load(x_row + low + 32).to(tl.float32)[None, :]
+    elif FORMAT == 8:  # Q4_0: as Q4_K, 16 apart
+        w_lo, w_hi = q40_dequant_tile(p0, p1, w_rows, k0, k, ROWS, BLOCK_K, tl.float32, False)
+        low = k0 + q40_low_columns(BLOCK_K)
+        acc += w_lo * tl.load(x_row + low).to(tl.float32)[None, :]
+        acc += w_hi * tl.load(x_row + low + 16).to(tl.float32)[None, :]
+    elif FORMAT == 5:  # IQ4_XS: as Q4_K, 16 apart; `table` holds its kvalues
+        w_lo, w_hi = iq4xs_dequant_tile(p0, p1, p2, table, w_rows, k0, k, ROWS, BLOCK_K, tl.float32)
+        low = k0 + iq4xs_low_columns(BLOCK_K)
+        acc += w_lo * tl.load(x_row + low).to(tl.float32)[None, :]
+        acc += w_hi * tl.load(x_row + low + 16).to(tl.float32)[None, :]
     else:
         if FORMAT == 0:  # Q8_0: p0 qs int8 [rows, K], p1 d fp16 [rows, K/32]
             GROUPS: tl.constexpr = BLOCK_K // 32
@@ -253,10 +283,22 @@ def _fma_tile(acc, p0, p1, p2, p3, p4, table, w_rows, k0, k, x_row, FORMAT: tl.c
             w = q8_dequant_tile(q_ptrs, d_ptrs, ROWS, BLOCK_K, tl.float32)
         elif FORMAT == 2:  # IQ3_S: qs, signs, qh, scales, d and the grid
             w = iq3s_dequant_tile(p0, p1, p2, p3, p4, table, w_rows, k0, k, ROWS, BLOCK_K, INTERPRETED)
+        elif FORMAT == 6:  # Q3_K: qs, hmask and scales as int32 words, d; one K-ordered tile
+            w = q3k_dequant_tile(p0, p1, p2, p3, w_rows, k0, k, ROWS, BLOCK_K, tl.float32, INTERPRETED)
         else:  # FP8: p0 e4m3 [rows, K] (its row scale, p1, multiplies the row's sum: `_row_sum`)
             w = tl.load(p0 + w_rows[:, None] * k + k0 + tl.arange(0, BLOCK_K)[None, :]).to(tl.float32)
         acc += w * tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)[None, :]
     return acc
+
+
+@jit
+def _format_table(grid_ptr, FORMAT: tl.constexpr, SHARED_GRID: tl.constexpr):
+    """The table a format gathers from, loaded once a program: IQ4_XS's kvalues (in the grid's slot),
+    IQ3_S's grid (SHARED_GRID), else 0."""
+    if FORMAT == 5:
+        return iq4xs_load_kvalues(grid_ptr, True)
+    else:
+        return grid_table_words(grid_ptr, SHARED_GRID)
 
 
 @jit
@@ -274,7 +316,7 @@ def _gate_up_kernel(x_ptr, x_stride, ids_ptr, ids_stride_t, ids_stride_j, p0, p1
                     ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
                     SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only: its grid table, gathered through shared memory
+    table = _format_table(grid_ptr, FORMAT, SHARED_GRID)  # IQ3_S's grid or IQ4_XS's kvalues, gathered through smem
     pair = tl.program_id(0)
     token = pair // top_k
     slot = pair % top_k
@@ -304,7 +346,7 @@ def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stri
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                  INTERPRETED: tl.constexpr, SHARED_GRID: tl.constexpr, DP4A: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only
+    table = _format_table(grid_ptr, FORMAT, SHARED_GRID)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < hidden
@@ -327,17 +369,20 @@ def _down_kernel(act_ptr, ids_ptr, ids_stride_t, ids_stride_j, wts_ptr, wts_stri
 
 
 def _acc_k(ggml_type: str, block_k: int, dp4a: bool = False) -> int:
-    return block_k // 32 if dp4a else block_k // 2 if ggml_type in ("Q4_K", "Q6_K") else block_k
+    halves = ("Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS")
+    return block_k // 32 if dp4a else block_k // 2 if ggml_type in halves else block_k
 
 
 def _measured_sound(cfg: QMoeDecodeConfig, ggml_type: str) -> bool:
     """Tiles that gave wrong sums on the H200 (Triton 3.6; right in the interpreter, cause not found): Q8_0's
     dequantized (not dp4a) tiles of 256 values, and Q4_K / Q6_K with 8-row gate_up and 4-row down blocks
     (bench/results/qmoe_decode_bench_cuda.txt, relative error ~1). Refused here; the pack-time probe
-    (`moe_decode_q_works`) would have kept the grouped path for them anyway."""
+    (`moe_decode_q_works`) would have kept the grouped path for them anyway. Q5_K, Q4_0, IQ4_XS and Q3_K,
+    whose tiles are built like Q4_K's or Q6_K's and were not run there, are held to their limits."""
     if ggml_type == "Q8_0" and not cfg.dp4a and max(cfg.gate_up_block_k, cfg.down_block_k) > 128:
         return False
-    return ggml_type not in ("Q4_K", "Q6_K") or (cfg.gate_up_block_i >= 16 and cfg.down_block_h >= 8)
+    halves = ("Q4_K", "Q6_K", "Q5_K", "Q4_0", "IQ4_XS", "Q3_K")
+    return ggml_type not in halves or (cfg.gate_up_block_i >= 16 and cfg.down_block_h >= 8)
 
 
 def _check_config(cfg: QMoeDecodeConfig, ggml_type: str, hidden: int, inter: int) -> None:

@@ -1,4 +1,5 @@
-"""MoE experts kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K): one grouped GEMM over stacked expert planes.
+"""MoE experts kept quantized (GGUF Q8_0 / Q4_K / IQ3_S / Q6_K / IQ4_XS / Q3_K / Q5_K / Q4_0): one grouped
+GEMM over stacked expert planes.
 
 Layout. `QExpertStack` holds E experts' [N, K] weights of one format as that format's planes: its
 `repack` of the stack's rows of blocks ([E·N, bytes per row], as the file stores a stacked tensor),
@@ -41,14 +42,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import device as devices
 from strata.kernels import kernels_run, use_pdl
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.formats import FORMATS, format_module
 from strata.kernels.quant.iq3_s import _dequant_tile as iq3s_dequant_tile
 from strata.kernels.quant.iq3_s import _dot as iq3s_dot
 from strata.kernels.quant.iq3_s_planes import grid_table, grid_table_words
+from strata.kernels.quant.iq4_xs import _dequant_tile as iq4xs_dequant_tile
+from strata.kernels.quant.iq4_xs import _low_columns as iq4xs_low_columns
+from strata.kernels.quant.iq4_xs import kernel_planes as iq4xs_kernel_planes
+from strata.kernels.quant.iq4_xs import load_kvalues as iq4xs_load_kvalues
+from strata.kernels.quant.q3_k import _dequant_tile as q3k_dequant_tile
+from strata.kernels.quant.q3_k import kernel_planes as q3k_kernel_planes
+from strata.kernels.quant.q4_0 import _dequant_tile as q40_dequant_tile
+from strata.kernels.quant.q4_0 import _low_columns as q40_low_columns
 from strata.kernels.quant.q4_k import _dequant_tile as q4k_dequant_tile
 from strata.kernels.quant.q4_k import _low_columns as q4k_low_columns
+from strata.kernels.quant.q5_k import _dequant_tile as q5k_dequant_tile
+from strata.kernels.quant.q5_k import kernel_planes as q5k_kernel_planes
 from strata.kernels.quant.q6_k import _dequant_tile as q6k_dequant_tile
 from strata.kernels.quant.q6_k import _low_columns as q6k_low_columns
 from strata.kernels.quant.q6_k import kernel_planes as q6k_kernel_planes
@@ -58,9 +71,12 @@ from strata.kernels.triton_import import jit, tl, triton
 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FORMAT_IDS = {"Q8_0": 0, "Q4_K": 1, "IQ3_S": 2, "Q6_K": 3}  # the kernel's FORMAT constexpr
-# a scale group / a nibble pair run / two sub-blocks / a 128-value half
-_MIN_BLOCK_K = {"Q8_0": 32, "Q4_K": 128, "IQ3_S": 64, "Q6_K": 128}
+# The kernel's FORMAT constexpr; 4 is moe_decode_q's FP8, so no format here takes it.
+_FORMAT_IDS = {"Q8_0": 0, "Q4_K": 1, "IQ3_S": 2, "Q6_K": 3, "IQ4_XS": 5, "Q3_K": 6, "Q5_K": 7, "Q4_0": 8}
+# a scale group / a nibble pair run / two sub-blocks / a 128-value half / a scale word / a 128-value half /
+# Q4_K's / a block
+_MIN_BLOCK_K = {"Q8_0": 32, "Q4_K": 128, "IQ3_S": 64, "Q6_K": 128, "IQ4_XS": 128, "Q3_K": 128, "Q5_K": 128,
+                "Q4_0": 32}
 # Up to this many rows per expert on average (T ≤ this · E) the decode tiles serve: at batch 16 with
 # top-8 of 128 experts, T = 128 pairs, ~1 row per active expert.
 DECODE_ROWS_PER_EXPERT = 4
@@ -157,18 +173,23 @@ def _block_k(ggml_type: str, k: int, preferred: int) -> int:
 # sm_90 without register spills (Triton 3.9 on this machine; the target's 3.6 may allocate differently):
 # the decode tiles at 168-254 registers, the reads at 213-255 — except Q4_K's 128 x 128 x 128 (96
 # bytes of stack, as its own GEMM here); wider K steps or 4 warps on 64-row tiles spilled kilobytes.
+# IQ4_XS and Q3_K take Q4_K's and Q6_K's tiles (128-value K steps, dequantizations of like cost); not
+# compiled for sm_90 here. Q5_K and Q4_0 take Q4_K's (Q5_K's tile is Q4_K's plus its high bits).
 _TILES = {
     "decode": {"Q8_0": (16, 64, 128, 4, 4), "Q4_K": (16, 64, 128, 4, 4), "IQ3_S": (16, 32, 256, 4, 3),
-               "Q6_K": (16, 64, 128, 4, 4)},
+               "Q6_K": (16, 64, 128, 4, 4), "IQ4_XS": (16, 64, 128, 4, 4), "Q3_K": (16, 64, 128, 4, 4),
+               "Q5_K": (16, 64, 128, 4, 4), "Q4_0": (16, 64, 128, 4, 4)},
     "mid": {"Q8_0": (64, 128, 64, 8, 3), "Q4_K": (64, 64, 128, 8, 3), "IQ3_S": (64, 128, 64, 8, 3),
-            "Q6_K": (64, 64, 128, 8, 3)},
+            "Q6_K": (64, 64, 128, 8, 3), "IQ4_XS": (64, 64, 128, 8, 3), "Q3_K": (64, 64, 128, 8, 3),
+            "Q5_K": (64, 64, 128, 8, 3), "Q4_0": (64, 64, 128, 8, 3)},
     "large": {"Q8_0": (128, 128, 64, 8, 3), "Q4_K": (128, 128, 128, 8, 3), "IQ3_S": (128, 128, 64, 8, 3),
-              "Q6_K": (128, 128, 128, 8, 3)},
+              "Q6_K": (128, 128, 128, 8, 3), "IQ4_XS": (128, 128, 128, 8, 3), "Q3_K": (128, 128, 128, 8, 3),
+              "Q5_K": (128, 128, 128, 8, 3), "Q4_0": (128, 128, 128, 8, 3)},
 }
 
 
 def grouped_config(ggml_type: str, t: int, num_experts: int, n: int, k: int,
-                   dtype: torch.dtype = torch.bfloat16) -> GroupedConfig:
+                   dtype: torch.dtype = torch.bfloat16, spec: DeviceSpec | None = None) -> GroupedConfig:
     """Untimed, by reasoning for the H200 (132 SMs) and the sm_90 compile (`_TILES`).
     - decode (T ≤ 4E): 16 rows of x against the weights as the MMA's M side; 64 weight rows per
       program for Q8_0 / Q4_K (one wgmma warp group, one warp per 16 rows, so no warp repeats the
@@ -176,7 +197,11 @@ def grouped_config(ggml_type: str, t: int, num_experts: int, n: int, k: int,
       programs; mma.sync). Qwen3-30B-A3B at batch 1: 8 experts x 1536 / 64 = 192 programs for
       gate|up, 8 x 2048 / 64 = 256 for down (IQ3_S: twice as many).
     - reads: 64-row x tiles up to 48 rows per expert on average (little padding), else 128; 8 warps
-      (two wgmma warp groups), 3 stages, as the formats' GEMMs.
+      (two wgmma warp groups), 3 stages, as the formats' GEMMs. On a device without `wgmma` (`spec`,
+      default: the current device), whose mma.sync keeps the dequantized halves and the accumulator
+      in registers, the formats of 128-value steps take 64-row read tiles, 2 stages at mid sizes (the
+      sm_90 tiles spill there: Q4_K 60-170 spill instructions compiled for sm_86), in the stages that
+      fit its shared memory.
     - fp32 x (a correctness path, FMA dot): 16- or 32-row x 32 tiles at the formats' least K step."""
     if dtype == torch.float32:
         block_m = 16 if t <= DECODE_ROWS_PER_EXPERT * num_experts else 32
@@ -186,6 +211,10 @@ def grouped_config(ggml_type: str, t: int, num_experts: int, n: int, k: int,
     regime = ("decode" if t <= DECODE_ROWS_PER_EXPERT * num_experts else
               "mid" if t <= MID_ROWS_PER_EXPERT * num_experts else "large")
     block_m, block_n, block_k, warps, stages = _TILES[regime][ggml_type]
+    spec = spec or devices.current()
+    if not spec.wgmma and regime != "decode" and block_k >= 128:
+        block_m, stages = 64, 3 if regime == "large" else 2
+        stages = devices.fit_stages(spec, stages, block_m * block_k * 2 + block_n * block_k)
     return GroupedConfig(block_m, block_n, _block_k(ggml_type, k, block_k), swap_ab=regime == "decode",
                          num_warps=warps, num_stages=stages)
 
@@ -247,6 +276,7 @@ def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, 
     pdl_prologue(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // 32  # Q8_0's scale groups per K step
     table = grid_table_words(grid_ptr, SHARED_GRID)  # IQ3_S only: its grid table, gathered through shared memory
+    kvalues = iq4xs_load_kvalues(grid_ptr, FORMAT == 5)  # IQ4_XS only: its 16-value table, in the grid's slot
     dtype = x_ptr.dtype.element_ty
     tile_m, tile_n = grouped_tile(tl.program_id(0), tiles_m * BLOCK_M, n, BLOCK_M, BLOCK_N, GROUP_M)
     expert, row0, row_end = _expert_of_tile(offs_ptr, num_experts, tile_m, BLOCK_M, BLOCK_E)
@@ -273,12 +303,32 @@ def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, 
                 acc = _mma(_load_x(x_ptr, x_stride, x_rows, low, SWAP_AB), w_lo, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
                 acc = _mma(_load_x(x_ptr, x_stride, x_rows, low + 64, SWAP_AB), w_hi, acc, SWAP_AB, IEEE_DOT,
                            INTERPRETED)
+            elif FORMAT == 5:  # IQ4_XS: as Q4_K, the high nibbles' values 16 past the low ones'
+                w_lo, w_hi = iq4xs_dequant_tile(p0, p1, p2, kvalues, w_rows, k0, k, BLOCK_N, BLOCK_K, dtype)
+                low = k0 + iq4xs_low_columns(BLOCK_K)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low, SWAP_AB), w_lo, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low + 16, SWAP_AB), w_hi, acc, SWAP_AB, IEEE_DOT,
+                           INTERPRETED)
+            elif FORMAT == 7:  # Q5_K: Q4_K's halves and columns, the high bits in p3
+                w_lo, w_hi = q5k_dequant_tile(p0, p1, p2, p3, w_rows, k0, k, BLOCK_N, BLOCK_K, dtype)
+                low = k0 + q4k_low_columns(BLOCK_K)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low, SWAP_AB), w_lo, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low + 32, SWAP_AB), w_hi, acc, SWAP_AB, IEEE_DOT,
+                           INTERPRETED)
+            elif FORMAT == 8:  # Q4_0: as Q4_K, the high nibbles' values 16 past the low ones'
+                w_lo, w_hi = q40_dequant_tile(p0, p1, w_rows, k0, k, BLOCK_N, BLOCK_K, dtype, False)
+                low = k0 + q40_low_columns(BLOCK_K)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low, SWAP_AB), w_lo, acc, SWAP_AB, IEEE_DOT, INTERPRETED)
+                acc = _mma(_load_x(x_ptr, x_stride, x_rows, low + 16, SWAP_AB), w_hi, acc, SWAP_AB, IEEE_DOT,
+                           INTERPRETED)
             else:
                 if FORMAT == 0:  # Q8_0: p0 qs int8 [E·N, K], p1 d fp16 [E·N, K/32]
                     q_ptrs = (p0 + w_rows[:, None, None] * k + k0 + tl.arange(0, GROUPS)[None, :, None] * 32
                               + tl.arange(0, 32)[None, None, :])
                     d_ptrs = p1 + w_rows[:, None] * (k // 32) + k0 // 32 + tl.arange(0, GROUPS)[None, :]
                     w = q8_dequant_tile(q_ptrs, d_ptrs, BLOCK_N, BLOCK_K, dtype)
+                elif FORMAT == 6:  # Q3_K: qs, hmask and scales as int32 words, d; one K-ordered tile
+                    w = q3k_dequant_tile(p0, p1, p2, p3, w_rows, k0, k, BLOCK_N, BLOCK_K, dtype, INTERPRETED)
                 else:  # IQ3_S: qs, signs, qh, scales, d and the grid table
                     w = iq3s_dequant_tile(p0, p1, p2, p3, p4, table, w_rows, k0, k, BLOCK_N, BLOCK_K,
                                           INTERPRETED).to(dtype)
@@ -305,6 +355,15 @@ def _kernel_planes(stack: QExpertStack) -> tuple[torch.Tensor, ...]:
         return p["qs"], p["scales"].view(torch.int32), p["d_dmin"].view(torch.int32), p["qs"], p["qs"], p["qs"]
     if stack.ggml_type == "Q6_K":
         return (*q6k_kernel_planes(p), p["d"], p["d"])
+    if stack.ggml_type == "IQ4_XS":  # the kvalues table in the grid's slot
+        qs, scales, d, kvalues = iq4xs_kernel_planes(p)
+        return qs, scales, d, qs, qs, kvalues
+    if stack.ggml_type == "Q3_K":
+        return (*q3k_kernel_planes(p), p["d"], p["d"])
+    if stack.ggml_type == "Q5_K":
+        return (*q5k_kernel_planes(p), p["qs"], p["qs"])
+    if stack.ggml_type == "Q4_0":
+        return p["qs"], p["d"], p["qs"], p["qs"], p["qs"], p["qs"]
     return p["qs"], p["signs"], p["qh"], p["scales"], p["d"], grid_table(stack.device)
 
 
@@ -333,7 +392,7 @@ def grouped_matmul_triton(xs: torch.Tensor, stack: QExpertStack, offs: torch.Ten
     t, e, n, k = xs.shape[0], stack.num_experts, stack.n, stack.k
     if t == 0 or n == 0:
         return out
-    cfg = config or grouped_config(stack.ggml_type, t, e, n, k, xs.dtype)
+    cfg = config or grouped_config(stack.ggml_type, t, e, n, k, xs.dtype, devices.current(xs))
     check_config(cfg, stack.ggml_type, k)
     tiles_m = _cdiv(t + min(e, t) * (cfg.block_m - 1), cfg.block_m)
     on = use_pdl(xs)

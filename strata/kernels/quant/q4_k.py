@@ -50,13 +50,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata.kernels import device as devices
 from strata.kernels import kernels_run
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import decode_kernel
 from strata.kernels.quant.kquant_host import (
     BLOCK_VALUES,
     GEMV_MAX_ROWS,
-    NUM_SMS,
     SUPPORTED_DTYPES,
     GemmConfig,
     GemvConfig,
@@ -273,7 +274,8 @@ def _gemm_kernel(x_ptr, x_stride, qs_ptr, scales_ptr, d_dmin_ptr, out_ptr, out_s
 # weights from registers; 72 registers and 31 KB at 128 values per step, 132 and 44 KB at 256; no
 # spills) and split-K up to about 3 programs
 # per SM (≤ 396 programs: one wave). Per program and stage: BLOCK_N·BLOCK_K/2 quant bytes, BLOCK_K·32
-# bytes of xᵀ. Split-K needs a workspace (`gemv_workspace_numel`): pass one to `matmul`.
+# bytes of xᵀ. Split-K needs a workspace (`gemv_workspace_numel`): pass one to `matmul`. The table is
+# the reference device's (`devices.tuned`); others take `split_gemv_config` on their SM count.
 GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (4096, 4096): GemvConfig(64, 128, split_k=6),  # 384 programs, 5-6 steps each
     (6144, 4096): GemvConfig(64, 128, split_k=4),  # 384 programs, 8 steps
@@ -284,24 +286,29 @@ GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
-    """A function of (N, K) only: what makes a row's result independent of M ≤ 16."""
-    return GEMV_CONFIGS.get((n, k)) or split_gemv_config(n, k, 256 if k % 256 == 0 and k >= 8192 else 128)
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> GemvConfig:
+    """A function of (N, K) only on a device (default: the current one): what makes a row's result
+    independent of M ≤ 16."""
+    spec = spec or devices.current()
+    if devices.tuned(spec) and (n, k) in GEMV_CONFIGS:
+        return GEMV_CONFIGS[(n, k)]
+    return split_gemv_config(n, k, 256 if k % 256 == 0 and k >= 8192 else 128, spec)
 
 
-def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                spec: DeviceSpec | None = None) -> GemmConfig:
     """16-bit x: 128x128 output tiles, 8 warps (two wgmma warp groups), 128 values per step — per
     stage 32 KB of x and 8 KB of quants, plus the dequantized tiles the wgmma reads from shared
     memory (~150 KB, 176 registers, no spills when compiled for sm_90); 64-row tiles for short reads.
     fp32 x (IEEE dot on the FMA units, a correctness path): 64x64 tiles, which do not spill."""
-    return tiled_gemm_config(m, dtype, fp32_tile=64)
+    return tiled_gemm_config(m, dtype, fp32_tile=64, spec=spec)
 
 
-def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
+def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None, spec: DeviceSpec | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
     without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
     configurations, whatever the kernel choice `quant_decode` says: it is read per call, the workspace made once."""
-    return decode_workspace_numel(n, k, config, gemv_config, dp4a_gemv_config)
+    return decode_workspace_numel(n, k, config, gemv_config, dp4a_gemv_config, spec)
 
 
 def _decode_kernel(rows: int) -> str:
@@ -328,7 +335,7 @@ def gemv_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
     `gemv_workspace_numel` elements, left zeroed; not shared by concurrent streams) or allocates one."""
     out = _check_call(x, planes, n, k, out)
     return launch_gemv(_gemv_kernel, "gemv_q4k", x, _planes_args(planes), n, k, out, workspace,
-                       config or gemv_config(n, k))
+                       config or gemv_config(n, k, devices.current(x)))
 
 
 def gemm_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
@@ -336,7 +343,7 @@ def gemm_q4k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
     """The prompt-read kernel, any M (used for M > 16)."""
     out = _check_call(x, planes, n, k, out)
     return launch_gemm(_gemm_kernel, x, _planes_args(planes), n, k, out,
-                       config or gemm_config(x.shape[0], n, k, x.dtype))
+                       config or gemm_config(x.shape[0], n, k, x.dtype, devices.current(x)))
 
 
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,

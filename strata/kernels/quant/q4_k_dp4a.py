@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import device as devices
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     Dp4aConfig,
@@ -42,15 +44,15 @@ from strata.kernels.splitk import split_k_range, split_k_store
 from strata.kernels.triton_import import jit, tl
 
 
-def gemv_config(n: int, k: int) -> Dp4aConfig:
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> Dp4aConfig:
     """128 or 64 rows (`dp4a.wide_config`) x 256 values per step, split-K to about four programs per
     SM: 6144 x 4096 -> 128 rows split 8, 24576 x 4096 -> 128 split 2 (the sweep's best at M = 1),
     4096 x 4096 -> 64 split 8 (the best too), 4096 x 12288 -> 64 split 8 (the best had 128 rows)."""
-    return wide_config(n, k)
+    return wide_config(n, k, spec=spec)
 
 
-def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
-    return workspace_for(config or gemv_config(n, k), n)
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None, spec: DeviceSpec | None = None) -> int:
+    return workspace_for(config or gemv_config(n, k, spec), n)
 
 
 def gemv_q4k_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int,
@@ -139,4 +141,5 @@ def q4k_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     """x [M ≤ 16, K] (contiguous rows) @ Q4_K planes -> [M, N] in x's dtype. Split-K uses `workspace`
     (zeroed int32 of >= `workspace_numel`) or allocates one."""
     weights = (planes["qs"].view(torch.int32), planes["scales"].view(torch.int32), planes["d_dmin"].view(torch.int32))
-    return launch(_q4k_gemv_dp4a_kernel, x, weights, n, k, out, workspace, config or gemv_config(n, k), 256)
+    return launch(_q4k_gemv_dp4a_kernel, x, weights, n, k, out, workspace,
+                  config or gemv_config(n, k, devices.current(x)), 256)

@@ -56,14 +56,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata.kernels import device as devices
 from strata.kernels import kernels_run
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import decode_kernel
 from strata.kernels.quant.iq3_s import _dot
 from strata.kernels.quant.kquant_host import (
     BLOCK_VALUES,
     GEMV_MAX_ROWS,
-    NUM_SMS,
     SUPPORTED_DTYPES,
     GemmConfig,
     GemvConfig,
@@ -269,29 +270,31 @@ def _gemm_kernel(x_ptr, x_stride, ql_ptr, qh_ptr, scales_ptr, d_ptr, out_ptr, ou
 # Configurations (q4_k.py's reasoning for the H200; not swept)
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
-    """A function of (N, K) only: what makes a row's result independent of M ≤ 16. As Q4_K's decode
-    loop, this one should be bound by instructions, not bytes (0.82 bytes per value against ~7.5
-    instructions in the sm_90a compile), so the tiles aim at busy schedulers: 64-row tiles (one wgmma
-    warp group; 128 rows once those alone give two programs per SM), 128 values per step (one
-    128-value half per row; 53 KB of shared memory at 4 stages, 96 registers), split-K up to about 3
-    programs per SM with ≥ 2 steps each: 384 programs at 4096x4096, 4096x12288 and 12288x4096."""
-    return split_gemv_config(n, k, block_k=128)
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> GemvConfig:
+    """A function of (N, K) only on a device (`spec`, default: the current one): what makes a row's
+    result independent of M ≤ 16. As Q4_K's decode loop, this one should be bound by instructions,
+    not bytes (0.82 bytes per value against ~7.5 instructions in the sm_90a compile), so the tiles aim
+    at busy schedulers: 64-row tiles (one wgmma warp group; 128 rows once those alone give two
+    programs per SM), 128 values per step (one 128-value half per row; 53 KB of shared memory at 4
+    stages, 96 registers), split-K up to about 3 programs per SM with ≥ 2 steps each: 384 programs at
+    4096x4096, 4096x12288 and 12288x4096 on 132 SMs."""
+    return split_gemv_config(n, k, block_k=128, spec=spec)
 
 
-def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                spec: DeviceSpec | None = None) -> GemmConfig:
     """16-bit x: Q4_K's tiles — 128x128 outputs, 8 warps (two wgmma warp groups), 128 values per step
     (per stage 32 KB of x and ~14 KB of weight planes), 64-row tiles for short reads. fp32 x (IEEE
     dot on the FMA units, a correctness path): 32x32 tiles, 8 warps (64x64 spilled 1.5 KB in the
     sm_90a compile; this one 176 bytes)."""
-    return tiled_gemm_config(m, dtype, fp32_tile=32)
+    return tiled_gemm_config(m, dtype, fp32_tile=32, spec=spec)
 
 
-def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None) -> int:
+def gemv_workspace_numel(n: int, k: int, config: GemvConfig | None = None, spec: DeviceSpec | None = None) -> int:
     """int32 elements of the split-K workspace (0 without split-K): tile counters, then fp32 partials;
     without a config, one that the dequantizing GEMV and the dp4a GEMV can both use in their (N, K)
     configurations, whatever the kernel choice `quant_decode` says: it is read per call, the workspace made once."""
-    return decode_workspace_numel(n, k, config, gemv_config, dp4a_gemv_config)
+    return decode_workspace_numel(n, k, config, gemv_config, dp4a_gemv_config, spec)
 
 
 def _decode_kernel(rows: int) -> str:
@@ -314,7 +317,7 @@ def gemv_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
     `gemv_workspace_numel` elements, left zeroed; not shared by concurrent streams) or allocates one."""
     out = _check_call(x, planes, n, k, out)
     return launch_gemv(_gemv_kernel, "gemv_q6k", x, kernel_planes(planes), n, k, out, workspace,
-                       config or gemv_config(n, k), INTERPRETED=not x.is_cuda)
+                       config or gemv_config(n, k, devices.current(x)), INTERPRETED=not x.is_cuda)
 
 
 def gemm_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,
@@ -322,7 +325,8 @@ def gemm_q6k(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, o
     """The prompt-read kernel, any M (used for M > 16)."""
     out = _check_call(x, planes, n, k, out)
     return launch_gemm(_gemm_kernel, x, kernel_planes(planes), n, k, out,
-                       config or gemm_config(x.shape[0], n, k, x.dtype), INTERPRETED=not x.is_cuda)
+                       config or gemm_config(x.shape[0], n, k, x.dtype, devices.current(x)),
+                       INTERPRETED=not x.is_cuda)
 
 
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, out: torch.Tensor | None = None,

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import device as devices
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.dp4a import (
     Dp4aConfig,
@@ -49,16 +51,16 @@ from strata.kernels.triton_import import jit, tl
 LM_HEAD_SHAPE = (151936, 4096)  # Qwen3's LM head, Q6_K in a Q4_K_M file
 
 
-def gemv_config(n: int, k: int) -> Dp4aConfig:
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> Dp4aConfig:
     """128 or 64 rows (`dp4a.wide_config`) x 256 values (one super-block) per step, split-K to about
     four programs per SM, as Q4_K's (the same 64 quant words per row and step): 6144 x 4096 -> 128 rows
     split 8, 24576 x 4096 -> 128 split 2, 4096 x 4096 and 4096 x 12288 -> 64 split 8, the LM head
     151936 x 4096 -> 128 rows, no split. Each within 2.3% of the H200 sweep's best at M = 1."""
-    return wide_config(n, k, block_ks=(256,))
+    return wide_config(n, k, block_ks=(256,), spec=spec)
 
 
-def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None) -> int:
-    return workspace_for(config or gemv_config(n, k), n)
+def workspace_numel(n: int, k: int, config: Dp4aConfig | None = None, spec: DeviceSpec | None = None) -> int:
+    return workspace_for(config or gemv_config(n, k, spec), n)
 
 
 def gemv_q6k_dp4a_ref(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: int, block_k: int = 256,
@@ -161,7 +163,7 @@ def q6k_gemv_dp4a(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
                   *, workspace: torch.Tensor | None = None, config: Dp4aConfig | None = None) -> torch.Tensor:
     """x [M ≤ 16, K] (16-bit or fp32, contiguous rows) @ Q6_K planes (`q6_k.repack`) -> [M, N] in x's
     dtype. Split-K uses `workspace` (zeroed int32 of >= `workspace_numel`, left zeroed) or allocates one."""
-    cfg = config or gemv_config(n, k)
+    cfg = config or gemv_config(n, k, devices.current(x))
     if cfg.block_k not in (128, 256):
         raise ValueError(f"Q6_K dp4a GEMV: block_k={cfg.block_k}, expected 128 or 256")
     return launch(_q6k_gemv_dp4a_kernel, x, kernel_planes(planes), n, k, out, workspace, cfg, 256)

@@ -46,7 +46,7 @@ kernels' roundings; only the summation order differs from the GPU's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -54,7 +54,9 @@ import torch.nn.functional as F
 
 from strata.kernels.quant.dp4a import decode_kernel, shared_workspace_numel
 from strata.kernels.quant.dp4a import gemv_config as dp4a_gemv_config
+from strata.kernels import device as devices
 from strata.kernels import kernels_run, use_pdl
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.splitk import split_k_numel, split_k_parts, split_k_range, split_k_store, split_k_views
 from strata.kernels.tiles import grouped_tile
@@ -66,8 +68,7 @@ BLOCK_VALUES = 32
 BLOCK_BYTES = 34
 
 GEMV_MAX_ROWS = 16  # M up to this runs the GEMV, whose MMA pads x to 16 rows
-NUM_SMS = 132  # H200; a constant, not a device query, so configurations depend on shapes only
-SMEM_BUDGET = 110 << 10  # pipeline buffers per GEMV program: two programs fit an SM's 227 KB
+SMEM_BUDGET = 110 << 10  # fp32 GEMV pipeline buffers: two programs fit the H200's 227 KB (`fp32_gemv_config`)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Rows up to which quant_decode=auto runs the dp4a GEMV. H200, the four Qwen3-8B shapes: dp4a
 # 11.1-33.9 us against 18.1-61.1 at M = 1, 21.2-98.5 against 18.1-61.9 at M = 8; the linear
@@ -104,7 +105,7 @@ def _block_k(k: int, preferred: int) -> int:
 # int8 MMAs per scale group) measures 443-829 GB/s, no better (bench/results/q8_0_int8_gemv_sweep_cuda.txt).
 # The table holds the sweep's picks on the H200 (`python benchmarks/kernels/quant_formats.py --sweep Q8_0`,
 # bench/results/q8_0_gemv_sweep_cuda.txt: 979-1734 GB/s of weight bytes at M = 1 and 8, against 791-1275
-# for the 64-row tiles).
+# for the 64-row tiles), for the reference device (`devices.tuned`); others take `_heuristic_gemv`.
 MAX_SPLIT_K = 8
 GEMV_CONFIGS: dict[tuple[int, int], Q8Config] = {
     (4096, 4096): Q8Config(GEMV_MAX_ROWS, 128, 256, num_warps=4, num_stages=4, split_k=4),  # o_proj, 18.2 us
@@ -112,51 +113,66 @@ GEMV_CONFIGS: dict[tuple[int, int], Q8Config] = {
 }
 
 
-def _heuristic_gemv(n: int, k: int) -> Q8Config:
-    """qkv 6144 x 4096 (split 8, 23.1 us) and gate_up 24576 x 4096 (split 2, 61.7 us) are its picks too."""
+def _heuristic_gemv(n: int, k: int, spec: DeviceSpec) -> Q8Config:
+    """qkv 6144 x 4096 (split 8, 23.1 us) and gate_up 24576 x 4096 (split 2, 61.7 us) are its picks too
+    on the H200; the split follows the device's SM count and the stages its shared memory."""
     block_n = 128
     block_k = _block_k(k, 128)
     steps, tiles = k // block_k, _cdiv(n, block_n)
-    split = max(1, min(3 * NUM_SMS // tiles, steps // 2, MAX_SPLIT_K))
-    return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
+    split = max(1, min(3 * spec.sm_count // tiles, steps // 2, MAX_SPLIT_K))
+    stages = devices.fit_stages(spec, 4, _gemv_stage_bytes(block_n, block_k))
+    return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps=4, num_stages=stages, split_k=split)
 
 
-def gemv_config(n: int, k: int) -> Q8Config:
-    """M ≤ 16 with 16-bit x: a function of (N, K) only, so a row's result does not depend on M."""
-    return GEMV_CONFIGS.get((n, k)) or _heuristic_gemv(n, k)
+def _gemv_stage_bytes(block_n: int, block_k: int, x_bytes: int = 2) -> int:
+    """A GEMV pipeline stage: int8 quants, fp16 scales and the x tile."""
+    return block_n * block_k + block_n * block_k // 16 + block_k * GEMV_MAX_ROWS * x_bytes
 
 
-def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None) -> int:
+def gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> Q8Config:
+    """M ≤ 16 with 16-bit x: a function of (N, K) only on a device (default: the current one), so a
+    row's result does not depend on M."""
+    spec = spec or devices.current()
+    if devices.tuned(spec) and (n, k) in GEMV_CONFIGS:
+        return GEMV_CONFIGS[(n, k)]
+    return _heuristic_gemv(n, k, spec)
+
+
+def gemv_workspace_numel(n: int, k: int, config: Q8Config | None = None, spec: DeviceSpec | None = None) -> int:
     """int32 elements of the GEMV's split-K workspace (0 without split-K); without a config, one that
     the dequantizing GEMV and (K % 64 == 0) the dp4a GEMV can both use in their (N, K) configurations,
     whatever the kernel choice `quant_decode` says: it is read per call, the workspace made once."""
     if config is not None:
         return split_k_numel(n, config.block_n, config.split_k, GEMV_MAX_ROWS)
-    cfg = gemv_config(n, k)
+    spec = spec or devices.current()
+    cfg = gemv_config(n, k, spec)
     parts = split_k_parts(n, cfg.block_n, cfg.split_k, GEMV_MAX_ROWS)
-    return shared_workspace_numel(n, parts, dp4a_gemv_config(n, k) if k % 64 == 0 else None)
+    return shared_workspace_numel(n, parts, dp4a_gemv_config(n, k, spec) if k % 64 == 0 else None)
 
 
 def _decode_kernel(rows: int) -> str:
     return decode_kernel(rows, DP4A_MAX_ROWS)
 
 
-def fp32_gemv_config(n: int, k: int) -> Q8Config:
+def fp32_gemv_config(n: int, k: int, spec: DeviceSpec | None = None) -> Q8Config:
     """M ≤ 16 with fp32 x (a correctness path: weights dequantized to fp32, IEEE dot, no split-K): the
     widest tile (BLOCK_N 64, then 32, then 16) that still gives about one program per SM (64 where N
     is too small for any to); BLOCK_K 256; 64 weight values per thread; as many stages as fit
-    SMEM_BUDGET."""
-    block_n = 64 if _cdiv(n, 64) >= NUM_SMS else 32 if _cdiv(n, 32) >= 0.9 * NUM_SMS else 16
+    SMEM_BUDGET, at most half the device's shared memory per block."""
+    spec = spec or devices.current()
+    sms = spec.sm_count
+    block_n = 64 if _cdiv(n, 64) >= sms else 32 if _cdiv(n, 32) >= 0.9 * sms else 16
     if n < 2048:  # no tile size fills the GPU: the widest (fewest programs; the CPU tests interpret them)
         block_n = 64
     block_k = _block_k(k, 256)
     num_warps = 8 if block_n * block_k > 8192 else 4
-    stage_bytes = block_n * block_k + block_n * block_k // 16 + block_k * GEMV_MAX_ROWS * 2
-    num_stages = max(2, min(6, SMEM_BUDGET // stage_bytes))
+    budget = min(SMEM_BUDGET, spec.smem_per_block // 2)
+    num_stages = max(2, min(6, budget // _gemv_stage_bytes(block_n, block_k)))
     return Q8Config(GEMV_MAX_ROWS, block_n, block_k, num_warps, num_stages)
 
 
-def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Q8Config:
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                spec: DeviceSpec | None = None) -> Q8Config:
     """M > 16, bf16 / fp16 x: wgmma tiles. Beyond M = 64, 128 x 128 outputs over 8 warps (two warp
     groups), BLOCK_K 128, 3 stages of x (32 KB) + quants (16 KB), plus the dequantized tile's 32 KB
     staging; where that gives fewer tiles than SMs, 128 x 64 over 4 warps; where even that does, and
@@ -167,12 +183,23 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
     32 x 64 x 32 is the largest tile tried that compiles for sm_90 without spills. Untimed."""
     if dtype == torch.float32:
         return Q8Config(32, 64, 32, num_warps=4, num_stages=2)
-    if m <= 64 or _cdiv(m, 128) * _cdiv(n, 64) < NUM_SMS:
-        block_n = 64 if _cdiv(n, 64) >= NUM_SMS else 32
-        return Q8Config(64, block_n, _block_k(k, 8192 // block_n), num_warps=4, num_stages=3)
-    if _cdiv(m, 128) * _cdiv(n, 128) >= NUM_SMS:
-        return Q8Config(128, 128, _block_k(k, 128), num_warps=8, num_stages=3)
-    return Q8Config(128, 64, _block_k(k, 128), num_warps=4, num_stages=3)
+    spec = spec or devices.current()
+    sms = spec.sm_count
+    if m <= 64 or _cdiv(m, 128) * _cdiv(n, 64) < sms:
+        block_n = 64 if _cdiv(n, 64) >= sms else 32
+        cfg = Q8Config(64, block_n, _block_k(k, 8192 // block_n), num_warps=4, num_stages=3)
+    elif _cdiv(m, 128) * _cdiv(n, 128) >= sms:
+        cfg = Q8Config(128, 128, _block_k(k, 128), num_warps=8, num_stages=3)
+    else:
+        cfg = Q8Config(128, 64, _block_k(k, 128), num_warps=4, num_stages=3)
+    return fit_gemm(cfg, spec)
+
+
+def fit_gemm(cfg: Q8Config, spec: DeviceSpec) -> Q8Config:
+    """A GEMM tile with as many of its stages (x, quants and scales each) as fit `spec`'s shared memory."""
+    stage = cfg.block_m * cfg.block_k * 2 + cfg.block_n * cfg.block_k + cfg.block_n * cfg.block_k // 16
+    stages = devices.fit_stages(spec, cfg.num_stages, stage)
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
 
 def check_config(cfg: Q8Config, k: int, gemv: bool) -> None:
@@ -363,8 +390,9 @@ def matmul_triton(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int, k: i
     if m == 0 or n == 0:
         return out
     gemv = m <= GEMV_MAX_ROWS
-    cfg = config or (gemm_config(m, n, k, x.dtype) if not gemv else fp32_gemv_config(n, k)
-                     if x.dtype == torch.float32 else gemv_config(n, k))
+    spec = devices.current(x)
+    cfg = config or (gemm_config(m, n, k, x.dtype, spec) if not gemv else fp32_gemv_config(n, k, spec)
+                     if x.dtype == torch.float32 else gemv_config(n, k, spec))
     check_config(cfg, k, gemv)
     on = use_pdl(x)
     fp32_dot = x.dtype == torch.float32 or not x.is_cuda

@@ -56,10 +56,12 @@ from functools import lru_cache
 
 import torch
 
+from strata.kernels import device as devices
 from strata.kernels import kernels_run, use_pdl
+from strata.kernels.device import DeviceSpec
 from strata.kernels.pdl import pdl_prologue
 from strata.kernels.quant.q8_0 import (SUPPORTED_DTYPES, Q8Config, _block_k, _cdiv, _check_planes, check_config,
-                                       matmul_ref, q8_tile_product)
+                                       fit_gemm, matmul_ref, q8_tile_product)
 from strata.kernels.tiles import grouped_tile
 from strata.kernels.triton_import import jit, tl
 
@@ -119,16 +121,19 @@ class QMatmulContext:
 # Schedule (host side: configuration, fix-up size)
 
 
-def streamk_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Q8Config:
+def streamk_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                   spec: DeviceSpec | None = None) -> Q8Config:
     """The tile the stream-K GEMM keeps whatever the tile count: 128 x 128 over 8 warps with BLOCK_K
     128 and 3 stages (q8_0's large-M tile: 144 KB of x + quant stages and 32 KB of dequantized
-    staging, one CTA per SM), 64 x 128 with BLOCK_K 64 over 4 warps up to M = 64 (less padding).
-    fp32 x: q8_0's FMA tile, 32 x 64 x 32 (a correctness path). Untimed."""
+    staging, one CTA per SM), 64 x 128 with BLOCK_K 64 over 4 warps up to M = 64 (less padding), in
+    as many of those stages as fit `spec`'s shared memory (`q8_0.fit_gemm`; default: the current
+    device). fp32 x: q8_0's FMA tile, 32 x 64 x 32 (a correctness path). Untimed."""
     if dtype == torch.float32:
         return Q8Config(32, 64, 32, num_warps=4, num_stages=2)
+    spec = spec or devices.current()
     if m <= 64:
-        return Q8Config(64, 128, _block_k(k, 64), num_warps=4, num_stages=4)
-    return Q8Config(128, 128, _block_k(k, 128), num_warps=8, num_stages=3)
+        return fit_gemm(Q8Config(64, 128, _block_k(k, 64), num_warps=4, num_stages=4), spec)
+    return fit_gemm(Q8Config(128, 128, _block_k(k, 128), num_warps=8, num_stages=3), spec)
 
 
 @lru_cache(maxsize=256)
@@ -152,7 +157,7 @@ def fixup_bytes(m: int, n: int, k: int, config: Q8Config, num_programs: int) -> 
 def default_programs(device: torch.device) -> int:
     """One program per SM on CUDA; INTERPRETER_PROGRAMS elsewhere."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return devices.current(device).sm_count
     return INTERPRETER_PROGRAMS
 
 
@@ -255,7 +260,7 @@ def q8_0_matmul_streamk(x: torch.Tensor, planes: dict[str, torch.Tensor], n: int
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or streamk_config(m, n, k, x.dtype)
+    cfg = config or streamk_config(m, n, k, x.dtype, devices.current(x))
     check_config(cfg, k, gemv=False)
     iterations = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n) * (k // cfg.block_k)
     programs = min(num_programs or default_programs(x.device), iterations)

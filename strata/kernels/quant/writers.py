@@ -1,9 +1,10 @@
 """Quantizers: float weights → a format's raw GGUF blocks, for fidelity measurements and test files.
 
-Q8_0 uses the gguf package's own quantizer. The gguf package only dequantizes Q4_K, IQ3_S and Q6_K, so
-those are written here (IQ3_S's search has its own module, `iq3_s_quantize.py`). They are simple,
-documented searches, not llama.cpp's importance-weighted ones, so their error is an upper bound on
-what a llama.cpp file of the same format would show.
+Q8_0 and Q4_0 use the gguf package's own quantizer. The gguf package only dequantizes Q4_K, IQ3_S and
+Q6_K, so those are written here (IQ3_S's search has its own module, `iq3_s_quantize.py`). They are
+simple, documented searches, not llama.cpp's importance-weighted ones, so their error is an upper
+bound on what a llama.cpp file of the same format would show. Q5_K has no writer: the gguf package
+only dequantizes it too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ Q4_K_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
 def quantize(ggml_type: str, w: np.ndarray) -> np.ndarray:
     """Raw blocks [N, K / values per block × bytes per block] (uint8) of fp32 weights w [N, K]."""
     w = np.ascontiguousarray(w, dtype=np.float32)
-    if ggml_type == "Q8_0":
-        return gguf_quantize(w, GGMLQuantizationType.Q8_0)
+    if ggml_type in ("Q8_0", "Q4_0"):
+        return gguf_quantize(w, GGMLQuantizationType[ggml_type])
     if ggml_type == "Q4_K":
         return quantize_q4_k(w)
     if ggml_type == "IQ3_S":
