@@ -188,7 +188,8 @@ class Rotary(nn.Module):
         if sign is None:
             half = self.rotary_dim // 2
             with torch.inference_mode(False):  # a plain tensor, usable outside inference mode
-                sign = torch.cat([-torch.ones(half), torch.ones(self.rotary_dim - half)]).to(device=device, dtype=dtype)
+                sign = torch.cat([-torch.ones(half), torch.ones(self.rotary_dim - half)])
+                sign = sign.to(device=device, dtype=dtype)
             self._sin_signs[(device, dtype)] = sign
         return sign
 

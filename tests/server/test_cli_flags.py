@@ -117,7 +117,8 @@ def test_generate_prints_the_random_seed_that_repeats_it(capsys, default_llm):
     assert again == out and "seed:" not in err
     assert main(argv + ["--temperature", "0"]) == 0  # greedy: no randomness, no seed
     greedy, err = capsys.readouterr()
-    assert greedy == default_llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0].text + "\n"
+    want = default_llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0].text
+    assert greedy == want + "\n"
     assert "seed:" not in err
     assert main(argv + ["--engine-seed", "3"]) == 0  # the engine's seed seeds the request: none is drawn
     assert "seed:" not in capsys.readouterr().err
