@@ -132,6 +132,10 @@ def _mix32_np(x: np.ndarray) -> np.ndarray:
 
 
 def _row_keys_np(seeds, counters, streams) -> tuple[np.ndarray, np.ndarray]:
+    seeds, counters, streams = list(seeds), list(counters), list(streams)
+    if len(seeds) <= 4:  # a decode step's few rows: the scalar form, without numpy's per-call cost
+        keys = [row_keys(*key) for key in zip(seeds, counters, streams)]
+        return np.array([k[0] for k in keys], dtype=np.uint32), np.array([k[1] for k in keys], dtype=np.uint32)
     full = (1 << 64) - 1
     s = np.array([v & full for v in seeds], dtype=np.uint64)
     c = np.array([v & full for v in counters], dtype=np.uint64)
