@@ -90,7 +90,7 @@ def test_rejects_bad_out():
         with pytest.raises(ValueError):
             dequantize_into("Q8_0", planes, n, k, bad)
     with pytest.raises(ValueError):
-        dequantize_into("Q5_K", planes, n, k, torch.empty(n * k, dtype=torch.bfloat16))
+        dequantize_into("Q2_K", planes, n, k, torch.empty(n * k, dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------------------------

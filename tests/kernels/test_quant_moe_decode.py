@@ -171,7 +171,7 @@ def test_checks_and_support():
     assert not mdq.supported(17, 2, "Q8_0", 64, 32, torch.bfloat16)  # more tokens than a decode step
     assert not mdq.supported(2, 2, "Q8_0", 64, 32, torch.float32)  # fp32 runs the grouped path
     assert not mdq.supported(2, 2, "Q4_K", 64, 32, torch.bfloat16)  # K not a multiple of Q4_K's step
-    assert not mdq.supported(2, 2, "Q5_K", 64, 32, torch.bfloat16)
+    assert not mdq.supported(2, 2, "Q2_K", 64, 32, torch.bfloat16)
     assert mdq.supported(8, 2, "Q4_K", 256, 256, torch.bfloat16) and not mdq.supported(9, 2, "Q4_K", 256, 256,
                                                                                        torch.bfloat16)
     for fmt, cfg in (("Q8_0", mdq.QMoeDecodeConfig(16, 256, 4, 2, 8, 256, 4, 2)),  # measured wrong on the H200

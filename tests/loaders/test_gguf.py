@@ -371,6 +371,49 @@ def test_iq4_xs_and_q3_k_weights_kept_quantized(tmp_path):
         assert err < 1e-4, (t, err)
 
 
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # Triton's interpreter
+def test_q5_k_and_q4_0_weights_kept_quantized(tmp_path):
+    """`keep_quantized` on a file with Q4_0 attention projections and output head (gguf's own Q4_0
+    quantization of the model's weights; K = 96 and 64: rows that 256 does not divide) and a Q5_K
+    ffn_down (random valid blocks: gguf does not write Q5_K): QWeights of the file's own blocks, their
+    float parameters never made, and the logits of the file expanded to floats (fp32 activations: the
+    kernels against dequantize-then-matmul)."""
+    from strata.kernels.quant import QWeight
+    from strata.kernels.quant.q5_k import random_raw as q5_k_blocks
+
+    src = str(tmp_path / "hf")
+    save_tiny_model("qwen3", src, hidden_size=96, intermediate_size=256)
+    c = _hf_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    raw = {}
+    for hf_name, g in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
+                       ("self_attn.o_proj", "attn_output")):
+        w = tensors.pop(f"model.layers.0.{hf_name}.weight").numpy()
+        raw[f"blk.0.{g}.weight"] = (quantize(w, QT.Q4_0), QT.Q4_0)
+    raw["output.weight"] = (quantize(tensors.pop("lm_head.weight").numpy(), QT.Q4_0), QT.Q4_0)
+    tensors.pop("model.layers.0.mlp.down_proj.weight")
+    raw["blk.0.ffn_down.weight"] = (q5_k_blocks(c["hidden_size"], 256, 4), QT.Q5_K)
+    path = str(tmp_path / "q5_k_q4_0.gguf")
+    _write_with_raw(path, c, tensors, raw, intermediate=256)
+
+    floats = load_model(path)
+    kept = load_model(path, keep_quantized=True)
+    attn, mlp = kept.model.model.layers[0].self_attn, kept.model.model.layers[0].mlp
+    assert isinstance(attn.qkv_q, QWeight) and attn.qkv_q.ggml_type == "Q4_0" and attn.qkv_weight is None
+    assert isinstance(attn.o_q, QWeight) and attn.o_q.ggml_type == "Q4_0"
+    assert isinstance(mlp.down_q, QWeight) and mlp.down_q.ggml_type == "Q5_K"
+    assert isinstance(kept.model.lm_head_q, QWeight) and kept.model.lm_head_q.ggml_type == "Q4_0"
+    assert attn.q_proj.weight.is_meta and attn.o_proj.weight.is_meta and mlp.down_proj.weight.is_meta
+    want_qkv = np.concatenate([dequantize(raw[f"blk.0.attn_{p}.weight"][0], QT.Q4_0) for p in "qkv"])
+    assert np.array_equal(attn.qkv_q.dequantize().numpy().view(np.uint32), want_qkv.view(np.uint32))
+    want_down = dequantize(raw["blk.0.ffn_down.weight"][0], QT.Q5_K)
+    assert np.array_equal(mlp.down_q.dequantize().numpy().view(np.uint32), want_down.view(np.uint32))
+    for t in (24, 5):  # a prompt-sized GEMM and decode-sized GEMVs
+        ids = torch.randint(0, c["vocab_size"], (1, t), generator=torch.Generator().manual_seed(t))
+        err = rel_err(_logits(kept, ids), _logits(floats, ids))
+        assert err < 1e-4, (t, err)
+
+
 def test_a_type_without_kernels_is_named_with_its_cost(tmp_path, caplog):
     """A projection in a GGUF type Strata has no kernels for is expanded, and one warning line names the
     type, its tensors and the bytes it costs; the rest stays quantized."""

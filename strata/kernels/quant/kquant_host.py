@@ -1,7 +1,8 @@
-"""Host code the K-quant formats share (`q4_k.py`, `q6_k.py`): their configuration types and tile
-heuristics, the argument checks, the size of the decode workspace and the launchers of their GEMV
-and GEMM kernels. Each format module keeps its planes, its kernels and its public names, and passes
-in what differs: plane names and shapes, the kernels and their plane arguments, the dp4a module.
+"""Host code the K-quant formats share (`q4_k.py`, `q6_k.py`, `q5_k.py`; `q4_0.py` too, with 32-value
+K steps): their configuration types and tile heuristics, the argument checks, the size of the decode
+workspace and the launchers of their GEMV and GEMM kernels. Each format module keeps its planes, its
+kernels and its public names, and passes in what differs: plane names and shapes, the kernels and
+their plane arguments, the dp4a module.
 """
 
 from __future__ import annotations
