@@ -9,6 +9,9 @@
 #   bash scripts/gpu_round.sh gpu-kernels gpu-engine gpu-rest decode read ...
 set -uo pipefail
 OUT=${OUT:-gpu_out}
+# A prebuilt llama.cpp (.peerbin) links the CUDA runtime and cuBLAS that torch's wheels bring.
+NV=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in os.listdir(p) if os.path.isdir(os.path.join(p, d, 'lib'))))" 2>/dev/null)
+export LD_LIBRARY_PATH=/tmp/llama/build/bin:${NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 R=$OUT/r
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 STRATA_NO_PROGRESS=1
@@ -79,6 +82,10 @@ step() {  # name, seconds, command...
       # built in the background; peer-quant waits for both and runs llama-bench on the same files.
       peer-build)
         mkdir -p /tmp/llama /tmp/peer && tar xJf .peer/llama.tar.xz -C /tmp/llama
+        if [ -x .peerbin/llama-bench ]; then  # built off the device (scripts/peer_build_local.sh): no build here
+          mkdir -p /tmp/llama/build && cp -r .peerbin /tmp/llama/build/bin && touch /tmp/peer/built
+          echo "prebuilt llama.cpp from .peerbin"; /tmp/llama/build/bin/llama-bench --help 2>&1 | head -2; continue
+        fi
         setsid nohup bash -c "cd /tmp/llama && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF >/tmp/peer/cmake.log 2>&1 \
           && cmake --build build -j12 --target llama-bench llama-server llama-quantize >/tmp/peer/build.log 2>&1; touch /tmp/peer/built" >/dev/null 2>&1 </dev/null &
@@ -93,6 +100,46 @@ step() {  # name, seconds, command...
           -m /tmp/peer_IQ3_S.gguf -ngl 99 -fa 1 -p 4096 -n 128 -r 3 -o json > $R/llamacpp_quant_qwen3-8b_cuda.json; \
           python3 -c 'import json,sys; [print(r[\"model_type\"], r[\"n_prompt\"], r[\"n_gen\"], round(r[\"avg_ts\"], 1)) for r in json.load(open(sys.argv[1]))]' \
           $R/llamacpp_quant_qwen3-8b_cuda.json" ;;
+      # Experts in host RAM: a Qwen3-30B-A3B-shaped Q8_0 GGUF (OFFLOAD_LAYERS of its 48 layers), written in the
+      # background beside peer-build; offload waits for both, then times llama.cpp and Strata on it, alone.
+      offload-gguf)
+        mkdir -p /tmp/peer; V=/tmp/llama/models/ggml-vocab-qwen2.gguf; [ -f $V ] || V=.cache/llama-cpp-vocab-0.3.16/ggml-vocab-qwen2.gguf
+        setsid nohup bash -c "python3 scripts/quant_gguf.py /tmp/moe_Q8_0.gguf Q8_0 --shape qwen3-30b-a3b \
+          --layers ${OFFLOAD_LAYERS:-48} --vocab $V; touch /tmp/peer/moe_gguf" \
+          >/tmp/peer/moe_gguf.log 2>&1 </dev/null &
+        echo "MoE GGUF write started" ;;
+      offload)  # NO_PEER=1 (no peer-build before it): Strata alone
+        t0=$SECONDS; while { [ -z "${NO_PEER:-}" ] && [ ! -f /tmp/peer/built ]; } || [ ! -f /tmp/peer/moe_gguf ]; do
+          [ $((SECONDS - t0)) -gt 600 ] && break; sleep 5; done
+        tail -n 3 /tmp/peer/build.log /tmp/peer/moe_gguf.log; ls -la /tmp/moe_Q8_0.gguf; free -g | head -2
+        PEER_ARGS="--llamacpp $R/llamacpp_offload.json --llamacpp-more $R/llamacpp_offload_ub4096.json"
+        [ -n "${NO_PEER:-}" ] && PEER_ARGS="" || step offload-llamacpp 400 bash -c "/tmp/llama/build/bin/llama-bench -m /tmp/moe_Q8_0.gguf -ngl 99 -fa 1 -ncmoe 99 \
+          -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload.json; /tmp/llama/build/bin/llama-bench -m /tmp/moe_Q8_0.gguf \
+          -ngl 99 -fa 1 -ncmoe 99 -p 4096 -n 0 -ub 4096 -b 4096 -r 1 -o json > $R/llamacpp_offload_ub4096.json; \
+          python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], r[\"n_ubatch\"], round(r[\"avg_ts\"], 1)) for f in sys.argv[1:] for r in json.load(open(f))]' \
+          $R/llamacpp_offload.json $R/llamacpp_offload_ub4096.json"
+        step offload-strata 900 $B offload --model /tmp/moe_Q8_0.gguf --name qwen3-30b-a3b-q8_0 --cpu-moe \
+          --formats ${OFFLOAD_FORMATS:-w8a8,int8,int4} --crossover 2,4,8,16,32,64 $PEER_ARGS --out $R/offload_qwen3-30b-a3b-q8_0_cuda.json ;;
+      # Qwen3-Next-80B-A3B, all 48 layers, IQ3_S, under a 16 GiB cap: Strata's memory plan against llama.cpp's
+      # automatic fit to 16 GiB (-fitt: all but 16 GiB of the card left free) and the same explicit --n-cpu-moe.
+      offload-next-gguf)
+        mkdir -p /tmp/peer
+        setsid nohup bash -c "python3 scripts/next_gguf.py /tmp/next_IQ3_S.gguf --shape qwen3-next-80b-a3b --type IQ3_S \
+          --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf; touch /tmp/peer/next_gguf" >/tmp/peer/next_gguf.log 2>&1 </dev/null &
+        echo "80B IQ3_S GGUF write started" ;;
+      offload-next)
+        t0=$SECONDS; while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/next_gguf ]; do
+          [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
+        tail -n 3 /tmp/peer/next_gguf.log; ls -la /tmp/next_IQ3_S.gguf; free -g | head -2
+        FITT=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) - 16384 ))
+        step offload-next-llamacpp 500 bash -c "/tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 \
+          -fitt $FITT -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload_next_fit.json; \
+          /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 -ncmoe ${NEXT_NCMOE:-36} -p 4096 -n 64 -r 2 \
+          -o json > $R/llamacpp_offload_next_ncmoe.json; cat $R/llamacpp_offload_next_*.json | grep -E 'n_cpu_moe|avg_ts|n_prompt|n_gen'"
+        step offload-next-strata 900 $B offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
+          --gpu-memory 16 --formats auto --llamacpp $R/llamacpp_offload_next_fit.json \
+          --llamacpp-more $R/llamacpp_offload_next_ncmoe.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ;;
+      host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       *) echo "unknown step $s" ;;
     esac

@@ -1,6 +1,6 @@
 """Writes a random-weight Qwen3-Next GGUF in llama.cpp's `qwen3next` layout at a `strata bench` shape, so
 llama-bench times the shape `strata bench read|decode --shape` times. Every matrix is bf16 or
-random Q8_0 blocks; what llama.cpp's converter and quantizer keep in F32 is F32 here too (norms, the
+random Q8_0 or IQ3_S blocks; what llama.cpp's converter and quantizer keep in F32 is F32 here too (norms, the
 router, the shared expert's gate, the conv kernel, ssm_a, ssm_dt.bias). Tensors are made (on the GPU
 when there is one) and written one at a time, so the host holds at most one tensor (1 GiB at the 80B
 expert stacks in bf16). The tokenizer fields come from a vocab-only GGUF (llama.cpp ships
@@ -40,7 +40,8 @@ from quant_gguf import copy_tokenizer  # noqa: E402
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3NEXT]
 QT = gguf.GGMLQuantizationType
-TYPES = {"bf16": (QT.BF16, gguf.LlamaFileType.MOSTLY_BF16), "Q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+TYPES = {"bf16": (QT.BF16, gguf.LlamaFileType.MOSTLY_BF16), "Q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+         "IQ3_S": (QT.IQ3_S, gguf.LlamaFileType.MOSTLY_IQ3_S)}
 # What a tensor holds: `matrix` in the file's type; the rest F32 (`random`, `ones`, `ssm_a`).
 MATRIX, RANDOM, ONES, SSM_A = "matrix", "random", "ones", "ssm_a"
 
@@ -170,9 +171,9 @@ def _make(shape: tuple[int, ...], kind: str, qtype: QT, gen: torch.Generator, de
     A_log ~ N(0, 0.02) stored as llama.cpp's converter stores it, -exp(A_log)."""
     if kind == ONES:
         return np.ones(shape, dtype=np.float32).view(np.uint8)
-    if kind == MATRIX and qtype == QT.Q8_0:
+    if kind == MATRIX and qtype != QT.BF16:
         rows = math.prod(shape[:-1])
-        raw = random_blocks("Q8_0", rows, shape[-1], gen, device)
+        raw = random_blocks(qtype.name, rows, shape[-1], gen, device)
         return raw.cpu().numpy().reshape(*shape[:-1], -1)
     dtype = torch.bfloat16 if kind == MATRIX else torch.float32
     x = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, INIT_STD, generator=gen)
@@ -187,7 +188,7 @@ def write_next_gguf(path: str | os.PathLike, cfg: ModelConfig | dict[str, Any], 
                     model_name: str = "random qwen3next", log: Callable[[str], None] | None = None,
                     mtp: bool = False) -> tuple[int, int]:
     """Writes the GGUF for `cfg` (a qwen3_next `ModelConfig`, or its HF config dict) at `path`, the
-    matrices in `wtype` ("bf16" or "Q8_0"), the tokenizer copied from the vocab-only GGUF `vocab`
+    matrices in `wtype` ("bf16", "Q8_0" or "IQ3_S"), the tokenizer copied from the vocab-only GGUF `vocab`
     (whose token count must be the config's vocab_size); with `mtp`, the MTP layer too (a file
     llama.cpp refuses; see the module docstring). Refuses before writing when the disk lacks the
     room. The file appears at `path` only once whole (written as `path`.part, then renamed).

@@ -189,10 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_tui_parser(sub)
     b = sub.add_parser("bench", help="benchmarks; each writes JSON under bench/results/")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from strata.bench import concurrent, determinism, kv_quality, prefix, quant, quant_kl, spec, throughput
+    from strata.bench import concurrent, determinism, kv_quality, offload, prefix, quant, quant_kl, spec, throughput
 
     concurrent.add_parser(bsub)
     kv_quality.add_parser(bsub)
+    offload.add_parser(bsub)
     quant.add_parser(bsub)
     quant_kl.add_parser(bsub)
     determinism.add_parser(bsub)

@@ -249,8 +249,8 @@ def configure_logging(command: str) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Runs a parsed `strata` subcommand (`args.func`) and gives its exit status: a bad option, config or
-    model file (ValueError, which a loader's LoadError is) is one line on stderr and status 2; ctrl+c
-    is 130."""
+    model file (ValueError, which a loader's LoadError is) or a model that does not fit the GPU is one
+    line on stderr and status 2; ctrl+c is 130."""
     try:
         configure_logging(args.command)
         return args.func(args)
@@ -259,3 +259,11 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if type(e).__name__ != "OutOfMemoryError":  # torch's, named without importing torch here
+            raise
+        detail = (str(e).splitlines() or ["no detail"])[0]
+        print(f"strata: error: out of GPU memory while starting ({detail}); lower --ctx, --parallel or --kv-size, "
+              "use --kv int8, --gpu-memory-utilization below 0.9, or --gpu-memory / --n-cpu-moe to keep experts "
+              "in RAM", file=sys.stderr)
+        return 2

@@ -277,9 +277,15 @@ class EngineConfig:
     gpu_memory: float | None = None
     cpu_moe: bool = False  # every MoE layer's routed experts in host RAM, computed on the CPU
     n_cpu_moe: int | None = None  # the first N MoE layers' routed experts in host RAM; None: as the memory plan fits
-    # The CPU format of routed experts in RAM: float (the model dtype, exact) | int8 (a scale per row) | int4
-    # (groups of 32) | auto (float for float weights, int8 for files of 6+ bits, int4 for fewer)
+    # The CPU format of routed experts in RAM: float (the model dtype, exact) | int8 (a scale per row) | w8a8
+    # (int8 weights and activations, a scale per token: the fastest) | int4 (groups of 32) | auto (float for
+    # float weights, else w8a8, or int4 when host RAM cannot hold an int8 copy)
     host_experts: str = "auto"
+    # Steps of this many tokens or more bring the routed experts held in RAM to the GPU (pinned, two layers
+    # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. 16: where a
+    # 30B-A3B layer's CPU time (the oneDNN int8 GEMM's measured rate at the step's rows per expert) passes
+    # its copy over PCIe (docs/PERFORMANCE.md, "Experts in host RAM").
+    expert_stream_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
@@ -309,8 +315,10 @@ class EngineConfig:
             raise ValueError("gpu_memory must be > 0 (GiB)")
         if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.cpu_moe):
             raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
-        if self.host_experts not in ("auto", "float", "int8", "int4"):
-            raise ValueError(f"host_experts must be auto, float, int8 or int4, not {self.host_experts!r}")
+        if self.host_experts not in ("auto", "float", "int8", "w8a8", "int4"):
+            raise ValueError(f"host_experts must be auto, float, int8, w8a8 or int4, not {self.host_experts!r}")
+        if self.expert_stream_tokens < 0:
+            raise ValueError("expert_stream_tokens must be >= 0")
 
     def kernel_choices(self) -> KernelChoices:
         """The kernel choices this config asks for (`strata.kernels.choices.KernelChoices`: one set per

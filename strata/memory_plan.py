@@ -56,6 +56,8 @@ class PlanRequest:
     parallel: int = 1
     cpu_moe: bool = False  # every layer's routed experts in RAM
     n_cpu_moe: int | None = None  # the first N MoE layers' routed experts in RAM
+    # Prompt chunks stream the experts held in RAM to the GPU: two buffers of the largest such layer.
+    stream_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,16 +122,21 @@ def plan_memory(req: PlanRequest) -> Plan:
         n_cpu, auto = n_moe, False
     elif req.n_cpu_moe is not None:
         n_cpu, auto = min(req.n_cpu_moe, n_moe), False
-        on_gpu = sum(s.routed_experts[n_cpu:])
+        on_gpu = sum(s.routed_experts[n_cpu:]) + _stream_bytes(req, n_cpu)
         if on_gpu > room:
-            fit = _smallest_split(s.routed_experts, room)
+            fit = _smallest_split(req, room)
             raise PlanError(f"the routed experts of MoE layers {n_cpu}..{n_moe - 1} take {_size(on_gpu)} on the GPU "
                             f"but {_size(room)} is left after the rest: use --n-cpu-moe {fit} or more"
                             f"{' (or --cpu-moe)' if fit == n_moe else ''}")
     else:
-        n_cpu, auto = _smallest_split(s.routed_experts, room), True
+        n_cpu, auto = _smallest_split(req, room), True
     gpu_experts = sum(s.routed_experts[n_cpu:])
-    left = room - gpu_experts
+    streaming = _stream_bytes(req, n_cpu)
+    left = room - gpu_experts - streaming
+    if left < 0:
+        raise PlanError(f"with every routed expert in RAM, streaming them to the GPU for prompt chunks takes two buffers of "
+                        f"{_size(streaming // 2)}, which {_size(room)} left does not hold: --expert-stream-tokens 0 "
+                        "computes every step's experts on the CPU")
     kv_tokens = req.kv_tokens
     if req.kv_tokens_max is not None and req.kv_tokens_max > kv_tokens and s.kv_bytes_per_token and n_cpu == 0:
         # Every expert fits: the rest of the budget holds more K/V (the prefix cache keeps it).
@@ -148,17 +155,26 @@ def plan_memory(req: PlanRequest) -> Plan:
         if n_cpu:
             rows.append(PlanRow(f"routed experts, layers {_layer_span(cpu_layers)}", "cpu",
                                 sum(s.routed_experts[:n_cpu])))
+        if streaming:
+            rows.append(PlanRow("expert streaming buffers (2 layers)", "gpu", streaming))
     notes = ()
     if auto and n_cpu:
         notes = (f"{n_cpu} of {n_moe} MoE layers keep their routed experts in host RAM (as --n-cpu-moe {n_cpu})",)
     return Plan(tuple(rows), tuple(cpu_layers), kv_tokens, req.gpu_budget, auto, req.scratch_bytes, notes)
 
 
-def _smallest_split(experts: tuple[int, ...], room: int) -> int:
-    """The fewest first layers whose experts leave the GPU so that the others fit in `room`."""
+def _stream_bytes(req: PlanRequest, n_cpu: int) -> int:
+    """The streamer's two GPU buffers when the first n_cpu MoE layers keep their experts in RAM."""
+    return 2 * max(req.sizes.routed_experts[:n_cpu]) if req.stream_experts and n_cpu else 0
+
+
+def _smallest_split(req: PlanRequest, room: int) -> int:
+    """The fewest first layers whose experts leave the GPU so that the others (and the streaming buffers)
+    fit in `room`."""
+    experts = req.sizes.routed_experts
     total = sum(experts)
     for n in range(len(experts) + 1):
-        if total <= room:
+        if total + _stream_bytes(req, n) <= room:
             return n
         if n < len(experts):
             total -= experts[n]

@@ -1,7 +1,7 @@
 """Sampling parameters and the per-request sampler.
 
-The order of logit transforms follows llama.cpp / vLLM: repetition penalty → temperature → top-k →
-top-p → min-p → draw. Temperature 0 means greedy (argmax), which never consumes randomness.
+The order of logit transforms follows llama.cpp / vLLM: logit bias → repetition penalty → temperature →
+top-k → top-p → min-p → draw. Temperature 0 means greedy (argmax), which never consumes randomness.
 """
 
 from __future__ import annotations
@@ -10,7 +10,16 @@ import torch
 
 from strata.params import SamplingParams
 
-__all__ = ["SamplingParams", "Sampler", "filtered_probs", "apply_repetition_penalty"]
+__all__ = ["SamplingParams", "Sampler", "filtered_probs", "apply_logit_bias", "apply_repetition_penalty"]
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """`logits` [V] with each `bias` value added to its token's logit (OpenAI's `logit_bias`)."""
+    if not bias:
+        return logits
+    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, values)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -56,6 +65,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
         p = self.params
+        logits = apply_logit_bias(logits, p.logit_bias)
         if seen is not None and p.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, seen.to(logits.device), p.repetition_penalty)
         if p.greedy:

@@ -8,6 +8,7 @@ they are rendered in jinja2's `SandboxedEnvironment`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -33,6 +34,35 @@ class ChatTemplateError(ValueError):
 
 def _raise(msg: str) -> None:
     raise ChatTemplateError(msg)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_chat_template(source: str) -> Any:
+    """`source` compiled in the sandbox (a jinja2 TemplateSyntaxError when it does not parse)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
+    return env.from_string(source)
+
+
+def render_chat_template(source: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                         add_generation_prompt: bool, bos_token: str, eos_token: str,
+                         template_kwargs: dict[str, Any], max_chars: int | None = None) -> str:
+    """The prompt text for `messages` under the template `source` (None: DEFAULT_CHAT_TEMPLATE); a
+    ChatTemplateError once the output passes `max_chars` characters (checked as it is written)."""
+    clash = TEMPLATE_RESERVED_NAMES & template_kwargs.keys()
+    if clash:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}")
+    template = compile_chat_template(source or DEFAULT_CHAT_TEMPLATE)
+    pieces, size = [], 0
+    for piece in template.generate(**template_kwargs, messages=messages_for_template(messages), tools=tools or None,
+                                   add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                                   eos_token=eos_token):
+        size += len(piece)
+        if max_chars is not None and size > max_chars:
+            raise ChatTemplateError(f"the rendered prompt is longer than {max_chars} characters")
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,21 +127,8 @@ class Tokenizer:
         """The prompt text for `messages` (OpenAI-shaped dicts). `tools` (OpenAI's list of
         `{"type": "function", "function": {...}}`) reaches the template as `tools`; `template_kwargs`
         (a request's `chat_template_kwargs`, e.g. `enable_thinking=False`) as variables of their own."""
-        clash = TEMPLATE_RESERVED_NAMES & template_kwargs.keys()
-        if clash:
-            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
-        template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
-        return template.render(
-            **template_kwargs,
-            messages=messages_for_template(messages),
-            tools=tools or None,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        return render_chat_template(self.chat_template, messages, tools, add_generation_prompt, self.bos_token,
+                                    self.eos_token, template_kwargs)
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike, eos_ids_from_config: Sequence[int] = ()) -> "Tokenizer":

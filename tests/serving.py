@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -24,18 +24,41 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(tmp, config: dict, extra_args: list[str] = ()) -> Iterator[str]:
-    """Yields the base URL of a server started with `--config` holding `config`."""
+    """Yields the base URL of a server started with `--config` holding `config`; stops it with SIGINT,
+    which must drain it cleanly (exit status 0)."""
+    proc, base, log = start_server(tmp, config, extra_args)
+    try:
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=20)
+            log.seek(0)
+            assert code == 0, f"exit {code}, not the 0 of a clean drain on SIGINT:\n{log.read()[-3000:]}"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+
+
+def start_server(tmp, config: dict, extra_args: list[str] = (), preexec=None) -> tuple[subprocess.Popen, str, Any]:
+    """(process, base URL, log file) of a server started with `--config` holding `config`, once its
+    /health answers; `preexec` runs in the child before exec (limits)."""
     cfg = tmp / "strata.json"
     cfg.write_text(json.dumps(config))
     port = free_port()
     log = open(tmp / "server.log", "w+")
     env = {**os.environ, "STRATA_NO_PROGRESS": "1"}
     # SIGINT back to its default in the server: a shell ignores it in the commands it starts in the
-    # background, pytest-xdist's workers too, and an ignored signal is inherited across exec; uvicorn
-    # re-raises the SIGINT it caught after its shutdown, and it would then be ignored (exit 0, not 130).
+    # background, pytest-xdist's workers too, and an ignored signal is inherited across exec (the
+    # server would never see the SIGINT that stops it).
+    def child() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if preexec is not None:
+            preexec()
+
     proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--config", str(cfg), "--port", str(port),
-                             *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -51,15 +74,4 @@ def running_server(tmp, config: dict, extra_args: list[str] = ()) -> Iterator[st
             proc.kill()
             pytest.fail("server did not come up in 120 s")
         time.sleep(0.1)
-    try:
-        yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=20)
-            log.seek(0)
-            assert code == 130, f"exit {code}, not the 130 of a clean stop on SIGINT:\n{log.read()[-3000:]}"
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
+    return proc, base, log

@@ -34,6 +34,7 @@ def running_server(engine, model_name: str, log_level: str = "warning", start_ti
     from strata.engine.async_engine import AsyncEngine
     from strata.server.app import build_app
     from strata.server.config import ServerConfig
+    from strata.server.serve import uvicorn_config
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,8 +46,7 @@ def running_server(engine, model_name: str, log_level: str = "warning", start_ti
         app = build_app(async_engine, server_cfg, own_engine=True)
         # The uvicorn settings `strata serve` uses; run() would also own the signals, and a server in a
         # side thread must leave those to the main one (uvicorn does so off the main thread).
-        config = uvicorn.Config(app, host=server_cfg.host, port=port, log_level=server_cfg.log_level,
-                                timeout_graceful_shutdown=server_cfg.graceful_shutdown_s)
+        config = uvicorn_config(app, server_cfg)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="strata-bench-http",
                                   daemon=True)
@@ -61,7 +61,7 @@ def running_server(engine, model_name: str, log_level: str = "warning", start_ti
             yield f"http://127.0.0.1:{port}"
         finally:
             server.should_exit = True
-            thread.join(timeout=server_cfg.graceful_shutdown_s + 30)
+            thread.join(timeout=server_cfg.shutdown_timeout + 30)
     finally:
         async_engine.shutdown()  # the app's lifespan has done it when the server started; then a no-op
         sock.close()

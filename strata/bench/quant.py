@@ -140,7 +140,7 @@ def _formats(s: str) -> list[str]:
 def _add_args(p) -> None:
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--formats", type=_formats, default=["bf16", *FORMATS, "FP8"],
-                   help="comma-separated: bf16,Q8_0,Q4_K,IQ3_S,Q6_K,FP8, or the mix Q4_K_M")
+                   help=f"comma-separated, of bf16, {', '.join(FORMATS)}, FP8, or the mixes {', '.join(MIXES)}")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--prompt", type=int, default=512)

@@ -11,6 +11,10 @@ writers (`strata.kernels.quant.writers`): the exact values the format's kernels 
 - `ppl_ratio`: the quantized model's perplexity over the reference's;
 - `rms_dp`: root mean square change of the probability of the text's actual next token.
 
+A format `host:F` instead loads the model with every MoE layer's routed experts in host RAM in the CPU
+format F (`--host-experts`: int8, w8a8, int4; `strata.models.host_experts`), the rest as the file holds
+it: how far the copy the CPU computes from is from the file's own weights (not with `--shape`).
+
 Run on the embedded model and on a random one (`--shape`); docs/QUANTIZATION.md sets the results
 beside llama.cpp's published KL table. The writers are simple searches without importance weights,
 so these are upper bounds on what llama.cpp's own quantizer would give for the same model.
@@ -108,6 +112,21 @@ def _windows(args, loaded) -> tuple[list[torch.Tensor], str]:
     return [ids[i : i + args.ctx] for i in range(0, len(ids) - 1, args.ctx)], source
 
 
+def _host_copy(loaded, fmt: str) -> tuple[nn.Module, int, int]:
+    """The model loaded again with every MoE layer's routed experts in host RAM as `fmt`: (model, the
+    expert parameters held in that format, the linear parameters left as loaded)."""
+    from strata.models.moe import MoE
+
+    cfg = loaded.config
+    layers = [i for i in range(cfg.num_hidden_layers) if cfg.layer_is_moe(i)]
+    model = load_model(loaded.path, device="cpu", dtype=torch.float32, progress=False, host_moe_layers=layers,
+                       host_experts=fmt).model
+    hosts = [m.host for m in model.modules() if isinstance(m, MoE) and m.host is not None]
+    done = sum(h.num_experts * (h.gate_up.n * h.gate_up.k + h.down.n * h.down.k) for h in hosts)
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Router)))
+    return model, done, total - done
+
+
 def run(args) -> int:
     if args.shape:
         from strata.bench.random_model import random_model
@@ -119,8 +138,13 @@ def run(args) -> int:
     ref = [_logits(loaded.model, w) for w in windows]
     rows = []
     for fmt in args.formats:
-        model = copy.deepcopy(loaded.model)
-        done, left = fp8_linears(model) if fmt == "FP8" else quantize_linears(model, fmt)
+        if fmt.startswith("host:"):
+            if args.shape:
+                raise SystemExit("host: formats load the model's file: not with --shape")
+            model, done, left = _host_copy(loaded, fmt.removeprefix("host:"))
+        else:
+            model = copy.deepcopy(loaded.model)
+            done, left = fp8_linears(model) if fmt == "FP8" else quantize_linears(model, fmt)
         row = {"format": fmt, **compare(ref, model, windows), "quantized_share": done / max(done + left, 1)}
         rows.append(row)
         print(f"{fmt:6s}: KLD {row['kld']:.6f}, same top {row['same_top']:.4f}, PPL ratio {row['ppl_ratio']:.4f}, "
@@ -154,7 +178,8 @@ def _add_args(p) -> None:
     p.add_argument("--model", default=None, help="model path (default: the embedded model)")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random model at this shape instead")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=[*WRITTEN, "FP8"],
-                   help=f"comma-separated, of {', '.join(WRITTEN)}, FP8 (the formats the project's writers make)")
+                   help=f"comma-separated, of {', '.join(WRITTEN)}, FP8 (the formats the project's writers make), "
+                        "host:int8, host:w8a8, host:int4 (MoE experts in host RAM in that CPU format)")
     p.add_argument("--text", default=None, help="text to score (default: the embedded model's README)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)

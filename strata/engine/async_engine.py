@@ -128,7 +128,9 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(a, logprobs=logprobs)
                     self._streams[a.request_id] = stream
-                except RequestError as e:
+                except Exception as e:  # refused (RequestError) or failed: this request alone ends
+                    if not isinstance(e, RequestError):
+                        log.exception("request %s could not be added", a.request_id)
                     stream._put(EngineEvent(a.request_id, (), "", "abort", len(a.prompt_ids), 0, error=str(e)))
             else:
                 ev = self.engine.abort(a)
@@ -152,7 +154,7 @@ class AsyncEngine:
                 continue
             try:
                 events = self.engine.step()
-            except Exception as e:  # a failed step must not kill the server: fail its requests
+            except Exception as e:  # step() fails only the requests a fault concerns; this is the last resort
                 log.exception("engine step failed")
                 for rid in list(self._streams):
                     self.engine.abort(rid)

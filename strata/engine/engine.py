@@ -38,11 +38,12 @@ from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.engine import placement
 from strata.loaders import LoadedModel, LoadError, default_model_path, load_model, read_checkpoint
 from strata.memory_plan import Plan
+from strata.models.host_experts import ExpertStreamer, HostStagingPool
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
 from strata.runner.prompt_graphs import prompt_graph_sizes
 from strata.runner.steps import LaunchedStep
-from strata.runner.read_stage import AllocationGuard, ReadStage
+from strata.runner.read_stage import AllocationGrowth, AllocationGuard, ReadStage
 from strata.sched.request import Request
 from strata.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from strata.speculative.drafter import MTPDrafter
@@ -174,6 +175,8 @@ class LLMEngine:
         self.eos_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
 
         mc = self.model_config
+        self.host_staging: HostStagingPool | None = None
+        self.expert_streamer = self._set_up_host_experts(cfg)
         _check_batch_invariant(cfg, mc, self.device, self.model)
         self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:
@@ -192,12 +195,20 @@ class LLMEngine:
         self.concurrent = ConcurrentReadSetup.from_env()
         self.concurrent.log_decision()
         tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes, self.memory_plan)
-        num_blocks = max(tokens // cfg.block_size, 2) + 1  # +1: block 0 is the padding block
+        # --kv-size is what the pool holds at least (the context is capped to it); a size from memory is a ceiling.
+        blocks = -(-tokens // cfg.block_size) if cfg.kv_size else tokens // cfg.block_size
+        num_blocks = max(blocks, 2) + 1  # +1: block 0 is the padding block
         self.pool = make_pool(cfg.kv, layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
                               self.device, dtype)
         log.info("KV pool: %d blocks of %d tokens (%s, %.1f MiB)", num_blocks, cfg.block_size, cfg.kv,
                  num_blocks * cfg.block_size * per_token / 2**20)
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        # A request the pool cannot hold alone could never finish: the context is what the pool holds.
+        self.kv_capacity = (num_blocks - 1) * cfg.block_size
+        if self.kv_capacity < self.max_model_len:
+            log.info("context limited to %d tokens: the KV pool holds no more (--kv-size, --ctx %d)",
+                     self.kv_capacity, cfg.ctx)
+            self.max_model_len = self.kv_capacity
         self.scheduler = Scheduler(
             SchedulerConfig(parallel=cfg.parallel, max_num_batched_tokens=cfg.max_num_batched_tokens,
                             chunk_size=cfg.chunk_size, block_size=cfg.block_size, num_blocks=num_blocks,
@@ -231,6 +242,8 @@ class LLMEngine:
                                         max_seqs=cfg.parallel, max_model_len=self.max_model_len, drafter=self.drafter,
                                         split_mtp_batch=self.concurrent.split_mtp_batch_reserved)
             self.read_stage.reserve()
+            if self.read_stage.stream is not None and self.host_staging is not None:
+                self.host_staging.reserve([self.read_stage.stream])  # the read's host-expert layers
         self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and cfg.alloc_guard else None
         # Every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
@@ -248,6 +261,7 @@ class LLMEngine:
         self.pipelined = (cfg.batch_groups > 1 and cfg.overlap) or bool(cfg.async_scheduling)
         self.in_flight: _Launched | None = None
         self.pending_events: list[EngineEvent] = []  # produced outside step() (an abort waiting for a read)
+        self._struck: list[SchedulerOutput] = []  # the steps the current step() scheduled or completed
         self.started = time.monotonic()
         self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
@@ -263,19 +277,31 @@ class LLMEngine:
             raise RequestError(f"duplicate request id {req.request_id!r}")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        # Ids the model cannot embed or sample would fail the step of every request batched beside it.
+        vocab = self.model_config.vocab_size
+        for what, ids in (("prompt", req.prompt_ids), ("logit_bias", req.params.logit_bias)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{what}: token id {bad} is outside the model's vocabulary [0, {vocab})")
         matcher = self._matcher(req.params)
         r = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
                     arrival_time=req.arrival_time, eos_ids=frozenset(self.eos_ids))
         self.requests[req.request_id] = r
-        # Without a tokenizer (token-id-only checkpoints, benchmarks) events carry ids and no text.
-        detok = Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])) if self.tokenizer else None
-        self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
-        self.runner.sampler(r)  # its seed, in arrival order, whichever stage samples it first
-        if req.top_logprobs:
-            self.runner.want_top_logprobs(req.request_id, req.top_logprobs)
-        if matcher is not None:
-            self.runner.constrain(req.request_id, matcher)
-        self.scheduler.add(r)
+        try:
+            # Without a tokenizer (token-id-only checkpoints, benchmarks) events carry ids and no text.
+            detok = Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])) if self.tokenizer else None
+            self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
+            self.runner.sampler(r)  # its seed, in arrival order, whichever stage samples it first
+            if req.top_logprobs:
+                self.runner.want_top_logprobs(req.request_id, req.top_logprobs)
+            if matcher is not None:
+                self.runner.constrain(req.request_id, matcher)
+            self.scheduler.add(r)
+        except Exception:
+            self.requests.pop(req.request_id, None)
+            self.text.pop(req.request_id, None)
+            self.runner.release(req.request_id)
+            raise
 
     def _matcher(self, params):
         """A new matcher for the request's grammar (the server compiled it already: a cache hit)."""
@@ -328,6 +354,37 @@ class LLMEngine:
                           quantize=cfg.quantize, host_moe_layers=host or (), host_experts=cfg.host_experts,
                           checkpoint=ckpt)
 
+    def _set_up_host_experts(self, cfg: EngineConfig) -> ExpertStreamer | None:
+        """On CUDA, the layers whose routed experts are in RAM get their pinned staging (the rows a decode
+        step sends to the CPU) and, with --expert-stream-tokens N, the streamer that brings their experts
+        up for steps of N tokens or more. Returns the streamer."""
+        from strata.models.moe import MoE
+
+        moes = [m for m in self.model.modules() if isinstance(m, MoE) and m.host is not None]
+        if not moes or self.device.type != "cuda":
+            return None
+        mc, dtype = self.model_config, cfg.torch_dtype
+        streams = cfg.expert_stream_tokens > 0 and all(m.host.stream is not None for m in moes)
+        rows = cfg.parallel * (1 + cfg.spec)
+        tokens = max(rows, cfg.expert_stream_tokens - 1 if streams else (cfg.max_num_batched_tokens or 2048))
+        pool = HostStagingPool(tokens, mc.hidden_size, mc.num_experts_per_tok, dtype, self.device)
+        pool.reserve([torch.cuda.current_stream(self.device)])
+        self.host_staging = pool
+        streamer = ExpertStreamer(moes, self.device) if streams else None
+        if streamer is not None:
+            from strata.models.moe import grouped_mm_works
+
+            streamer.probe_float(grouped_mm_works)
+        for m in moes:
+            m.host_staging, m.streamer = pool, streamer
+            m.stream_min_tokens = cfg.expert_stream_tokens if streams else 0
+        fmt = ", ".join(sorted({m.host.fmt for m in moes}))
+        log.info("routed experts of %d MoE layers in host RAM (%s, %.2f GiB): steps of fewer than %s tokens on the CPU%s",
+                 len(moes), fmt, sum(m.host.nbytes for m in moes) / 2**30,
+                 cfg.expert_stream_tokens if streamer else "any number of",
+                 f", larger ones streamed to the GPU through 2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else "")
+        return streamer
+
     def _solo_read_tokens(self, cfg: EngineConfig) -> int:
         """The scheduler's `solo_read_tokens`: the largest prompt-chunk graph the runner will capture (CUDA
         graphs on, not a hybrid model: those graphs leave hybrids out), else 0."""
@@ -342,7 +399,20 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineEvent]:
-        reads, self.pending_events = self.pending_events, []
+        """One step's events. A failure fails the requests of the steps it struck (each ends with an
+        error event) and the engine goes on with the others (`_fail_step`)."""
+        events, self.pending_events = self.pending_events, []
+        self._struck = []
+        try:
+            events += self._step()
+        except AllocationGrowth:
+            raise  # --alloc-guard checks the engine itself (a test mode): no request's fault
+        except Exception as e:
+            events += self._fail_step(e)
+        return events
+
+    def _step(self) -> list[EngineEvent]:
+        reads: list[EngineEvent] = []
         if self.read_stage is not None:
             reads += self._read_lane(block=False)
         launched = self._launch()
@@ -358,8 +428,49 @@ class LLMEngine:
             reads += self._read_lane(block=True)  # nothing to decode: wait for the read
         return reads + done
 
+    def _fail_step(self, e: Exception) -> list[EngineEvent]:
+        """Fails the requests of the steps this call scheduled or completed, and of the step in flight
+        (a failed step leaves it unusable), with an error naming `e`; the scheduler frees their blocks
+        and slots. Without any such step (the scheduler itself failed) every request fails."""
+        oom = isinstance(e, torch.OutOfMemoryError)
+        log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=not oom)
+        if oom:
+            message = ("out of memory in a step; lower --parallel, --max-num-batched-tokens or --chunk-size, "
+                       "or --gpu-memory-utilization to leave more room beside the KV pool")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            message = f"engine error: {type(e).__name__}: {e}"
+        outs = self._struck + ([self.in_flight.out] if self.in_flight is not None else [])
+        self.in_flight = None
+        self.runner.faults = {}
+        struck = {c.request.request_id for o in outs for c in o.chunks} | {r.request_id for o in outs for r in o.finished}
+        if not struck:  # the scheduler's own fault, which no step's requests can be held to: it would recur
+            struck = set(self.requests)
+        return self._fail_requests({rid: message for rid in struck})
+
+    def _fail_requests(self, faults: dict[str, str]) -> list[EngineEvent]:
+        """Each request named ends with an error event (finish reason "abort"), its blocks freed."""
+        events = []
+        stage = self.read_stage
+        for rid, message in faults.items():
+            r = self.requests.get(rid)
+            if r is None:
+                continue
+            if stage is not None and stage.busy and any(c.request.request_id == rid for c in stage.current.chunks):
+                try:  # its blocks are being written on the read's stream, as in abort()
+                    self.pending_events += self._read_lane(block=True, next_read=False)
+                except Exception:
+                    log.exception("the read stage failed while request %s was failed", rid)
+                if rid not in self.requests:
+                    continue
+            self.scheduler.finish(rid, "abort")
+            events.append(self._finish_event(r, "abort", (), "", error=message))
+        return events
+
     def _launch(self) -> _Launched | None:
         out = self.scheduler.schedule("decode" if self.read_stage else "all")
+        self._struck.append(out)
         if not out.chunks and not out.finished:
             return None
         return _Launched(out, self.runner.launch(out.chunks))
@@ -369,6 +480,7 @@ class LLMEngine:
         stage, events = self.read_stage, []
         res = stage.poll(block)
         if res is not None:
+            self._struck.append(res.out)
             if self.alloc_guard is not None:
                 self.alloc_guard.check()
             events = self._apply(res.out, res.sampled, res.hidden, res.row_starts, res.draft_kv)
@@ -378,6 +490,7 @@ class LLMEngine:
                 stage.follow(torch.cuda.current_stream(res.hidden.device))
         if next_read and not stage.busy:
             out = self.scheduler.schedule("read")
+            self._struck.append(out)
             if out.chunks:
                 stage.reserve()  # nothing in flight on the stage
                 if self.alloc_guard is not None:
@@ -388,9 +501,12 @@ class LLMEngine:
         return events
 
     def _complete(self, launched: _Launched) -> list[EngineEvent]:
+        self._struck.append(launched.out)
         sampled = (self.runner.collect(launched.step, self.drafter.draft_probs if self.drafter else None)
                    if launched.step else {})
-        return self._apply(launched.out, sampled, self.runner.hidden, self.runner.row_starts)
+        # Requests whose own sampling failed end here; the step's other requests go on.
+        failed = self._fail_requests(launched.step.faults) if launched.step is not None else []
+        return failed + self._apply(launched.out, sampled, self.runner.hidden, self.runner.row_starts)
 
     def _apply(self, out: SchedulerOutput, sampled, hidden, row_starts, kv_written: dict[str, int] | None = None
                ) -> list[EngineEvent]:
@@ -416,37 +532,47 @@ class LLMEngine:
         events: list[EngineEvent] = []
         done = {r.request_id for r in finished}
         for rid, s in sampled.items():
-            r = self.requests[rid]
-            st = self.text[rid]
-            self.generation_tokens_total += len(r.output_ids) - st.sent_tokens
-            if st.sent_tokens == 0 and r.first_token_time is not None:
-                self._record_ttft(r.first_token_time - r.arrival_time)
-            new_ids = tuple(r.output_ids[st.sent_tokens :])
-            text = ""
-            stopped = False
-            for t in new_ids:
-                if rid in done and _is_eos(r, t):
-                    continue  # the EOS token itself produces no text
-                piece, stopped = st.stops.push(st.detok.push(t) if st.detok else "")
-                text += piece
-                if stopped:
-                    break
-            st.sent_tokens = len(r.output_ids)
-            lp = tuple(s.logprobs[: len(new_ids)]) if st.logprobs else None
-            top = tuple(tuple(t) for t in s.top[: len(new_ids)]) if s.top is not None else None
-            if (stopped or rid in grammar_done) and rid not in done:
-                self.scheduler.finish(rid, "stop")
-                if not stopped:
-                    text += st.stops.flush()
-                events.append(self._finish_event(r, "stop", new_ids, text, lp, top))
-            elif rid in done:
-                events.append(self._finish_event(r, r.finish_reason, new_ids, text + st.stops.flush(), lp, top))
-            else:
-                events.append(EngineEvent(rid, new_ids, text, None, len(r.prompt_ids), len(r.output_ids), lp,
-                                          top_logprobs=top))
+            try:
+                events += self._events_of(rid, s, done, grammar_done)
+            except Exception as e:  # its own text state (detokenizer, stop strings): it alone fails
+                log.exception("request %s: its output failed", rid)
+                events += self._fail_requests({rid: f"output failed: {type(e).__name__}: {e}"})
         for r in finished:  # finished without a sampled token this step (e.g. could never fit)
             if r.request_id in self.requests:
                 events.append(self._finish_event(r, r.finish_reason, (), self.text[r.request_id].stops.flush()))
+        return events
+
+    def _events_of(self, rid: str, s, done: set[str], grammar_done: set[str]) -> list[EngineEvent]:
+        """The event of one request's new tokens in a step: text through its detokenizer and stop strings."""
+        events: list[EngineEvent] = []
+        r = self.requests[rid]
+        st = self.text[rid]
+        self.generation_tokens_total += len(r.output_ids) - st.sent_tokens
+        if st.sent_tokens == 0 and r.first_token_time is not None:
+            self._record_ttft(r.first_token_time - r.arrival_time)
+        new_ids = tuple(r.output_ids[st.sent_tokens :])
+        text = ""
+        stopped = False
+        for t in new_ids:
+            if rid in done and _is_eos(r, t):
+                continue  # the EOS token itself produces no text
+            piece, stopped = st.stops.push(st.detok.push(t) if st.detok else "")
+            text += piece
+            if stopped:
+                break
+        st.sent_tokens = len(r.output_ids)
+        lp = tuple(s.logprobs[: len(new_ids)]) if st.logprobs else None
+        top = tuple(tuple(t) for t in s.top[: len(new_ids)]) if s.top is not None else None
+        if (stopped or rid in grammar_done) and rid not in done:
+            self.scheduler.finish(rid, "stop")
+            if not stopped:
+                text += st.stops.flush()
+            events.append(self._finish_event(r, "stop", new_ids, text, lp, top))
+        elif rid in done:
+            events.append(self._finish_event(r, r.finish_reason, new_ids, text + st.stops.flush(), lp, top))
+        else:
+            events.append(EngineEvent(rid, new_ids, text, None, len(r.prompt_ids), len(r.output_ids), lp,
+                                      top_logprobs=top))
         return events
 
     def _advance_grammars(self, sampled) -> set[str]:
@@ -484,7 +610,8 @@ class LLMEngine:
                 self.ttft_counts[i] += 1
         self.ttft_counts[-1] += 1
 
-    def _finish_event(self, r: Request, reason: str, ids, text: str, lp=None, top=None) -> EngineEvent:
+    def _finish_event(self, r: Request, reason: str, ids, text: str, lp=None, top=None,
+                      error: str | None = None) -> EngineEvent:
         self.requests.pop(r.request_id, None)
         self.text.pop(r.request_id, None)
         self.runner.release(r.request_id)
@@ -495,7 +622,7 @@ class LLMEngine:
             completion -= 1  # the EOS token is not part of the completion
         return EngineEvent(r.request_id, tuple(ids), text, reason, len(r.prompt_ids), completion, lp,
                            spec=spec.as_dict() if spec else None, top_logprobs=top,
-                           cached_tokens=r.num_cached_tokens or 0)
+                           cached_tokens=r.num_cached_tokens or 0, error=error)
 
     def stats(self) -> EngineStats:
         """A snapshot of host counters only (no device reads). Call it from the thread that steps:

@@ -97,7 +97,7 @@ def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: 
     req = PlanRequest(model_sizes(ckpt, mc, cfg, dtype, num_kv_layers, state_bytes), gpu_budget=budget,
                       scratch_bytes=scratch_bytes(cfg, mc), kv_tokens=demand,
                       kv_tokens_max=None if cfg.kv_size else kv_tokens_max, context=cfg.ctx, parallel=cfg.parallel,
-                      cpu_moe=cfg.cpu_moe, n_cpu_moe=cfg.n_cpu_moe)
+                      cpu_moe=cfg.cpu_moe, n_cpu_moe=cfg.n_cpu_moe, stream_experts=cfg.expert_stream_tokens > 0)
     try:
         return plan_memory(req)
     except PlanError:
@@ -125,6 +125,6 @@ def cap_allocator(cfg: EngineConfig, device: torch.device) -> None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, max(cfg.gpu_memory * GiB - CONTEXT_BYTES, 0) / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, device.index if device.index is not None else torch.cuda.current_device())
     log.info("GPU memory capped at %.2f GiB (torch's allocator: %.2f GiB of %.2f)", cfg.gpu_memory,
              fraction * total / GiB, total / GiB)

@@ -11,6 +11,8 @@ parameter is never materialised. Embeddings and norms are read as floats."""
 from __future__ import annotations
 
 import logging
+import math
+import re
 import os
 import sys
 from collections.abc import Collection
@@ -102,7 +104,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
         raise LoadError(path, str(e)) from None
     quantizable = _quantizable_linears(model) if keep_quantized and pack_experts and ckpt.raw else set()
     on_host = _place_host_experts(model, ckpt, host_moe_layers, host_experts) if pack_experts else set()
-    _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable - on_host, on_host)
+    host = _HostLayers(model, ckpt, on_host, dtype, stream=torch.device(device).type == "cuda") if on_host else None
+    _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable - on_host, host)
     if pack_experts:
         _pack(model, torch.device(device))
     if quantize == "fp8":
@@ -205,25 +208,50 @@ def _quantizable_linears(model: CausalLM) -> set[str]:
     return out
 
 
-def host_format(stored_type: str | None, shapes: Collection[tuple[int, int]]) -> str:
+def host_format(stored_type: str | None, shapes: Collection[tuple[int, int]], int8_fits: bool = True) -> str:
     """The CPU format of routed experts stored as `stored_type` (a safetensors dtype or GGUF type name):
-    float for float weights (exact), int8 for files of 5 bits or more, int4 (groups of 32, about 5 bits
-    with its scales) below that, where every weight's shape takes it."""
+    float for float weights (exact); for quantized files w8a8, the fastest CPU kernel measured (oneDNN's
+    int8 GEMM: 35 GB/s of experts a decode step on the H100 host, against 10 for torch's weight-only
+    int8 and 4 for its int4 kernel), unless host RAM cannot hold an int8 copy (`int8_fits`): then int4
+    (groups of 32, about 5 bits with its scales), where every weight's shape takes it."""
     from strata.models.host_experts import format_fits
 
     if stored_type is None or stored_type.upper() in ("F32", "F16", "BF16", "F64"):
         return "float"
-    if stored_type.upper().startswith(("Q8", "Q6", "Q5")):
-        return "int8"
-    return "int4" if all(format_fits("int4", *s) for s in shapes) else "int8"
+    if int8_fits or not all(format_fits("int4", *s) for s in shapes):
+        return "w8a8"
+    return "int4"
+
+
+def host_memory_available() -> int | None:
+    """Bytes the kernel says new allocations can take without swapping (MemAvailable), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int], fmt: str) -> set[str]:
     """Marks the MoE layers among `layers` to keep their routed experts in RAM (`MoE.host_format`);
-    returns those experts' tensor names, which the loader then reads to the CPU as floats."""
+    returns those experts' tensor names, which `_HostLayers` gathers as they are read."""
     from strata.models.moe import MoE
 
     names: set[str] = set()
+    int8_fits = True
+    if fmt == "auto" and layers:
+        # An int8 copy of every expert placed in RAM, beside the file's blocks kept for streaming.
+        prefixes = tuple(f"model.layers.{i}.mlp.experts." for i in layers)
+        mine = [n for n in ckpt.names if n.startswith(prefixes)]
+        need = sum(math.prod(ckpt.shapes.get(n, ())) + ckpt.nbytes.get(n, 0) for n in mine)
+        available = host_memory_available()
+        int8_fits = available is None or need <= 0.9 * available
+        if not int8_fits:
+            log.info("routed experts in RAM as int4: an int8 copy (%.1f GiB with the streaming copy) is more than "
+                     "the %.1f GiB of host memory available", need / 2**30, available / 2**30)
     for i in sorted(set(layers)):
         if i >= model.num_layers:
             raise LoadError(ckpt.path, f"no layer {i} to place experts of (the model has {model.num_layers})")
@@ -234,13 +262,96 @@ def _place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[in
         mine = {n for n in ckpt.names if n.startswith(prefix)}
         inter, hidden = moe.experts[0].gate_proj.weight.shape
         stored = ckpt.types.get(min(mine)) if mine else None
-        moe.host_format = host_format(stored, [(2 * inter, hidden), (hidden, inter)]) if fmt == "auto" else fmt
+        moe.host_format = host_format(stored, [(2 * inter, hidden), (hidden, inter)], int8_fits) if fmt == "auto" else fmt
         names |= mine
     return names
 
 
+class _HostLayers:
+    """The routed experts of the layers placed in RAM, gathered as they are read; a layer's
+    `HostExperts` is made as soon as its last expert arrives, so at most one layer is held in float.
+    `stream`: also keep each layer in the GPU's format for the streamer (the file's blocks where the GPU
+    has kernels for them, else the float stack in the model's dtype)."""
+
+    _NAME = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+    def __init__(self, model: CausalLM, ckpt: Checkpoint, names: set[str], dtype: torch.dtype, stream: bool):
+        from strata.models.moe import MoE
+
+        self.ckpt, self.dtype, self.stream, self.names = ckpt, dtype, stream, names
+        self.pending: dict[int, dict] = {}
+        self.moe_of: dict[str, MoE] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, MoE) and m.host_format is not None:
+                self.moe_of[name + ".experts."] = m
+
+    def add(self, name: str) -> None:
+        prefix = name[: name.index(".experts.") + len(".experts.")]
+        moe = self.moe_of[prefix]
+        e, proj = self._NAME.search(name).groups()
+        raw = self.ckpt.raw(name) if self.stream and self.ckpt.raw is not None else None
+        value = raw if raw is not None else self.ckpt.get(name)
+        got = self.pending.setdefault(id(moe), {})
+        got[(int(e), proj)] = value
+        if len(got) == 3 * moe.num_experts:
+            del self.pending[id(moe)]
+            self._build(moe, got)
+
+    def _build(self, moe, got: dict) -> None:
+        from strata.kernels.quant.moe_q import QExpertStack
+        from strata.models.host_experts import HostExperts, StreamStack
+
+        n = moe.num_experts
+        inter, hidden = moe.experts[0].gate_proj.weight.shape
+        trios = [(got[(e, "gate")], got[(e, "up")], got[(e, "down")]) for e in range(n)]
+        raws = all(isinstance(v, tuple) for t in trios for v in t)
+        types13 = {v[0] for t in trios for v in t[:2]} if raws else set()
+        types2 = {t[2][0] for t in trios} if raws else set()
+        float_dtype = self.dtype if moe.host_format == "float" else torch.float32
+        host = HostExperts(moe.host_format, n, inter, hidden, float_dtype)
+        if raws and len(types13) == 1 and len(types2) == 1:
+            q13 = QExpertStack.from_raw(types13.pop(), torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in trios]))
+            q2 = QExpertStack.from_raw(types2.pop(), torch.stack([d[1] for _, _, d in trios]))
+            del trios, got
+            for a in range(0, n, 16):  # 16 experts at a time in fp32: 4 GiB less at 80B-A3B's 512 experts
+                b = min(a + 16, n)
+                host.set(a, torch.stack([q13.dequantize_expert(e) for e in range(a, b)]),
+                         torch.stack([q2.dequantize_expert(e) for e in range(a, b)]))
+            if self.stream:
+                host.stream = StreamStack.of_quant(q13, q2)
+        else:
+            floats = [[self._float(v) for v in t] for t in trios]
+            del trios, got
+            w13 = torch.stack([torch.cat([g, u]) for g, u, _ in floats]).to(float_dtype)
+            w2 = torch.stack([d for _, _, d in floats]).to(float_dtype)
+            del floats
+            if self.stream:
+                host.stream = StreamStack.of_float(w13.to(self.dtype), w2.to(self.dtype))
+                if moe.host_format == "float" and float_dtype == self.dtype:
+                    # The CPU computes from the pinned stack itself: one copy in RAM, not two.
+                    host.gate_up.w, host.down.w = host.stream.stacks(host.stream.region)
+            if host.stream is None or host.gate_up.w.data_ptr() != host.stream.region.data_ptr():
+                host.set(0, w13, w2)
+        moe.host = host
+        for m in moe.experts:
+            for lin in (m.gate_proj, m.up_proj, m.down_proj):
+                lin.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+
+    def _float(self, v) -> torch.Tensor:
+        if not isinstance(v, tuple):
+            return v.float()
+        from strata.kernels.quant import format_module
+
+        mod = format_module(v[0])
+        return mod.dequantize(mod.repack(v[1]), v[1].shape[0], v[1].shape[1] // mod.BLOCK_BYTES * mod.BLOCK_VALUES)
+
+    def check_done(self) -> None:
+        if self.pending:
+            raise LoadError(self.ckpt.path, f"{len(self.pending)} MoE layers placed in RAM lack some of their experts")
+
+
 def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool,
-                    quantizable: set[str] = frozenset(), on_host: set[str] = frozenset()) -> None:
+                    quantizable: set[str] = frozenset(), host: _HostLayers | None = None) -> None:
     names = set(ckpt.names)
     cfg = model.config
     _optional_mtp_copies(model, names)
@@ -258,7 +369,13 @@ def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dty
             raise LoadError(ckpt.path, f"{kind} tensors: {', '.join(lst[:3])}{more}")
 
     bar = _Progress(len(expected), "loading weights") if progress else None
+    on_host = host.names if host is not None else frozenset()
     for name in sorted(expected):
+        if name in on_host:
+            host.add(name)
+            if bar:
+                bar.advance()
+            continue
         raw = ckpt.raw(name) if name in quantizable else None
         if raw is not None:
             module_name, _, _ = name.rpartition(".")
@@ -278,7 +395,7 @@ def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dty
             raise LoadError(ckpt.path, f"shape mismatch for {name}: file has {tuple(t.shape)}, model expects {tuple(target.shape)}")
         # The routing bias stays fp32: bf16 would reorder near-tied expert scores.
         want = torch.float32 if name.endswith("e_score_correction_bias") else dtype
-        value = t.to(device="cpu" if name in on_host else device, dtype=want)
+        value = t.to(device=device, dtype=want)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         if name in params:
@@ -287,6 +404,8 @@ def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dty
             module.register_buffer(attr, value)
         if bar:
             bar.advance()
+    if host is not None:
+        host.check_done()
     if tied:
         model.tie_weights()
     # Non-persistent buffers (rotary frequencies) are computed, not loaded.

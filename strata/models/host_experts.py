@@ -1,38 +1,51 @@
-"""Routed experts held in host RAM and computed on the CPU (`--cpu-moe`, `--n-cpu-moe N`).
+"""Routed experts held in host RAM (`--cpu-moe`, `--n-cpu-moe N`): computed on the CPU for steps of few
+tokens, streamed to the GPU for prompt chunks of many.
 
 A MoE layer whose routed experts the memory plan leaves in RAM keeps them here, in a format that one
 of torch's maintained CPU kernels reads (no hand-written SIMD):
 
 - "float": the model's dtype (fp32 or bf16) through `F.linear` (oneDNN); the only exact format, so a
   float file gives the same experts on the GPU and in RAM;
-- "int8": int8 with one scale per output row, through `torch._weight_int8pack_mm` — for files of 6 bits
-  or more (Q8_0, Q6_K, Q5_K);
+- "int8": int8 with one scale per output row, through `torch._weight_int8pack_mm` (activations stay
+  float);
+- "w8a8": the same int8 weights, each token's activations rounded to int8 with a scale of its own
+  (as llama.cpp's CPU backend rounds them to Q8 blocks), through `torch._int_mm` (oneDNN's int8 GEMM):
+  the fastest on the hosts measured (docs/PERFORMANCE.md), so quantized files take it by default;
 - "int4": int4 in groups of 32 values with a scale and an offset per group, through
-  `torch._weight_int4pack_mm_for_cpu` — for the files of 4.5 bits or fewer (Q4_K, Q4_0, IQ4_XS, Q3_K,
-  IQ3_S), whose weights it holds at least as finely as the file does.
+  `torch._weight_int4pack_mm_for_cpu`: half the RAM of int8, the default only where RAM cannot hold int8.
 
-Activations are fp32 on the CPU. A step's (token, expert) pairs are grouped by expert, so each expert
-the step chose runs two matmuls over all of its rows; the weighted sum over a token's experts is
-taken in fp32 and returned for the caller to add on the device.
+A step's (token, expert) pairs are grouped by expert, so each expert the step chose is read once for
+all of its rows (with speculation, one pass over the experts serves every draft token of the step);
+the weighted sum over a token's experts is taken in fp32.
+
+For a prompt chunk the same experts are copied to the GPU and computed there by the GPU's kernels
+(`ExpertStreamer`): a layer's experts in the GPU's format (`StreamStack`, the file's quantized blocks or
+the float stack) wait in pinned host memory, and a side stream copies the next layer's into one of two
+GPU buffers while the current layer computes from the other.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("float", "int8", "int4")
+FORMATS = ("float", "int8", "w8a8", "int4")
 INT4_GROUP = 32
 # The int4 CPU kernel packs rows in tiles of 16 and groups of INT4_GROUP values: shapes it can take.
 INT4_ROW_TILE = 16
+_ALIGN = 256  # bytes between the planes carved from one region (any dtype's view stays aligned)
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (int8 [N, K], fp32 scale [N]) with w ≈ q * scale, the scale from each row's
-    largest magnitude."""
+    """w [..., N, K] float -> (int8 [..., N, K], fp32 scale [..., N]) with w ≈ q * scale, the scale from
+    each row's largest magnitude."""
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scale
 
 
@@ -50,13 +63,21 @@ def int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor,
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[:, None]
+    return q.float() * scale[..., None]
 
 
 def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     scale = scales_and_zeros[..., 0].t().repeat_interleave(group, dim=1)
     zero = scales_and_zeros[..., 1].t().repeat_interleave(group, dim=1)
     return (q.float() - 8.0) * scale + zero
+
+
+def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [T, K] -> (int8 [T, K], fp32 scale [T, 1]): each token's row rounded to its own
+    scale (w8a8's activations)."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    return torch.round(x / scale).to(torch.int8), scale
 
 
 def format_fits(fmt: str, n: int, k: int) -> bool:
@@ -66,73 +87,319 @@ def format_fits(fmt: str, n: int, k: int) -> bool:
     return fmt in FORMATS
 
 
-class HostWeight:
-    """One [N, K] projection of one expert in a CPU format; `mm(x)` is x @ Wᵀ in fp32."""
+class HostProjection:
+    """E experts' [N, K] projection in one CPU format; `mm(e, x)` is x @ W_eᵀ in fp32."""
 
-    def __init__(self, w: torch.Tensor, fmt: str):
-        if not format_fits(fmt, *w.shape):
-            raise ValueError(f"a {tuple(w.shape)} weight cannot be held as {fmt}")
-        self.fmt, self.n, self.k = fmt, w.shape[0], w.shape[1]
+    def __init__(self, fmt: str, num_experts: int, n: int, k: int, dtype: torch.dtype = torch.float32):
+        if fmt not in FORMATS:
+            raise ValueError(f"host expert format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+        if not format_fits(fmt, n, k):
+            raise ValueError(f"a ({n}, {k}) weight cannot be held as {fmt}")
+        self.fmt, self.num_experts, self.n, self.k = fmt, num_experts, n, k
         if fmt == "float":
-            self.w = w.detach().to("cpu").contiguous()
-        elif fmt == "int8":
-            self.w, self.scale = int8_rows(w.detach().to("cpu"))
+            self.w = torch.empty(num_experts, n, k, dtype=dtype)
+        elif fmt in ("int8", "w8a8"):
+            self.w = torch.empty(num_experts, n, k, dtype=torch.int8)
+            self.scale = torch.empty(num_experts, n)
         else:
-            q, self.scales_and_zeros = int4_groups(w.detach().to("cpu"))
-            self.w = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.packed: list[torch.Tensor | None] = [None] * num_experts
+            self.scales_and_zeros: list[torch.Tensor | None] = [None] * num_experts
+
+    def set(self, first: int, w: torch.Tensor) -> None:
+        """Experts first.. first + len(w) from float weights w [e, N, K]."""
+        last = first + w.shape[0]
+        if self.fmt == "float":
+            self.w[first:last].copy_(w)
+        elif self.fmt in ("int8", "w8a8"):
+            self.w[first:last], self.scale[first:last] = int8_rows(w)
+        else:
+            for i in range(w.shape[0]):
+                q, sz = int4_groups(w[i])
+                self.packed[first + i] = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+                self.scales_and_zeros[first + i] = sz
 
     @property
     def nbytes(self) -> int:
-        extra = {"float": 0, "int8": self.n * 4, "int4": self.k // INT4_GROUP * self.n * 2 * 4}[self.fmt]
-        return self.w.numel() * self.w.element_size() + extra
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "float":
-            return F.linear(x.to(self.w.dtype), self.w).float()
+            return self.w.numel() * self.w.element_size()
+        if self.fmt in ("int8", "w8a8"):
+            return self.w.numel() + self.scale.numel() * 4
+        return self.num_experts * (self.n * self.k // 2 + self.k // INT4_GROUP * self.n * 2 * 4)
+
+    def dequantize(self, e: int) -> torch.Tensor:
+        """fp32 [N, K]: what `mm` multiplies by (int4: through the kernel, on the identity)."""
+        if self.fmt == "float":
+            return self.w[e].float()
+        if self.fmt in ("int8", "w8a8"):
+            return dequantize_int8(self.w[e], self.scale[e])
+        return self.mm(e, torch.eye(self.k)).t().contiguous()
+
+    def prepare(self, x: torch.Tensor):
+        """The rows of every pair of a step, once: w8a8 rounds them to int8 here."""
+        if self.fmt == "w8a8":
+            return int8_tokens(x)
+        return x.to(self.w.dtype) if self.fmt == "float" else x.float()
+
+    def mm(self, e: int, x, rows: slice | None = None) -> torch.Tensor:
+        """x (or `prepare(x)`) [T, K], rows of it -> fp32 [T, N] through expert e's weight."""
+        if self.fmt == "w8a8":
+            q, s = x if isinstance(x, tuple) else int8_tokens(x)
+            if rows is not None:
+                q, s = q[rows], s[rows]
+            return torch._int_mm(q, self.w[e].t()).float() * s * self.scale[e]
+        if rows is not None:
+            x = x[rows]
+        if self.fmt == "float":
+            return F.linear(x.to(self.w.dtype), self.w[e]).float()
         if self.fmt == "int8":
-            return torch._weight_int8pack_mm(x, self.w, self.scale)
-        return torch._weight_int4pack_mm_for_cpu(x, self.w, INT4_GROUP, self.scales_and_zeros)
+            return torch._weight_int8pack_mm(x.float(), self.w[e], self.scale[e])
+        return torch._weight_int4pack_mm_for_cpu(x.float(), self.packed[e], INT4_GROUP, self.scales_and_zeros[e])
+
+
+@dataclass
+class StreamStack:
+    """One layer's experts in the GPU's format, in one region of pinned host memory: "quant" (the
+    file's blocks as `moe_q.QExpertStack` planes, gate|up then down) or "float" (w13 [E, 2I, H] and
+    w2 [E, H, I] in the model's dtype). `views(region)` carves the same layout from any region."""
+
+    kind: str
+    layout: tuple  # (plane name, dtype, shape, byte offset) for each plane
+    meta: tuple  # quant: (type13, type2, E, n13, k13, n2, k2); float: ()
+    region: torch.Tensor  # uint8, pinned when CUDA is there
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel()
+
+    @classmethod
+    def build(cls, kind: str, planes: dict[str, torch.Tensor], meta: tuple) -> "StreamStack":
+        layout, offset = [], 0
+        for name, p in planes.items():
+            layout.append((name, p.dtype, tuple(p.shape), offset))
+            offset += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        region = torch.empty(offset, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        stack = cls(kind, tuple(layout), meta, region)
+        for name, view in stack.views(region).items():
+            view.copy_(planes[name])
+        return stack
+
+    @classmethod
+    def of_float(cls, w13: torch.Tensor, w2: torch.Tensor) -> "StreamStack":
+        return cls.build("float", {"w13": w13, "w2": w2}, ())
+
+    @classmethod
+    def of_quant(cls, w13, w2) -> "StreamStack":
+        """From two `QExpertStack`s on the CPU."""
+        planes = {f"13.{n}": p for n, p in w13.planes.items()} | {f"2.{n}": p for n, p in w2.planes.items()}
+        return cls.build("quant", planes, (w13.ggml_type, w2.ggml_type, w13.num_experts, w13.n, w13.k, w2.n, w2.k))
+
+    def views(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, dtype, shape, offset in self.layout:
+            size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+            out[name] = region[offset : offset + size].view(dtype).view(shape)
+        return out
+
+    def stacks(self, region: torch.Tensor) -> tuple:
+        """The layer's (w13, w2) over `region`: tensors ("float") or `QExpertStack`s ("quant")."""
+        v = self.views(region)
+        if self.kind == "float":
+            return v["w13"], v["w2"]
+        from strata.kernels.quant.moe_q import QExpertStack
+
+        t13, t2, e, n13, k13, n2, k2 = self.meta
+        p13 = {n[3:]: p for n, p in v.items() if n.startswith("13.")}
+        p2 = {n[2:]: p for n, p in v.items() if n.startswith("2.")}
+        return QExpertStack(t13, e, n13, k13, p13), QExpertStack(t2, e, n2, k2, p2)
 
 
 class HostExperts:
-    """One MoE layer's routed experts in host RAM: per expert, gate|up [2I, H] and down [H, I]."""
+    """One MoE layer's routed experts in host RAM: gate|up [E, 2I, H] and down [E, H, I] in a CPU format,
+    and, where a GPU will stream them, the same experts in its format (`stream`)."""
 
-    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], fmt: str = "float"):
-        if fmt not in FORMATS:
-            raise ValueError(f"host expert format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    def __init__(self, fmt: str, num_experts: int, inter: int, hidden: int, dtype: torch.dtype = torch.float32):
         self.fmt = fmt
-        self.gate_up = [HostWeight(w, fmt) for w in gate_up]
-        self.down = [HostWeight(w, fmt) for w in down]
+        self.gate_up = HostProjection(fmt, num_experts, 2 * inter, hidden, dtype)
+        self.down = HostProjection(fmt, num_experts, hidden, inter, dtype)
+        self.stream: StreamStack | None = None
+        # What `forward` has done: seconds on the CPU, expert weight bytes read (`strata bench offload`).
+        self.seconds = 0.0
+        self.bytes_read = 0
 
     @property
     def num_experts(self) -> int:
-        return len(self.gate_up)
+        return self.gate_up.num_experts
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.gate_up + self.down)
+        """RAM held: the CPU format and the GPU's (one region when the CPU reads the streamed stack)."""
+        if self.stream is None:
+            return self.gate_up.nbytes + self.down.nbytes
+        shared = self.fmt == "float" and self.gate_up.w.data_ptr() == self.stream.region.data_ptr()
+        return self.stream.nbytes + (0 if shared else self.gate_up.nbytes + self.down.nbytes)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids [T, k], weights [T, k] on the CPU -> [T, H] fp32: sum_j weights[t, j] *
-        expert_{ids[t, j]}(x[t])."""
-        x = x.float()
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        token_of = order // ids.shape[1]
-        weight_of = weights.reshape(-1).float()[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for e, c in zip(experts.tolist(), counts.tolist()):
-            rows = token_of[start : start + c]
-            h = self.gate_up[e].mm(x.index_select(0, rows))
-            gate, up = h.chunk(2, dim=-1)
-            y = self.down[e].mm(F.silu(gate) * up)
-            out.index_add_(0, rows, y * weight_of[start : start + c, None])
-            start += c
-        return out
+    def set(self, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Experts first.. from float stacks w13 [e, 2I, H] (gate rows, then up rows) and w2 [e, H, I]."""
+        self.gate_up.set(first, w13)
+        self.down.set(first, w2)
 
     @classmethod
     def from_stacks(cls, w13: torch.Tensor, w2: torch.Tensor, fmt: str = "float") -> "HostExperts":
-        """From stacked float experts: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]."""
-        return cls(list(w13.unbind(0)), list(w2.unbind(0)), fmt)
+        e, two_i, h = w13.shape
+        out = cls(fmt, e, two_i // 2, h, w13.dtype if fmt == "float" else torch.float32)
+        out.set(0, w13, w2)
+        return out
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], ids [T, k], weights [T, k] on the CPU -> fp32 [T, H] (into `out` if given):
+        sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+        t0 = time.perf_counter()
+        out = self._forward(x, ids, weights, out)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def _forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
+                 ) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        if t == 1:  # one token: its k experts, no sort
+            groups = [(e, slice(j, j + 1)) for j, e in enumerate(flat.tolist())]
+            xs = self.gate_up.prepare(x)
+            rows_of = [slice(0, 1)] * k
+            weight_of = weights.reshape(-1, 1).float()
+        else:
+            order = torch.argsort(flat, stable=True)
+            experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+            token_of = order // k
+            groups, start = [], 0
+            for e, c in zip(experts.tolist(), counts.tolist()):
+                groups.append((e, slice(start, start + c)))
+                start += c
+            xs = self.gate_up.prepare(x.index_select(0, token_of))
+            rows_of = [s for _, s in groups]
+            weight_of = weights.reshape(-1).float()[order, None]
+        self.bytes_read += len(groups) * (self.gate_up.nbytes + self.down.nbytes) // self.num_experts
+        h = torch.cat([self.gate_up.mm(e, xs, r) for (e, _), r in zip(groups, rows_of)])
+        gate, up = h.chunk(2, dim=-1)
+        act = self.down.prepare(F.silu(gate) * up)
+        y = torch.cat([self.down.mm(e, act, s) for e, s in groups]) * weight_of
+        if out is None:
+            out = torch.empty(t, y.shape[1], dtype=torch.float32)
+        if t == 1:
+            return torch.sum(y, dim=0, keepdim=True, out=out)
+        out.zero_()
+        return out.index_add_(0, token_of, y)
+
+
+class HostStaging:
+    """Pinned buffers a CUDA step's host-expert layers pass their rows through (reserved once, per
+    stream, so the read stage's thread and the decode thread never share one): the rows, ids and
+    routing weights down, the experts' sum back up into a device buffer."""
+
+    def __init__(self, tokens: int, hidden: int, k: int, dtype: torch.dtype, device: torch.device):
+        self.x = torch.empty(tokens, hidden, dtype=dtype, pin_memory=True)
+        self.ids = torch.empty(tokens, k, dtype=torch.int64, pin_memory=True)
+        self.w = torch.empty(tokens, k, dtype=torch.float32, pin_memory=True)
+        self.out = torch.empty(tokens, hidden, dtype=torch.float32, pin_memory=True)
+        self.out_cast = torch.empty(tokens, hidden, dtype=dtype, pin_memory=True)
+        self.dev = torch.empty(tokens, hidden, dtype=dtype, device=device)
+        self.event = torch.cuda.Event()
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+    def down(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = x.shape[0]
+        self.x[:t].copy_(x, non_blocking=True)
+        self.ids[:t].copy_(ids, non_blocking=True)
+        self.w[:t].copy_(w, non_blocking=True)
+        self.event.record()
+        return self.x[:t], self.ids[:t], self.w[:t]
+
+    def up(self, y: torch.Tensor) -> torch.Tensor:
+        """y: a view of `out`: cast on the host, one copy up (read before the stream's next `down`)."""
+        t = y.shape[0]
+        self.out_cast[:t].copy_(y)
+        return self.dev[:t].copy_(self.out_cast[:t], non_blocking=True)
+
+
+class HostStagingPool:
+    """One `HostStaging` for each CUDA stream that runs host-expert layers, made at its first step."""
+
+    def __init__(self, tokens: int, hidden: int, k: int, dtype: torch.dtype, device: torch.device):
+        self.tokens, self.shape = tokens, (tokens, hidden, k, dtype, device)
+        self.by_stream: dict[int, HostStaging] = {}
+
+    def get(self) -> HostStaging:
+        key = torch.cuda.current_stream().cuda_stream
+        staging = self.by_stream.get(key)
+        if staging is None:
+            staging = self.by_stream[key] = HostStaging(*self.shape)
+        return staging
+
+    def reserve(self, streams) -> None:
+        """Staging for each of `streams` now, at start-up, rather than at its first step."""
+        for s in streams:
+            with torch.cuda.stream(s):
+                self.get()
+
+
+class ExpertStreamer:
+    """Copies the host-expert layers' `StreamStack`s to the GPU in layer order, two buffers deep: while a
+    layer computes from one buffer, a side stream fills the other with the next layer's experts. A
+    lock makes one thread's layer (acquire .. release) whole when two threads stream."""
+
+    def __init__(self, layers: list, device: torch.device):
+        self.order = {id(m): i for i, m in enumerate(layers)}
+        self.layers = layers
+        size = max(m.host.stream.nbytes for m in layers)
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.holds: list[int | None] = [None, None]  # which layer each buffer holds (or is filling)
+        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]
+        self.stream = torch.cuda.Stream(device)
+        self.lock = threading.Lock()
+        self.bytes_copied = 0
+        # Whether float stacks go through torch._grouped_mm on this device (else a loop): `probe_float`.
+        self.float_grouped = False
+
+    def probe_float(self, works) -> None:
+        """`works(w13, w2)` (moe.grouped_mm_works) on the first layer's streamed stacks, when float."""
+        if self.layers[0].host.stream.kind == "float":
+            self._fill(0, 0)
+            torch.cuda.current_stream().wait_event(self.ready[0])
+            self.float_grouped = works(*self.layers[0].host.stream.stacks(self.buffers[0]))
+            self.free[0].record()
+            self.bytes_copied = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def _fill(self, i: int, slot: int) -> None:
+        stack = self.layers[i].host.stream
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.free[slot])
+            self.buffers[slot][: stack.nbytes].copy_(stack.region, non_blocking=True)
+            self.ready[slot].record(self.stream)
+        self.holds[slot] = i
+        self.bytes_copied += stack.nbytes
+
+    def acquire(self, moe) -> tuple[int, tuple]:
+        """moe's experts on the GPU: (slot, its stacks). The current stream waits for their copy, and the
+        next layer's starts on the side stream. Hold `lock` until `release`."""
+        i = self.order[id(moe)]
+        slot = self.holds.index(i) if i in self.holds else None
+        if slot is None:
+            slot = i % 2
+            self._fill(i, slot)
+        torch.cuda.current_stream().wait_event(self.ready[slot])
+        n = len(self.layers)
+        if n > 2 and self.holds[1 - slot] != (i + 1) % n:
+            self._fill((i + 1) % n, 1 - slot)
+        return slot, self.layers[i].host.stream.stacks(self.buffers[slot])
+
+    def release(self, slot: int) -> None:
+        self.free[slot].record()

@@ -4,6 +4,7 @@ experts (plus shared ones), with the paths a device can run them on (`MoE.path`)
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from strata.kernels import moe_sort as k_sort
 from strata.kernels import triton_available, use_triton
 from strata.kernels.quant import moe_decode_q
 from strata.kernels.scratch import scratch
-from strata.models.host_experts import HostExperts
+from strata.models.host_experts import ExpertStreamer, HostExperts, HostStagingPool
 from strata.models.layers import MLP, silu_mul
 
 log = logging.getLogger("strata")
@@ -96,7 +97,7 @@ class Router(nn.Module):
         return (w * self.scale if self.scale != 1.0 else w), ids, logits
 
 
-def _grouped_mm_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def grouped_mm_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """One tiny call of `torch._grouped_mm` on the real weights, checked against F.linear.
 
     The op is private and its kernels accept only some dtypes, shapes and alignments (CUDA may reject
@@ -207,6 +208,11 @@ class MoE(nn.Module):
         # their CPU format here; `pack_experts` moves them into `host` (path "host").
         self.host_format: str | None = None
         self.host: HostExperts | None = None
+        # Set by the engine on CUDA: the pinned buffers a step's rows pass through to the CPU, and the
+        # streamer that brings the experts to the GPU for steps of `stream_min_tokens` or more (0: never).
+        self.host_staging: HostStagingPool | None = None
+        self.streamer: ExpertStreamer | None = None
+        self.stream_min_tokens = 0
 
     @torch.no_grad()
     def pack_experts(self, extra: MLP | None = None) -> str:
@@ -215,6 +221,9 @@ class MoE(nn.Module):
         dtype: moving the module afterwards copies the views apart. `extra`: an MLP of the experts'
         shape stacked after them (`w13_ext`/`w2_ext`; its gate|up a view too), for a subclass that
         runs it as one more expert. Returns `self.path`."""
+        if self.host is not None:  # built by the loader, layer by layer
+            self._host_ready()
+            return self.path
         if self.host_format is not None:
             self._pack_host()
             return self.path
@@ -247,7 +256,7 @@ class MoE(nn.Module):
         if w13.is_cuda and triton_available():
             self.sort_ws = k_sort.sort_tokens_workspace(w13.device)
             self.gate.route_ws = k_moe_inv.router_workspace(self.num_experts, hidden, w13.device)
-        if _grouped_mm_works(self.w13, self.w2):
+        if grouped_mm_works(self.w13, self.w2):
             self.path = "grouped"
             self.decode_kernel = moe_decode_works(self.w13, self.w2, self.num_experts_per_tok)
         else:
@@ -297,31 +306,75 @@ class MoE(nn.Module):
         return True
 
     def _pack_host(self) -> None:
-        """The routed experts into host RAM in `host_format` (`HostExperts`); their parameters emptied."""
-        gate_up = [torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self.experts]
-        down = [m.down_proj.weight for m in self.experts]
-        self.host = HostExperts(gate_up, down, self.host_format)
+        """The routed experts' float parameters into host RAM in `host_format` (`HostExperts`), emptied."""
+        w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self.experts])
+        w2 = torch.stack([m.down_proj.weight for m in self.experts])
+        self.host = HostExperts.from_stacks(w13.cpu(), w2.cpu(), self.host_format)
         for m in self.experts:
             for lin in (m.gate_proj, m.up_proj, m.down_proj):
                 lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+        self._host_ready()
+
+    def _host_ready(self) -> None:
         if self.gate.weight.dtype != torch.float32:
             self.gate.weight_f32 = self.gate.weight.detach().float()
+        if self.gate.weight.is_cuda and triton_available():
+            self.sort_ws = k_sort.sort_tokens_workspace(self.gate.weight.device)
         self.path = "host"
 
-    def _host_forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts in RAM: the step's rows, ids and routing weights to the host (a wait for
-        the router), the experts on the CPU, their sum back to x's device."""
-        if x.device.type == "cpu":
-            return self.host.forward(x, ids, w).to(x.dtype)
-        return self.host.forward(x.cpu(), ids.cpu(), w.cpu()).to(device=x.device, dtype=x.dtype)
+    def _host_forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                      during: Callable[[], None] | None = None) -> torch.Tensor:
+        """The routed experts in RAM. A step of `stream_min_tokens` or more on the GPU runs them there,
+        copied up by the streamer; a smaller one sends its rows, ids and routing weights to the host (a
+        wait for the router), runs them on the CPU and sends their sum back. `during`: GPU work to queue
+        while the CPU computes (the shared expert)."""
+        if x.is_cuda and self.streamer is not None and self.stream_min_tokens and x.shape[0] >= self.stream_min_tokens:
+            with self.streamer.lock:
+                slot, stacks = self.streamer.acquire(self)
+                if isinstance(stacks[0], torch.Tensor) and not self.streamer.float_grouped:
+                    # A dtype torch._grouped_mm does not take (fp32): each chosen expert's rows in turn.
+                    w13, w2 = stacks
+                    out = self._loop(x, w, ids, lambda e, rows: F.linear(silu_mul(F.linear(rows, w13[e])), w2[e]))
+                else:
+                    out = self._grouped(x, w, ids, stacks)
+                self.streamer.release(slot)
+        elif x.device.type == "cpu":
+            out = self.host.forward(x, ids, w).to(x.dtype)
+        elif self.host_staging is not None and x.shape[0] <= self.host_staging.tokens:
+            staging = self.host_staging.get()
+            xh, idh, wh = staging.down(x, ids, w)
+            if during is not None:
+                during()
+                during = None
+            staging.event.synchronize()
+            out = staging.up(self.host.forward(xh, idh, wh, out=staging.out[: x.shape[0]]))
+        else:
+            out = self.host.forward(x.cpu(), ids.cpu(), w.float().cpu()).to(device=x.device, dtype=x.dtype)
+        if during is not None:
+            during()
+        return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, during: Callable[[], None] | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum; `during` runs once, while the CPU computes where it does."""
         w, ids, _ = self.gate(x)
         if self.keep_routing:
             self.last_expert_ids = ids.detach()
         if self.host is not None:
-            out = self._host_forward(x, w, ids)
-        elif self.batch_invariant and not x.is_cuda:
+            return self._host_forward(x, w, ids, during)
+        out = self._routed_on_device(x, w, ids)
+        if during is not None:
+            during()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_experts is None:
+            return self.routed(x)
+        shared: list[torch.Tensor] = []
+        out = self.routed(x, lambda: shared.append(self.shared_experts(x)))
+        return out + shared[0]
+
+    def _routed_on_device(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and not x.is_cuda:
             out = self._loop(x, w, ids)  # each expert's rows through the row-invariant linear, in expert order
         elif self.batch_invariant and self.w13 is not None and x.dtype == self.w13.dtype and use_triton(x):
             out = self._grouped_invariant(x, w, ids)  # never the fused decode kernel: its order is its own
@@ -340,8 +393,6 @@ class MoE(nn.Module):
             out = self._masked(x, w, ids)
         else:
             out = self._loop(x, w, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
 
     def decode_kernels_serve(self, x: torch.Tensor, pairs: int, w13: torch.Tensor | None) -> bool:
@@ -351,7 +402,11 @@ class MoE(nn.Module):
         return (self.decode_kernel and w13 is not None and x.dtype == w13.dtype and use_triton(x)
                 and k_moe.moe_decode_supported(x.shape[0], pairs, x.shape[1], w13.shape[1] // 2, x.dtype))
 
-    def _loop(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+              expert: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Each chosen expert over its rows, the group sizes read on the host; `expert(e, rows)`: another
+        way to run expert e than its module."""
+        expert = expert or (lambda e, rows: self.experts[e](rows))
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
@@ -363,7 +418,7 @@ class MoE(nn.Module):
             if c == 0:
                 continue
             tok = token_of[start : start + c]
-            y = self.experts[e](x[tok]) * weight_of[start : start + c, None]
+            y = expert(e, x[tok]) * weight_of[start : start + c, None]
             out.index_add_(0, tok, y.to(x.dtype))
             start += c
         return out
@@ -397,7 +452,10 @@ class MoE(nn.Module):
             out += (expert(x) * dense_w[:, e : e + 1]).to(x.dtype)
         return out
 
-    def _grouped(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, streamed: tuple | None = None
+                 ) -> torch.Tensor:
+        """`streamed`: (w13, w2) the streamer brought up, float stacks or `QExpertStack`s, in place of the
+        layer's own."""
         n, k = ids.shape
         # Pairs stably sorted by expert and the group ends, with no host sync (not bincount: on CUDA it
         # reads the ids' max on the host). Two launches on CUDA, argsort + searchsorted elsewhere.
@@ -409,14 +467,16 @@ class MoE(nn.Module):
             w13, s13, w2, s2 = self.fp8
             h13 = fp8.grouped_matmul(xs, w13, s13, offs)
             y = fp8.grouped_silu_mul_matmul(h13, w2, s2, offs)
-        elif self.quant is not None:  # GGUF experts kept quantized (strata.kernels.quant.moe_q)
-            from strata.kernels.quant import moe_q
+        elif self.quant is not None or (streamed is not None and not isinstance(streamed[0], torch.Tensor)):
+            from strata.kernels.quant import moe_q  # GGUF experts kept quantized
 
-            h13 = moe_q.grouped_matmul(xs, self.quant[0], offs)
-            y = moe_q.grouped_matmul(silu_mul(h13), self.quant[1], offs)
+            q13, q2 = streamed or self.quant
+            h13 = moe_q.grouped_matmul(xs, q13, offs)
+            y = moe_q.grouped_matmul(silu_mul(h13), q2, offs)
         else:
-            h13 = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
-            y = torch._grouped_mm(silu_mul(h13), self.w2.transpose(1, 2), offs=offs)
+            w13, w2 = streamed or (self.w13, self.w2)
+            h13 = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(silu_mul(h13), w2.transpose(1, 2), offs=offs)
         # As the loop: fp32 routing weights, each expert's contribution rounded to x.dtype.
         y = (y * w.reshape(-1)[order, None]).to(x.dtype)
         # Back to (token, k) order and a plain sum over k: no atomics, so the result is deterministic.

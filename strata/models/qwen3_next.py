@@ -290,7 +290,9 @@ class SharedGatedMoE(MoE):
             w, ids = k_act.append_gated_expert_triton(x, self.shared_expert_gate.weight, w.contiguous(),
                                                       ids.contiguous(), self.num_experts)
             return k_moe.moe_experts_decode_triton(x, ids, w, self.w13_ext, self.w2_ext)
-        return k_act.sigmoid_gated_add(super().forward(x), self.shared_expert(x), x, self.shared_expert_gate.weight)
+        shared: list[torch.Tensor] = []
+        routed = self.routed(x, lambda: shared.append(self.shared_expert(x)))
+        return k_act.sigmoid_gated_add(routed, shared[0], x, self.shared_expert_gate.weight)
 
 
 class HybridDecoderLayer(nn.Module):

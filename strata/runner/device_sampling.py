@@ -1,7 +1,8 @@
 """Batched sampling on the logits' device, with counter-based randomness instead of generators.
 
-Per row, the transforms of `sampling.py` in its order: repetition penalty → temperature → top-k →
-top-p → min-p → draw. Greedy rows (temperature 0) take the argmax of the penalised logits.
+Per row, the transforms of `sampling.py` in its order: logit bias → repetition penalty → temperature →
+top-k → top-p → min-p → draw. Greedy rows (temperature 0) take the argmax of the biased, penalised
+logits.
 
 The draw is a Gumbel-max race: token = argmax over kept v of `z_v + G(v)`, z the filtered logits and
 G(v) = -log(-log(u_v)) with u_v a uniform that is a pure function of (seed, counter, stream, v), so
@@ -33,6 +34,8 @@ data-dependent shapes, so it can be captured in a CUDA graph; `fill` is the host
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -41,7 +44,7 @@ import torch
 
 from strata.kernels import use_triton
 from strata.kernels.row_lse import row_logsumexp
-from strata.params import SamplingParams
+from strata.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_K, REPETITION_PENALTY_RANGE, SamplingParams
 from strata.kernels.transfer import to_device
 
 try:
@@ -83,12 +86,34 @@ class RowParams:
     counter: int = 0
     seen: Sequence[int] | None = None  # token ids the repetition penalty applies to (duplicates fine)
     stream: int = STREAM_SAMPLE
+    bias: Sequence[tuple[int, float]] | None = None  # (token id, value added to its logit)
 
     @classmethod
     def of(cls, p: SamplingParams, seed: int, counter: int, seen: Sequence[int] | None = None,
            stream: int = STREAM_SAMPLE) -> RowParams:
         return cls(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, seed, counter,
-                   seen if p.repetition_penalty != 1.0 else None, stream)
+                   seen if p.repetition_penalty != 1.0 else None, stream, tuple(p.logit_bias.items()) or None)
+
+    def check(self, vocab: int) -> None:
+        """Raises ValueError unless every value fits the sampler's columns: the runner checks each
+        request's rows apart, so one bad row fails its own request, not the batch it is packed into.
+        (Chained comparisons: NaN fails each of them, infinity the bounded ones.)"""
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not (0 <= self.temperature < math.inf and 0 < self.top_p <= 1 and 0 <= self.min_p <= 1
+                and lo <= self.repetition_penalty <= hi):
+            raise ValueError(f"sampling parameters out of range: temperature {self.temperature}, top_p {self.top_p}, "
+                             f"min_p {self.min_p}, repetition_penalty {self.repetition_penalty}")
+        if not (type(self.top_k) is int and 0 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k!r}")
+        if not (type(self.seed) is int and type(self.counter) is int and self.counter >= 0):
+            raise ValueError("seed and counter must be integers")
+        if self.bias:
+            if len(self.bias) > MAX_LOGIT_BIAS_TOKENS:
+                raise ValueError(f"logit bias for {len(self.bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS}")
+            for t, b in self.bias:
+                if not (type(t) is int and 0 <= t < vocab and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+                    raise ValueError(f"logit bias ({t!r}, {b!r}): ids in [0, {vocab}), values in "
+                                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
 
 @dataclass(frozen=True)
@@ -101,6 +126,7 @@ class SamplePlan:
     sort: bool  # a top-k or top-p row: sort each row once, both read the sorted values
     sample: bool  # any row not greedy (else argmax only)
     top_k: int = 0  # every row has top-k on: the largest k (the CPU sorts only that many candidates), else 0
+    bias: int = 0  # logit-bias columns (0: no bias stage)
 
 
 # ---- the hash ---------------------------------------------------------------------------------------
@@ -257,6 +283,11 @@ def _penalise(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> tor
     return x.clone().scatter_(1, seen, torch.where(picked > 0, picked / penalty, picked * penalty))
 
 
+def _biased(x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """x [M, V] plus each row's logit bias: ids/values [M, width], padded with (0, 0.0)."""
+    return x.scatter_add(1, ids, values)
+
+
 def _top_k_sorted(z: torch.Tensor, i: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`z.sort(descending=True, stable=True)` as far as a top-k filter of at most `top_k` reads it, for
     the CPU (a host check): the top_k + 1 largest of each row in the stable sort's order (value, then
@@ -369,6 +400,10 @@ class DeviceSampler:
         self.d_f = torch.zeros(max_rows, _N_FLOAT, dtype=torch.float32, device=self.device)
         self.d_i = torch.zeros(max_rows, _N_INT, dtype=torch.int64, device=self.device)
         self.d_seen = torch.zeros(max_rows * max_seen, dtype=torch.int64, device=self.device)
+        # Logit biases, [rows, width] flat; grown on the first batch that needs more (few requests set one).
+        self.h_bias_ids: list[torch.Tensor] = []
+        self.h_bias_val: list[torch.Tensor] = []
+        self.d_bias_ids = self.d_bias_val = torch.zeros(0, device=self.device)
         # Each host set is refilled only after its previous copies have left it.
         self.copied: list[torch.cuda.Event | None] = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.next_set = 0
@@ -398,31 +433,68 @@ class DeviceSampler:
             _pack_seen(penalised, seen, flat)
             used = (int(np.flatnonzero(penalised)[-1]) + 1) * width
             self.d_seen[:used].copy_(self.h_seen[s][:used], non_blocking=True)
+        bias = self._fill_bias(rows, r_total, s)
         self.d_f[:r_total].copy_(h_f[:r_total], non_blocking=True)
         self.d_i[:r_total].copy_(h_i[:r_total], non_blocking=True)
         if self.copied[s] is not None:
             self.copied[s].record()
         if static:
-            return self.static_plan(r_total)
+            return dataclasses.replace(self.static_plan(r_total), bias=bias)
         kth = h_i.numpy()[:r_total, _KTH]
         top_k = int(kth.max()) + 1 if sort and r_total == m and kth.max() < self.vocab - 1 else 0
-        return SamplePlan(r_total, width, sort, sample, top_k)
+        return SamplePlan(r_total, width, sort, sample, top_k, bias)
+
+    def _fill_bias(self, rows: Sequence[RowParams], r_total: int, s: int) -> int:
+        """Rows' logit biases into pinned set `s` as [r_total, width] (padded with (0, 0.0), which adds
+        nothing) and queued to the device; returns the width (0: no row has a bias)."""
+        width = max((len(r.bias) for r in rows if r.bias), default=0)
+        if not width:
+            return 0
+        n = r_total * width
+        if len(self.d_bias_ids) < n:
+            size = max(n, 2 * len(self.d_bias_ids), 1024)
+            cuda = self.device.type == "cuda"
+            self.h_bias_ids = [torch.zeros(size, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+            self.h_bias_val = [torch.zeros(size, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
+            self.d_bias_ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self.d_bias_val = torch.zeros(size, dtype=torch.float32, device=self.device)
+        ids, val = self.h_bias_ids[s].numpy()[:n].reshape(r_total, width), self.h_bias_val[s].numpy()[:n].reshape(r_total, width)
+        ids[:] = 0
+        val[:] = 0.0
+        for j, r in enumerate(rows):
+            if r.bias:
+                ids[j, : len(r.bias)] = [t for t, _ in r.bias]
+                val[j, : len(r.bias)] = [b for _, b in r.bias]
+        self.d_bias_ids[:n].copy_(self.h_bias_ids[s][:n], non_blocking=True)
+        self.d_bias_val[:n].copy_(self.h_bias_val[s][:n], non_blocking=True)
+        return width
+
+    def transformed(self, logits: torch.Tensor, r0: int, plan: SamplePlan) -> torch.Tensor:
+        """Rows r0.. of the last `fill` as the sampler reads them (fp32, biased, penalised): the
+        distribution its picks and logprobs come from."""
+        r1 = r0 + logits.shape[0]
+        x = logits.float()
+        if plan.bias:
+            b = plan.bias
+            ids = self.d_bias_ids[: plan.rows * b].view(plan.rows, b)[r0:r1]
+            x = _biased(x, ids, self.d_bias_val[: plan.rows * b].view(plan.rows, b)[r0:r1])
+        if plan.width:
+            seen = self.d_seen[: plan.rows * plan.width].view(plan.rows, plan.width)[r0:r1]
+            x = _penalise(x, seen, self.d_f[r0:r1, _PENALTY : _PENALTY + 1])
+        return x
 
     def run(self, logits: torch.Tensor, plan: SamplePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Device half: (tokens [R] int64, logprobs [R] fp32) for logits [R, V] and the last `fill`.
-        Logprobs are under the unfiltered softmax of the penalised logits: x[t] - logsumexp(x)."""
+        Logprobs are under the unfiltered softmax of the biased, penalised logits: x[t] - logsumexp(x)."""
         r_total = plan.rows
         if logits.shape != (r_total, self.vocab):
             raise ValueError(f"logits: expected [{r_total}, {self.vocab}], got {tuple(logits.shape)}")
         tokens = torch.empty(r_total, dtype=torch.int64, device=logits.device)
         logprobs = torch.empty(r_total, dtype=torch.float32, device=logits.device)
-        seen = self.d_seen[: r_total * plan.width].view(r_total, plan.width)
         for r0 in range(0, r_total, self.chunk_rows):
             r1 = min(r_total, r0 + self.chunk_rows)
-            x = logits[r0:r1].float()
+            x = self.transformed(logits[r0:r1], r0, plan)
             f, i = self.d_f[r0:r1], self.d_i[r0:r1]
-            if plan.width:
-                x = _penalise(x, seen[r0:r1], f[:, _PENALTY : _PENALTY + 1])
             tok = _pick(x, f, i, plan)
             tokens[r0:r1] = tok
             logprobs[r0:r1] = x.gather(1, tok[:, None])[:, 0] - row_logsumexp(x, self.batch_invariant)
@@ -454,10 +526,17 @@ def _packed(rows: Sequence[RowParams], vocab: int, device: torch.device):
 
 
 def filtered_probs_batched(logits: torch.Tensor, rows: Sequence[RowParams]) -> torch.Tensor:
-    """probs [M, V] fp32, row i as `filtered_probs(apply_repetition_penalty(logits[i], seen), params)`;
-    a greedy row is one-hot at its argmax."""
+    """probs [M, V] fp32, row i as `filtered_probs(apply_repetition_penalty(apply_logit_bias(logits[i]),
+    seen), params)`; a greedy row is one-hot at its argmax."""
     f, i, seen, sort, _ = _packed(rows, logits.shape[1], logits.device)
     x = logits.float()
+    width = max((len(r.bias) for r in rows if r.bias), default=0)
+    if width:
+        ids, val = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.float32)
+        for j, r in enumerate(rows):
+            if r.bias:
+                ids[j, : len(r.bias)], val[j, : len(r.bias)] = [t for t, _ in r.bias], [b for _, b in r.bias]
+        x = _biased(x, _to_device(ids, logits.device), _to_device(val, logits.device))
     if seen is not None:
         x = _penalise(x, seen, f[:, _PENALTY : _PENALTY + 1])
     score, order = _filtered_scores(x, f, i, sort)

@@ -44,9 +44,9 @@ from strata.kvcache.pool import KVPool
 from strata.kvcache.state_pool import RecurrentStates
 from strata.models.transformer import CausalLM
 from strata.attention.registry import make_attention
-from strata.runner.device_sampling import _PENALTY, DeviceSampler, RowParams, SamplePlan, _penalise
+from strata.runner.device_sampling import DeviceSampler, RowParams, SamplePlan
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
-from strata.sampling import Sampler, apply_repetition_penalty, filtered_probs
+from strata.sampling import Sampler, apply_logit_bias, apply_repetition_penalty, filtered_probs
 from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, capture_bucket
 from strata.speculative.verify import verify_greedy, verify_sampled
 from strata.kernels.transfer import to_device
@@ -130,6 +130,8 @@ class ModelRunner:
         self.next_out = 0
         self.two_stage_steps = 0  # steps sampled by launch_head (tests and benchmarks read it)
         self.samplers: dict[str, Sampler] = {}
+        # Requests whose rows of the step being launched failed to build: id -> why (see `_draw`).
+        self.faults: dict[str, str] = {}
         self.seed, self.sampled_requests = seed, 0
         # Sampled rows are drawn on the device from counter-based noise (seed, draw index): no host
         # round trip per request, and the same tokens whatever else is in the batch.
@@ -445,29 +447,46 @@ class ModelRunner:
         """Tokens and logprobs of the rows of `chunks` (in logit-row order: each chunk's drafts + 1
         rows) through the device sampler, and its plan; None when every row is plain greedy (argmax
         serves). Rows of sampled requests with drafts are verified on the host from the logits; they
-        get argmax here."""
-        if all(ch.request.params.greedy and ch.request.params.repetition_penalty == 1.0 for ch in chunks):
+        get argmax here. A request whose rows cannot be built is recorded in `faults` and gets neutral
+        (greedy) rows: its pick is dropped and the engine fails it alone."""
+        if all(ch.request.params.greedy and ch.request.params.repetition_penalty == 1.0
+               and not ch.request.params.logit_bias for ch in chunks):
             return None
         rows = []
         for ch in chunks:
-            req, p = ch.request, ch.request.params
-            seed = self.sampler(req).seed
-            done = len(req.output_ids) + ch.pending  # a pending token is drawn before this row's
-            for j in range(len(ch.drafts) + 1):
-                if ch.drafts and not p.greedy:
-                    rows.append(RowParams())
-                    continue
-                seen = req.all_ids + list(ch.drafts[:j]) if p.repetition_penalty != 1.0 else None
-                rows.append(RowParams.of(p, seed, done + j, seen))
+            n = len(ch.drafts) + 1
+            try:
+                own = self._rows_of(ch)
+            except Exception as e:  # its own parameters or state: the batch goes on without it
+                log.warning("request %s: its sampling rows failed: %s: %s", ch.request.request_id, type(e).__name__, e)
+                self.faults[ch.request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                own = [RowParams() for _ in range(n)]
+            rows.extend(own)
         plan = self.dsampler.fill(rows)
         return *self.dsampler.run(logits[: len(rows)], plan), plan
+
+    def _rows_of(self, ch) -> list[RowParams]:
+        """The device sampler's rows of one chunk, each checked against what the sampler can hold."""
+        req, p = ch.request, ch.request.params
+        seed = self.sampler(req).seed
+        done = len(req.output_ids) + ch.pending  # a pending token is drawn before this row's
+        rows = []
+        for j in range(len(ch.drafts) + 1):
+            if ch.drafts and not p.greedy:
+                rows.append(RowParams())
+                continue
+            seen = req.all_ids + list(ch.drafts[:j]) if p.repetition_penalty != 1.0 else None
+            row = RowParams.of(p, seed, done + j, seen)
+            row.check(self.dsampler.vocab)
+            rows.append(row)
+        return rows
 
     def _top(self, logits: torch.Tensor, lse: torch.Tensor, chunks,
              plan: SamplePlan | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """(ids, logprobs, k): the k most likely tokens of every logit row of `chunks`, k the most any
         of their requests asks for; None when none asks. Under the distribution the picks' logprobs
-        come from: the rows' log-softmax, of the repetition-penalised logits where the device sampler
-        penalised (its parameter buffers still hold this step's)."""
+        come from: the rows' log-softmax, of the biased and repetition-penalised logits where the device
+        sampler biased or penalised (its parameter buffers still hold this step's)."""
         if not self.top_logprobs:
             return None
         k = max((self.top_logprobs.get(ch.request.request_id, 0) for ch in chunks), default=0)
@@ -475,16 +494,15 @@ class ModelRunner:
             return None
         m = sum(len(ch.drafts) + 1 for ch in chunks)
         logits = logits[:m]
-        if plan is None or not plan.width:
+        if plan is None or not (plan.width or plan.bias):
             values, ids = logits.topk(k, dim=-1)
             return ids, values - lse[:m, None], k
         ds = self.dsampler
-        seen = ds.d_seen[: plan.rows * plan.width].view(plan.rows, plan.width)
         ids = torch.empty(m, k, dtype=torch.long, device=logits.device)
         values = torch.empty(m, k, dtype=torch.float32, device=logits.device)
         for r0 in range(0, m, ds.chunk_rows):  # row blocks, as the sampler: [rows, V] temporaries
             r1 = min(m, r0 + ds.chunk_rows)
-            x = _penalise(logits[r0:r1].float(), seen[r0:r1], ds.d_f[r0:r1, _PENALTY : _PENALTY + 1])
+            x = ds.transformed(logits[r0:r1], r0, plan)
             v, i = x.topk(k, dim=-1)
             values[r0:r1], ids[r0:r1] = v - row_logsumexp(x, self.batch_invariant)[:, None], i
         return ids, values, k
@@ -524,6 +542,7 @@ class ModelRunner:
 
     def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int,
                     top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+        step.faults, self.faults = self.faults, {}
         self.last_picks = best
         self.last_pick_rows = {step.chunks[i].request.request_id: r0 + k1 - 1
                                for i, (r0, k1) in zip(step.picks, step.spans) if not step.chunks[i].drafts}
@@ -540,8 +559,10 @@ class ModelRunner:
 
     @staticmethod
     def _penalised(row: torch.Tensor, req, drafts) -> torch.Tensor:
-        """A verification row's logits under the request's repetition penalty, the tokens before it
-        (its drafts included) counting as seen: the same target a row without drafts samples from."""
+        """A verification row's logits under the request's logit bias and repetition penalty, the
+        tokens before it (its drafts included) counting as seen: the same target a row without drafts
+        samples from."""
+        row = apply_logit_bias(row, req.params.logit_bias)
         penalty = req.params.repetition_penalty
         if penalty == 1.0:
             return row
@@ -572,6 +593,9 @@ class ModelRunner:
         for i, (r0, k1) in zip(step.picks, step.spans):
             ch = step.chunks[i]
             req, p = ch.request, ch.request.params
+            if req.request_id in step.faults:  # a placeholder pick: the engine fails the request
+                out[req.request_id] = Sampled([greedy[r0]], [0.0])
+                continue
             if p.greedy or not ch.drafts:
                 # Drawn on the device (greedy rows: the argmax after any repetition penalty); a greedy
                 # row's accepted tokens are each its row's pick.

@@ -3,7 +3,7 @@ batch-size bucket (`ModelRunner.capture_graphs` makes them, `launch` / `launch_h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,9 @@ class LaunchedStep:
     top_k: int = 0  # alternatives per picked row in the pinned top buffers (0: none asked for)
     head_pending: bool = False  # forward only so far: `ModelRunner.launch_head` samples (grammar run-ahead)
     graph: "BucketGraphs | None" = None  # the bucket whose forward graph ran (two-stage steps)
+    # Requests whose sampling failed in this step (id -> why): their picks are placeholders, and the
+    # engine fails them alone.
+    faults: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -250,6 +250,9 @@ class _MessageEvents:
     def end(self) -> Iterator[str]:
         return iter(())  # message_stop is sent with the finishing event
 
+    def error(self, message: str) -> Iterator[str]:
+        yield _event("error", _error_body(503, message))
+
     def _close(self) -> Iterator[str]:
         if self.open is not None:
             yield _event("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
@@ -324,7 +327,7 @@ def _authorize(s: ModelService, request: Request) -> None:
 async def anthropic_messages(s: ModelService, request: Request) -> Response:
     try:
         _authorize(s, request)
-        data = await read_json(request, s.cfg.max_body_bytes)
+        data = await read_json(request, s.cfg.max_body_bytes, s.cfg.body_timeout)
         try:
             body = MessagesRequest.model_validate(data)
         except ValidationError as e:

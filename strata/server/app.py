@@ -3,7 +3,8 @@ OpenAI's API (`strata.server.openai_routes`), Anthropic's Messages API (`strata.
 monitoring (`strata.server.monitoring_routes`) and the web page (`strata.web`).
 
 Every failure a client can cause is answered with an error body and a 4xx status
-(`strata.server.errors`); nothing a request carries can stop the server.
+(`strata.server.errors`); nothing a request carries can stop the server. Every request first passes
+`strata.server.guard` (Host header, JSON content type, shutdown).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from strata.version import __version__
 from strata.server.anthropic import anthropic_router
 from strata.server.config import ServerConfig
 from strata.server.errors import add_error_handlers
+from strata.server.guard import RequestGuard
 from strata.server.metrics import RequestCounter
 from strata.server.monitoring_routes import monitoring_router
 from strata.server.openai_routes import openai_routers
@@ -37,6 +39,7 @@ def build_app(engine: Any, server_cfg: ServerConfig | None = None, *, own_engine
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        s.close()
         if own_engine:
             await run_in_threadpool(engine.shutdown)
 
@@ -50,5 +53,6 @@ def build_app(engine: Any, server_cfg: ServerConfig | None = None, *, own_engine
     app.include_router(monitoring_router(s))
     if s.cfg.webui:
         mount_webui(app)
+    app.add_middleware(RequestGuard, cfg=s.cfg, draining=lambda: s.draining)
     app.add_middleware(RequestCounter, metrics=s.metrics)
     return app

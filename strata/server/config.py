@@ -14,13 +14,25 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless the user asks for more
     port: int = 8000
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
-    model_name: str | None = None  # the name clients send as `model`; None: the engine's own name
+    model_name: str | None = None  # the name clients send as `model`; None: the model's file or directory name
     log_level: str = "info"
-    # Seconds uvicorn waits for open streams on shutdown before dropping them.
-    graceful_shutdown_s: float = 5.0
+    # On SIGTERM or SIGINT, seconds requests in service may take to finish; then each ends with an error.
+    shutdown_timeout: float = 30.0
     # Largest request body read; a context's worth of token ids as JSON is a few MiB.
     max_body_bytes: int = 32 * 2**20
     webui: bool = True  # serve the web page at / (--no-webui turns it off)
+    # Engine requests that may wait for a slot; more are refused with 429 and Retry-After.
+    max_queue: int = 256
+    # Open connections; beyond, the oldest idle one is closed for a new one, or the new one gets 503.
+    # Also kept below the process's open-file limit.
+    max_connections: int = 1000
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's headers
+    body_timeout: float = 60.0  # seconds a request may take to send its body
+    keep_alive_timeout: float = 5.0  # seconds an idle connection is kept open between requests
+    # Host header values accepted (comma-separated; "*": any). None: the bound address and the
+    # localhost names, or any when bound to all addresses. Guards a keyless local server against
+    # DNS rebinding.
+    allowed_hosts: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -29,7 +41,25 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to turn authentication off)")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"unknown log_level {self.log_level!r}")
-        if self.graceful_shutdown_s < 0:
-            raise ValueError("graceful_shutdown_s must be >= 0")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        for name in ("shutdown_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (seconds)")
+        if self.max_queue < 0 or self.max_connections < 1:
+            raise ValueError("max_queue must be >= 0 and max_connections >= 1")
+
+    def host_allowed(self, host: str) -> bool:
+        """Whether a request's Host header (name or address, with or without a port) is one this server
+        answers to."""
+        if self.allowed_hosts is not None:
+            allowed = {h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()}
+        elif self.host in ("0.0.0.0", "::", ""):
+            return True
+        else:
+            allowed = {self.host.lower(), "localhost", "127.0.0.1", "::1", "[::1]"}
+        host = host.strip().lower()
+        if "*" in allowed or not host:  # no Host at all (HTTP/1.0) names no other site either
+            return True
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") and "]:" in host else host
+        return host in allowed or name in allowed or name.strip("[]") in allowed

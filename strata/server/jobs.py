@@ -57,12 +57,20 @@ class Result:
         self.cached_tokens = ev.cached_tokens or self.cached_tokens
 
 
-class Job:
-    """The engine requests behind one response, one per choice; `close()` aborts those not finished."""
+class Interrupted(Exception):
+    """A job ended by the server (its shutdown), not by the engine: the response ends with this error."""
 
-    def __init__(self, engine: Any, rids: list[str]):
+
+class Job:
+    """The engine requests behind one response, one per choice; `close()` aborts those not finished
+    and calls `on_close` once (the server's count of requests in service)."""
+
+    def __init__(self, engine: Any, rids: list[str], on_close: Any = None):
         self.engine, self.rids = engine, rids
         self.running = set(range(len(rids)))
+        self.on_close = on_close
+        self.merged: MergedEvents | None = None  # set while a response reads the job's events
+        self.interrupted: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -75,16 +83,33 @@ class Job:
         for i in sorted(self.running):
             self.engine.abort(self.rids[i])
         self.running.clear()
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close(self)
+
+    def interrupt(self, message: str) -> None:
+        """Ends the response now with `message` (an SSE error event, or an error body) and aborts the
+        engine requests; a response not yet reading events ends so as soon as it starts."""
+        self.interrupted = message
+        if self.merged is not None:
+            self.merged.interrupt(Interrupted(message))
 
 
 class MergedEvents:
     """The events of a job's streams as (choice index, event), in the order they arrive, until every
     stream has finished; `close()` stops listening."""
 
-    def __init__(self, streams: list[Any]):
+    def __init__(self, streams: list[Any], job: Job | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.left = len(streams)
         self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+        if job is not None:
+            job.merged = self
+            if job.interrupted is not None:
+                self.interrupt(Interrupted(job.interrupted))
+
+    def interrupt(self, e: Exception) -> None:
+        self.queue.put_nowait((-1, e))
 
     async def _pump(self, i: int, stream: Any) -> None:
         try:
@@ -135,7 +160,7 @@ async def wait_disconnect(request: Request) -> None:
 async def collect(request: Request, job: Job, streams: list[Any]) -> list[Result]:
     """Each choice's whole completion; a client gone first is a 499, an engine failure a 500."""
     results = [Result() for _ in streams]
-    merged = MergedEvents(streams)
+    merged = MergedEvents(streams, job)
 
     async def pump() -> None:
         async for i, ev in merged:
@@ -158,7 +183,10 @@ async def collect(request: Request, job: Job, streams: list[Any]) -> list[Result
         job.close()
     if not complete:
         raise APIError(499, "the client closed the request", code="client_closed_request")
-    pumping.result()
+    try:
+        pumping.result()
+    except Interrupted as e:
+        raise APIError(503, str(e), type_="server_error", code="server_shutting_down") from None
     error = next((r.error for r in results if r.error), None)
     if error:
         raise APIError(500, f"the engine failed the request: {error}", type_="server_error")
@@ -172,17 +200,22 @@ async def _event_stream(request: Request, job: Job, streams: list[Any], chunks: 
         job.close()
 
     watcher = asyncio.ensure_future(abort_when_gone())
-    merged = MergedEvents(streams)
+    merged = MergedEvents(streams, job)
     try:
         for piece in chunks.start():
             yield piece
-        async for i, ev in merged:
-            if ev.finish_reason is not None:
-                job.done(i)
-            for piece in chunks.event(i, ev):
+        try:
+            async for i, ev in merged:
+                if ev.finish_reason is not None:
+                    job.done(i)
+                for piece in chunks.event(i, ev):
+                    yield piece
+                if ev.error or job.finished:
+                    break
+        except Interrupted as e:
+            job.close()
+            for piece in chunks.error(str(e)):
                 yield piece
-            if ev.error or job.finished:
-                break
         for piece in chunks.end() if end is None else [end]:
             yield piece
     finally:
@@ -193,6 +226,6 @@ async def _event_stream(request: Request, job: Job, streams: list[Any], chunks: 
 
 def stream_response(request: Request, job: Job, streams: list[Any], chunks: Any,
                     end: str | None = "data: [DONE]\n\n") -> StreamingResponse:
-    """SSE of `chunks` (`start()` and `event(i, ev)`, each giving SSE lines), closed by `end`, or by
-    `chunks.end()` when None."""
+    """SSE of `chunks` (`start()`, `event(i, ev)` and `error(message)`, each giving SSE lines), closed
+    by `end`, or by `chunks.end()` when None. A job interrupted by the server gets `error` then the end."""
     return EngineStreamResponse(job, _event_stream(request, job, streams, chunks, end))

@@ -41,8 +41,9 @@ class EngineCollector(Collector):
     """Metric families built at each scrape from the latest engine snapshot and the HTTP counts."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats],
-                 http_counts: Callable[[], list[tuple[tuple[str, str, str], int]]]):
-        self.model_name, self.stats, self.http_counts = model_name, stats, http_counts
+                 http_counts: Callable[[], list[tuple[tuple[str, str, str], int]]],
+                 rejected: Callable[[], int] = lambda: 0):
+        self.model_name, self.stats, self.http_counts, self.rejected = model_name, stats, http_counts, rejected
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -51,6 +52,8 @@ class EngineCollector(Collector):
         yield info
         yield _gauge("strata_uptime_seconds", "Seconds since the engine started.", s.uptime_seconds)
         yield _gauge("strata_queue_length", "Requests waiting for a slot.", s.queue_len)
+        yield _counter("strata_requests_rejected_total", "Requests refused with 429: the queue was full (--max-queue).",
+                       self.rejected())
         yield _gauge("strata_slots_busy", "Slots running a request.", s.slots_busy)
         yield _gauge("strata_slots_total", "Slots (requests run at once).", s.parallel)
         yield _gauge("strata_kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used)
@@ -103,12 +106,12 @@ class EngineCollector(Collector):
 class Metrics:
     """The app's metrics: HTTP counts (from the middleware) and a registry that renders /metrics."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], rejected: Callable[[], int] = lambda: 0):
         self.model_name = model_name
         self._lock = threading.Lock()
         self._http: dict[tuple[str, str, str], int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(model_name, stats, self._http_counts))
+        self.registry.register(EngineCollector(model_name, stats, self._http_counts, rejected))
 
     def count_http(self, method: str, path: str, status: int) -> None:
         key = (method, path if path in TRACKED_PATHS else "other", str(status))
@@ -123,8 +126,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def slots_json(s: EngineStats, model_name: str, now: float | None = None) -> dict[str, Any]:
-    """The body of GET /slots (docs: the slots schema); `now` is the wall clock, seconds."""
+def slots_json(s: EngineStats, model_name: str, now: float | None = None, rejected: int = 0) -> dict[str, Any]:
+    """The body of GET /slots (docs: the slots schema); `now` is the wall clock, seconds; `rejected`
+    the requests refused with 429 (queue full)."""
     slots = [{
         "id": x.id, "state": x.state, "request_id": x.request_id, "prompt_tokens": x.prompt_tokens,
         "prompt_read": x.prompt_read, "generated": x.generated, "max_tokens": x.max_tokens,
@@ -132,7 +136,7 @@ def slots_json(s: EngineStats, model_name: str, now: float | None = None) -> dic
         "drafts_accepted": x.drafts_accepted, "acceptance": x.acceptance,
     } for x in s.slots]
     totals = {
-        "parallel": s.parallel, "queue": s.queue_len,
+        "parallel": s.parallel, "queue": s.queue_len, "rejected": rejected,
         "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
         "give_ways": s.give_ways_total, "preemptions": s.preemptions_total,
         "prompt_tokens": s.prompt_tokens_total, "generation_tokens": s.generation_tokens_total,

@@ -1,5 +1,6 @@
-"""`/health`, `/metrics` (Prometheus) and `/slots` (JSON): open to whoever can reach the server, with
-no API key, so /slots answers exactly whoever may read /metrics."""
+"""`/health` (503 `{"status": "draining"}` once shutdown begins), `/metrics` (Prometheus) and `/slots`
+(JSON): open to whoever can reach the server, with no API key, so /slots answers exactly whoever may
+read /metrics."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from strata.server.service import ModelService
 
 def monitoring_router(s: ModelService) -> APIRouter:
     async def health() -> Response:
+        if s.draining:
+            return Response('{"status":"draining"}', status_code=503, media_type="application/json",
+                            headers={"Retry-After": "5", "Connection": "close"})
         try:
             s.engine.stats()
         except Exception as e:
@@ -25,7 +29,8 @@ def monitoring_router(s: ModelService) -> APIRouter:
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
     async def slots() -> Response:
-        return Response(json.dumps(slots_json(s.engine.stats(), s.model_name)), media_type="application/json")
+        return Response(json.dumps(slots_json(s.engine.stats(), s.model_name, rejected=s.rejected_total)),
+                        media_type="application/json")
 
     router = APIRouter()
     router.add_api_route("/health", health, methods=["GET"])

@@ -8,7 +8,6 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from strata.server import protocol as P
 from strata.server.jobs import collect, stream_response
@@ -33,9 +32,12 @@ class OpenAIRoutes:
         tokens.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         return [v1, tokens]
 
+    async def _parse(self, request: Request, model: type[P.RequestModel]):
+        return await parse_body(request, model, self.s.cfg.max_body_bytes, self.s.cfg.body_timeout)
+
     async def chat_completions(self, request: Request) -> Response:
         s = self.s
-        body: P.ChatCompletionRequest = await parse_body(request, P.ChatCompletionRequest, s.cfg.max_body_bytes)
+        body: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         job, streams, parsers, _ = await s.start_chat(rid, body)
         logprobs = s.logprobs if body.logprobs else None
@@ -54,12 +56,17 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         s = self.s
-        body: P.CompletionRequest = await parse_body(request, P.CompletionRequest, s.cfg.max_body_bytes)
+        body: P.CompletionRequest = await self._parse(request, P.CompletionRequest)
         s.check_model(body.model)
-        ids, prompt_text = await run_in_threadpool(s.completion_prompt, body)
-        params = await s.constrain(s.sampling(body, len(ids), "prompt"), *s.grammar_spec(body))
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        job, streams = s.submit(rid, body.n, ids, params, body.wants_logprobs, body.num_top_logprobs)
+        ticket = s.admit(body.n)
+        try:
+            ids, prompt_text = await s.run_cpu(s.completion_prompt, body)
+            params = await s.constrain(s.sampling(body, len(ids), "prompt"), *s.grammar_spec(body))
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            job, streams = s.submit(rid, body.n, ids, params, body.wants_logprobs, ticket, body.num_top_logprobs)
+        except BaseException:
+            ticket.release()
+            raise
         echo = prompt_text if body.echo else ""
         logprobs = s.logprobs if body.wants_logprobs else None
         if body.stream:
@@ -75,27 +82,28 @@ class OpenAIRoutes:
 
     async def tokenize(self, request: Request) -> Response:
         s = self.s
-        data = await read_json(request, s.cfg.max_body_bytes)
+        data = await read_json(request, s.cfg.max_body_bytes, s.cfg.body_timeout)
         body: P.TokenizeRequest = validate_body(P.TokenizeRequest, data)
         if body.model is not None:
             s.check_model(body.model)
         if body.prompt is not None:
-            ids = await run_in_threadpool(s.tokenizer.encode, body.prompt, body.add_special_tokens is not False)
+            s.check_chars(len(body.prompt), "prompt")
+            ids = await s.run_cpu(s.tokenizer.encode, body.prompt, body.add_special_tokens is not False)
         else:
             # The chat fields (the template's inputs) as a chat completion reads them.
             chat: P.ChatCompletionRequest = validate_body(P.ChatCompletionRequest, {**data, "model": s.model_name})
-            ids = (await run_in_threadpool(s.chat_prompt, chat))[0]
+            ids = (await s.chat_prompt(chat))[0]
             if body.add_special_tokens:
                 ids = s.tokenizer.encode("", add_special=True) + ids
         return json_response(P.TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids))
 
     async def detokenize(self, request: Request) -> Response:
         s = self.s
-        body: P.DetokenizeRequest = await parse_body(request, P.DetokenizeRequest, s.cfg.max_body_bytes)
+        body: P.DetokenizeRequest = await self._parse(request, P.DetokenizeRequest)
         if body.model is not None:
             s.check_model(body.model)
         s.check_ids(body.tokens, "tokens")
-        text = await run_in_threadpool(s.tokenizer.decode, body.tokens, False)
+        text = await s.run_cpu(s.tokenizer.decode, body.tokens, False)
         return json_response(P.DetokenizeResponse(prompt=text))
 
     async def list_models(self) -> Response:

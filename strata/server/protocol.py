@@ -2,7 +2,9 @@
 
 Requests ignore fields they do not know (clients and SDKs send many optional ones), but a known field
 asking for something Strata cannot do (presence/frequency penalties, suffix, best_of > 1) is a 400
-rather than being silently dropped. Chat takes `tools`, `tool_choice`
+rather than being silently dropped. Every numeric field is bounded by what the engine holds (the
+vocabulary-dependent ones, `top_k` and `logit_bias` ids, by `strata.server.service`), and stop strings
+in number and length. Chat takes `tools`, `tool_choice`
 and `chat_template_kwargs` (see `strata.server.tools`); messages carry `tool_calls` / `tool_call_id`. Extensions beyond OpenAI's schema, in vLLM's spelling:
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`; `/tokenize` and `/detokenize`
 take vLLM's bodies.
@@ -31,9 +33,14 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
 
 from strata.engine.types import MAX_TOP_LOGPROBS
 from strata.grammar.spec import GrammarError, GrammarSpec
+from strata.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_K, REPETITION_PENALTY_RANGE
 from strata.tokenizer import TEMPLATE_RESERVED_NAMES
 
 MAX_N = 16  # choices per request: each is an engine request of its own
+# Stop strings are searched in the output after every token: their number and length bound that work.
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+MAX_STOP_TOKEN_IDS = 256
+MAX_OUTPUT_TOKENS = 2**31 - 1  # beyond any context; a larger max_tokens is a 400 before any lookup
 
 
 class RequestModel(BaseModel):
@@ -121,17 +128,19 @@ class SamplingRequest(RequestModel):
     """What chat and completion requests share: the model, sampling, stops and output constraints."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 and 0 both mean off
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 and 0 both mean off; at most the vocabulary
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    # OpenAI's: {"token id": bias in [-100, 100]} added to the logits; -100 bans a token.
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -199,7 +208,27 @@ class SamplingRequest(RequestModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        for key, bias in v.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise ValueError(f"keys are token ids (non-negative integers as strings), got {key[:20]!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return v
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
     def check_supported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -236,7 +265,7 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None

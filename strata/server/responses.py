@@ -29,9 +29,9 @@ def sse_event(model: BaseModel) -> str:
     return f"data: {model.model_dump_json(serialize_as_any=True)}\n\n"
 
 
-def error_event(message: str) -> str:
-    """The SSE line that ends a stream the engine failed."""
-    return sse_event(P.ErrorResponse(error=P.ErrorDetail(message=message, type="server_error")))
+def error_event(message: str, code: str | None = None) -> str:
+    """The SSE line that ends a stream the engine failed (or the server interrupted: `code`)."""
+    return sse_event(P.ErrorResponse(error=P.ErrorDetail(message=message, type="server_error", code=code)))
 
 
 class CachedUsage(P.Usage):
@@ -76,6 +76,10 @@ class Chunks:
         self.created = int(time.time())
         self.sent = [0] * n
         self.last: list[EngineEvent] = []  # the finished choices' final events
+
+    def error(self, message: str) -> Iterator[str]:
+        """A stream the server ends before the engine did (its shutdown)."""
+        yield error_event(message, "server_shutting_down")
 
     def _error_or_tokens(self, i: int, ev: EngineEvent) -> tuple[str | None, tuple[int, ...], Any, Any]:
         if ev.error:

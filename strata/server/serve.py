@@ -1,5 +1,10 @@
 """`strata serve`: its parser, the merge of config file and command line, loading the engine, uvicorn.
 
+Shutdown (SIGTERM or SIGINT) drains: /health says "draining" and API requests get 503 at once while
+the requests in service run to completion, for up to `--shutdown-timeout` seconds; then each one left
+ends with an error (an SSE error event and the stream's end, or an error body). The exit status is 0
+after a clean drain, 1 when requests had to be ended. A second signal ends them at once.
+
 Precedence, lowest first: dataclass defaults, then the JSON file given by `--config`, then flags typed
 on the command line. Engine flags are generated from `EngineConfig`'s fields (name, default, type) by
 `strata.cli_args`, as for `strata generate` and `strata chat`, so a field the engine gains becomes a
@@ -10,7 +15,9 @@ flag and a config-file key without touching this module. The file's keys are `En
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import logging
 import sys
 from typing import Any
 
@@ -32,11 +39,13 @@ _SERVER_HELP = {
     "host": "address to bind; 0.0.0.0 exposes the server to the network",
     "port": "TCP port",
     "api_key": f"require `Authorization: Bearer KEY` on /v1/*; unset: ${API_KEY_ENV} if set",
-    "model_name": "the model name clients send; unset: the engine's",
+    "model_name": "the model name clients send; unset: the model's file or directory name",
     "log_level": "uvicorn log level",
-    "graceful_shutdown_s": "seconds to let open streams finish on shutdown",
     "max_body_bytes": "largest request body accepted (413 beyond)",
 }
+log = logging.getLogger("strata")
+# After the drain, the seconds uvicorn gives responses to write their last bytes before it drops them.
+FLUSH_S = 5.0
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -74,9 +83,70 @@ def load_engine(cfg: EngineConfig) -> Any:
     return AsyncEngine.from_config(cfg)
 
 
-def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+def uvicorn_config(app: Any, server_cfg: ServerConfig, **kw: Any) -> Any:
+    """uvicorn's settings for `app`: the guarded h11 protocol (header deadline, connection cap under the
+    open-file limit, `strata.server.connections`) and the keep-alive timeout."""
     import uvicorn
 
+    from strata.server.connections import connection_budget, guarded_protocol
+
+    cap, backlog = connection_budget(server_cfg.max_connections)
+    options = dict(host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
+                   http=guarded_protocol(cap, server_cfg.header_timeout), backlog=backlog,
+                   timeout_keep_alive=server_cfg.keep_alive_timeout, timeout_graceful_shutdown=FLUSH_S)
+    return uvicorn.Config(app, **{**options, **kw})
+
+
+def draining_server(config: Any, service: Any, timeout: float) -> Any:
+    """A uvicorn server whose SIGTERM / SIGINT drain `service` (see the module docstring); `exit_code`
+    is 0 after a clean drain, 1 when requests had to be ended."""
+    import uvicorn
+
+    from strata.server.connections import quiet_accept_errors
+
+    class DrainingServer(uvicorn.Server):
+        exit_code = 0
+        signals = 0
+        drain: asyncio.Task | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            quiet_accept_errors(asyncio.get_running_loop())
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.started:  # still starting: uvicorn's own handling
+                super().handle_exit(sig, frame)
+                return
+            self.signals += 1
+            if self.signals >= 3:
+                self.force_exit = self.should_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.signals and self.drain is None:
+                self.drain = asyncio.ensure_future(self._drain())
+            return await super().on_tick(counter)
+
+        async def _drain(self) -> None:
+            loop = asyncio.get_running_loop()
+            service.draining = True
+            log.info("shutting down: %d requests in service, up to %gs to finish (--shutdown-timeout)",
+                     service.in_service, timeout)
+            deadline = loop.time() + timeout
+            while service.in_service and loop.time() < deadline and self.signals < 2:
+                await asyncio.sleep(0.05)
+            if service.in_service:
+                self.exit_code = 1
+                log.warning("shutting down: %d requests still in service end with an error", service.in_service)
+                service.interrupt_all()
+                flushed = loop.time() + FLUSH_S
+                while service.in_service and loop.time() < flushed:
+                    await asyncio.sleep(0.02)
+            self.should_exit = True
+
+    return DrainingServer(config)
+
+
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     from strata.server.app import build_app
 
     engine = load_engine(engine_cfg)
@@ -85,11 +155,9 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         name = app.state.strata.model_name
         print(f"strata: serving {name!r} (context {engine.max_model_len}) on http://{server_cfg.host}:"
               f"{server_cfg.port}/v1", file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
-                                timeout_graceful_shutdown=server_cfg.graceful_shutdown_s)
-        server = uvicorn.Server(config)
+        server = draining_server(uvicorn_config(app, server_cfg), app.state.strata, server_cfg.shutdown_timeout)
         server.run()
-        return 0 if server.started else 1
+        return server.exit_code if server.started else 1
     finally:
         engine.shutdown()  # a second call is a no-op; this one covers a server that never started
 

@@ -1,6 +1,7 @@
-"""The served model behind the HTTP APIs: `ModelService` checks a request against the model (its
-name, context length, vocabulary, tools and output constraints), templates the prompt, and submits
-one engine request per choice.
+"""The served model behind the HTTP APIs: `ModelService` admits a request (a bounded queue: 429 with
+Retry-After beyond `max_queue` waiting engine requests; 503 while the server drains), checks it against
+the model (its name, context length, vocabulary, tools and output constraints), templates the prompt,
+and submits one engine request per choice.
 
 A request for `n` choices is n engine requests for the same prompt, merged into one response as their
 events arrive (`strata.server.jobs`).
@@ -8,14 +9,18 @@ events arrive (`strata.server.jobs`).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import inspect
+import os
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 
 from strata.engine.types import EngineRequest
 from strata.grammar import GrammarError, GrammarSpec
@@ -27,14 +32,36 @@ from strata.server.jobs import Job
 from strata.server.logprobs import LogprobFormatter
 from strata.server.metrics import Metrics
 from strata.server.reasoning import reasoning_parser_for, thinking_opened_in_prompt
+from strata.server.templates import TemplateLimitError, TemplateRenderer, TemplateUnavailable
 from strata.server.tool_grammar import tool_call_grammar
 from strata.server.tools import (ChatOutputParser, ToolChoice, ToolRequestError, resolve_tool_choice,
                                  template_tools, tool_parser_for, tools_for_template)
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+CPU_WORKERS = 2  # threads tokenizing prompts and compiling grammars
+TEMPLATE_WORKERS = 2  # chat-template worker processes (`strata.server.templates`)
+TEMPLATE_TIMEOUT_S = 5.0  # longest a chat template may take to render
 # Below this, dividing fp32 logits by the temperature can overflow to inf/NaN; the distribution is
 # already a point mass there, so such requests run greedy.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def model_id(name: str) -> str:
+    """The id clients see for a model loaded from `name`: a path's last part (a GGUF file's name without
+    `.gguf`), not the server's local path."""
+    base = os.path.basename(os.path.normpath(name))
+    return (base[: -len(".gguf")] if base.lower().endswith(".gguf") else base) or name
+
+
+def text_chars(value: Any) -> int:
+    """Characters in every string of a JSON-like value."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + text_chars(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
 
 
 def _engine_attr(engine: Any, name: str, inner: str | None = None) -> Any:
@@ -46,6 +73,22 @@ def _engine_attr(engine: Any, name: str, inner: str | None = None) -> Any:
     return found
 
 
+class Ticket:
+    """`n` engine requests counted as in service from admission until their job closes (or the
+    request fails before it has one); `release` is idempotent."""
+
+    def __init__(self, service: "ModelService", n: int):
+        self.service, self.n = service, n
+
+    def release(self) -> None:
+        if self.n:
+            self.service.in_service -= self.n
+            self.n = 0
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
 class ModelService:
     """The served model behind every API: its engine, tokenizer and names, the checks that turn a
     request into engine requests, and their submission."""
@@ -54,16 +97,71 @@ class ModelService:
         self.engine, self.cfg = engine, cfg
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
-        self.model_name = cfg.model_name or engine.model_name
-        self.known_names = {self.model_name, engine.model_name}
+        self.model_name = cfg.model_name or model_id(engine.model_name)
+        self.known_names = {self.model_name, engine.model_name}  # the path too: what clients sent before
         self.created = int(time.time())
-        self.metrics = Metrics(self.model_name, engine.stats)
+        self.metrics = Metrics(self.model_name, engine.stats, rejected=lambda: self.rejected_total)
         self.logprobs = LogprobFormatter(self.tokenizer)
         # Engines that can report sampled-token logprobs take `submit(req, logprobs=True)`.
         self.engine_logprobs = "logprobs" in inspect.signature(engine.submit).parameters
         model_type = _engine_attr(engine, "model_type", "model_config")  # picks the tool-call and reasoning formats
         self.model_type = model_type if isinstance(model_type, str) else None
         self.grammar_compiler = _engine_attr(engine, "grammar_compiler")  # None: structured output is unavailable
+        # The logits' width: what top_k and logit_bias ids are checked against.
+        vocab = getattr(_engine_attr(engine, "model_config"), "vocab_size", None)
+        self.vocab_size = vocab if isinstance(vocab, int) else self.tokenizer.vocab_size
+        self.parallel = max(int(engine.stats().parallel), 1)
+        kv, ctx = _engine_attr(engine, "kv_capacity"), getattr(getattr(engine, "engine_config", None), "ctx", None)
+        self.context_note = (f" (what its KV cache of {kv} tokens holds, below --ctx {ctx})"
+                             if isinstance(kv, int) and isinstance(ctx, int) and kv < ctx else "")
+        # Text longer than this cannot fit the context (`check_chars`).
+        vocab_chars = max((len(t) for t in self.tokenizer.tk.get_vocab(with_added_tokens=True)), default=1)
+        self.max_prompt_chars = self.max_model_len * max(vocab_chars, 1) * 2
+        self.cpu_pool = ThreadPoolExecutor(max_workers=CPU_WORKERS, thread_name_prefix="strata-text")
+        # One thread per template worker process: each waits for its render, at most `timeout_s`.
+        self.template_pool = ThreadPoolExecutor(max_workers=TEMPLATE_WORKERS, thread_name_prefix="strata-template")
+        self.waiting = {self.cpu_pool: 0, self.template_pool: 0}
+        self.pool_queue = max(cfg.max_queue, 64)
+        self.renderer = TemplateRenderer(self.tokenizer, self.max_prompt_chars, workers=TEMPLATE_WORKERS,
+                                         timeout_s=TEMPLATE_TIMEOUT_S)
+        self.renderer.check()
+        self.in_service = 0  # engine requests admitted and not finished: running, queued or being prepared
+        self.jobs: set[Job] = set()
+        self.rejected_total = 0  # requests refused with 429 (queue full)
+        self.draining = False  # no new requests (shutdown); those in service finish
+        self.closing = False  # shutdown's deadline passed: nothing more is submitted
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def shutting_down(self) -> APIError:
+        return APIError(503, SHUTTING_DOWN, type_="server_error", code="server_shutting_down",
+                        headers={"Retry-After": "5", "Connection": "close"})
+
+    def admit(self, n: int) -> Ticket:
+        """Counts `n` engine requests in service, or refuses them: 503 while draining, 429 when the
+        queue behind the busy slots would grow past `max_queue`."""
+        if self.draining:
+            raise self.shutting_down()
+        waiting = self.in_service + n - self.parallel
+        if waiting > self.cfg.max_queue:
+            self.rejected_total += 1
+            # A rough wait: the queue ahead, a slot's worth at a time, a second each.
+            retry = max(1, min(60, (self.in_service - self.parallel) // self.parallel))
+            raise APIError(429, f"the server is at capacity: {self.in_service} requests in service on "
+                                f"{self.parallel} slots and a queue of at most {self.cfg.max_queue}; retry later",
+                           type_="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry)})
+        self.in_service += n
+        return Ticket(self, n)
+
+    def _closed(self, job: Job, ticket: Ticket) -> None:
+        self.jobs.discard(job)
+        ticket.release()
+
+    def interrupt_all(self, message: str = SHUTTING_DOWN) -> None:
+        """Ends every response in service now with `message` (shutdown's deadline)."""
+        self.closing = True
+        for job in list(self.jobs):
+            job.interrupt(message)
 
     # -- request checks ---------------------------------------------------------------------------
 
@@ -94,8 +192,9 @@ class ModelService:
         if room < 1 or requested is not None and requested > room:
             asked = f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the completion)" \
                 if requested is not None else f"{n_prompt} tokens in the prompt and at least 1 for the completion"
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; "
-                                f"this request needs {asked}.", param=param, code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens"
+                                f"{self.context_note}; this request needs {asked}.", param=param,
+                           code="context_length_exceeded")
         max_tokens = requested if requested is not None else min(body.default_max_tokens or room, room)
         if body.stop_token_ids:
             self.check_ids(body.stop_token_ids, "stop_token_ids")
@@ -110,7 +209,16 @@ class ModelService:
             if getattr(body, name) is not None:
                 kw[name] = getattr(body, name)
         if body.top_k is not None:
+            if body.top_k > self.vocab_size:
+                raise APIError(400, f"top_k must be at most the vocabulary size, {self.vocab_size}", param="top_k")
             kw["top_k"] = max(body.top_k, 0)
+        if body.logit_bias:
+            bias = body.token_bias
+            bad = next((t for t in bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param="logit_bias")
+            kw["logit_bias"] = bias
         if body.wants_logprobs and not self.engine_logprobs:
             raise APIError(400, "logprobs are not supported by this engine", param="logprobs",
                            code="unsupported_parameter")
@@ -121,7 +229,7 @@ class ModelService:
 
     async def constrain(self, params: SamplingParams, spec: GrammarSpec | None, param: str | None,
                         ) -> SamplingParams:
-        """`params` with `spec` as its grammar, compiled here in the thread pool (a schema can take
+        """`params` with `spec` as its grammar, compiled here in the server's pool (a schema can take
         milliseconds; the engine's own compile is then a cache hit). A GrammarError is a 400 naming the
         problem and `param`."""
         if spec is None:
@@ -132,10 +240,36 @@ class ModelService:
             raise APIError(400, "structured output is not available: the model has no tokenizer the grammar "
                                 "engine can use", param=param, code="unsupported_parameter")
         try:
-            await run_in_threadpool(self.grammar_compiler.compile, spec)
+            await self.run_cpu(self.compile_checked, spec)
         except GrammarError as e:
             raise APIError(400, f"{param}: {e}", param=param) from None
         return dataclasses.replace(params, grammar=spec)
+
+    def compile_checked(self, spec: GrammarSpec) -> None:
+        """Compiles `spec`; a GrammarError too when it admits no output at all (its first step allows only
+        stop tokens, as a schema that only refers to itself compiles), which would end every answer
+        empty."""
+        matcher = self.grammar_compiler.compile(spec).matcher()
+        row = np.zeros(matcher.words, dtype=np.int32)
+        matcher.fill_mask(row)
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        if not matcher.can_stop() and set(allowed.tolist()) <= set(matcher.stop_ids):
+            raise GrammarError("it admits no output (a schema that refers only to itself?)")
+
+    async def check_tool_schemas(self, tools: list[dict[str, Any]] | None) -> None:
+        """Each tool's `parameters` checked as a `response_format` schema is (400 naming the tool), whatever
+        `tool_choice` is: a schema is valid or not whether or not it is enforced."""
+        if not tools or self.grammar_compiler is None:
+            return
+        for i, tool in enumerate(tools):
+            schema = (tool.get("function") or {}).get("parameters")
+            if not isinstance(schema, dict):
+                continue
+            param = f"tools[{i}].function.parameters"
+            try:
+                await self.run_cpu(self.compile_checked, GrammarSpec.json_schema(schema, strict=False))
+            except GrammarError as e:
+                raise APIError(400, f"{param}: {e}", param=param) from None
 
     def chat_grammar(self, body: P.ChatCompletionRequest, prompt: str, choice: ToolChoice,
                      ) -> tuple[GrammarSpec | None, str | None]:
@@ -171,23 +305,36 @@ class ModelService:
 
     # -- prompts ----------------------------------------------------------------------------------
 
-    def chat_prompt(self, body: P.ChatCompletionRequest) -> tuple[list[int], str, ToolChoice]:
-        """(prompt ids, prompt text, what `tool_choice` asks for)."""
+    async def chat_prompt(self, body: P.ChatCompletionRequest) -> tuple[list[int], str, ToolChoice]:
+        """(prompt ids, prompt text, what `tool_choice` asks for): rendered in the template pool, encoded
+        in the text pool, so that a slow template never holds up other requests' tokenization."""
         try:
             tools_for_template(body.tools)  # checked before tool_choice looks names up in them
             choice = resolve_tool_choice(body.tool_choice, body.tools)
             tpl_tools = template_tools(body.tools, choice)
         except ToolRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        kw = body.chat_template_kwargs or {}
         try:
-            text = self.tokenizer.apply_chat_template(body.chat(), tools=tpl_tools, add_generation_prompt=True,
-                                                      **kw)
+            messages = body.chat()
         except P.Unsupported as e:
             raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from None
-        except Exception as e:  # the template is the model's code: any failure is about these messages
+        kw = body.chat_template_kwargs or {}
+        parts = [messages, tpl_tools, kw]
+        self.check_chars(sum(text_chars(x) for x in parts), "messages")
+        table: dict[str, str] = {}
+        r = self.renderer
+        try:
+            messages, tpl_tools, kw = (r.protect(x, table) for x in parts)
+            text = await self._run(self.template_pool, r.render, messages, tpl_tools, True, kw)
+        except TemplateUnavailable as e:
+            raise APIError(503, str(e), type_="server_error", code="template_unavailable",
+                           headers={"Retry-After": "1"}) from None
+        except TemplateLimitError as e:  # the template is the model's code: any failure is about these messages
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special=False), text, choice
+        ids = await self.run_cpu(r.encode, text, table)
+        for placeholder, original in table.items():
+            text = text.replace(placeholder, original)
+        return ids, text, choice
 
     def chat_parsers(self, body: P.ChatCompletionRequest, prompt: str, choice: ToolChoice,
                      ) -> list[ChatOutputParser] | None:
@@ -202,12 +349,47 @@ class ModelService:
         return [ChatOutputParser(rp, tp, opened_in_prompt=opened, request_tools=body.tools) for _ in range(body.n)]
 
     def completion_prompt(self, body: P.CompletionRequest) -> tuple[list[int], str]:
-        """(prompt ids, prompt text for echo)."""
+        """(prompt ids, prompt text for echo). A completion's prompt is the caller's own template, so its
+        special strings are control tokens (as vLLM and llama-server read it); chat content is not."""
         if isinstance(body.prompt, str):
+            self.check_chars(len(body.prompt), "prompt")
             return self.tokenizer.encode(body.prompt), body.prompt
         ids = list(body.prompt)
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                f"has {len(ids)}.", param="prompt", code="context_length_exceeded")
         self.check_ids(ids, "prompt")
         return ids, (self.tokenizer.decode(ids) if body.echo else "")
+
+    def check_chars(self, n: int, param: str) -> None:
+        """A 400 for text that cannot fit the context whatever it tokenizes to: more characters than the
+        context's tokens times the longest token's characters (twice over, for normalizers that join
+        characters). Checked before tokenizing, which costs time and memory by the character."""
+        if n > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
+                                f"{param} has {n} characters, more than the {self.max_prompt_chars} that could fit "
+                                f"it.", param=param, code="context_length_exceeded")
+
+    async def run_cpu(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the server's text pool (tokenization, grammar compiles): bounded, so such work
+        waits there rather than crowd the event loop or anyio's shared threads."""
+        return await self._run(self.cpu_pool, fn, *args)
+
+    async def _run(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in `pool`; 429 when too much already waits for it."""
+        if self.waiting[pool] >= self.pool_queue:
+            raise APIError(429, "the server is busy preparing prompts; retry later", type_="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"})
+        self.waiting[pool] += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+        finally:
+            self.waiting[pool] -= 1
+
+    def close(self) -> None:
+        self.renderer.close()
+        for pool in self.waiting:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -221,10 +403,13 @@ class ModelService:
         except RuntimeError as e:
             raise APIError(503, f"the engine is not accepting requests: {e}", type_="server_error") from None
 
-    def submit(self, rid: str, n: int, ids: list[int], params: SamplingParams, logprobs: bool,
+    def submit(self, rid: str, n: int, ids: list[int], params: SamplingParams, logprobs: bool, ticket: Ticket,
                top: int = 0) -> tuple[Job, list[Any]]:
         """One engine request per choice (ids `{rid}-{i}` when n > 1); choice i of a seeded request
-        draws from seed + i (mod 2^64), so the choices differ and the whole response is reproducible."""
+        draws from seed + i (mod 2^64), so the choices differ and the whole response is reproducible.
+        The job holds `ticket` until it closes."""
+        if self.closing:
+            raise self.shutting_down()
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         streams: list[Any] = []
         try:
@@ -237,18 +422,26 @@ class ModelService:
             for r in rids[: len(streams)]:
                 self.engine.abort(r)
             raise
-        return Job(self.engine, rids), streams
+        job = Job(self.engine, rids, on_close=lambda j: self._closed(j, ticket))
+        self.jobs.add(job)
+        return job, streams
 
     async def start_chat(self, rid: str, body: P.ChatCompletionRequest,
                          ) -> tuple[Job, list[Any], list[ChatOutputParser] | None, int]:
-        """A chat request templated, checked and submitted: its job, streams, output parsers and
-        prompt length."""
+        """A chat request admitted, templated, checked and submitted: its job, streams, output parsers
+        and prompt length."""
         self.check_model(body.model)
-        ids, prompt, tool_choice = await run_in_threadpool(self.chat_prompt, body)
-        parsers = self.chat_parsers(body, prompt, tool_choice)
-        params = self.sampling(body, len(ids), "messages")
-        params = await self.constrain(params, *self.chat_grammar(body, prompt, tool_choice))
-        job, streams = self.submit(rid, body.n, ids, params, body.logprobs, body.num_top_logprobs)
+        ticket = self.admit(body.n)
+        try:
+            ids, prompt, tool_choice = await self.chat_prompt(body)
+            await self.check_tool_schemas(body.tools)
+            parsers = self.chat_parsers(body, prompt, tool_choice)
+            params = self.sampling(body, len(ids), "messages")
+            params = await self.constrain(params, *self.chat_grammar(body, prompt, tool_choice))
+            job, streams = self.submit(rid, body.n, ids, params, body.logprobs, ticket, body.num_top_logprobs)
+        except BaseException:
+            ticket.release()
+            raise
         return job, streams, parsers, len(ids)
 
     def model_card(self) -> P.ModelCard:

@@ -158,12 +158,15 @@ def run_engine(async_scheduling: bool, **kw):
     return got, e
 
 
-@pytest.mark.parametrize("kw", [{}, {"kv_size": 96, "block_size": 16}], ids=["roomy", "preempting"])
+# "preempting": a pool that holds the long prompt's read and output alone (102 + 9 of 112 tokens), not
+# beside the others.
+@pytest.mark.parametrize("kw", [{}, {"kv_size": 112, "block_size": 16}], ids=["roomy", "preempting"])
 def test_engine_async_equals_sync(kw):
     sync, _ = run_engine(False, **kw)
     got, e = run_engine(True, **kw)
     assert e.pipelined and e.scheduler.config.run_ahead
     assert got == sync
+    assert e.stats().preemptions_total > 0 if kw else True
     assert got["r3"][2] == "stop" and "e " not in got["r3"][1]
 
 

@@ -87,3 +87,24 @@ def test_refusals_say_what_would_fit():
         plan_memory(_req(gpu_budget=2 * GiB))
     with pytest.raises(PlanError, match="--n-cpu-moe must be >= 0"):
         plan_memory(_req(n_cpu_moe=-1))
+
+
+def test_streaming_buffers_come_out_of_the_experts_room():
+    """With prompt chunks streaming the RAM layers' experts up, two buffers of the largest such layer
+    stay on the GPU: the split leaves two more layers in RAM than without them, and none at all when
+    every layer fits."""
+    plain = plan_memory(_req())
+    streamed = plan_memory(_req(stream_experts=True))
+    assert len(streamed.cpu_moe_layers) == len(plain.cpu_moe_layers) + 2
+    assert streamed.gpu_bytes <= 16 * GiB
+    row = next(r for r in streamed.rows if r.component.startswith("expert streaming buffers"))
+    assert row.where == "gpu" and row.nbytes == 2 * 640 * MiB
+    everything = plan_memory(_req(gpu_budget=80 * GiB, stream_experts=True))
+    assert everything.cpu_moe_layers == () and not any("streaming" in r.component for r in everything.rows)
+
+
+def test_streaming_buffers_that_cannot_fit_say_how_to_do_without():
+    fixed = (600 + 1400 + 200 + 300) * MiB + 1 * GiB + 2 * 32768 * 24 * 1024
+    with pytest.raises(PlanError, match="--expert-stream-tokens 0"):
+        plan_memory(_req(gpu_budget=fixed + 100 * MiB, cpu_moe=True, stream_experts=True))
+    assert plan_memory(_req(gpu_budget=fixed + 100 * MiB, cpu_moe=True)).cpu_moe_layers == tuple(range(48))

@@ -2,6 +2,8 @@
 on the embedded MoE model, on the CPU: the same greedy tokens with the experts in RAM in float form, close
 ones in int8, and the memory plan of the real checkpoint on made-up GPU budgets."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,18 +53,20 @@ def test_n_cpu_moe_places_the_first_layers(plain):
     assert out == plain
 
 
-def test_int8_experts_stay_close(plain):
-    out, e = _greedy(cpu_moe=True, host_experts="int8")
-    assert {m.host.fmt for m in e.model.modules() if isinstance(m, MoE) and m.host is not None} == {"int8"}
+@pytest.mark.parametrize("fmt", ["int8", "w8a8"])
+def test_int8_experts_stay_close(plain, fmt):
+    out, e = _greedy(cpu_moe=True, host_experts=fmt)
+    assert {m.host.fmt for m in e.model.modules() if isinstance(m, MoE) and m.host is not None} == {fmt}
     same = sum(a == b for k in plain for a, b in zip(plain[k], out[k]))
     assert same >= 0.5 * sum(map(len, plain.values()))  # an 8-bit copy of a 9M model: most tokens agree
 
 
-def test_auto_format_follows_the_stored_type():
+def test_auto_format_follows_the_stored_type_and_the_room():
     assert host_format("BF16", [(64, 32)]) == "float"
-    assert host_format("Q8_0", [(64, 32)]) == "int8" and host_format("Q6_K", [(64, 32)]) == "int8"
-    assert host_format("IQ3_S", [(64, 64), (64, 32)]) == "int4"
-    assert host_format("Q4_K", [(24, 64)]) == "int8"  # rows not in tiles of 16: int4 cannot hold it
+    assert host_format("Q8_0", [(64, 32)]) == "w8a8" and host_format("IQ3_S", [(64, 64), (64, 32)]) == "w8a8"
+    assert host_format("IQ3_S", [(64, 64), (64, 32)], int8_fits=False) == "int4"
+    assert host_format("Q4_K", [(24, 64)], int8_fits=False) == "w8a8"  # rows not in tiles of 16: no int4
+    assert host_format("BF16", [(64, 32)], int8_fits=False) == "float"
 
 
 def test_flags_must_agree():
@@ -86,11 +90,12 @@ def test_the_plan_of_the_embedded_checkpoint():
     assert total == sum(ckpt.nbytes.values())
     big = placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 2 << 30, kv_layers)
     assert big.cpu_moe_layers == () and "memory plan (GPU budget 2.00 GiB)" in big.table()
-    # A budget that holds everything but the routed experts of the first MoE layer.
+    # A budget that holds everything but the routed experts of the first MoE layer (no streaming buffers:
+    # test_memory_plan covers them).
     fixed = (sum(b for _, b in sizes.fixed) + sizes.shared_experts + placement.scratch_bytes(cfg, mc)
              + cfg.ctx * cfg.parallel * sizes.kv_bytes_per_token)
-    tight = placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, fixed + sum(sizes.routed_experts[1:]),
-                                     kv_layers)
+    tight = placement.plan_placement(dataclasses.replace(cfg, expert_stream_tokens=0), mc, ckpt, torch.bfloat16,
+                                     fixed + sum(sizes.routed_experts[1:]), kv_layers)
     assert tight.cpu_moe_layers == tuple(placement.moe_layers(mc)[:1])
     with pytest.raises(PlanError, match="does not fit the GPU budget"):
         placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 64 * MiB, kv_layers)

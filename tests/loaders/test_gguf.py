@@ -73,6 +73,21 @@ def gguf_tokenizer_fields(w: GGUFWriter, tok_dir: str) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
+def write_vocab_gguf(directory) -> str:
+    """A vocab-only GGUF of the tiny tokenizer in `directory` (as llama.cpp's ggml-vocab-*.gguf); its path."""
+    from tiny_models import save_tiny_tokenizer
+
+    save_tiny_tokenizer(str(directory), 320)
+    path = str(Path(directory) / "vocab.gguf")
+    w = GGUFWriter(path, "qwen2")
+    gguf_tokenizer_fields(w, str(directory))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_gguf(
     path, c: dict, tensors: dict[str, torch.Tensor], *, qtypes: dict[str, QT] | None = None, arch: str | None = None,
     nextn: int = 0, tok_dir: str | None = None, rope_yarn: dict | None = None, split_max_tensors: int = 0,

@@ -14,15 +14,13 @@ import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter
 
 from strata.bench.random_model import SHAPES, shape_config
 from strata.config import ModelConfig
 from strata.loaders import load_model
 from strata.loaders.gguf import read_gguf
 from strata.attention import CausalBatch
-from test_gguf import gguf_tokenizer_fields
-from tiny_models import save_tiny_tokenizer
+from test_gguf import write_vocab_gguf
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from next_gguf import tensor_plan, write_next_gguf  # noqa: E402
@@ -66,16 +64,8 @@ F32_SUFFIXES = ("norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory) -> tuple[str, int]:
     """A vocab-only GGUF (as llama.cpp's ggml-vocab-*.gguf) and its token count."""
-    d = tmp_path_factory.mktemp("tok")
-    save_tiny_tokenizer(str(d), 320)
-    w = GGUFWriter(str(d / "vocab.gguf"), "qwen2")
-    gguf_tokenizer_fields(w, str(d))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    n = len(gguf.GGUFReader(str(d / "vocab.gguf")).fields["tokenizer.ggml.tokens"].data)
-    return str(d / "vocab.gguf"), n
+    path = write_vocab_gguf(tmp_path_factory.mktemp("tok"))
+    return path, len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
 
 
 def _tiny(vocab_size: int) -> dict:

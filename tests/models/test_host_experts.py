@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.models.host_experts import (HostExperts, HostWeight, dequantize_int4, dequantize_int8, format_fits,
-                                        int4_groups, int8_rows)
+from strata.models.host_experts import (HostExperts, HostProjection, StreamStack, dequantize_int4, dequantize_int8,
+                                        format_fits, int4_groups, int8_rows, int8_tokens)
 
 
 def _gen(seed):
@@ -30,44 +30,90 @@ def test_int4_groups_round_each_value_within_its_group():
     assert bool((err <= sz[..., 0].t()[..., None] / 2 + 1e-5).all())
 
 
-@pytest.mark.parametrize("fmt", ["float", "int8", "int4"])
-def test_host_weight_matmul_is_its_dequantized_definition(fmt):
-    w = torch.randn(64, 96, generator=_gen(4))
+@pytest.mark.parametrize("fmt", ["float", "int8", "w8a8", "int4"])
+def test_projection_matmul_is_its_dequantized_definition(fmt):
+    w = torch.randn(3, 64, 96, generator=_gen(4))
     x = torch.randn(5, 96, generator=_gen(5))
-    hw = HostWeight(w, fmt)
-    if fmt == "float":
-        want = x @ w.t()
-    elif fmt == "int8":
-        want = x @ dequantize_int8(*int8_rows(w)).t()
-    else:
-        want = x @ dequantize_int4(*int4_groups(w)).t()
-    torch.testing.assert_close(hw.mm(x), want, rtol=1e-5, atol=1e-4)
+    p = HostProjection(fmt, 3, 64, 96)
+    p.set(0, w)
+    for e in range(3):
+        if fmt == "float":
+            want = x @ w[e].t()
+        elif fmt == "int8":
+            want = x @ dequantize_int8(*int8_rows(w[e])).t()
+        elif fmt == "w8a8":  # both sides rounded: the activations per token
+            xq, xs = int8_tokens(x)
+            want = dequantize_int8(xq, xs[:, 0]) @ dequantize_int8(*int8_rows(w[e])).t()
+        else:
+            want = x @ dequantize_int4(*int4_groups(w[e])).t()
+        torch.testing.assert_close(p.mm(e, x), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(p.mm(e, p.prepare(x), slice(1, 4)), want[1:4], rtol=1e-5, atol=1e-4)
+        if fmt != "w8a8":
+            torch.testing.assert_close(x @ p.dequantize(e).t(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_int4_needs_row_tiles_and_groups():
     assert format_fits("int4", 32, 64) and not format_fits("int4", 24, 64) and not format_fits("int4", 32, 48)
     with pytest.raises(ValueError, match="cannot be held as int4"):
-        HostWeight(torch.zeros(24, 64), "int4")
+        HostProjection("int4", 1, 24, 64)
 
 
-@pytest.mark.parametrize("fmt,tol", [("float", 1e-5), ("int8", 2e-2), ("int4", 0.15)])
-def test_grouped_forward_matches_a_loop_over_tokens(fmt, tol):
-    e, h, inter, t, k = 6, 64, 32, 7, 2
+@pytest.mark.parametrize("t", [1, 7])
+@pytest.mark.parametrize("fmt,tol", [("float", 1e-5), ("int8", 1e-5), ("w8a8", 3e-2), ("int4", 1e-5)])
+def test_grouped_forward_matches_a_loop_over_tokens(fmt, tol, t):
+    """Each format against a per-(token, expert) loop over the weights it holds (w8a8 also rounds the
+    activations, hence its tolerance)."""
+    e, h, inter, k = 6, 64, 32, 2
     w13 = torch.randn(e, 2 * inter, h, generator=_gen(6)) / h**0.5
     w2 = torch.randn(e, h, inter, generator=_gen(7)) / inter**0.5
     x = torch.randn(t, h, generator=_gen(8))
     ids = torch.stack([torch.randperm(e, generator=_gen(9 + i))[:k] for i in range(t)])
     wts = torch.rand(t, k, generator=_gen(20))
-    got = HostExperts.from_stacks(w13, w2, fmt).forward(x, ids, wts)
+    host = HostExperts.from_stacks(w13, w2, fmt)
+    got = host.forward(x, ids, wts)
     want = torch.zeros(t, h)
     for i in range(t):
         for j in range(k):
-            gate, up = (x[i] @ w13[ids[i, j]].t()).chunk(2)
-            want[i] += wts[i, j] * ((F.silu(gate) * up) @ w2[ids[i, j]].t())
+            ex = int(ids[i, j])
+            gate, up = (x[i] @ host.gate_up.dequantize(ex).t()).chunk(2)
+            want[i] += wts[i, j] * ((F.silu(gate) * up) @ host.down.dequantize(ex).t())
     assert got.dtype == torch.float32
     assert float((got - want).norm() / want.norm()) <= tol
 
 
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="host expert format"):
-        HostExperts([torch.zeros(4, 4)], [torch.zeros(4, 2)], "int2")
+        HostExperts("int2", 4, 2, 4)
+
+
+def test_forward_writes_into_the_given_buffer():
+    w13, w2 = torch.randn(4, 16, 32, generator=_gen(30)), torch.randn(4, 32, 8, generator=_gen(31))
+    host = HostExperts.from_stacks(w13, w2, "float")
+    x, ids, wts = torch.randn(3, 32, generator=_gen(32)), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2)
+    buf = torch.full((5, 32), float("nan"))
+    got = host.forward(x, ids, wts, out=buf[:3])
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(got, host.forward(x, ids, wts))
+
+
+def test_stream_stack_carves_the_same_layout_from_any_region():
+    w13, w2 = torch.randn(3, 8, 16), torch.randn(3, 16, 4)
+    stack = StreamStack.of_float(w13.bfloat16(), w2.bfloat16())
+    assert stack.nbytes % 256 == 0 and stack.nbytes >= (w13.numel() + w2.numel()) * 2
+    copy = stack.region.clone()
+    a13, a2 = stack.stacks(copy)
+    assert torch.equal(a13, w13.bfloat16()) and torch.equal(a2, w2.bfloat16())
+    assert a13.data_ptr() == copy.data_ptr()
+
+
+def test_stream_stack_of_quantized_blocks_gives_back_the_stacks():
+    from strata.kernels.quant import random_blocks
+    from strata.kernels.quant.moe_q import QExpertStack
+
+    q13 = QExpertStack.from_raw("Q8_0", random_blocks("Q8_0", 3 * 16, 64, _gen(1), "cpu").view(3, 16, -1))
+    q2 = QExpertStack.from_raw("Q8_0", random_blocks("Q8_0", 3 * 64, 32, _gen(2), "cpu").view(3, 64, -1))
+    stack = StreamStack.of_quant(q13, q2)
+    b13, b2 = stack.stacks(stack.region.clone())
+    assert (b13.ggml_type, b13.num_experts, b13.n, b13.k) == ("Q8_0", 3, 16, 64) and (b2.n, b2.k) == (64, 32)
+    torch.testing.assert_close(b13.dequantize(), q13.dequantize(), rtol=0, atol=0)
+    torch.testing.assert_close(b2.dequantize(), q2.dequantize(), rtol=0, atol=0)

@@ -294,7 +294,8 @@ BAD_REQUESTS = [
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, http, client):
     for path, body, status, param, code in BAD_REQUESTS:
-        r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+        r = (http.post(path, content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
+             else http.post(path, json=body))
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err

@@ -27,11 +27,12 @@ FILLER = open(f"{default_model_path()}/README.md").read() * 4
 SLOT_FIELDS = {"id": int, "state": str, "request_id": (str, type(None)), "prompt_tokens": int, "prompt_read": int,
                "generated": int, "max_tokens": int, "tokens_per_s": float, "give_ways": int, "drafts_proposed": int,
                "drafts_accepted": int, "acceptance": (float, type(None))}
-TOTAL_FIELDS = {"parallel": int, "queue": int, "kv_blocks_used": int, "kv_blocks_total": int, "give_ways": int,
+TOTAL_FIELDS = {"parallel": int, "queue": int, "rejected": int, "kv_blocks_used": int, "kv_blocks_total": int, "give_ways": int,
                 "preemptions": int, "prompt_tokens": int, "generation_tokens": int, "requests_finished": int,
                 "uptime_s": float, "ttft_last_s": (float, type(None)), "generation_tok_s": float}
 METRIC_NAMES = [  # names are part of the product (dashboards and alerts use them): none may go missing
-    "strata_model_info", "strata_uptime_seconds", "strata_queue_length", "strata_slots_busy", "strata_slots_total",
+    "strata_model_info", "strata_uptime_seconds", "strata_queue_length", "strata_requests_rejected_total",
+    "strata_slots_busy", "strata_slots_total",
     "strata_kv_blocks_used", "strata_kv_blocks_total", "strata_kv_cache_usage_ratio", "strata_prompt_tokens_total",
     "strata_generation_tokens_total", "strata_requests_finished_total", "strata_give_ways_total",
     "strata_preemptions_total", "strata_prompt_tokens_per_second", "strata_generation_tokens_per_second",

@@ -1,0 +1,230 @@
+"""`strata bench offload`: a model whose routed experts live in host RAM (`--cpu-moe`, `--n-cpu-moe N`,
+or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
+read, for each CPU format of the experts asked for, beside llama.cpp's figures on the same file
+(`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
+CPU expert computation reached during decode, and the peak GPU memory against the cap.
+
+    strata bench offload --model qwen3-30b-a3b-Q8_0.gguf --cpu-moe --formats int8,w8a8,int4 \\
+        --llamacpp llama_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import time
+
+import torch
+
+from strata.bench.results import print_tables, save, summary_table
+from strata.config import EngineConfig
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.models.moe import MoE
+from strata.params import SamplingParams
+
+
+def host_read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
+    """Bytes per second the host reads with every thread torch uses (a sum over a buffer far larger
+    than the caches; best of `repeats`)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def _host_moes(engine: LLMEngine) -> list[MoE]:
+    return [m for m in engine.model.modules() if isinstance(m, MoE) and m.host is not None]
+
+
+def _ids(n: int, vocab: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
+
+
+def _generate(engine: LLMEngine, prompt: tuple[int, ...], tokens: int) -> list[float]:
+    """Greedy generation of `tokens`; the wall time at each token event."""
+    engine.add_request(EngineRequest(f"r{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True),
+                                     time.monotonic()))
+    stamps = []
+    while engine.has_work():
+        for ev in engine.step():
+            stamps += [time.perf_counter()] * len(ev.token_ids)
+    return stamps
+
+
+def crossover(engine: LLMEngine, moes: list[MoE], sizes: list[int], seed: int) -> list[dict]:
+    """A step of T prompt tokens with the experts in RAM computed on the CPU and streamed to the GPU,
+    for each T: where streaming starts to pay (`--expert-stream-tokens`)."""
+    if engine.expert_streamer is None:
+        return []
+    rows = []
+    for t in sizes:
+        row = {"tokens": t}
+        for where, threshold in (("cpu", 0), ("streamed", 1)):
+            for m in moes:
+                m.stream_min_tokens = threshold
+            best = float("inf")
+            for attempt in range(3):
+                t0 = time.perf_counter()
+                _generate(engine, _ids(t, engine.model_config.vocab_size, seed + 100 * t + attempt), 1)
+                best = min(best, time.perf_counter() - t0)
+            row[f"{where}_s"] = best
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for m in moes:
+        m.stream_min_tokens = engine.cfg.expert_stream_tokens
+    return rows
+
+
+def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, sweep: list[int] = ()) -> dict:
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg, progress=False)
+    load_s = time.perf_counter() - t0
+    vocab = engine.model_config.vocab_size
+    moes = _host_moes(engine)
+    row: dict = {"host_experts": cfg.host_experts, "load_s": load_s, "host_layers": len(moes),
+                 "host_format": ",".join(sorted({m.host.fmt for m in moes})) or None,
+                 "host_bytes": sum(m.host.nbytes for m in moes)}
+    # The prompt read: once to compile, then timed.
+    for attempt in range(2):
+        prompt = _ids(read_tokens, vocab, seed + attempt)
+        t0 = time.perf_counter()
+        _generate(engine, prompt, 1)
+        row["read_s"] = time.perf_counter() - t0
+    row["read_tok_s"] = read_tokens / row["read_s"]
+    _generate(engine, _ids(32, vocab, seed + 7), 8)  # decode warm-up
+    for m in moes:
+        m.host.seconds, m.host.bytes_read = 0.0, 0
+    stamps = _generate(engine, _ids(32, vocab, seed + 8), decode_tokens + 1)
+    steps = len(stamps) - 1
+    row["decode_tok_s"] = steps / (stamps[-1] - stamps[0])
+    cpu_s = sum(m.host.seconds for m in moes)
+    if moes and cpu_s:
+        row["cpu_expert_s_per_token"] = cpu_s / (decode_tokens + 1)
+        row["cpu_expert_bytes_per_token"] = sum(m.host.bytes_read for m in moes) / (decode_tokens + 1)
+        row["cpu_expert_read_gb_s"] = sum(m.host.bytes_read for m in moes) / cpu_s / 1e9
+        row["cpu_expert_share_of_step"] = row["cpu_expert_s_per_token"] * row["decode_tok_s"]
+    if engine.expert_streamer is not None:
+        row["streamed_bytes"] = engine.expert_streamer.bytes_copied
+    if sweep:
+        row["crossover"] = crossover(engine, moes, sweep, seed)
+    row["peak_gpu_bytes"] = torch.cuda.max_memory_reserved()
+    free, total = torch.cuda.mem_get_info()
+    row["driver_used_bytes"] = total - free
+    del engine, moes
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def llamacpp_figures(paths: list[str], read_tokens: int) -> dict:
+    """llama-bench's JSON (-o json), one file or several (other batch sizes): its best prompt rate at
+    `read_tokens` and its best generation rate, with the micro-batch each came from."""
+    rows = [r for path in paths for r in json.load(open(path))]
+    out: dict = {"runs": [{k: r.get(k) for k in ("n_prompt", "n_gen", "n_batch", "n_ubatch", "avg_ts", "stddev_ts")}
+                          for r in rows]}
+    for r in rows:
+        if r.get("n_prompt") == read_tokens and not r.get("n_gen") and r["avg_ts"] > out.get("read_tok_s", 0):
+            out["read_tok_s"], out["read_n_ubatch"] = r["avg_ts"], r.get("n_ubatch")
+        elif r.get("n_gen") and not r.get("n_prompt") and r["avg_ts"] > out.get("decode_tok_s", 0):
+            out["decode_tok_s"] = r["avg_ts"]
+    out.update({k: rows[0].get(k) for k in ("n_cpu_moe", "model_type", "cpu_info", "gpu_info", "build_commit")
+                if rows and k in rows[0]})
+    return out
+
+
+def draw(plt, info):
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    labels = [r["host_experts"] for r in info["rows"]] + (["llama.cpp"] if info["llamacpp"] else [])
+    for ax, key, title in ((axes[0], "decode_tok_s", "decode, batch 1 (tok/s)"),
+                           (axes[1], "read_tok_s", f"read {info['read_tokens']} tokens (tok/s)")):
+        vals = [r[key] for r in info["rows"]] + ([info["llamacpp"].get(key, 0)] if info["llamacpp"] else [])
+        ax.bar(labels, vals, color=["C0"] * len(info["rows"]) + ["C3"] * bool(info["llamacpp"]))
+        ax.set_title(title)
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("strata bench offload times a GPU with experts in host RAM: it needs CUDA")
+    bandwidth = host_read_bandwidth()
+    print(f"host read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)", flush=True)
+    base = EngineConfig(model=args.model, device="cuda", parallel=1, ctx=args.read + 256, cpu_moe=args.cpu_moe,
+                        n_cpu_moe=args.n_cpu_moe, gpu_memory=args.gpu_memory, spec=args.spec,
+                        max_num_batched_tokens=args.read, chunk_size=args.read,
+                        expert_stream_tokens=args.expert_stream_tokens)
+    rows = []
+    for fmt in args.formats:
+        cfg = dataclasses.replace(base, host_experts=fmt)
+        row = measure(cfg, args.read, args.tokens, args.seed, args.crossover)
+        if "cpu_expert_read_gb_s" in row:
+            row["cpu_expert_bandwidth_fraction"] = row["cpu_expert_read_gb_s"] * 1e9 / bandwidth
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    peer = llamacpp_figures([args.llamacpp, *args.llamacpp_more], args.read) if args.llamacpp else {}
+    best = max(rows, key=lambda r: r["decode_tok_s"])
+    cap = int(args.gpu_memory * 2**30) if args.gpu_memory else None
+    summary = {
+        "decode_tok_s": best["decode_tok_s"], "read_4096_tok_s": best["read_tok_s"], "host_experts": best["host_experts"],
+        "decode_over_llamacpp": best["decode_tok_s"] / peer["decode_tok_s"] if peer.get("decode_tok_s") else None,
+        "read_4096_over_llamacpp": best["read_tok_s"] / peer["read_tok_s"] if peer.get("read_tok_s") else None,
+        "peak_gpu_bytes": max(r["peak_gpu_bytes"] for r in rows), "gpu_memory_cap_bytes": cap,
+        "cap_held": None if cap is None else all(r["peak_gpu_bytes"] <= cap for r in rows),
+        "cpu_expert_bandwidth_fraction": best.get("cpu_expert_bandwidth_fraction"),
+        "host_read_bandwidth_gb_s": bandwidth / 1e9,
+    }
+    info = {"bench": "offload", "model": args.model, "placement": "cpu-moe" if args.cpu_moe else
+            f"n-cpu-moe {args.n_cpu_moe}" if args.n_cpu_moe is not None else "memory plan",
+            "gpu": torch.cuda.get_device_name(), "read_tokens": args.read, "decode_tokens": args.tokens,
+            "spec": args.spec, "rows": rows, "llamacpp": peer, "summary": summary}
+    out = args.out or f"bench/results/offload_{args.name}_cuda.json"
+
+    save(info, out, draw)
+    print_tables([summary_table(f"experts in host RAM: {args.name} ({info['placement']})",
+                                [("CPU format", "host_experts", ""), ("decode tok/s", "decode_tok_s", ".1f"),
+                                 ("read tok/s", "read_tok_s", ".0f"),
+                                 ("CPU expert GB/s", "cpu_expert_read_gb_s", ".1f"),
+                                 ("of host BW", "cpu_expert_bandwidth_fraction", ".2f"),
+                                 ("peak GPU GiB", "peak_gpu_gib", ".2f")],
+                                [{**r, "peak_gpu_gib": r["peak_gpu_bytes"] / 2**30} for r in rows]
+                                + ([{"host_experts": "llama.cpp", **{k: v for k, v in peer.items() if k != "runs"}}]
+                                   if peer else []))])
+    return 0
+
+
+def _add_args(p) -> None:
+    p.add_argument("--model", required=True, help="the GGUF (or HF directory) both engines load")
+    p.add_argument("--name", default="model", help="the results file's shape name (offload_NAME_cuda.json)")
+    p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=["auto"],
+                   help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, int4)")
+    p.add_argument("--cpu-moe", action="store_true")
+    p.add_argument("--n-cpu-moe", type=int, default=None)
+    p.add_argument("--gpu-memory", type=float, default=None, help="GiB cap (the memory plan places the experts)")
+    p.add_argument("--expert-stream-tokens", type=int, default=EngineConfig.expert_stream_tokens)
+    p.add_argument("--spec", type=int, default=0)
+    p.add_argument("--read", type=int, default=4096, help="prompt tokens of the read")
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens timed")
+    p.add_argument("--llamacpp", default=None, help="llama-bench -o json output on the same file and placement")
+    p.add_argument("--llamacpp-more", nargs="*", default=[], help="more llama-bench JSON (other batch sizes): the best counts")
+    p.add_argument("--crossover", type=lambda s: [int(t) for t in s.split(",") if t], default=[],
+                   help="prompt steps of these token counts timed with the experts on the CPU and streamed (e.g. 4,8,16,32,64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run)
+
+
+def add_parser(sub) -> None:
+    _add_args(sub.add_parser("offload", help="experts in host RAM: decode and prompt read against llama.cpp (CUDA)"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="strata bench offload")
+    _add_args(parser)
+    ns = parser.parse_args()
+    raise SystemExit(ns.func(ns))
