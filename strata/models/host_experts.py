@@ -140,20 +140,32 @@ class HostProjection:
             return int8_tokens(x)
         return x.to(self.w.dtype) if self.fmt == "float" else x.float()
 
+    def _expert_views(self) -> tuple[list, list]:
+        """Each expert's weight (w8a8: transposed, as `_int_mm` takes it) and scale as views made once:
+        indexing the stacks anew costs more than a decode step's small GEMMs on a fast host."""
+        if getattr(self, "_views_of", None) is not self.w:
+            w = list(self.w.unbind(0))
+            self._views = ([v.t() for v in w] if self.fmt == "w8a8" else w,
+                           list(self.scale.unbind(0)) if self.fmt in ("int8", "w8a8") else [])
+            self._views_of = self.w
+        return self._views
+
     def mm(self, e: int, x, rows: slice | None = None) -> torch.Tensor:
         """x (or `prepare(x)`) [T, K], rows of it -> fp32 [T, N] through expert e's weight."""
+        if self.fmt == "int4":
+            x = x if rows is None else x[rows]
+            return torch._weight_int4pack_mm_for_cpu(x.float(), self.packed[e], INT4_GROUP, self.scales_and_zeros[e])
+        w, scale = self._expert_views()
         if self.fmt == "w8a8":
             q, s = x if isinstance(x, tuple) else int8_tokens(x)
             if rows is not None:
                 q, s = q[rows], s[rows]
-            return torch._int_mm(q, self.w[e].t()).float() * s * self.scale[e]
+            return torch._int_mm(q, w[e]).float().mul_(s * scale[e])
         if rows is not None:
             x = x[rows]
         if self.fmt == "float":
-            return F.linear(x.to(self.w.dtype), self.w[e]).float()
-        if self.fmt == "int8":
-            return torch._weight_int8pack_mm(x.float(), self.w[e], self.scale[e])
-        return torch._weight_int4pack_mm_for_cpu(x.float(), self.packed[e], INT4_GROUP, self.scales_and_zeros[e])
+            return F.linear(x.to(self.w.dtype), w[e]).float()
+        return torch._weight_int8pack_mm(x.float(), w[e], scale[e])
 
 
 @dataclass
