@@ -30,11 +30,6 @@ HOSTILE = ("{% set c = messages[0]['content'] %}"
            "{% endif %}<|im_start|>user\n{{ c }}<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_hf_dir(default_model_path())
-
-
 def one(content: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 

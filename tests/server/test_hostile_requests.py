@@ -13,8 +13,6 @@ import httpx
 import pytest
 
 from serving import running_server
-from strata.loaders import default_model_path
-from strata.tokenizer import Tokenizer
 
 KEY = "sk-hostile"
 NAME = "strata-hostile"
@@ -30,17 +28,6 @@ def server(tmp_path_factory):
     config = {"ctx": CTX, "parallel": 2, "device": "cpu", "api_key": KEY, "model_name": NAME, "log_level": "warning"}
     with running_server(tmp_path_factory.mktemp("hostile"), config) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_hf_dir(default_model_path())
 
 
 def stream_text(http: httpx.Client, body: dict) -> tuple[str, list[str]]:

@@ -14,11 +14,9 @@ import openai
 import pytest
 
 from strata.config import EngineConfig
-from strata.loaders import default_model_path
 from strata.server.config import ServerConfig
 from strata.server.metrics import RateWindow
 from strata.server.serve import ConfigFileError, configure_parser, read_config_file, resolve
-from strata.tokenizer import Tokenizer
 from serving import running_server
 
 KEY = "sk-strata-test"
@@ -113,17 +111,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_hf_dir(default_model_path())
 
 
 def metrics(server: str) -> dict[str, float]:

@@ -27,11 +27,6 @@ def metric(base: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_hf_dir(default_model_path())
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Chunks of 128 tokens, one chunk per step: a 3K-token read takes ~24 steps.
     # No prefix cache: the scenarios read the same long prompt alone first, then against newer requests.

@@ -19,7 +19,6 @@ from strata.engine.types import EngineRequest, EngineStats, RateWindow, SlotSnap
 from strata.loaders import default_model_path
 from strata.params import SamplingParams
 from strata.server.metrics import slots_json
-from strata.tokenizer import Tokenizer
 
 KEY = "sk-slots-test"
 NAME = "strata-slots"
@@ -39,11 +38,6 @@ METRIC_NAMES = [  # names are part of the product (dashboards and alerts use the
     "strata_time_to_first_token_seconds_bucket", "strata_time_to_first_token_seconds_sum",
     "strata_time_to_first_token_seconds_count", "strata_http_requests_total",
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_hf_dir(default_model_path())
 
 
 def check_schema(body: dict) -> None:
@@ -128,12 +122,6 @@ def server(tmp_path_factory):
     config = {"ctx": 1024, "device": "cpu", "api_key": KEY, "model_name": NAME, "log_level": "warning"}
     with running_server(tmp_path_factory.mktemp("slots"), config, ["--parallel", "2", "--chunk-size", "16"]) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
-        yield c
 
 
 def test_idle_server(http):
