@@ -29,7 +29,8 @@ from test_quant_q4_k import (  # noqa: F401  (the shared tests)
     KQuantFormat,
     check_gemv_split_k,
     check_real_shape,
-    check_split_gemv_graph,
+    check_batch_invariant_and_graph,
+    check_one_hot_gives_dequantized,
     gemv_case_id,
     needs_cuda,
     rel_frobenius,
@@ -312,26 +313,13 @@ def test_gpu_real_shapes(n, k, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [16, 512], ids=["gemv", "gemm"])
 def test_gpu_kernels_dequantize_exactly(m):
-    """One-hot x at a real shape: the kernels' weights are `dequantize` rounded to bf16, bit for bit."""
-    n, k = 4096, 4096
-    _, planes = make_weight(n, k, 12, device="cuda")
-    cols = torch.randperm(k, device="cuda")[:m]
-    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
-    x[torch.arange(m, device="cuda"), cols] = 1
-    assert torch.equal(matmul(x, planes, n, k), dequantize(planes, n, k)[:, cols].t().to(torch.bfloat16))
+    check_one_hot_gives_dequantized(Q40, m)
 
 
 @needs_cuda
 @pytest.mark.gpu
 def test_gpu_batch_invariant_and_graph():
-    n, k = 4096, 4096
-    _, planes = make_weight(n, k, 11, device="cuda")
-    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
-    ws = torch.zeros(gemv_workspace_numel(n, k), dtype=torch.int32, device="cuda")
-    full = matmul(x, planes, n, k, workspace=ws)
-    for m in range(1, 16):
-        assert torch.equal(matmul(x[:m].clone(), planes, n, k, workspace=ws), full[:m]), m
-    check_split_gemv_graph(Q40, x, planes, n, k)
+    check_batch_invariant_and_graph(Q40)
 
 
 @needs_cuda

@@ -327,6 +327,30 @@ def check_real_shape(fmt: KQuantFormat, n, k, m):
     return planes, ws
 
 
+def check_one_hot_gives_dequantized(fmt: KQuantFormat, m):
+    """One-hot x at a real shape: the kernels' weights are `dequantize` rounded to bf16, bit for bit."""
+    n, k = 4096, 4096
+    _, planes = fmt.weight(n, k, 12, device="cuda")
+    cols = torch.randperm(k, device="cuda")[:m]
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    x[torch.arange(m, device="cuda"), cols] = 1
+    want = fmt.module.dequantize(planes, n, k)[:, cols].t().to(torch.bfloat16)
+    assert torch.equal(fmt.module.matmul(x, planes, n, k), want)
+
+
+def check_batch_invariant_and_graph(fmt: KQuantFormat):
+    """Rows 1..15 of a 16-row x give the bits they have in the whole batch; then the split GEMV's graph."""
+    n, k = 4096, 4096
+    _, planes = fmt.weight(n, k, 11, device="cuda")
+    matmul = fmt.module.matmul
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    ws = torch.zeros(fmt.module.gemv_workspace_numel(n, k), dtype=torch.int32, device="cuda")
+    full = matmul(x, planes, n, k, workspace=ws)
+    for m in range(1, 16):
+        assert torch.equal(matmul(x[:m].clone(), planes, n, k, workspace=ws), full[:m]), m
+    check_split_gemv_graph(fmt, x, planes, n, k)
+
+
 def check_split_gemv_graph(fmt: KQuantFormat, x, planes, n, k):
     """A split-K GEMV of x [16, K] at a real shape: the product, and its CUDA-graph replay's bits."""
     out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
