@@ -68,6 +68,10 @@ step() {  # name, seconds, command...
       concurrent-default) step concurrent-default 400 $B concurrent --model default --spec 3 --out $R/concurrent_default_cuda.json ;;
       determinism) for m in off on; do step determinism-$m 500 $B determinism --shape qwen3-8b --clients 64 --parallel 8 \
           --chunk 512 $([ $m = on ] && echo "--batch-invariant --costs") --out $R/determinism_${m}_cuda.json; done ;;
+      # 64 streaming clients for 10 minutes against a --batch-invariant server (model load and drain on top).
+      soak) step soak 750 $B soak --shape qwen3-8b --clients 64 --seconds 600 --out $R/soak_qwen3-8b_cuda.json ;;
+      # SIGTERM on CUDA with long streams and whole completions in flight: each ends whole or with an error event.
+      gpu-shutdown) step gpu-shutdown 300 $T tests/gpu/test_gpu_shutdown.py ;;
       next-read) step next-read 300 $FLA $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_fla_cuda.json ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
@@ -118,8 +122,9 @@ step() {  # name, seconds, command...
           -ngl 99 -fa 1 -ncmoe 99 -p 4096 -n 0 -ub 4096 -b 4096 -r 1 -o json > $R/llamacpp_offload_ub4096.json; \
           python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], r[\"n_ubatch\"], round(r[\"avg_ts\"], 1)) for f in sys.argv[1:] for r in json.load(open(f))]' \
           $R/llamacpp_offload.json $R/llamacpp_offload_ub4096.json"
-        step offload-strata 900 $B offload --model /tmp/moe_Q8_0.gguf --name qwen3-30b-a3b-q8_0 --cpu-moe \
-          --formats ${OFFLOAD_FORMATS:-w8a8,int8,int4} --crossover 2,4,8,16,32,64 $PEER_ARGS --out $R/offload_qwen3-30b-a3b-q8_0_cuda.json ;;
+        N=qwen3-30b-a3b-q8_0-${OFFLOAD_LAYERS:-48}l
+        step offload-strata 900 $B offload --model /tmp/moe_Q8_0.gguf --name $N --cpu-moe \
+          --formats ${OFFLOAD_FORMATS:-w8a8,int8,int4} --crossover 2,4,8,16,32,64 $PEER_ARGS --out $R/offload_${N}_cuda.json ;;
       # Qwen3-Next-80B-A3B, all 48 layers, IQ3_S, under a 16 GiB cap: Strata's memory plan against llama.cpp's
       # automatic fit to 16 GiB (-fitt: all but 16 GiB of the card left free) and the same explicit --n-cpu-moe.
       offload-next-gguf)
@@ -139,6 +144,15 @@ step() {  # name, seconds, command...
         step offload-next-strata 900 $B offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
           --gpu-memory 16 --formats auto --llamacpp $R/llamacpp_offload_next_fit.json \
           --llamacpp-more $R/llamacpp_offload_next_ncmoe.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ;;
+      # The same 80B file with its MTP layer (llama.cpp refuses such a file, and the disk holds one of
+      # them): Strata alone under the same cap, with --spec 3 (random weights: it shows the seed's
+      # configuration starting and serving, not what speculation buys).
+      offload-next-mtp)
+        rm -f /tmp/next_IQ3_S.gguf /tmp/moe_Q8_0.gguf
+        step next-mtp-gguf 300 python3 scripts/next_gguf.py /tmp/next_mtp_IQ3_S.gguf --shape qwen3-next-80b-a3b \
+          --type IQ3_S --mtp --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf
+        step offload-next-mtp 900 $B offload --model /tmp/next_mtp_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-mtp-16g \
+          --gpu-memory 16 --formats auto --spec 3 --out $R/offload_qwen3-next-80b-a3b-iq3_s-mtp-16g_cuda.json ;;
       host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       *) echo "unknown step $s" ;;

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sched",),
     ("speculative",),
     ("runner",),
+    ("dist",),  # pipeline stages: rank 0's link and the other stages' loop, on torch.distributed
     ("engine",),
     ("llm", "server", "tui", "web"),
     ("bench", "cli", "__init__", "__main__"),

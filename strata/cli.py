@@ -189,15 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_tui_parser(sub)
     b = sub.add_parser("bench", help="benchmarks; each writes JSON under bench/results/")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from strata.bench import concurrent, determinism, kv_quality, offload, prefix, quant, quant_kl, spec, throughput
+    from strata.bench import (concurrent, determinism, kv_quality, kv_tier, offload, prefix, quant, quant_kl, soak,
+                              spec, throughput)
 
+    from strata.bench import split as bench_split
+
+    bench_split.add_parser(bsub)
     concurrent.add_parser(bsub)
     kv_quality.add_parser(bsub)
     offload.add_parser(bsub)
     quant.add_parser(bsub)
     quant_kl.add_parser(bsub)
     determinism.add_parser(bsub)
+    soak.add_parser(bsub)
     prefix.add_parser(bsub)
+    kv_tier.add_parser(bsub)
     spec.add_parser(bsub)
     throughput.add_parsers(bsub)
     return parser

@@ -237,6 +237,12 @@ class EngineConfig:
     quantize: str | None = None
     kv_size: int | None = None  # KV capacity in tokens; None: from free memory (CUDA), ctx x parallel (CPU)
     gpu_memory_utilization: float = 0.9  # share of the GPU's free memory the KV pool may take
+    # Tokens of each slot's most recent K/V kept in the device pool; older full blocks move to a host pool
+    # (same layout and storage) and attention reads both tiers. None: every token stays on the device.
+    kv_resident: int | None = None
+    # GiB of host RAM for the host KV pool (allocated at start-up): the tier's blocks and the prefix cache's
+    # blocks kept in RAM. None: with --kv-resident, the contexts that do not fit the window (ctx x parallel).
+    kv_host_memory: float | None = None
     block_size: int = 16  # tokens per KV block
     chunk_size: int | None = None  # most prompt tokens one request reads per step; None: 2048 on CUDA, 512 on CPU
     max_num_batched_tokens: int | None = None  # per-step token budget (reads + decodes); None: chunk + every slot's decode rows, at least 2048
@@ -272,6 +278,9 @@ class EngineConfig:
     linear_attention_kernel: str = "auto"
     # Programmatic dependent launch on sm_90+: each Triton kernel's launch overlaps its predecessor's tail
     pdl: bool = True
+    # CPU decode steps through Strata's C kernels (compiled with the system C compiler on first use; the
+    # same tokens, sums in another order); off: torch's ops, the floats of the modules' path
+    cpu_kernels: bool = True
     # GiB of GPU memory Strata may place (weights, KV, scratch, graphs); None: the card's free memory
     # x gpu_memory_utilization. The memory plan fits everything in it and torch's allocator is capped to it.
     gpu_memory: float | None = None
@@ -282,10 +291,23 @@ class EngineConfig:
     # float weights, else w8a8, or int4 when host RAM cannot hold an int8 copy)
     host_experts: str = "auto"
     # Steps of this many tokens or more bring the routed experts held in RAM to the GPU (pinned, two layers
-    # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. 16: where a
-    # 30B-A3B layer's CPU time (the oneDNN int8 GEMM's measured rate at the step's rows per expert) passes
-    # its copy over PCIe (docs/PERFORMANCE.md, "Experts in host RAM").
-    expert_stream_tokens: int = 16
+    # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. None: measured
+    # at start-up, the step size at which a layer's CPU time passes its copy over PCIe.
+    expert_stream_tokens: int | None = None
+    # Pipeline stages over torch.distributed (docs/MULTI_GPU.md): none | layer. With layer, one process per
+    # stage holds a range of decoder layers (their weights and K/V); rank 0 also runs the scheduler, the
+    # embedding, the head, sampling and the MTP head, and starts the other stages of this machine itself.
+    split_mode: str = "none"
+    # With --split-mode layer: each stage's share of the decoder layers, e.g. "3,2"; None: even over the stages
+    # (the count of --devices, else every GPU of the machine). On the CPU it names the stages: "1,1" runs two.
+    tensor_split: str | None = None
+    # The GPUs of this machine's stages, in stage order, e.g. "0,1" (indices or cuda:N); None: all of them.
+    devices: str | None = None
+    # HOST:PORT of rank 0 when stages span machines started without torchrun (each runs the same command
+    # with its --node-rank); None: one machine, or torchrun's own rendezvous.
+    dist_init_addr: str | None = None
+    nnodes: int = 1  # machines the stages span (each runs the same number of stages)
+    node_rank: int = 0  # this machine's index among --nnodes (0 runs the scheduler and the server)
 
     def __post_init__(self) -> None:
         if self.kv not in ("auto", "bf16", "int8"):
@@ -313,12 +335,29 @@ class EngineConfig:
             raise ValueError("dequant_read_rows must be >= 0 (0 = off)")
         if self.gpu_memory is not None and self.gpu_memory <= 0:
             raise ValueError("gpu_memory must be > 0 (GiB)")
+        if self.kv_resident is not None and self.kv_resident < self.block_size:
+            raise ValueError(f"kv_resident must be at least one block ({self.block_size} tokens)")
+        if self.kv_host_memory is not None and self.kv_host_memory <= 0:
+            raise ValueError("kv_host_memory must be > 0 (GiB)")
         if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.cpu_moe):
             raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
         if self.host_experts not in ("auto", "float", "int8", "w8a8", "int4"):
             raise ValueError(f"host_experts must be auto, float, int8, w8a8 or int4, not {self.host_experts!r}")
-        if self.expert_stream_tokens < 0:
+        if self.expert_stream_tokens is not None and self.expert_stream_tokens < 0:
             raise ValueError("expert_stream_tokens must be >= 0")
+        if self.split_mode not in ("none", "layer"):
+            raise ValueError(f"split_mode must be none or layer, not {self.split_mode!r}")
+        if self.split_mode == "none" and (self.tensor_split or self.dist_init_addr or self.nnodes != 1):
+            raise ValueError("tensor_split, dist_init_addr and nnodes need split_mode layer")
+        if self.tensor_split is not None:
+            try:
+                shares = [float(x) for x in self.tensor_split.split(",")]
+            except ValueError:
+                raise ValueError(f"tensor_split must be comma-separated numbers, not {self.tensor_split!r}") from None
+            if not shares or any(not x > 0 for x in shares):
+                raise ValueError(f"tensor_split must be positive shares, not {self.tensor_split!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("nnodes must be >= 1 and node_rank within 0..nnodes-1")
 
     def kernel_choices(self) -> KernelChoices:
         """The kernel choices this config asks for (`strata.kernels.choices.KernelChoices`: one set per
@@ -327,7 +366,8 @@ class EngineConfig:
 
         return KernelChoices(quant_decode=self.quant_decode, moe_decode=self.moe_decode,
                              dequant_read_rows=self.dequant_read_rows,
-                             linear_attention_kernel=self.linear_attention_kernel, pdl=self.pdl)
+                             linear_attention_kernel=self.linear_attention_kernel, pdl=self.pdl,
+                             cpu_kernels=self.cpu_kernels)
 
     def resolved(self) -> "EngineConfig":
         """This config with the device-dependent defaults filled in. The GPU read chunk was chosen by

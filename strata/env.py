@@ -45,7 +45,9 @@ class _Env:
                                   "let STRATA_SPLIT_MTP_BATCH run beside STRATA_PIPED_CONCURRENT: the read stage writes "
                                   "the draft K/V itself, its stream-K pool grown before each read")
     NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
-    CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "", "where test fixtures and downloads are cached")
+    CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "",
+                       "where test fixtures, downloads and the compiled CPU kernels are cached (empty: "
+                       "~/.cache/strata for the kernels)")
     API_KEY = Switch("STRATA_API_KEY", str, "", "the server's API key when --api-key is not given")
     LOG_LEVEL = Switch("STRATA_LOG_LEVEL", str, "",
                        "level of strata's own log on stderr (DEBUG, INFO, WARNING, ...); empty: INFO for "
@@ -75,6 +77,12 @@ def child_environment(pythonpath_first: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = pythonpath_first + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def torch_allocator_configured() -> bool:
+    """Whether the user set torch's CUDA allocator options (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF),
+    which Strata then leaves as they are."""
+    return any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
 
 
 def get(switch: Switch[T]) -> T:

@@ -12,6 +12,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's 
 # outside this range turns fp32 logits into inf or NaN (and no sensible request needs one).
 MAX_TOP_K = 2**31 - 1
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PRESENCE_PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range, for both presence and frequency penalties
 # logit_bias as OpenAI bounds it: -100 bans a token, +100 all but forces it.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
@@ -25,6 +26,10 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's: subtracted from the logit of each token already generated, once (presence) and per
+    # occurrence (frequency); added with the logit bias, before the repetition penalty.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -40,7 +45,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number")
         if self.temperature < 0:
@@ -54,6 +59,9 @@ class SamplingParams:
         lo, hi = REPETITION_PENALTY_RANGE
         if not lo <= self.repetition_penalty <= hi:
             raise ValueError(f"repetition_penalty must be in [{lo}, {hi}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not PRESENCE_PENALTY_RANGE[0] <= getattr(self, name) <= PRESENCE_PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be in [{PRESENCE_PENALTY_RANGE[0]:g}, {PRESENCE_PENALTY_RANGE[1]:g}]")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens")
         for token, bias in self.logit_bias.items():
@@ -68,3 +76,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def output_penalised(self) -> bool:
+        """Whether presence or frequency penalties read the tokens generated so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,6 +1,7 @@
 """Sampling parameters and the per-request sampler.
 
-The order of logit transforms follows llama.cpp / vLLM: logit bias → repetition penalty → temperature →
+The order of logit transforms follows llama.cpp / vLLM: logit bias (with presence / frequency penalties)
+→ repetition penalty → temperature →
 top-k → top-p → min-p → draw. Temperature 0 means greedy (argmax), which never consumes randomness.
 """
 
@@ -10,7 +11,8 @@ import torch
 
 from strata.params import SamplingParams
 
-__all__ = ["SamplingParams", "Sampler", "filtered_probs", "apply_logit_bias", "apply_repetition_penalty"]
+__all__ = ["SamplingParams", "Sampler", "filtered_probs", "apply_logit_bias", "apply_output_penalties",
+           "apply_repetition_penalty"]
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
@@ -20,6 +22,18 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
     values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
     return logits.index_add(-1, ids, values)
+
+
+def apply_output_penalties(logits: torch.Tensor, output: list[int], presence: float, frequency: float
+                           ) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties: each token in `output` (the tokens generated so far)
+    loses `presence` once and `frequency` per occurrence."""
+    if not output or presence == 0.0 and frequency == 0.0:
+        return logits
+    ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+    counts = torch.zeros_like(logits, dtype=torch.float32).index_add_(
+        -1, ids, torch.ones(len(output), device=logits.device))
+    return logits - (frequency * counts + presence * (counts > 0)).to(logits.dtype)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -63,9 +77,14 @@ class Sampler:
             self.gen.seed()
         self.seed = self.gen.initial_seed()
 
-    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None, output: list[int] | None = None
+                 ) -> int:
+        """`seen`: the tokens the repetition penalty reads (prompt and output); `output`: the tokens
+        generated so far (presence / frequency penalties)."""
         p = self.params
         logits = apply_logit_bias(logits, p.logit_bias)
+        if output:
+            logits = apply_output_penalties(logits, output, p.presence_penalty, p.frequency_penalty)
         if seen is not None and p.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, seen.to(logits.device), p.repetition_penalty)
         if p.greedy:

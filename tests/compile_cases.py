@@ -218,11 +218,12 @@ def dequant_gemv(fmt: str, n: int = QKV[0], k: int = QKV[1]):
 
 ATTN_SIG = dict(zip(
     ("q_ptr k_ptr v_ptr ks_ptr vs_ptr out_ptr table_ptr q_start_ptr q_len_ptr ctx_len_ptr ws_acc_ptr ws_m_ptr "
-     "ws_l_ptr ws_count_ptr").split(),
-    ["*bf16", "KV", "KV", "*fp32", "*fp32", "*bf16", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32", "*fp32", "*i32"]))
+     "ws_l_ptr ws_count_ptr lse_ptr").split(),
+    ["*bf16", "KV", "KV", "*fp32", "*fp32", "*bf16", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32", "*fp32", "*i32",
+     "*fp32"]))
 ATTN_STRIDES = ("stride_qn stride_qh stride_k_slot stride_kh stride_v_slot stride_vh stride_ks_slot stride_ksh "
                 "stride_vs_slot stride_vsh stride_on stride_oh stride_table stride_wa_n stride_wa_h stride_wa_s "
-                "stride_wm_n stride_wm_h stride_wc_n").split()
+                "stride_wm_n stride_wm_h stride_wc_n stride_ln stride_lh").split()
 
 
 def paged_attention(head_dim: int, group: int, int8: bool, q_len: int = 1, split: bool = True):
@@ -235,7 +236,8 @@ def paged_attention(head_dim: int, group: int, int8: bool, q_len: int = 1, split
     sig.update(qk_scale="fp32", num_q_tiles="i32", num_splits="i32", min_split_keys="i32")
     const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=max(1, cfg.block_m // group), BLOCK_N=cfg.kv_tile,
                  HEAD_DIM=head_dim, BLOCK_SIZE=16, IS_INT8=int8, SPLIT=split, DOT_PREC="tf32", INVARIANT=False,
-                 USE_PDL=pdl(), FEW_SPLITS=attention.FEW_SPLITS, LONG_SPLIT_KEYS=attention.LONG_SPLIT_KEYS)
+                 USE_PDL=pdl(), FEW_SPLITS=attention.FEW_SPLITS, LONG_SPLIT_KEYS=attention.LONG_SPLIT_KEYS,
+                 WRITE_LSE=False)
     return attention._paged_attention_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
 
 

@@ -6,6 +6,8 @@ Rules every backend follows:
 - The per-step layout (which token belongs to which sequence, at which position) is set on the
   backend before the forward, never passed through the model, so models stay layout-agnostic.
 - Softmax scale is 1/sqrt(D) (all supported architectures use it).
+- The paged backends also have `attend_lse(layer, q, k, v)`: `attend` that returns each row's
+  log-sum-exp of its scaled scores too ([N, Hq] fp32, natural log), which `tiered.py` merges by.
 - `states`: where a hybrid model's linear-attention layers keep each sequence's state
   (`strata.kvcache.state_pool.RecurrentStates`), or None.
 

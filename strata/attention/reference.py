@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from strata.attention.base import AttentionBackend
 from strata.kernels import invariant as k_invariant
-from strata.kvcache.pool import KVPool
+from strata.kvcache.pool import DensePool, KVPool
 from strata.kernels.transfer import to_device
 
 
@@ -92,6 +92,9 @@ class ContiguousKV(AttentionBackend):
 
 class PagedAttention(AttentionBackend):
     meta = None  # no layout tensors for a runner to fill: `prepare` builds the layout (see attention_backends)
+    # Set by the CPU runner: `strata.kernels.cpu_decode`'s kernels, whose `decode_attention` serves steps of
+    # one query row per sequence over an fp32 DensePool (decodes), in one call instead of a gather and SDPA.
+    cpu_kernels = None
 
     def __init__(self, pool: KVPool, batch_invariant: bool = False):
         self.pool = pool
@@ -145,7 +148,32 @@ class PagedAttention(AttentionBackend):
         qpos = start_t[:, None] + qi[None]
         self.mask = (kpos[None, None] <= qpos[:, :, None]) & (kpos[None, None] < ctx[:, None, None])  # [R, Q, L]
 
+    def attend_lse(self, layer, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend` that also returns each row's log-sum-exp of its scaled scores ([N, Hq] fp32), so a
+        caller can merge it with attention over other keys (`strata.attention.tiered`); fp32 math."""
+        self.pool.write(layer, self.slots, k, v)
+        kk, vv = self.pool.gather_blocks(layer, self.blocks, self.keys, torch.float32)  # [R, L, Hkv, D]
+        qq = q.view(kk.shape[0], -1, *q.shape[1:]) if self.q_rows is None else q[self.q_rows]  # [R, Q, Hq, D]
+        r, nq, hq, d = qq.shape
+        hkv = kk.shape[2]
+        s = torch.einsum("rqhgd,rkhd->rhgqk", qq.float().reshape(r, nq, hkv, hq // hkv, d), kk) / d ** 0.5
+        if self.mask is not None:
+            s = s.masked_fill(~self.mask[:, None, None], float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[..., None])
+        o = torch.einsum("rhgqk,rkhd->rqhgd", p, vv).reshape(r * nq, hq, d).to(q.dtype)
+        lse = lse.permute(0, 3, 1, 2).reshape(r * nq, hq)
+        if self.out_rows is None:
+            return o, lse
+        return o.index_select(0, self.out_rows), lse.index_select(0, self.out_rows)
+
     def attend(self, layer, q, k, v):
+        kernels = self.cpu_kernels
+        if (kernels is not None and self.q_rows is None and self.mask is None and not self.batch_invariant
+                and type(self.pool) is DensePool and q.shape[0] == self.blocks.shape[0]
+                and kernels.serves_decode_attention(self.pool.k[layer], self.pool.v[layer], self.blocks, q, k, v)):
+            return kernels.decode_attention(self.pool.k[layer], self.pool.v[layer], self.slots, self.blocks,
+                                            self.pool.block_size, self.keys, q, k, v)
         self.pool.write(layer, self.slots, k, v)
         kk, vv = self.pool.gather_blocks(layer, self.blocks, self.keys, q.dtype)  # [R, L, Hkv, D]
         qq = q.view(kk.shape[0], -1, *q.shape[1:]) if self.q_rows is None else q[self.q_rows]  # [R, Q, Hq, D]

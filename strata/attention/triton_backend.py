@@ -49,6 +49,7 @@ class TritonPagedAttention(AttentionBackend):
         # q_start, q_len, ctx_len per sequence (one spare entry for a graph's padding).
         self.meta = torch.zeros(3, max_seqs + 1, dtype=torch.int32, device=self.device)
         self.out = torch.zeros(max_rows, num_q_heads, pool.head_dim, dtype=dtype, device=self.device)
+        self.lse = torch.zeros(max_rows, num_q_heads, dtype=torch.float32, device=self.device)  # attend_lse's
         max_splits = max(MAX_SPLITS, self.invariant_splits) if batch_invariant else MAX_SPLITS
         self.workspace = k_attn.SplitWorkspace(max_split_rows, num_q_heads, pool.head_dim, max_splits, self.device)
         self.max_split_rows = max_split_rows
@@ -114,6 +115,18 @@ class TritonPagedAttention(AttentionBackend):
             to_device([row + [0] * (width - len(row)) for row in dq_rows], self.device, torch.int32))
 
     def attend(self, layer, q, k, v):
+        return self._attend(layer, q, k, v, None)
+
+    def attend_lse(self, layer, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend` that also returns each row's log-sum-exp of its scaled scores ([N, Hq] fp32, natural
+        log; the reference's `attend_lse`), so a caller can merge it with attention over other keys
+        (`strata.attention.tiered`). Both come from buffers the next layer reuses."""
+        n = q.shape[0]
+        lse = self.lse[:n] if n <= self.lse.shape[0] else torch.empty(n, q.shape[1], dtype=torch.float32,
+                                                                       device=q.device)
+        return self._attend(layer, q, k, v, lse), lse
+
+    def _attend(self, layer, q, k, v, lse: torch.Tensor | None) -> torch.Tensor:
         pool = self.pool
         ks, vs = (pool.k_scale[layer], pool.v_scale[layer]) if self.quantized else (None, None)
         k_store.store_kv_triton(k, v, pool.k[layer], pool.v[layer], self.slots, ks, vs)
@@ -130,5 +143,5 @@ class TritonPagedAttention(AttentionBackend):
             q, k_cache, v_cache, tables, self.meta[0, :r], self.meta[1, :r], self.meta[2, :r], out,
             block_size=self.block_size, max_q_len=self.max_q_len, scale=self.scale, k_scale=ks, v_scale=vs,
             num_splits=self.num_splits, workspace=self.workspace if self.num_splits > 1 else None,
-            invariant=self.batch_invariant)
+            invariant=self.batch_invariant, lse=lse)
         return out

@@ -63,6 +63,7 @@ def crossover(engine: LLMEngine, moes: list[MoE], sizes: list[int], seed: int) -
     for each T: where streaming starts to pay (`--expert-stream-tokens`)."""
     if engine.expert_streamer is None:
         return []
+    measured = [m.stream_min_tokens for m in moes]
     rows = []
     for t in sizes:
         row = {"tokens": t}
@@ -77,8 +78,8 @@ def crossover(engine: LLMEngine, moes: list[MoE], sizes: list[int], seed: int) -
             row[f"{where}_s"] = best
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for m in moes:
-        m.stream_min_tokens = engine.cfg.expert_stream_tokens
+    for m, t in zip(moes, measured):
+        m.stream_min_tokens = t
     return rows
 
 
@@ -91,7 +92,8 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     moes = _host_moes(engine)
     row: dict = {"host_experts": cfg.host_experts, "load_s": load_s, "host_layers": len(moes),
                  "host_format": ",".join(sorted({m.host.fmt for m in moes})) or None,
-                 "host_bytes": sum(m.host.nbytes for m in moes)}
+                 "host_bytes": sum(m.host.nbytes for m in moes),
+                 "stream_min_tokens": moes[0].stream_min_tokens if moes and engine.expert_streamer else None}
     # The prompt read: once to compile, then timed.
     for attempt in range(2):
         prompt = _ids(read_tokens, vocab, seed + attempt)
@@ -177,6 +179,7 @@ def run(args) -> int:
         "peak_gpu_bytes": max(r["peak_gpu_bytes"] for r in rows), "gpu_memory_cap_bytes": cap,
         "cap_held": None if cap is None else all(r["peak_gpu_bytes"] <= cap for r in rows),
         "cpu_expert_bandwidth_fraction": best.get("cpu_expert_bandwidth_fraction"),
+        "stream_min_tokens": best.get("stream_min_tokens"),
         "host_read_bandwidth_gb_s": bandwidth / 1e9,
     }
     info = {"bench": "offload", "model": args.model, "placement": "cpu-moe" if args.cpu_moe else
@@ -206,7 +209,8 @@ def _add_args(p) -> None:
     p.add_argument("--cpu-moe", action="store_true")
     p.add_argument("--n-cpu-moe", type=int, default=None)
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB cap (the memory plan places the experts)")
-    p.add_argument("--expert-stream-tokens", type=int, default=EngineConfig.expert_stream_tokens)
+    p.add_argument("--expert-stream-tokens", type=int, default=EngineConfig.expert_stream_tokens,
+                   help="steps of this many tokens or more stream the experts (0: never; default: measured)")
     p.add_argument("--spec", type=int, default=0)
     p.add_argument("--read", type=int, default=4096, help="prompt tokens of the read")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens timed")

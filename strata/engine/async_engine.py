@@ -88,7 +88,7 @@ class AsyncEngine:
     # ---- called from any thread -------------------------------------------------------------------
     def submit(self, req: EngineRequest, logprobs: bool = False) -> RequestStream:
         """Validates synchronously (raises RequestError), then queues the request for the loop."""
-        check_prompt(len(req.prompt_ids), self.max_model_len)
+        check_prompt(len(req.prompt_ids), self.max_model_len, self.engine.context_sizes)
         stream = RequestStream(req.request_id, self)
         self._inbox.put(("add", req, stream, logprobs))
         self._wake.set()

@@ -35,13 +35,18 @@ from strata.grammar import GrammarCompiler, GrammarError
 from strata.kernels import choices as kernel_choices
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
+from strata.kvcache.tier import tier_tokens
+from strata.kvcache.state_pool import StatePool
 from strata.engine import placement
+from strata.dist.launch import join as join_stages
 from strata.loaders import LoadedModel, LoadError, default_model_path, load_model, read_checkpoint
 from strata.memory_plan import Plan
-from strata.models.host_experts import ExpertStreamer, HostStagingPool
+from strata.engine.host_offload import set_up_host_experts
+from strata.engine.kv_tiering import HostKVTier
+from strata.models.host_experts import HostStagingPool
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
-from strata.runner.prompt_graphs import prompt_graph_sizes
+from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, prompt_graph_sizes
 from strata.runner.steps import LaunchedStep
 from strata.runner.read_stage import AllocationGrowth, AllocationGuard, ReadStage
 from strata.sched.request import Request
@@ -59,11 +64,26 @@ class RequestError(ValueError):
     """A request the engine refuses (prompt too long, empty, ...). The server maps it to a 400."""
 
 
-def check_prompt(num_tokens: int, max_model_len: int) -> None:
+def check_prompt(num_tokens: int, max_model_len: int, sizes: str = "") -> None:
+    """`sizes`: what the context is made of, named in the refusal (the KV tiers)."""
     if num_tokens == 0:
         raise RequestError("the prompt is empty")
     if num_tokens >= max_model_len:
-        raise RequestError(f"the prompt has {num_tokens} tokens; the context is {max_model_len}")
+        raise RequestError(f"the prompt has {num_tokens} tokens; the context is {max_model_len}{sizes}")
+
+
+def _tier_limits(cfg: EngineConfig) -> EngineConfig:
+    """With the host KV tier, attention reads the host part through the CPU each layer, which neither a
+    CUDA graph nor a step queued ahead of its inputs can hold; and the concurrent read's stage has no
+    tiered backend yet."""
+    changes = {}
+    if cfg.cuda_graph and torch.device(cfg.resolved_device).type == "cuda":
+        changes["cuda_graph"] = False
+    if cfg.async_scheduling:
+        changes["async_scheduling"] = False
+    if changes:
+        log.info("host KV tier: %s off", " and ".join(k.replace("_", " ") for k in changes))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 @dataclass
@@ -161,6 +181,15 @@ class LLMEngine:
         """`loaded`: a model already on the device (benchmarks build random weights in place); else
         `cfg.model` is loaded."""
         cfg = cfg.resolved()
+        # Pipeline stages (--split-mode layer): ranks other than 0 run their stage inside `join` and exit.
+        self.stages = join_stages(cfg) if cfg.split_mode == "layer" else None
+        if self.stages is not None:
+            if loaded is not None:
+                raise ValueError("--split-mode layer loads the model in every stage: not with a model already built")
+            cfg = self.stages.engine_config(cfg)
+        self.tiered = cfg.kv_resident is not None or cfg.kv_host_memory is not None
+        if self.tiered:
+            cfg = _tier_limits(cfg)
         self.cfg = cfg
         kernel_choices.set_choices(cfg.kernel_choices())  # before the model is loaded and packed
         self.device = torch.device(cfg.resolved_device)
@@ -170,13 +199,15 @@ class LLMEngine:
             loaded = self._load_placed(cfg, dtype, progress)
             cfg = self.cfg
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        if self.stages is not None:
+            self.stages.install(self.model)
         self.model_name = cfg.model or "strata-default"
         self.max_model_len = min(cfg.ctx, self.model_config.max_position_embeddings)
         self.eos_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
 
         mc = self.model_config
-        self.host_staging: HostStagingPool | None = None
-        self.expert_streamer = self._set_up_host_experts(cfg)
+        self.host_staging: HostStagingPool | None
+        self.host_staging, self.expert_streamer = set_up_host_experts(self.model, mc, cfg, self.device)
         _check_batch_invariant(cfg, mc, self.device, self.model)
         self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:
@@ -192,9 +223,14 @@ class LLMEngine:
             log.info("linear-attention state pool: %d slots x %.1f MiB (%d linear layers; K/V for %d layers)",
                      cfg.parallel + 1, self.states.nbytes / (cfg.parallel + 1) / 2**20,
                      mc.num_hidden_layers - mc.num_full_attention_layers, layers)
-        self.concurrent = ConcurrentReadSetup.from_env()
+        self.concurrent = ConcurrentReadSetup.from_env(
+            "the host KV tier (--kv-resident, --kv-host-memory) reads on the main stage" if self.tiered else None)
         self.concurrent.log_decision()
+        if self.concurrent.enabled and self.stages is not None:
+            raise ValueError("the concurrent read (STRATA_PIPED_CONCURRENT) does not run across pipeline stages yet")
         tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes, self.memory_plan)
+        if cfg.kv_resident is not None and not cfg.kv_size and self.device.type != "cuda":
+            tokens = min(tokens, cfg.parallel * tier_tokens(cfg.kv_resident, cfg.chunk_size, cfg.spec, cfg.block_size))
         # --kv-size is what the pool holds at least (the context is capped to it); a size from memory is a ceiling.
         blocks = -(-tokens // cfg.block_size) if cfg.kv_size else tokens // cfg.block_size
         num_blocks = max(blocks, 2) + 1  # +1: block 0 is the padding block
@@ -205,6 +241,16 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
         # A request the pool cannot hold alone could never finish: the context is what the pool holds.
         self.kv_capacity = (num_blocks - 1) * cfg.block_size
+        self.kv_tier = (HostKVTier(cfg, mc, self.pool, self.allocator, layers, per_token, dtype, self.device)
+                        if self.tiered else None)
+        self.host_pool = self.kv_tier.host_pool if self.kv_tier else None
+        self.context_sizes = ""
+        if self.kv_tier is not None and cfg.kv_resident is not None:
+            # The context is what both tiers hold.
+            self.kv_capacity += self.kv_tier.context_tokens
+            self.context_sizes = (f" ({self.kv_capacity - self.kv_tier.context_tokens} tokens in the device KV pool "
+                                  f"with --kv-resident {cfg.kv_resident} + {self.kv_tier.host_capacity} in the host "
+                                  "KV pool)")
         if self.kv_capacity < self.max_model_len:
             log.info("context limited to %d tokens: the KV pool holds no more (--kv-size, --ctx %d)",
                      self.kv_capacity, cfg.ctx)
@@ -220,12 +266,13 @@ class LLMEngine:
                             solo_read_tokens=self._solo_read_tokens(cfg)),
             self.allocator,
         )
+        self.scheduler.tier = self.kv_tier.tier if self.kv_tier else None
         self.grammar_compiler = _grammar_compiler(self.tokenizer, mc.vocab_size)
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
                                   seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
                                   grammar=self.grammar_compiler, states=self.states,
-                                  batch_invariant=cfg.batch_invariant)
+                                  batch_invariant=cfg.batch_invariant, host_pool=self.host_pool)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:
@@ -235,7 +282,8 @@ class LLMEngine:
                                       max_model_len=self.max_model_len, max_seqs=cfg.parallel,
                                       chunk_size=cfg.chunk_size, device=self.device, dtype=dtype,
                                       seed_of=lambda req: self.runner.sampler(req).seed,
-                                      max_num_batched_tokens=cfg.max_num_batched_tokens, cuda_graph=cfg.cuda_graph)
+                                      max_num_batched_tokens=cfg.max_num_batched_tokens, cuda_graph=cfg.cuda_graph,
+                                      host_pool=self.host_pool)
         self.read_stage = None
         if self.concurrent.enabled:
             self.read_stage = ReadStage(self.runner, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -245,6 +293,9 @@ class LLMEngine:
             if self.read_stage.stream is not None and self.host_staging is not None:
                 self.host_staging.reserve([self.read_stage.stream])  # the read's host-expert layers
         self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and cfg.alloc_guard else None
+        if self.stages is not None:
+            self.stages.attach(self.runner, num_blocks, self.max_model_len,
+                               max(cfg.parallel * (1 + cfg.spec), PROMPT_GRAPH_ROWS[0]))
         # Every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
         if self.drafter:
@@ -272,7 +323,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest, logprobs: bool = False) -> None:
-        check_prompt(len(req.prompt_ids), self.max_model_len)
+        check_prompt(len(req.prompt_ids), self.max_model_len, self.context_sizes)
         if req.request_id in self.requests:
             raise RequestError(f"duplicate request id {req.request_id!r}")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -340,8 +391,12 @@ class LLMEngine:
         if self.device.type == "cuda":
             placement.cap_allocator(cfg, self.device)
             kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
+            # Hybrids: the slots' recurrent states (+1, a graph's padding rows), each with its copies after
+            # every verification row under speculation, as the engine allocates them after the load.
+            states = ((cfg.parallel + 1) * (1 + (1 + cfg.spec if cfg.spec else 0)) * StatePool.bytes_per_state(mc, dtype)
+                      if mc.is_hybrid else 0)
             self.memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, placement.gpu_budget(cfg, self.device),
-                                                        kv_layers, kv_tokens_max=1 << 40)
+                                                        kv_layers, kv_tokens_max=1 << 40, state_bytes=states)
             log.info("%s", self.memory_plan.table())
             host = list(self.memory_plan.cpu_moe_layers)
         if host and (cfg.cuda_graph or cfg.async_scheduling) and self.device.type == "cuda":
@@ -352,38 +407,17 @@ class LLMEngine:
             self.cfg = dataclasses.replace(self.cfg, cuda_graph=False, async_scheduling=False)
         return load_model(path, device=self.device, dtype=dtype, progress=progress, keep_quantized=cfg.keep_quantized,
                           quantize=cfg.quantize, host_moe_layers=host or (), host_experts=cfg.host_experts,
-                          checkpoint=ckpt)
+                          checkpoint=ckpt, layers=self.stages.plan.layers if self.stages is not None else None)
 
-    def _set_up_host_experts(self, cfg: EngineConfig) -> ExpertStreamer | None:
-        """On CUDA, the layers whose routed experts are in RAM get their pinned staging (the rows a decode
-        step sends to the CPU) and, with --expert-stream-tokens N, the streamer that brings their experts
-        up for steps of N tokens or more. Returns the streamer."""
-        from strata.models.moe import MoE
-
-        moes = [m for m in self.model.modules() if isinstance(m, MoE) and m.host is not None]
-        if not moes or self.device.type != "cuda":
-            return None
-        mc, dtype = self.model_config, cfg.torch_dtype
-        streams = cfg.expert_stream_tokens > 0 and all(m.host.stream is not None for m in moes)
-        rows = cfg.parallel * (1 + cfg.spec)
-        tokens = max(rows, cfg.expert_stream_tokens - 1 if streams else (cfg.max_num_batched_tokens or 2048))
-        pool = HostStagingPool(tokens, mc.hidden_size, mc.num_experts_per_tok, dtype, self.device)
-        pool.reserve([torch.cuda.current_stream(self.device)])
-        self.host_staging = pool
-        streamer = ExpertStreamer(moes, self.device) if streams else None
-        if streamer is not None:
-            from strata.models.moe import grouped_mm_works
-
-            streamer.probe_float(grouped_mm_works)
-        for m in moes:
-            m.host_staging, m.streamer = pool, streamer
-            m.stream_min_tokens = cfg.expert_stream_tokens if streams else 0
-        fmt = ", ".join(sorted({m.host.fmt for m in moes}))
-        log.info("routed experts of %d MoE layers in host RAM (%s, %.2f GiB): steps of fewer than %s tokens on the CPU%s",
-                 len(moes), fmt, sum(m.host.nbytes for m in moes) / 2**30,
-                 cfg.expert_stream_tokens if streamer else "any number of",
-                 f", larger ones streamed to the GPU through 2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else "")
-        return streamer
+    def _written(self, req: Request) -> int:
+        """Positions of `req` whose K/V are final in every layer and may move: computed, registered in the
+        prefix cache (the host copy takes the block's key), written by the MTP layer."""
+        n = req.num_computed_tokens
+        if self.cfg.prefix_cache:
+            n = min(n, req.prefix_blocks * self.cfg.block_size)
+        if self.drafter is not None:
+            n = min(n, self.drafter.mtp_upto.get(req.request_id, 0))
+        return n
 
     def _solo_read_tokens(self, cfg: EngineConfig) -> int:
         """The scheduler's `solo_read_tokens`: the largest prompt-chunk graph the runner will capture (CUDA
@@ -396,6 +430,8 @@ class LLMEngine:
         """Stop the read stage's worker (the concurrent read), if any."""
         if self.read_stage is not None:
             self.read_stage.close()
+        if self.stages is not None:
+            self.stages.stop()
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[EngineEvent]:
@@ -469,8 +505,12 @@ class LLMEngine:
         return events
 
     def _launch(self) -> _Launched | None:
+        if self.kv_tier is not None:
+            self.kv_tier.before_schedule(self.scheduler, self._written)
         out = self.scheduler.schedule("decode" if self.read_stage else "all")
         self._struck.append(out)
+        if self.kv_tier is not None:
+            self.kv_tier.after_schedule()
         if not out.chunks and not out.finished:
             return None
         return _Launched(out, self.runner.launch(out.chunks))
@@ -645,6 +685,7 @@ class LLMEngine:
             prefix_cache_cached_tokens_total=s.prefix_cached_tokens_total,
             read_stage_steps_total=self.read_stage.reads_total if self.read_stage else 0,
             solo_reads_total=s.solo_reads_total,
+            **(self.kv_tier.stats() if self.kv_tier else {}),
         )
 
     def slot_snapshots(self, now: float) -> tuple[SlotSnapshot, ...]:

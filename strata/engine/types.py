@@ -125,3 +125,10 @@ class EngineStats:
     prefix_cache_cached_tokens_total: int = 0
     read_stage_steps_total: int = 0  # read steps run on the concurrent read's stage (STRATA_PIPED_CONCURRENT)
     solo_reads_total: int = 0  # short reads given a step of their own beside decoding slots (prompt graphs)
+    # The host KV tier (--kv-resident, --kv-host-memory): prefix-cache hits that took host blocks and their
+    # tokens (also counted in prefix_cache_*); host blocks in use and in all; blocks moved to the host.
+    prefix_cache_host_hits_total: int = 0
+    prefix_cache_host_cached_tokens_total: int = 0
+    kv_host_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    kv_blocks_moved_total: int = 0

@@ -14,18 +14,19 @@ from typing import Any, Sequence
 import numpy as np
 
 from strata.grammar.backend import EngineMatcher, GrammarBackend
-from strata.grammar.spec import GrammarError, GrammarSpec, close_objects
+from strata.grammar.spec import GrammarError, GrammarSpec, bounded_integers, close_objects
 
-# Between JSON tokens: any JSON whitespace, but a bounded run of it, so a small model cannot spend its
-# whole budget on blank lines (the unbounded default lets it).
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+# JSON is generated compact: no whitespace between tokens, "," and ":" as separators. Free whitespace
+# lets a small model wander (a run of spaces or blank lines until max_tokens); vLLM and SGLang default
+# to compact JSON for the same reason.
+JSON_COMPACT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 MAX_ERROR_CHARS = 800
 
 
 def json_options(strict: bool) -> dict[str, Any]:
-    """llguidance's JSON compile options for a spec's `strict`: strict fails on unimplemented
-    keywords, lenient ignores them."""
-    return {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}
+    """llguidance's JSON compile options for a spec's `strict`: compact, and strict fails on
+    unimplemented keywords where lenient ignores them."""
+    return {**JSON_COMPACT, "lenient": not strict}
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -35,7 +36,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
     try:
         if spec.kind in ("json_object", "json_schema"):
-            schema = spec.schema()
+            schema = bounded_integers(spec.schema())
             if spec.strict:
                 schema = close_objects(schema)
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=json_options(spec.strict))

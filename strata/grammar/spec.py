@@ -106,3 +106,85 @@ def close_objects(schema: Any) -> Any:
                                                          "patternProperties"} & out.keys():
         out["additionalProperties"] = False
     return out
+
+
+MAX_FINITE_CHECK_STEPS = 100_000
+
+
+def has_finite_value(schema: Any) -> bool:
+    """Whether some finite JSON value can satisfy `schema` as far as its structure decides: a required
+    property, a non-empty array's items or every `allOf` part must have one, `anyOf` / `oneOf` one
+    part. A `$ref` back to a schema it is already inside cannot end the value on that path, so
+    `{"$ref": "#"}` and an object requiring a property of its own type have none. Constraints on
+    values (ranges, patterns) are the grammar engine's to check."""
+    steps = [0]
+
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return True  # a remote schema: not ours to follow
+        node: Any = schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return True  # an unresolved reference is the compiler's error to report
+        return node
+
+    def finite(node: Any, inside: tuple[int, ...]) -> bool:
+        steps[0] += 1
+        if steps[0] > MAX_FINITE_CHECK_STEPS or not isinstance(node, dict):
+            return node is not False
+        if id(node) in inside:
+            return False
+        inside = (*inside, id(node))
+        if isinstance(node.get("$ref"), str) and not finite(resolve(node["$ref"]), inside):
+            return False
+        if any(not finite(part, inside) for part in node.get("allOf") or ()):
+            return False
+        for key in ("anyOf", "oneOf"):
+            parts = node.get(key)
+            if isinstance(parts, list) and parts and not any(finite(part, inside) for part in parts):
+                return False
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+        if types and any(t not in ("object", "array") for t in types):
+            return True  # a scalar type ends the value
+        if (types is None or "object" in types) and "properties" in node or types == ["object"]:
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            for name in node.get("required") or ():
+                if name in props and not finite(props[name], inside):
+                    return False
+        if types == ["array"] or (types is None and ("items" in node or "prefixItems" in node)):
+            least = node.get("minItems", 0) if isinstance(node.get("minItems", 0), int) else 0
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            if any(not finite(p, inside) for p in prefix[:least]):
+                return False
+            if least > len(prefix) and "items" in node and not finite(node["items"], inside):
+                return False
+        return True
+
+    return finite(schema, ())
+
+
+JSON_SAFE_INTEGER = 2**53 - 1  # the largest integer every JSON reader holds exactly
+
+
+def bounded_integers(schema: Any) -> Any:
+    """`schema` with each integer type not bounded on a side bounded there by ±JSON_SAFE_INTEGER, so
+    that generated integers end (a small model would otherwise write digits until max_tokens); larger
+    integers would not survive most JSON readers anyway. The caller's schema is not changed."""
+    if isinstance(schema, list):
+        return [bounded_integers(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_integers(v) for k, v in schema.items()}
+    kind = out.get("type")
+    if kind == "integer" or isinstance(kind, list) and "integer" in kind and "number" not in kind:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -JSON_SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = JSON_SAFE_INTEGER
+    return out

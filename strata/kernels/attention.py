@@ -27,7 +27,9 @@ partial result in the `SplitWorkspace`, then takes a ticket from the tile's arri
 add with acquire/release order after a CTA barrier, so the partials of every finished program are
 visible to the one that sees the last ticket); the last program merges the partials in the fixed order
 0, 1, 2, ... — the same bits whichever program finishes last — writes the output and resets the counter
-to 0 for the next call.
+to 0 for the next call. Given an `lse` tensor, whichever program writes a row's output also writes its
+log-sum-exp over the keys it saw (fp32, natural log), so attention over other keys can be merged in
+(the host KV tier); the flag is a constexpr, so a launch without it compiles the kernel as before.
 
 Graph capture: the grid depends only on R, max_q_len, Hkv and num_splits (host ints); every length,
 start and table entry is read by the kernel, so a captured launch replays with new values in the same
@@ -346,12 +348,18 @@ def _attend_kv_range(acc, l_i, m_i, q, pos, kv_lo, full_stop, kv_stop, kv_hi, ta
 
 
 @triton.jit
-def _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM: tl.constexpr):
+def _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM: tl.constexpr,
+                  lse_ptr, m_i, stride_ln, stride_lh, WRITE_LSE: tl.constexpr):
+    """`WRITE_LSE`: also the row's natural log-sum-exp of its scaled scores, from the log2-domain running
+    max m_i and sum l_i: l is at least 1 where m is finite, and m is -inf where l is 0 (no key seen)."""
     offs_d = tl.arange(0, HEAD_DIM)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only rows outside the sequence, which are not stored
     o = acc / l_safe[:, None]
     o_ptrs = out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # ln 2: log2 domain to natural log
+        tl.store(lse_ptr + rows * stride_ln + head * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit
@@ -373,7 +381,8 @@ def _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_part
                     stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, INVARIANT: tl.constexpr):
     """Combines the partial results of splits 0 .. num_parts - 1, in that order. Split 0 holds key 0,
-    so every real row has a finite max; a row's split with no visible key adds exp2(-inf) * 0."""
+    so every real row has a finite max; a row's split with no visible key adds exp2(-inf) * 0. Returns
+    (acc, l, m) of the whole row, m the log2-domain max its l is relative to."""
     offs_d = tl.arange(0, HEAD_DIM)
     ml = ws_m_ptr + rows * stride_wm_n + head * stride_wm_h
     ll = ws_l_ptr + rows * stride_wm_n + head * stride_wm_h
@@ -388,7 +397,7 @@ def _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_part
             p_l = tl.load(ll + s, mask=row_ok, other=0.0, cache_modifier=".cg")
             p_acc = tl.load(wa + s * stride_wa_s, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
             acc, l_run, m_run = _merge_running(acc, l_run, m_run, p_acc, p_l, p_m)
-        return acc, l_run
+        return acc, l_run, m_run
     m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in range(0, num_parts):
         m_max = tl.maximum(m_max, tl.load(ml + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
@@ -399,21 +408,21 @@ def _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_part
         part = tl.load(wa + s * stride_wa_s, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         acc += w[:, None] * part
         l_sum += w * tl.load(ll + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-    return acc, l_sum
+    return acc, l_sum, m_max
 
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
-    ws_acc_ptr, ws_m_ptr, ws_l_ptr, ws_count_ptr,
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, ws_count_ptr, lse_ptr,
     stride_qn, stride_qh, stride_k_slot, stride_kh, stride_v_slot, stride_vh,
     stride_ks_slot, stride_ksh, stride_vs_slot, stride_vsh, stride_on, stride_oh, stride_table,
-    stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h, stride_wc_n,
+    stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h, stride_wc_n, stride_ln, stride_lh,
     qk_scale, num_q_tiles, num_splits, min_split_keys,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, INVARIANT: tl.constexpr, USE_PDL: tl.constexpr,
-    FEW_SPLITS: tl.constexpr, LONG_SPLIT_KEYS: tl.constexpr,
+    FEW_SPLITS: tl.constexpr, LONG_SPLIT_KEYS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -489,7 +498,8 @@ def _paged_attention_kernel(
 
     if SPLIT:
         if num_parts == 1:
-            _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM)
+            _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM,
+                          lse_ptr, m_i, stride_ln, stride_lh, WRITE_LSE)
         else:
             wa = ws_acc_ptr + rows[:, None] * stride_wa_n + head[:, None] * stride_wa_h + split * stride_wa_s
             tl.store(wa + offs_d[None, :], acc, mask=row_ok[:, None])
@@ -503,13 +513,15 @@ def _paged_attention_kernel(
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == num_parts - 1:
                 tl.debug_barrier()  # the acquire (one thread) before any thread's loads of the partials
-                acc, l_i = _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_parts,
-                                           stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
-                                           BLOCK_M, HEAD_DIM, INVARIANT)
-                _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM)
+                acc, l_i, m_i = _merge_partials(ws_acc_ptr, ws_m_ptr, ws_l_ptr, rows, head, row_ok, num_parts,
+                                                stride_wa_n, stride_wa_h, stride_wa_s, stride_wm_n, stride_wm_h,
+                                                BLOCK_M, HEAD_DIM, INVARIANT)
+                _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM,
+                              lse_ptr, m_i, stride_ln, stride_lh, WRITE_LSE)
                 tl.store(counter, 0)  # every other split has arrived: nothing else touches it this launch
     else:
-        _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM)
+        _store_output(out_ptr, rows, head, row_ok, acc, l_i, stride_on, stride_oh, HEAD_DIM,
+                      lse_ptr, m_i, stride_ln, stride_lh, WRITE_LSE)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, k_scale, v_scale):
@@ -539,11 +551,14 @@ def _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, ou
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
                            max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
-                           workspace: SplitWorkspace | None = None, invariant: bool = False) -> torch.Tensor:
+                           workspace: SplitWorkspace | None = None, invariant: bool = False,
+                           lse: torch.Tensor | None = None) -> torch.Tensor:
     """`invariant` (--batch-invariant): INVARIANT_CONFIG and splits of INVARIANT_SPLIT_KEYS keys. With
     num_splits > 1 the splits run as programs of their own (the grid needs num_splits >= cdiv(longest
     context, INVARIANT_SPLIT_KEYS)); with num_splits == 1 each program walks its splits itself. Both
-    give a row the same bits."""
+    give a row the same bits. `lse` [N, Hq] fp32: also each sequence row's log-sum-exp of its scaled
+    scores (natural log, after the split merge), for merging with attention over other keys; without
+    it the launch compiles no LSE store and `out` is unchanged."""
     n, hq, d, hkv, r, is_int8 = _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out,
                                               k_scale, v_scale)
     if d < 16 or d & (d - 1):
@@ -557,6 +572,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
         raise ValueError("an int8 v_cache must be 4-byte aligned in its pointer and strides (read as int32 words)")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if lse is not None and (lse.shape != (n, hq) or lse.dtype != torch.float32 or lse.device != q.device):
+        raise ValueError(f"lse must be float32 [{n}, {hq}] on {q.device}, got {lse.dtype} {tuple(lse.shape)} "
+                         f"on {lse.device}")
     split = num_splits > 1
     if split:
         if workspace is None:
@@ -580,17 +598,19 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
         ws, ws_strides = (out, out, out, q_len), (0,) * 6  # placeholders, never read
     ks_strides = ks.stride()[:2] if is_int8 else (0, 0)
     vs_strides = vs.stride()[:2] if is_int8 else (0, 0)
+    lse_strides = lse.stride() if lse is not None else (0, 0)
     on = use_pdl(q)
     grid = (r * num_q_tiles, hkv, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, ks, vs, out, block_tables, q_start, q_len, ctx_len, *ws,
+        lse if lse is not None else out,  # a placeholder, never written without WRITE_LSE
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        *ks_strides, *vs_strides, out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides,
+        *ks_strides, *vs_strides, out.stride(0), out.stride(1), block_tables.stride(0), *ws_strides, *lse_strides,
         scale * LOG2E, num_q_tiles, num_splits, INVARIANT_SPLIT_KEYS if invariant else MIN_SPLIT_KEYS,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.kv_tile, HEAD_DIM=d, BLOCK_SIZE=block_size,
         IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         INVARIANT=invariant, USE_PDL=on, FEW_SPLITS=FEW_SPLITS, LONG_SPLIT_KEYS=LONG_SPLIT_KEYS,
-        launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WRITE_LSE=lse is not None, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -604,9 +624,10 @@ def _dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype)
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
                         max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
-                        workspace: SplitWorkspace | None = None) -> torch.Tensor:
-    """The definition: a loop over sequences, fp32 math, cast to out's dtype. num_splits and workspace
-    are accepted for a common signature and ignored (splitting changes rounding only)."""
+                        workspace: SplitWorkspace | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: a loop over sequences, fp32 math, cast to out's dtype (`lse` [N, Hq]: each row's
+    log-sum-exp of its scaled scores). num_splits and workspace are accepted for a common signature and
+    ignored (splitting changes rounding only)."""
     _, hq, _, hkv, _, _ = _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out,
                                         k_scale, v_scale)
     group = hq // hkv
@@ -626,6 +647,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_l
         scores.masked_fill_(t[None, None, :] > q_pos[None, :, None], float("-inf"))
         o = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
         out[row0:row0 + n] = o.to(out.dtype)
+        if lse is not None:
+            lse[row0:row0 + n] = torch.logsumexp(scores, dim=-1).T
     return out
 
 

@@ -37,6 +37,9 @@ class KernelChoices:
     linear_attention_kernel: str = "auto"
     # Programmatic dependent launch on sm_90+ (`strata.kernels.use_pdl`).
     pdl: bool = True
+    # CPU steps of few rows through the C kernels of `strata.kernels.cpu_decode` (built with the system C
+    # compiler on first use) rather than torch's ops.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (("quant_decode", QUANT_DECODE), ("moe_decode", MOE_DECODE),
@@ -46,8 +49,9 @@ class KernelChoices:
         if isinstance(self.dequant_read_rows, bool) or not isinstance(self.dequant_read_rows, int) \
                 or self.dequant_read_rows < 0:
             raise ValueError(f"dequant_read_rows must be an int >= 0 (0: off), not {self.dequant_read_rows!r}")
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"pdl must be a bool, not {self.pdl!r}")
+        for name in ("pdl", "cpu_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, not {getattr(self, name)!r}")
 
 
 _current = KernelChoices()

@@ -40,6 +40,10 @@ class BlockAllocator:
         self._cached: OrderedDict[int, Hashable] = OrderedDict()  # unreferenced keyed blocks, LRU first
         self._key_of: dict[int, Hashable] = {}  # every keyed block, used or cached
         self._block_of: dict[Hashable, int] = {}
+        # With a host tier of the prefix cache: (block, key) of each cached block `allocate` evicted
+        # since `take_evicted`, whose contents are still in the pool until the step that reuses it.
+        self.record_evictions = False
+        self._evicted: list[tuple[int, Hashable]] = []
 
     @property
     def capacity(self) -> int:
@@ -86,6 +90,8 @@ class BlockAllocator:
         for _ in range(n - plain):
             block, key = self._cached.popitem(last=False)
             del self._key_of[block], self._block_of[key]
+            if self.record_evictions:
+                self._evicted.append((block, key))
             ids.append(block)
         for b in ids:
             self._refs[b] = 1
@@ -133,6 +139,19 @@ class BlockAllocator:
         self._key_of[block] = key
         self._block_of[key] = block
         return True
+
+    def take_evicted(self) -> list[tuple[int, Hashable]]:
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def cached_run(self, keys: Iterable[Hashable]) -> int:
+        """How many leading `keys` name a block (used or cached), taking no reference."""
+        n = 0
+        for key in keys:
+            if key not in self._block_of:
+                break
+            n += 1
+        return n
 
     def lookup(self, keys: Iterable[Hashable]) -> list[int]:
         """The blocks of the longest leading run of `keys` that are cached, each with a reference taken

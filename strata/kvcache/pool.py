@@ -52,11 +52,12 @@ def kv_bytes_per_token(num_layers: int, n_kv: int, head_dim: int, kind: str, mod
 class DensePool(KVPool):
     """K/V stored as they are computed (bf16, or the model's dtype)."""
 
-    def __init__(self, num_layers, num_blocks, block_size, n_kv, head_dim, device, dtype: torch.dtype):
+    def __init__(self, num_layers, num_blocks, block_size, n_kv, head_dim, device, dtype: torch.dtype,
+                 pin: bool = False):
         super().__init__(num_layers, num_blocks, block_size, n_kv, head_dim, device)
         shape = (num_layers, num_blocks * block_size, n_kv, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
 
     def write(self, layer, slots, k, v):
         self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
@@ -87,13 +88,13 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Pool(KVPool):
     """K/V as int8 with a per-token, per-head fp32 scale; attention dequantizes on the fly."""
 
-    def __init__(self, num_layers, num_blocks, block_size, n_kv, head_dim, device):
+    def __init__(self, num_layers, num_blocks, block_size, n_kv, head_dim, device, pin: bool = False):
         super().__init__(num_layers, num_blocks, block_size, n_kv, head_dim, device)
         slots = num_blocks * block_size
-        self.k = torch.zeros((num_layers, slots, n_kv, head_dim), dtype=torch.int8, device=self.device)
-        self.v = torch.zeros_like(self.k)
-        self.k_scale = torch.zeros((num_layers, slots, n_kv), dtype=torch.float32, device=self.device)
-        self.v_scale = torch.zeros_like(self.k_scale)
+        self.k = torch.zeros((num_layers, slots, n_kv, head_dim), dtype=torch.int8, device=self.device, pin_memory=pin)
+        self.v = torch.zeros((num_layers, slots, n_kv, head_dim), dtype=torch.int8, device=self.device, pin_memory=pin)
+        self.k_scale = torch.zeros((num_layers, slots, n_kv), dtype=torch.float32, device=self.device, pin_memory=pin)
+        self.v_scale = torch.zeros((num_layers, slots, n_kv), dtype=torch.float32, device=self.device, pin_memory=pin)
 
     def write(self, layer, slots, k, v):
         for store, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
@@ -108,8 +109,16 @@ class Int8Pool(KVPool):
 
 
 def make_pool(kind: str, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
-              device, model_dtype: torch.dtype) -> KVPool:
+              device, model_dtype: torch.dtype, pin: bool = False) -> KVPool:
+    """`pin`: page-locked host memory (the host tier's pool on a CUDA machine)."""
     if kind == "int8":
-        return Int8Pool(num_layers, num_blocks, block_size, n_kv, head_dim, device)
+        return Int8Pool(num_layers, num_blocks, block_size, n_kv, head_dim, device, pin)
     dtype = torch.bfloat16 if kind == "bf16" else model_dtype
-    return DensePool(num_layers, num_blocks, block_size, n_kv, head_dim, device, dtype)
+    return DensePool(num_layers, num_blocks, block_size, n_kv, head_dim, device, dtype, pin)
+
+
+def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
+    """Every storage tensor of a pool, each [layers, slots, ...] (values, then scales)."""
+    if isinstance(pool, Int8Pool):
+        return [pool.k, pool.v, pool.k_scale, pool.v_scale]
+    return [pool.k, pool.v]

@@ -65,6 +65,7 @@ class StatePool(RecurrentStates):
         self.recurrent_after = torch.zeros(num_layers, num_states if rows else 0, rows, *rec_shape,
                                            dtype=torch.float32, device=self.device)
         self.max_rows = max_rows or num_states
+        self.num_states, self.verify_rows = num_states, rows
         self._new_layout()
 
     def _new_layout(self) -> None:
@@ -77,8 +78,10 @@ class StatePool(RecurrentStates):
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_states: int, device, dtype: torch.dtype,
-                  verify_rows: int = 0, max_rows: int = 0) -> "StatePool":
-        layers = sum(cfg.layer_is_linear(i) for i in range(cfg.num_hidden_layers))
+                  verify_rows: int = 0, max_rows: int = 0, layers: int | None = None) -> "StatePool":
+        """`layers`: how many linear layers it holds (a pipeline stage's); default the model's."""
+        if layers is None:
+            layers = sum(cfg.layer_is_linear(i) for i in range(cfg.num_hidden_layers))
         channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         return cls(layers, num_states, channels, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
                    cfg.linear_key_head_dim, cfg.linear_value_head_dim, device, dtype, verify_rows, max_rows)

@@ -84,12 +84,14 @@ def _mtp_prefix(cfg: ModelConfig) -> str:
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                progress: bool = True, pack_experts: bool = True, keep_quantized: bool = False,
                quantize: str | None = None, host_moe_layers: Collection[int] = (), host_experts: str = "auto",
-               checkpoint: Checkpoint | None = None) -> LoadedModel:
+               checkpoint: Checkpoint | None = None, layers: tuple[int, int] | None = None) -> LoadedModel:
     """`pack_experts=False` keeps projections unstacked and MoE layers on the reference loop path (e.g.
     to copy weights out for training). `keep_quantized`: see the module docstring (needs packing).
     `host_moe_layers`: decoder layers whose routed experts stay in host RAM, computed on the CPU in the
     format `host_experts` (`strata.models.host_experts`; "auto": `host_format`). `checkpoint`: `path`
-    already read."""
+    already read. `layers` (a, b): a pipeline stage's model, holding decoder layers a..b-1 only (and the
+    embedding, the LM head and the MTP layers when a is 0; `strata.models.held`); the others' tensors
+    are not read."""
     path = os.fspath(path or default_model_path())
     ckpt = checkpoint or read_checkpoint(path)
     try:
@@ -98,14 +100,31 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
         # A checkpoint may carry no MTP tensors even when its config names MTP layers (HF transformers
         # drops them on save): then the model is built without a draft head.
         with_mtp = cfg.num_nextn_predict_layers > 0 and any(n.startswith(_mtp_prefix(cfg)) for n in names)
+        elsewhere: tuple[str, ...] = ()
+        if layers is not None:
+            from strata.models.held import stage_check
+
+            stage_check(cfg, *layers)
+            if layers[0] > 0 and with_mtp:
+                elsewhere, with_mtp = (_mtp_prefix(cfg),), False
         with torch.device("meta"):
             model = build_model(cfg, with_mtp=with_mtp)
     except ConfigError as e:
         raise LoadError(path, str(e)) from None
+    if layers is not None:
+        from strata.models.held import hold_ends, hold_layers
+
+        elsewhere += hold_layers(model, *layers)
+        if layers[0] > 0:
+            elsewhere += hold_ends(model, torch.device(device), dtype)
     quantizable = _quantizable_linears(model) if keep_quantized and pack_experts and ckpt.raw else set()
     on_host = _place_host_experts(model, ckpt, host_moe_layers, host_experts) if pack_experts else set()
-    host = _HostLayers(model, ckpt, on_host, dtype, stream=torch.device(device).type == "cuda") if on_host else None
-    _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable - on_host, host)
+    host = _HostLayers(model, ckpt, on_host, dtype, torch.device(device)) if on_host else None
+    _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable - on_host, host, elsewhere)
+    if layers is not None:
+        from strata.models.held import number_kv_layers
+
+        number_kv_layers(model)
     if pack_experts:
         _pack(model, torch.device(device))
     if quantize == "fp8":
@@ -270,15 +289,20 @@ def _place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[in
 class _HostLayers:
     """The routed experts of the layers placed in RAM, gathered as they are read; a layer's
     `HostExperts` is made as soon as its last expert arrives, so at most one layer is held in float.
-    `stream`: also keep each layer in the GPU's format for the streamer (the file's blocks where the GPU
-    has kernels for them, else the float stack in the model's dtype)."""
+    On CUDA each layer is also kept in the GPU's format for the streamer (the file's blocks where the GPU
+    has kernels for them, else the float stack in the model's dtype), and quantized blocks are converted
+    to the CPU format on the GPU, a few experts at a time (on the host, an 80B-A3B IQ3_S file's
+    conversion takes minutes)."""
 
     _NAME = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+    CHUNK = 8  # experts converted at once: ~0.4 GiB of fp32 temporaries at 80B-A3B's expert shape
 
-    def __init__(self, model: CausalLM, ckpt: Checkpoint, names: set[str], dtype: torch.dtype, stream: bool):
+    def __init__(self, model: CausalLM, ckpt: Checkpoint, names: set[str], dtype: torch.dtype, device: torch.device):
         from strata.models.moe import MoE
 
-        self.ckpt, self.dtype, self.stream, self.names = ckpt, dtype, stream, names
+        self.stream = device.type == "cuda"
+        self.work = device if self.stream else torch.device("cpu")
+        self.ckpt, self.dtype, self.names = ckpt, dtype, names
         self.pending: dict[int, dict] = {}
         self.moe_of: dict[str, MoE] = {}
         for name, m in model.named_modules():
@@ -289,7 +313,7 @@ class _HostLayers:
         prefix = name[: name.index(".experts.") + len(".experts.")]
         moe = self.moe_of[prefix]
         e, proj = self._NAME.search(name).groups()
-        raw = self.ckpt.raw(name) if self.stream and self.ckpt.raw is not None else None
+        raw = self.ckpt.raw(name) if self.ckpt.raw is not None else None
         value = raw if raw is not None else self.ckpt.get(name)
         got = self.pending.setdefault(id(moe), {})
         got[(int(e), proj)] = value
@@ -313,10 +337,10 @@ class _HostLayers:
             q13 = QExpertStack.from_raw(types13.pop(), torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in trios]))
             q2 = QExpertStack.from_raw(types2.pop(), torch.stack([d[1] for _, _, d in trios]))
             del trios, got
-            for a in range(0, n, 16):  # 16 experts at a time in fp32: 4 GiB less at 80B-A3B's 512 experts
-                b = min(a + 16, n)
-                host.set(a, torch.stack([q13.dequantize_expert(e) for e in range(a, b)]),
-                         torch.stack([q2.dequantize_expert(e) for e in range(a, b)]))
+            for a in range(0, n, self.CHUNK):
+                b = min(a + self.CHUNK, n)
+                host.set(a, torch.stack([q13.dequantize_expert(e, self.work) for e in range(a, b)]),
+                         torch.stack([q2.dequantize_expert(e, self.work) for e in range(a, b)]))
             if self.stream:
                 host.stream = StreamStack.of_quant(q13, q2)
         else:
@@ -351,8 +375,10 @@ class _HostLayers:
 
 
 def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool,
-                    quantizable: set[str] = frozenset(), host: _HostLayers | None = None) -> None:
-    names = set(ckpt.names)
+                    quantizable: set[str] = frozenset(), host: _HostLayers | None = None,
+                    elsewhere: tuple[str, ...] = ()) -> None:
+    """`elsewhere`: name prefixes of tensors another pipeline stage holds (not read here)."""
+    names = {n for n in ckpt.names if not n.startswith(elsewhere)} if elsewhere else set(ckpt.names)
     cfg = model.config
     _optional_mtp_copies(model, names)
     params = dict(model.named_parameters())

@@ -26,6 +26,7 @@ GPU buffers while the current layer computes from the other.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -106,17 +107,20 @@ class HostProjection:
             self.scales_and_zeros: list[torch.Tensor | None] = [None] * num_experts
 
     def set(self, first: int, w: torch.Tensor) -> None:
-        """Experts first.. first + len(w) from float weights w [e, N, K]."""
+        """Experts first.. first + len(w) from float weights w [e, N, K] (on any device: the rounding
+        runs there)."""
         last = first + w.shape[0]
         if self.fmt == "float":
             self.w[first:last].copy_(w)
         elif self.fmt in ("int8", "w8a8"):
-            self.w[first:last], self.scale[first:last] = int8_rows(w)
+            q, scale = int8_rows(w)
+            self.w[first:last].copy_(q)
+            self.scale[first:last].copy_(scale)
         else:
             for i in range(w.shape[0]):
                 q, sz = int4_groups(w[i])
-                self.packed[first + i] = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-                self.scales_and_zeros[first + i] = sz
+                self.packed[first + i] = torch._convert_weight_to_int4pack_for_cpu(q.cpu(), 1)
+                self.scales_and_zeros[first + i] = sz.cpu()
 
     @property
     def nbytes(self) -> int:
@@ -304,6 +308,42 @@ class HostExperts:
         return out.index_add_(0, token_of, y)
 
 
+NEVER = 1 << 30  # a step size no step reaches: the CPU computes every step
+
+
+def host_step_seconds(host: HostExperts, tokens: int, k: int, dtype: torch.dtype = torch.float32, repeats: int = 2,
+                      seed: int = 0) -> float:
+    """The CPU time of one step of `tokens` rows through `host`, each row routed to `k` distinct experts
+    drawn uniformly (best of `repeats`); the counters `seconds` and `bytes_read` are left as they were."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = host.gate_up.k
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.rand(tokens, host.num_experts, generator=g).argsort(dim=1)[:, :k].contiguous()
+    w = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
+    seconds, read = host.seconds, host.bytes_read
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        host._forward(x, ids, w, None)
+        best = min(best, time.perf_counter() - t0)
+    host.seconds, host.bytes_read = seconds, read
+    return best
+
+
+def stream_crossover(cpu_seconds: dict[int, float], copy_seconds: float) -> int:
+    """The fewest tokens at which copying a layer's experts to the GPU (`copy_seconds`) costs less than
+    computing a step's chosen experts on the CPU (`cpu_seconds[T]`, measured at two or more step sizes T):
+    the first measured T past the copy, else T extrapolated along the last two sizes (once a step touches
+    every expert it grows by its rows' arithmetic alone), else NEVER when the CPU time does not grow."""
+    sizes = sorted(cpu_seconds)
+    for t in sizes:
+        if cpu_seconds[t] >= copy_seconds:
+            return t
+    (t1, c1), (t2, c2) = ((t, cpu_seconds[t]) for t in sizes[-2:])
+    slope = (c2 - c1) / (t2 - t1)
+    return t2 + math.ceil((copy_seconds - c2) / slope) if slope > 0 else NEVER
+
+
 class HostStaging:
     """Pinned buffers a CUDA step's host-expert layers pass their rows through (reserved once, per
     stream, so the read stage's thread and the decode thread never share one): the rows, ids and
@@ -389,6 +429,22 @@ class ExpertStreamer:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
+
+    def copy_seconds(self, repeats: int = 2) -> float:
+        """One copy of the largest layer's experts into a buffer, timed on the side stream (best of
+        `repeats`)."""
+        i = max(range(len(self.layers)), key=lambda j: self.layers[j].host.stream.nbytes)
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize(self.buffers[0].device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            self._fill(i, 0)
+            end.record(self.stream)
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        self.bytes_copied = 0
+        return best
 
     def _fill(self, i: int, slot: int) -> None:
         stack = self.layers[i].host.stream

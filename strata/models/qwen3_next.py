@@ -368,7 +368,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @property
     def num_attention_layers(self) -> int:
-        return self.config.num_full_attention_layers + len(self.mtp_layers)
+        """Full-attention and MTP layers (a pipeline stage's: those it holds)."""
+        return sum(hasattr(m, "self_attn") for m in self.model.layers) + len(self.mtp_layers)
 
     def new_states(self, num_states: int, device=None, dtype: torch.dtype | None = None,
                    verify_rows: int = 0, max_rows: int = 0) -> RecurrentStates:
@@ -377,8 +378,10 @@ class Qwen3NextForCausalLM(CausalLM):
         from strata.kvcache.state_pool import StatePool
 
         w = self.model.embed_tokens.weight
+        # A pipeline stage's linear layers only: the others are placeholders here.
+        layers = sum(hasattr(m, "linear_attn") for m in self.model.layers)
         return StatePool.for_model(self.config, num_states, device or w.device, dtype or w.dtype, verify_rows,
-                                   max_rows)
+                                   max_rows, layers=layers)
 
     def mtp_hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                    depth: int = 0) -> torch.Tensor:

@@ -8,6 +8,8 @@ a caller that needs logits only at some rows (the last token of each sequence) p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -21,7 +23,7 @@ from strata.kernels.splitk import shared_split_k_numel
 from strata.kernels.quant import QWeight
 from strata.kernels.quant.invariant import invariant_q_workspace_parts
 from strata.kernels.quant.invariant import supports as supports_invariant_q
-from strata.models.decoder import DecoderLayer
+from strata.models.decoder import CPU_PLAN_ROWS, DecoderLayer, cpu_kernels, cpu_product
 from strata.models.layers import RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
 from strata.models.quantize import qweights_of
@@ -54,6 +56,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg)
         self.gemv_ws: torch.Tensor | None = None  # set by pack() on CUDA: the GEMV kernels' workspace
         self.lm_head_q: QWeight | None = None  # the LM head kept quantized (loader + pack)
+        self.cpu_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # few-row CPU logits (pack)
         self.batch_invariant = False  # set_batch_invariant
 
     def set_batch_invariant(self, on: bool) -> None:
@@ -70,8 +73,8 @@ class CausalLM(nn.Module):
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers that need a K/V cache, MTP layers included."""
-        return len(self.model.layers)
+        """Layers that need a K/V cache, MTP layers included (a pipeline stage's: those it holds)."""
+        return sum(not getattr(m, "held_elsewhere", False) for m in self.model.layers)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -81,8 +84,10 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def pack(self) -> None:
-        """Stack q|k|v and gate|up projections (and MoE experts) for fewer, larger GEMMs. Call once the
-        weights are on their final device and dtype: moving the module afterwards copies views apart."""
+        """Stack q|k|v and gate|up projections (and MoE experts) for fewer, larger GEMMs; on the CPU, also
+        build the few-row steps' plans (`CpuDecodePlan`) and LM head product from the weights as they are
+        now. Call once the weights are on their final device and dtype, with their final values: moving
+        the module afterwards copies views apart, and the CPU plans hold copies."""
         from strata.models.layers import MLP, Attention
         from strata.models.moe import MoE
 
@@ -99,12 +104,23 @@ class CausalLM(nn.Module):
             elif not isinstance(m, MLP) and callable(getattr(m, "gemv_weights", None)):
                 # Another architecture's layer, packed by its model (MoE experts' MLPs stay out).
                 packed.append(m)
+        on_cpu = self.model.embed_tokens.weight.device.type == "cpu"
+        kernels = cpu_kernels() if on_cpu else None
+        for m in self.modules():
+            if isinstance(m, DecoderLayer):
+                m.plan_cpu(kernels)
+        self.cpu_head = None
+        head = self.lm_head.weight
+        if on_cpu and self.lm_head_q is None and head.dtype == torch.float32 and not head.is_meta and head.numel():
+            self.cpu_head = cpu_product(kernels, head)
         head = self.lm_head.weight
         if self.model.embed_tokens.weight.is_cuda and triton_available():
             # One split-K workspace serves every GEMV of the model: the launches run one after another
             # and each leaves its counters at zero; sized so no shape's partials overlap another's
             # counters (`shared_split_k_numel`).
-            shapes = [tuple(head.shape)] + [tuple(t.shape) for m in packed for t in m.gemv_weights() if t is not None]
+            # A later pipeline stage's head is an empty placeholder (`strata.models.held`): no shape of its own.
+            shapes = [tuple(head.shape)] if head.numel() else []
+            shapes += [tuple(t.shape) for m in packed for t in m.gemv_weights() if t is not None]
             shapes += [tuple(m.shared_head.head.weight.shape) for m in self.modules()
                        if getattr(getattr(m, "shared_head", None), "head", None) is not None]
             # The batch-invariant GEMM's decode-sized launches take their split ranges' partials there too.
@@ -175,6 +191,11 @@ class CausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.cpu_head
+        if (head is not None and hidden.shape[0] <= CPU_PLAN_ROWS and hidden.dtype == torch.float32
+                and not self.batch_invariant and not torch.is_grad_enabled() and hidden.device.type == "cpu"
+                and not self.lm_head.weight.requires_grad):
+            return head(hidden)
         return linear(hidden, self.head_weight, None, self.gemv_ws, self.batch_invariant).float()
 
     @property

@@ -87,6 +87,14 @@ class RowParams:
     seen: Sequence[int] | None = None  # token ids the repetition penalty applies to (duplicates fine)
     stream: int = STREAM_SAMPLE
     bias: Sequence[tuple[int, float]] | None = None  # (token id, value added to its logit)
+    # OpenAI's presence and frequency penalties, as values added with the bias: (token id,
+    # -(presence + frequency x its count in the output)), from `output_penalties`.
+    penalties: Sequence[tuple[int, float]] | None = None
+
+    @property
+    def added(self) -> list[tuple[int, float]]:
+        """Everything added to the logits before the repetition penalty: logit bias, then penalties."""
+        return [*(self.bias or ()), *(self.penalties or ())]
 
     @classmethod
     def of(cls, p: SamplingParams, seed: int, counter: int, seen: Sequence[int] | None = None,
@@ -114,6 +122,9 @@ class RowParams:
                 if not (type(t) is int and 0 <= t < vocab and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
                     raise ValueError(f"logit bias ({t!r}, {b!r}): ids in [0, {vocab}), values in "
                                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        for t, b in self.penalties or ():
+            if not (type(t) is int and 0 <= t < vocab and math.isfinite(b)):
+                raise ValueError(f"penalty ({t!r}, {b!r}): ids in [0, {vocab}), finite values")
 
 
 @dataclass(frozen=True)
@@ -276,6 +287,17 @@ def race(score, ids, k1, k2, noise) -> torch.Tensor:
 
 
 # ---- the transforms ---------------------------------------------------------------------------------
+def output_penalties(output: Sequence[int], presence: float, frequency: float) -> list[tuple[int, float]] | None:
+    """OpenAI's presence and frequency penalties over the tokens generated so far, as (token id, value
+    added to its logit): each token seen loses `presence` once and `frequency` per occurrence."""
+    if not output or presence == 0.0 and frequency == 0.0:
+        return None
+    counts: dict[int, int] = {}
+    for t in output:
+        counts[t] = counts.get(t, 0) + 1
+    return [(t, -(presence + frequency * c)) for t, c in counts.items()]
+
+
 def _penalise(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """CTRL rule as `apply_repetition_penalty`, per row. Repeated ids write equal values, and rows with
     penalty 1 write back what they read, so padding and unused rows are harmless."""
@@ -447,7 +469,8 @@ class DeviceSampler:
     def _fill_bias(self, rows: Sequence[RowParams], r_total: int, s: int) -> int:
         """Rows' logit biases into pinned set `s` as [r_total, width] (padded with (0, 0.0), which adds
         nothing) and queued to the device; returns the width (0: no row has a bias)."""
-        width = max((len(r.bias) for r in rows if r.bias), default=0)
+        added = [r.added for r in rows]
+        width = max((len(a) for a in added), default=0)
         if not width:
             return 0
         n = r_total * width
@@ -461,10 +484,10 @@ class DeviceSampler:
         ids, val = self.h_bias_ids[s].numpy()[:n].reshape(r_total, width), self.h_bias_val[s].numpy()[:n].reshape(r_total, width)
         ids[:] = 0
         val[:] = 0.0
-        for j, r in enumerate(rows):
-            if r.bias:
-                ids[j, : len(r.bias)] = [t for t, _ in r.bias]
-                val[j, : len(r.bias)] = [b for _, b in r.bias]
+        for j, a in enumerate(added):
+            if a:
+                ids[j, : len(a)] = [t for t, _ in a]
+                val[j, : len(a)] = [b for _, b in a]
         self.d_bias_ids[:n].copy_(self.h_bias_ids[s][:n], non_blocking=True)
         self.d_bias_val[:n].copy_(self.h_bias_val[s][:n], non_blocking=True)
         return width
@@ -530,12 +553,13 @@ def filtered_probs_batched(logits: torch.Tensor, rows: Sequence[RowParams]) -> t
     seen), params)`; a greedy row is one-hot at its argmax."""
     f, i, seen, sort, _ = _packed(rows, logits.shape[1], logits.device)
     x = logits.float()
-    width = max((len(r.bias) for r in rows if r.bias), default=0)
+    added = [r.added for r in rows]
+    width = max((len(a) for a in added), default=0)
     if width:
         ids, val = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.float32)
-        for j, r in enumerate(rows):
-            if r.bias:
-                ids[j, : len(r.bias)], val[j, : len(r.bias)] = [t for t, _ in r.bias], [b for _, b in r.bias]
+        for j, a in enumerate(added):
+            if a:
+                ids[j, : len(a)], val[j, : len(a)] = [t for t, _ in a], [b for _, b in a]
         x = _biased(x, _to_device(ids, logits.device), _to_device(val, logits.device))
     if seen is not None:
         x = _penalise(x, seen, f[:, _PENALTY : _PENALTY + 1])

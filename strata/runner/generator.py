@@ -130,7 +130,7 @@ class Generator:
         t1 = time.perf_counter()
         out.finish_reason = "length"
         while len(out.token_ids) < max_new:
-            tok = sampler(logits, seen if params.repetition_penalty != 1.0 else None)
+            tok = sampler(logits, seen if params.repetition_penalty != 1.0 else None, out.token_ids)
             if tok in stop_ids:
                 out.finish_reason = "stop"
                 break

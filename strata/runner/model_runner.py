@@ -42,11 +42,15 @@ from strata.kernels.row_lse import row_logsumexp
 from strata.kernels.token_mask import apply_token_mask
 from strata.kvcache.pool import KVPool
 from strata.kvcache.state_pool import RecurrentStates
+from strata.models.decoder import cpu_kernels
 from strata.models.transformer import CausalLM
 from strata.attention.registry import make_attention
-from strata.runner.device_sampling import DeviceSampler, RowParams, SamplePlan
+from strata.attention.reference import PagedAttention
+from strata.attention.tiered import TieredAttention
+from strata.runner.device_sampling import DeviceSampler, RowParams, SamplePlan, output_penalties
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
-from strata.sampling import Sampler, apply_logit_bias, apply_repetition_penalty, filtered_probs
+from strata.sampling import (Sampler, apply_logit_bias, apply_output_penalties, apply_repetition_penalty,
+                             filtered_probs)
 from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, capture_bucket
 from strata.speculative.verify import verify_greedy, verify_sampled
 from strata.kernels.transfer import to_device
@@ -65,9 +69,10 @@ class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
                  max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
                  cuda_graph: bool = True, grammar: GrammarCompiler | None = None, states: RecurrentStates | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, host_pool: KVPool | None = None):
         """`states`: the linear-attention state pool of a hybrid model, indexed by request slot.
-        `batch_invariant`: the attention backend computes each row alone."""
+        `batch_invariant`: the attention backend computes each row alone. `host_pool`: the host KV tier's
+        pool (`strata.attention.tiered`): requests' leading blocks may live there."""
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
@@ -82,7 +87,21 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.attn.states = states
         cuda = self.device.type == "cuda"
+        if not cuda and hasattr(self.attn, "cpu_kernels"):
+            self.attn.cpu_kernels = cpu_kernels()  # decode attention in one call (strata.kernels.cpu_decode)
         self.cpu_threads = None if cuda else torch.get_num_threads()  # a long CPU step's threads
+        self.tiered = host_pool is not None
+        self.attn_device = self.attn  # the backend of the device's own kernels
+        if self.tiered:
+            # The inner backend also gives each row's log-sum-exp (`attend_lse`): the Triton kernels' (the
+            # backend with layout tensors) on CUDA, the torch reference's elsewhere.
+            inner = self.attn
+            if inner.meta is None:
+                inner = PagedAttention(pool, batch_invariant=batch_invariant)
+                inner.cpu_kernels = getattr(self.attn_device, "cpu_kernels", None)
+            self.attn = TieredAttention(inner, host_pool, device=self.device, decode_rows=self.rows_per_seq,
+                                        max_host_tokens=max_model_len, num_layers=model.num_attention_layers)
+            self.attn.states = states
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
         self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
         self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
@@ -142,7 +161,7 @@ class ModelRunner:
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
         # the pinned outputs) because the next replay overwrites the graph's own.
         self.graphs: dict[int, BucketGraphs] = {}
-        self.use_graphs = cuda and cuda_graph
+        self.use_graphs = cuda and cuda_graph and not self.tiered  # a graph cannot hold the host part's attention
         self.hidden_out: list[torch.Tensor] = []
         self.prompt_graphs = PromptGraphs(self, max_num_batched_tokens)  # one sequence's short prompt chunk
 
@@ -182,7 +201,7 @@ class ModelRunner:
             self.copied.synchronize()
         bs = self.pool.block_size
         ids, pos, slots, starts, lens = [], [], [], [], []
-        q_start, ctx = [], []
+        q_start, ctx, host = [], [], []
         tables = self.np_tables
         for r, ch in enumerate(chunks):
             req, s, k = ch.request, ch.start, ch.num_tokens
@@ -191,10 +210,18 @@ class ModelRunner:
             ids.extend(ch.token_ids)
             pos.extend(range(s, s + k))
             slots.extend(table[p // bs] * bs + p % bs for p in range(s, s + k))
-            tables[r, : len(table)] = table
-            starts.append(s)
+            # A host-tier part (leading blocks): the device part is laid out as if the sequence began
+            # after it, and the tiered backend attends over the host part.
+            off = len(req.host_blocks)
+            tables[r, : len(table) - off] = table[off:]
+            if off:
+                host.append((len(ids) - k, k, req.host_blocks))
+            off *= bs
+            starts.append(s - off)
             lens.append(k)
-            ctx.append(s + k)
+            ctx.append(s + k - off)
+        if self.tiered:
+            self.attn.set_host(host)
         n, r = len(ids), len(chunks)
         self.num_pending = 0
         for i, ch in enumerate(chunks):
@@ -450,7 +477,7 @@ class ModelRunner:
         get argmax here. A request whose rows cannot be built is recorded in `faults` and gets neutral
         (greedy) rows: its pick is dropped and the engine fails it alone."""
         if all(ch.request.params.greedy and ch.request.params.repetition_penalty == 1.0
-               and not ch.request.params.logit_bias for ch in chunks):
+               and not ch.request.params.logit_bias and not ch.request.params.output_penalised for ch in chunks):
             return None
         rows = []
         for ch in chunks:
@@ -477,6 +504,9 @@ class ModelRunner:
                 continue
             seen = req.all_ids + list(ch.drafts[:j]) if p.repetition_penalty != 1.0 else None
             row = RowParams.of(p, seed, done + j, seen)
+            if p.output_penalised:
+                row.penalties = output_penalties(req.output_ids + list(ch.drafts[:j]), p.presence_penalty,
+                                                 p.frequency_penalty)
             row.check(self.dsampler.vocab)
             rows.append(row)
         return rows
@@ -563,6 +593,8 @@ class ModelRunner:
         tokens before it (its drafts included) counting as seen: the same target a row without drafts
         samples from."""
         row = apply_logit_bias(row, req.params.logit_bias)
+        row = apply_output_penalties(row, req.output_ids + list(drafts), req.params.presence_penalty,
+                                     req.params.frequency_penalty)
         penalty = req.params.repetition_penalty
         if penalty == 1.0:
             return row

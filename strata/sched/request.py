@@ -62,6 +62,11 @@ class Request:
     prefix_blocks: int = 0
     prefix_hit: int = 0
     num_cached_tokens: int | None = None
+    # Host KV tier (`strata.kvcache.tier`): the host pool's blocks holding the request's leading blocks,
+    # whose entries in block_ids are NULL_BLOCK; and how many of the tokens taken from the prefix cache
+    # at its first admission came from the host tier.
+    host_blocks: list[int] = field(default_factory=list)
+    num_host_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)

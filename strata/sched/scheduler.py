@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from strata.kvcache.allocator import BlockAllocator
+from strata.kvcache.allocator import NULL_BLOCK, BlockAllocator
 from strata.kvcache.prefix import PrefixKeys
 from strata.sched.request import FINISH_STATUS, Request, RequestStatus
 from strata.sched.step import PENDING_TOKEN, ScheduledChunk, SchedulerOutput, StepBuilder  # noqa: F401 (PENDING_TOKEN re-exported)
@@ -130,6 +130,7 @@ class Scheduler:
         self.preemptions_total = 0
         self.prefix_queries_total = self.prefix_hits_total = self.prefix_cached_tokens_total = 0
         self._salt = config.prefix_salt.encode()
+        self.tier = None  # the host KV tier (`strata.kvcache.tier.KVTier`), set by the engine
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -206,6 +207,11 @@ class Scheduler:
     @property
     def kv_blocks_total(self) -> int:
         return self.allocator.capacity
+
+    @property
+    def in_flight_ids(self) -> set[str]:
+        """Requests with a chunk scheduled and not yet updated (the device may be using their blocks)."""
+        return set(self._in_flight)
 
     def got_tokens_last_step(self, request_id: str) -> bool:
         """Whether the latest schedule() of a lane gave the request tokens (or its previous step is still in
@@ -383,12 +389,23 @@ class Scheduler:
             raise RuntimeError(f"request {req.request_id!r} admitted with blocks or computed tokens: {req!r}")
         bs = self.config.block_size
         usable = (req.num_tokens - 1) // bs  # the block holding the last token is always computed
-        blocks = self.allocator.lookup(self._keys(req)[:usable])
+        keys = self._keys(req)[:usable]
+        host: list[int] = []
+        if self.tier is not None:
+            host, blocks = self.tier.lookup(keys)
+            req.host_blocks = host
+            blocks = [NULL_BLOCK] * len(host) + blocks
+        else:
+            blocks = self.allocator.lookup(keys)
         req.block_ids = blocks
         req.prefix_blocks = len(blocks)
         req.prefix_hit = req.num_computed_tokens = len(blocks) * bs
         if req.num_cached_tokens is None:  # first admission: what the request's usage reports
             req.num_cached_tokens = req.prefix_hit
+            req.num_host_cached_tokens = len(host) * bs
+            if self.tier is not None:
+                self.tier.host_hits_total += bool(host)
+                self.tier.host_hit_tokens_total += len(host) * bs
             self.prefix_queries_total += 1
             self.prefix_hits_total += bool(blocks)
             self.prefix_cached_tokens_total += req.prefix_hit
@@ -425,7 +442,7 @@ class Scheduler:
             return ahead.end, 0
         # The in-flight step appends one token: the run-ahead decode reads it and samples the next,
         # which needs room under both length limits (else the request finishes on the first one).
-        if (req.params.repetition_penalty != 1.0 or (req.params.grammar is not None and not self.config.run_ahead_grammar)
+        if (req.params.repetition_penalty != 1.0 or req.params.output_penalised or (req.params.grammar is not None and not self.config.run_ahead_grammar)
                 or len(req.output_ids) + 2 > req.params.max_tokens
                 or req.num_tokens + 2 > self.config.max_model_len):
             return None
@@ -552,8 +569,10 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.block_ids:
-            self.allocator.free(req.block_ids)
+            self.allocator.free([b for b in req.block_ids if b != NULL_BLOCK])  # NULL: moved to the host tier
             req.block_ids = []
+        if self.tier is not None:
+            self.tier.release(req)
         if req.slot is not None:
             heapq.heappush(self._free_slots, req.slot)
             req.slot = None

@@ -13,7 +13,6 @@ The key is read from `x-api-key` or `Authorization: Bearer`; errors have Anthrop
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
 from typing import Any, Iterator, Literal
 
@@ -59,6 +58,7 @@ class _Model(BaseModel):
 class Block(_Model):
     type: str
     text: str | None = None
+    thinking: str | None = None  # thinking
     id: str | None = None  # tool_use
     name: str | None = None
     input: dict[str, Any] | None = None
@@ -89,7 +89,7 @@ class Thinking(_Model):
 
 
 class MessagesRequest(_Model):
-    model: str
+    model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None
@@ -124,6 +124,7 @@ def _chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
             out.append({"role": m.role, "content": m.content})
             continue
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for b in m.content:
             if b.type == "text":
@@ -139,15 +140,18 @@ def _chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                 result = _text_of(b.content, where)
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                             "content": f"Error: {result}" if b.is_error else result})
-            elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
-                continue  # earlier reasoning is not sent back to the model, as chat templates drop it
+            elif b.type == "thinking" and m.role == "assistant":
+                thoughts.append(b.thinking or "")  # the chat template decides whether the model sees it
+            elif b.type == "redacted_thinking" and m.role == "assistant":
+                continue
             else:
                 raise APIError(400, f"{where}: content blocks of type {b.type!r} are not supported in "
                                     f"{m.role} messages", param=where)
+        reasoning = {"reasoning_content": "".join(thoughts)} if thoughts else {}
         if calls:
-            out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
+            out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls} | reasoning)
         elif texts or m.role == "assistant":
-            out.append({"role": m.role, "content": "".join(texts)})
+            out.append({"role": m.role, "content": "".join(texts)} | reasoning)
     return out
 
 
@@ -222,7 +226,15 @@ def _message(rid: str, model: str, r: Result, parser: ChatOutputParser | None, o
     reason, sequence = _stop_reason(r.finish_reason, parser, output, stops)
     return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
+            "usage": _usage(r.prompt_tokens, r.cached_tokens, r.completion_tokens)}
+
+
+def _usage(prompt: int, cached: int | None, output: int) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are the prompt tokens read anew; those the prefix cache held are
+    cache reads (Strata writes no explicit cache entries, so nothing counts as a cache creation)."""
+    cached = cached or 0
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+            "output_tokens": output}
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -244,7 +256,7 @@ class _MessageEvents:
 
     def start(self) -> Iterator[str]:
         message = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+                   "stop_reason": None, "stop_sequence": None, "usage": _usage(self.input_tokens, 0, 0)}
         yield _event("message_start", {"type": "message_start", "message": message})
 
     def end(self) -> Iterator[str]:
@@ -304,8 +316,7 @@ class _MessageEvents:
         reason, sequence = _stop_reason(ev.finish_reason, self.parser, output, self.stops)
         yield _event("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                       "usage": {"input_tokens": ev.prompt_tokens,
-                                                 "output_tokens": ev.completion_tokens}})
+                                       "usage": _usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)})
         yield _event("message_stop", {"type": "message_stop"})
 
 
@@ -313,14 +324,7 @@ class _MessageEvents:
 
 
 def _authorize(s: ModelService, request: Request) -> None:
-    if s.cfg.api_key is None:
-        return
-    expected = s.cfg.api_key.encode()
-    key = request.headers.get("x-api-key")
-    if key is None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        key = token.strip() if scheme.lower() == "bearer" else ""
-    if not secrets.compare_digest(key.encode(), expected):
+    if s.cfg.api_key is not None and not s.key_matches(request):
         raise APIError(401, "invalid x-api-key: send `x-api-key: <key>` or `Authorization: Bearer <key>`")
 
 
@@ -338,11 +342,11 @@ async def anthropic_messages(s: ModelService, request: Request) -> Response:
         parser = parsers[0] if parsers else None
         stops = list(chat.stop or [])
         if body.stream:
-            events = _MessageEvents(s.tokenizer, rid, body.model, parser, stops, n_prompt)
+            events = _MessageEvents(s.tokenizer, rid, body.model or s.model_name, parser, stops, n_prompt)
             return stream_response(request, job, streams, events, end=None)
         r = (await collect(request, job, streams))[0]
         output = s.tokenizer.decode(r.token_ids) if stops and r.finish_reason == "stop" else ""
-        return Response(json.dumps(_message(rid, body.model, r, parser, output, stops)),
+        return Response(json.dumps(_message(rid, body.model or s.model_name, r, parser, output, stops)),
                         media_type="application/json")
     except APIError as e:
         raise AnthropicError.of(e) from None

@@ -2,7 +2,7 @@
 
 - its `Host` header must name this server (`ServerConfig.host_allowed`): a web page on another site
   cannot reach a keyless server on localhost through DNS rebinding (400);
-- a POST to a JSON endpoint must say `Content-Type: application/json`: a cross-site form or
+- a POST (every POST route takes JSON) must say `Content-Type: application/json`: a cross-site form or
   `text/plain` POST, which a browser sends without asking, never starts generation (415);
 - while the server drains for shutdown, API requests are answered 503 at once (with `Retry-After`
   and `Connection: close`); /health, /metrics and /slots still answer.
@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 from strata.server.config import ServerConfig
 
-JSON_POSTS = ("/v1/", "/tokenize", "/detokenize")
-API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# Every POST route takes JSON; these are the API's routes (llama-server's unprefixed ones included).
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/completion", "/chat/completions", "/apply-template",
+                "/props", "/models", "/infill", "/embedding", "/responses")
 
 
 def _error_body(path: str, status: int, message: str, code: str) -> bytes:
@@ -49,7 +50,7 @@ class RequestGuard:
         elif self.draining() and path.startswith(API_PREFIXES):
             refusal = (503, "the server is shutting down", "server_shutting_down",
                        {b"retry-after": b"5", b"connection": b"close"})
-        elif method == "POST" and path.startswith(JSON_POSTS):
+        elif method == "POST":
             kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if kind != b"application/json":
                 refusal = (415, "send the request body as JSON with `Content-Type: application/json`",

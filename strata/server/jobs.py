@@ -39,9 +39,11 @@ class Result:
         self.error: str | None = None
         self.spec: dict | None = None
         self.cached_tokens = 0
+        self.emitted = 0  # tokens the engine emitted, a final EOS included
 
     def add(self, ev: EngineEvent) -> None:
         self.text.append(ev.text)
+        self.emitted += len(ev.token_ids)
         ids, lps, tops = visible_tokens(ev, len(self.token_ids))
         self.token_ids.extend(ids)
         if lps is not None:

@@ -25,7 +25,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Label values for request counting: known routes only, so a scanner probing paths cannot grow the set.
 TRACKED_PATHS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/slots",
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages", "/health", "/metrics",
+    "/slots", "/strata/slots", "/completion", "/completions", "/chat/completions", "/models", "/props",
+    "/apply-template", "/tokenize", "/detokenize",
 })
 
 
@@ -77,6 +79,15 @@ class EngineCollector(Collector):
                        s.prefix_cache_queries_total - s.prefix_cache_hits_total)
         yield _counter("strata_prefix_cache_cached_tokens_total", "Prompt tokens whose K/V came from the prefix cache.",
                        s.prefix_cache_cached_tokens_total)
+        if s.kv_host_blocks_total:
+            yield _counter("strata_prefix_cache_host_hits_total", "Requests whose cached prefix came from the "
+                           "host KV tier (also counted in strata_prefix_cache_hits_total).", s.prefix_cache_host_hits_total)
+            yield _counter("strata_prefix_cache_host_cached_tokens_total", "Prompt tokens whose K/V came from the "
+                           "host KV tier.", s.prefix_cache_host_cached_tokens_total)
+            yield _gauge("strata_kv_host_blocks_used", "Host KV tier blocks in use.", s.kv_host_blocks_used)
+            yield _gauge("strata_kv_host_blocks_total", "Host KV tier blocks in all.", s.kv_host_blocks_total)
+            yield _counter("strata_kv_blocks_moved_total", "KV blocks moved from the device to the host tier.",
+                           s.kv_blocks_moved_total)
         yield _gauge("strata_prompt_tokens_per_second", "Prompt tokens read per second, recent.",
                      s.prompt_tokens_per_second)
         yield _gauge("strata_generation_tokens_per_second", "Tokens generated per second, recent.",
@@ -127,7 +138,7 @@ class Metrics:
 
 
 def slots_json(s: EngineStats, model_name: str, now: float | None = None, rejected: int = 0) -> dict[str, Any]:
-    """The body of GET /slots (docs: the slots schema); `now` is the wall clock, seconds; `rejected`
+    """The body of GET /strata/slots (docs: the slots schema); `now` is the wall clock, seconds; `rejected`
     the requests refused with 429 (queue full)."""
     slots = [{
         "id": x.id, "state": x.state, "request_id": x.request_id, "prompt_tokens": x.prompt_tokens,
@@ -144,6 +155,16 @@ def slots_json(s: EngineStats, model_name: str, now: float | None = None, reject
         "ttft_last_s": s.ttft_last_seconds, "generation_tok_s": s.generation_tokens_per_second,
     }
     return {"model": model_name, "time": time.time() if now is None else now, "slots": slots, "totals": totals}
+
+
+def llama_slots_json(s: EngineStats, n_ctx: int, speculative: bool) -> list[dict[str, Any]]:
+    """The body of GET /slots in llama-server's shape: one object per slot."""
+    return [{
+        "id": x.id, "id_task": x.request_id or -1, "n_ctx": n_ctx, "speculative": speculative,
+        "is_processing": x.state != "idle",
+        "next_token": {"has_next_token": x.state != "idle", "n_decoded": x.generated,
+                       "n_remain": max(x.max_tokens - x.generated, 0) if x.state != "idle" else -1},
+    } for x in s.slots]
 
 
 class RequestCounter:

@@ -1,8 +1,11 @@
 """The OpenAI wire format: request bodies as pydantic models, responses as the shapes clients parse.
 
 Requests ignore fields they do not know (clients and SDKs send many optional ones), but a known field
-asking for something Strata cannot do (presence/frequency penalties, suffix, best_of > 1) is a 400
-rather than being silently dropped. Every numeric field is bounded by what the engine holds (the
+asking for something Strata cannot do (suffix, best_of > 1, llama.cpp's typical-p, mirostat, DRY, XTC
+and top-n-sigma samplers) is a 400 naming it rather than being silently dropped. `model` is optional:
+the server serves one model whatever name is sent. llama-server's spellings act on the OpenAI routes
+too: `n_predict` (max_tokens), `n_probs` (logprobs with that many alternatives), `cache_prompt`
+(the prefix cache keeps exact K/V, so a hit gives the same result as a fresh read). Every numeric field is bounded by what the engine holds (the
 vocabulary-dependent ones, `top_k` and `logit_bias` ids, by `strata.server.service`), and stop strings
 in number and length. Chat takes `tools`, `tool_choice`
 and `chat_template_kwargs` (see `strata.server.tools`); messages carry `tool_calls` / `tool_call_id`. Extensions beyond OpenAI's schema, in vLLM's spelling:
@@ -35,12 +38,24 @@ from strata.engine.types import MAX_TOP_LOGPROBS
 from strata.grammar.spec import GrammarError, GrammarSpec
 from strata.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_TOP_K, REPETITION_PENALTY_RANGE
 from strata.tokenizer import TEMPLATE_RESERVED_NAMES
+from strata.version import __version__
 
+# Names the server build, as llama-server's `b<build>` does.
+SYSTEM_FINGERPRINT = f"b{__version__}-strata"
 MAX_N = 16  # choices per request: each is an engine request of its own
 # Stop strings are searched in the output after every token: their number and length bound that work.
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000
 MAX_STOP_TOKEN_IDS = 256
 MAX_OUTPUT_TOKENS = 2**31 - 1  # beyond any context; a larger max_tokens is a 400 before any lookup
+
+
+# llama.cpp's samplers Strata does not implement, each with the value that turns it off: a request that
+# turns one on is a 400 naming it.
+LLAMA_SAMPLERS: dict[str, Any] = {
+    "typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0,
+}
+LLAMA_SAMPLER_NAMES = {"typical": "locally typical sampling", "mirostat": "mirostat", "dry": "DRY",
+                       "xtc": "XTC", "top": "top-n-sigma"}
 
 
 class RequestModel(BaseModel):
@@ -127,8 +142,16 @@ class StructuredOutputs(RequestModel):
 class SamplingRequest(RequestModel):
     """What chat and completion requests share: the model, sampling, stops and output constraints."""
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    n_predict: int | None = Field(None, ge=-1, le=MAX_OUTPUT_TOKENS)  # llama-server's max_tokens; -1: no limit
+    n_probs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # llama-server's: alternatives per token
+    cache_prompt: bool | None = None
+    typical_p: float | None = None  # llama.cpp's samplers: accepted only when off (LLAMA_SAMPLERS)
+    mirostat: int | None = None
+    dry_multiplier: float | None = None
+    xtc_probability: float | None = None
+    top_n_sigma: float | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # -1 and 0 both mean off; at most the vocabulary
@@ -231,15 +254,22 @@ class SamplingRequest(RequestModel):
         return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise Unsupported(name, f"{name} is not supported; use repetition_penalty")
+        for name, off in LLAMA_SAMPLERS.items():
+            value = getattr(self, name)
+            if value is not None and value != off:
+                raise Unsupported(name, f"{name} ({LLAMA_SAMPLER_NAMES[name.split('_')[0]]}) is not supported; "
+                                        f"use temperature, top_k, top_p, min_p and the penalties")
         if self.stream_options is not None and not self.stream:
             raise Unsupported("stream_options", "stream_options is only allowed when stream is true")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def predict_limit(self) -> int | None:
+        """llama-server's `n_predict` as a max_tokens (None when absent or -1: no limit)."""
+        return self.n_predict if self.n_predict is not None and self.n_predict > 0 else None
 
 
 class ContentPart(RequestModel):
@@ -253,6 +283,7 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that render it
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -272,6 +303,10 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes exactly one call
     chat_template_kwargs: dict[str, Any] | None = None
+    # A final assistant message is continued, not closed (assistant prefill), as in llama-server; vLLM's
+    # `continue_final_message` asks for it, `add_generation_prompt: true` with one is a 400.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -280,6 +315,20 @@ class ChatCompletionRequest(SamplingRequest):
         if clash:
             raise ValueError(f"may not set {', '.join(sorted(clash))}: the server sets them")
         return v
+
+    @model_validator(mode="after")
+    def _prefill(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs a final assistant message")
+        return self
+
+    @property
+    def prefill(self) -> bool:
+        """Whether the final message is an assistant's to continue."""
+        return self.messages[-1].role == "assistant" and not self.add_generation_prompt \
+            and self.continue_final_message is not False
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -297,40 +346,63 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.logprobs
+        return self.logprobs or self.n_probs is not None
 
     @property
     def num_top_logprobs(self) -> int:
+        if self.n_probs is not None:
+            return self.n_probs
         return (self.top_logprobs or 0) if self.logprobs else 0
 
     @property
     def output_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else self.predict_limit
 
     def chat(self) -> list[dict[str, Any]]:
         # Model chat templates predate OpenAI's "developer" role; it means what "system" means to them.
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 | ({"name": m.name} if m.name else {})
                 | ({"tool_calls": m.tool_calls} if m.tool_calls else {})
-                | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}) for m in self.messages]
+                | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})
+                | ({"reasoning_content": m.reasoning_content} if m.reasoning_content and m.role == "assistant" else {})
+                for m in self.messages]
+
+
+MAX_PROMPTS = 64  # prompts in one completions request (each with `n` choices)
+
+PromptPart = str | int
+Prompt = str | list[PromptPart]
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # A string, token ids, ids mixed with strings (one prompt), or a list of these (one prompt each).
+    prompt: str | list[int | str | list[int | str]] = Field(min_length=1)
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (OpenAI: up to 5)
     best_of: int | None = Field(None, ge=1)
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The request's prompts (OpenAI's batch: choice `i * n + j` is prompt i's choice j)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
-            self.prompt = p[0]
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p) or any(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _prompts(self) -> "CompletionRequest":
+        prompts = self.prompts
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if len(prompts) * self.n > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} choices per request (prompts × n)")
+        if any(isinstance(p, list) and not p for p in prompts):
+            raise ValueError("a prompt must not be empty")
         return self
 
     def check_supported(self) -> None:
@@ -344,15 +416,15 @@ class CompletionRequest(SamplingRequest):
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.logprobs is not None
+        return self.logprobs is not None or self.n_probs is not None
 
     @property
     def num_top_logprobs(self) -> int:
-        return self.logprobs or 0
+        return self.logprobs or self.n_probs or 0
 
     @property
     def output_limit(self) -> int | None:
-        return self.max_tokens
+        return self.max_tokens if self.max_tokens is not None else self.predict_limit
 
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default here; chat's is the rest of the context
 
@@ -360,18 +432,37 @@ class CompletionRequest(SamplingRequest):
 class TokenizeRequest(RequestModel):
     """vLLM's: a prompt, or chat messages (templated as chat completions template them, other chat
     fields included); `add_special_tokens` defaults to true for a prompt and false for messages, whose
-    template writes its own."""
+    template writes its own. llama-server's: `content`, with `add_special` (default false) and
+    `with_pieces` (each token as `{"id", "piece"}`)."""
 
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    with_pieces: bool = False
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+        if sum(x is not None for x in (self.prompt, self.content, self.messages)) != 1:
+            raise ValueError("give exactly one of prompt, content and messages")
+        if self.add_special is not None and self.add_special_tokens is not None:
+            raise ValueError("give add_special_tokens or add_special, not both")
         return self
+
+    @property
+    def text(self) -> str | None:
+        return self.prompt if self.prompt is not None else self.content
+
+    @property
+    def special(self) -> bool | None:
+        """Whether to add the tokenizer's special tokens (None: the default of the body's kind)."""
+        if self.add_special is not None:
+            return self.add_special
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return False if self.content is not None else None
 
 
 class DetokenizeRequest(RequestModel):
@@ -447,7 +538,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
 
 
 class ChatDelta(BaseModel):
@@ -458,8 +549,10 @@ class ChatDelta(BaseModel):
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: Any) -> dict[str, Any]:
-        # OpenAI sends `"delta": {}` on the finishing chunk, not a delta full of nulls.
-        return {k: v for k, v in handler(self).items() if v is not None}
+        # OpenAI sends `"delta": {}` on the finishing chunk, not a delta full of nulls; the first chunk
+        # is `{"role": "assistant", "content": null}`.
+        out = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k == "content" and out.get("role")}
 
 
 class ChatChunkChoice(BaseModel):
@@ -476,7 +569,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
 
 
 class CompletionChoice(BaseModel):
@@ -493,17 +586,23 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str | list[int]  # the token's text, or its bytes when they are not whole UTF-8 characters
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[int] | list[TokenPiece]
 
 
 class DetokenizeResponse(BaseModel):
-    prompt: str
+    prompt: str  # vLLM's name
+    content: str  # llama-server's
 
 
 class ModelCard(BaseModel):

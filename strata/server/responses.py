@@ -38,10 +38,12 @@ class CachedUsage(P.Usage):
     prompt_tokens_details: dict  # {"cached_tokens": prompt tokens read from the prefix cache}, as OpenAI
 
 
-def response_usage(parts: list[Result] | list[EngineEvent]) -> P.Usage:
-    """The usage of a response whose choices are `parts` (results, or their last events): the prompt
-    counted once, completions summed; cached tokens of the choice that found the most."""
-    prompt = parts[0].prompt_tokens
+def response_usage(parts: list[Result] | list[EngineEvent], per_prompt: int | None = None) -> P.Usage:
+    """The usage of a response whose choices are `parts` (results, or their last events): each prompt
+    counted once (`per_prompt`: choices per prompt, in order; None: one prompt), completions summed;
+    cached tokens of the choice that found the most."""
+    step = per_prompt or len(parts)
+    prompt = sum(parts[k].prompt_tokens for k in range(0, len(parts), step))
     completion = sum(p.completion_tokens for p in parts)
     return CachedUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                        speculation=pooled_spec([p.spec for p in parts if p.spec]),
@@ -75,7 +77,8 @@ class Chunks:
         self.include_usage, self.logprobs = include_usage, logprobs
         self.created = int(time.time())
         self.sent = [0] * n
-        self.last: list[EngineEvent] = []  # the finished choices' final events
+        self.finals: dict[int, EngineEvent] = {}  # the finished choices' final events
+        self.per_prompt: int | None = None  # choices per prompt when a request has several prompts
 
     def error(self, message: str) -> Iterator[str]:
         """A stream the server ends before the engine did (its shutdown)."""
@@ -88,11 +91,13 @@ class Chunks:
         self.sent[i] += len(ids)
         return None, ids, lps, tops
 
-    def _usage_when_done(self, ev: EngineEvent) -> P.Usage | None:
+    def _usage_when_done(self, i: int, ev: EngineEvent) -> P.Usage | None:
         if ev.finish_reason is None:
             return None
-        self.last.append(ev)
-        return response_usage(self.last) if self.include_usage and len(self.last) == len(self.sent) else None
+        self.finals[i] = ev
+        if not self.include_usage or len(self.finals) < len(self.sent):
+            return None
+        return response_usage([self.finals[k] for k in range(len(self.sent))], self.per_prompt)
 
 
 class ChatChunks(Chunks):
@@ -114,7 +119,7 @@ class ChatChunks(Chunks):
 
     def start(self) -> Iterator[str]:
         for i in range(len(self.sent)):
-            yield self._chunk(i, P.ChatDelta(role="assistant", content=""))
+            yield self._chunk(i, P.ChatDelta(role="assistant"))
 
     def event(self, i: int, ev: EngineEvent) -> Iterator[str]:
         error, ids, lps, tops = self._error_or_tokens(i, ev)
@@ -132,7 +137,7 @@ class ChatChunks(Chunks):
                 finish = self.parsers[i].finish_reason(finish)
         if ev.finish_reason is not None:
             yield self._chunk(i, P.ChatDelta(), finish=finish)
-        usage = self._usage_when_done(ev)
+        usage = self._usage_when_done(i, ev)
         if usage is not None:
             yield sse_event(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
                                                   usage=usage))
@@ -175,9 +180,9 @@ class CompletionChunks(Chunks):
     """Engine events to `text_completion` SSE lines."""
 
     def __init__(self, rid: str, model: str, n: int, include_usage: bool, logprobs: LogprobFormatter | None,
-                 echo: str):
+                 echo: list[str]):
         super().__init__(rid, model, n, include_usage, logprobs)
-        self.echo = echo
+        self.echo = echo  # per choice
         self.offset = [0] * n
 
     def _chunk(self, i: int, text: str, finish: str | None = None, logprobs: P.CompletionLogprobs | None = None,
@@ -187,9 +192,9 @@ class CompletionChunks(Chunks):
                                       usage=usage))
 
     def start(self) -> Iterator[str]:
-        if self.echo:
-            for i in range(len(self.sent)):
-                yield self._chunk(i, self.echo)
+        for i, text in enumerate(self.echo):
+            if text:
+                yield self._chunk(i, text)
 
     def event(self, i: int, ev: EngineEvent) -> Iterator[str]:
         error, ids, lps, tops = self._error_or_tokens(i, ev)
@@ -201,6 +206,6 @@ class CompletionChunks(Chunks):
         self.offset[i] += len(ev.text)
         if ev.text or ev.finish_reason is not None or lp is not None and lp.tokens:
             yield self._chunk(i, ev.text, ev.finish_reason, lp)
-        usage = self._usage_when_done(ev)
+        usage = self._usage_when_done(i, ev)
         if usage is not None:
             yield self._chunk(i, "", usage=usage)

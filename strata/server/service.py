@@ -13,9 +13,11 @@ import asyncio
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import secrets
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,8 +26,10 @@ from fastapi import Request
 
 from strata.engine.types import EngineRequest
 from strata.grammar import GrammarError, GrammarSpec
+from strata.grammar.spec import has_finite_value
 from strata.params import SamplingParams
 from strata.server import protocol as P
+from strata.server.chat_templates import resolve_chat_template
 from strata.server.config import ServerConfig
 from strata.server.errors import APIError
 from strata.server.jobs import Job
@@ -36,6 +40,8 @@ from strata.server.templates import TemplateLimitError, TemplateRenderer, Templa
 from strata.server.tool_grammar import tool_call_grammar
 from strata.server.tools import (ChatOutputParser, ToolChoice, ToolRequestError, resolve_tool_choice,
                                  template_tools, tool_parser_for, tools_for_template)
+
+log = logging.getLogger("strata")
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 CPU_WORKERS = 2  # threads tokenizing prompts and compiling grammars
@@ -96,9 +102,13 @@ class ModelService:
     def __init__(self, engine: Any, cfg: ServerConfig):
         self.engine, self.cfg = engine, cfg
         self.tokenizer = engine.tokenizer
+        template = resolve_chat_template(cfg.chat_template, cfg.chat_template_file)
+        if template is not None:  # the server's own copy: the engine's tokenizer keeps the model's
+            self.tokenizer = dataclasses.replace(engine.tokenizer, chat_template=template)
         self.max_model_len = int(engine.max_model_len)
         self.model_name = cfg.model_name or model_id(engine.model_name)
         self.known_names = {self.model_name, engine.model_name}  # the path too: what clients sent before
+        self.other_names: set[str] = set()  # other names clients sent (logged once each)
         self.created = int(time.time())
         self.metrics = Metrics(self.model_name, engine.stats, rejected=lambda: self.rejected_total)
         self.logprobs = LogprobFormatter(self.tokenizer)
@@ -111,6 +121,8 @@ class ModelService:
         vocab = getattr(_engine_attr(engine, "model_config"), "vocab_size", None)
         self.vocab_size = vocab if isinstance(vocab, int) else self.tokenizer.vocab_size
         self.parallel = max(int(engine.stats().parallel), 1)
+        self.speculative = bool(getattr(getattr(engine, "engine_config", None), "spec", 0))
+        self.default_seed = getattr(getattr(engine, "engine_config", None), "seed", None)
         kv, ctx = _engine_attr(engine, "kv_capacity"), getattr(getattr(engine, "engine_config", None), "ctx", None)
         self.context_note = (f" (what its KV cache of {kv} tokens holds, below --ctx {ctx})"
                              if isinstance(kv, int) and isinstance(ctx, int) and kv < ctx else "")
@@ -165,18 +177,31 @@ class ModelService:
 
     # -- request checks ---------------------------------------------------------------------------
 
-    async def authorize(self, request: Request) -> None:
-        if self.cfg.api_key is None:
-            return
+    def key_matches(self, request: Request) -> bool:
+        """Whether the request carries the server's key, as `Authorization: Bearer` or `X-Api-Key`
+        (Anthropic's header, which llama-server takes on every route)."""
+        assert self.cfg.api_key is not None
+        key = self.cfg.api_key.encode()
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key):
+            return True
+        x_key = request.headers.get("x-api-key")
+        return x_key is not None and secrets.compare_digest(x_key.strip().encode(), key)
 
-    def check_model(self, name: str) -> None:
-        if name not in self.known_names:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+    async def authorize(self, request: Request) -> None:
+        if self.cfg.api_key is not None and not self.key_matches(request):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` or "
+                                "`X-Api-Key: <key>`.", type_="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, name: str | None) -> None:
+        """Any name (or none) is this server's one model, as llama-server takes it; a name that is not
+        one of its own is logged once, so an operator can see what clients ask for."""
+        if name is None or name in self.known_names:
+            return
+        if name not in self.other_names and len(self.other_names) < 64:
+            self.other_names.add(name)
+            log.info("requests for model %r are served by %r", name[:200], self.model_name)
 
     def check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -196,6 +221,8 @@ class ModelService:
                                 f"{self.context_note}; this request needs {asked}.", param=param,
                            code="context_length_exceeded")
         max_tokens = requested if requested is not None else min(body.default_max_tokens or room, room)
+        if self.cfg.n_predict > 0:
+            max_tokens = min(max_tokens, self.cfg.n_predict)
         if body.stop_token_ids:
             self.check_ids(body.stop_token_ids, "stop_token_ids")
         kw: dict[str, Any] = dict(
@@ -205,7 +232,7 @@ class ModelService:
         )
         if kw["temperature"] < GREEDY_BELOW_TEMPERATURE:
             kw["temperature"] = 0.0
-        for name in ("top_p", "min_p", "repetition_penalty"):
+        for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if getattr(body, name) is not None:
                 kw[name] = getattr(body, name)
         if body.top_k is not None:
@@ -248,7 +275,11 @@ class ModelService:
     def compile_checked(self, spec: GrammarSpec) -> None:
         """Compiles `spec`; a GrammarError too when it admits no output at all (its first step allows only
         stop tokens, as a schema that only refers to itself compiles), which would end every answer
-        empty."""
+        empty; or when no finite value satisfies a schema (it requires itself), under which output
+        could only end at max_tokens."""
+        if spec.kind == "json_schema" and not has_finite_value(spec.schema()):
+            raise GrammarError("the schema has no finite value: every value it admits must contain a value "
+                               "of its own type (e.g. {\"$ref\": \"#\"})")
         matcher = self.grammar_compiler.compile(spec).matcher()
         row = np.zeros(matcher.words, dtype=np.int32)
         matcher.fill_mask(row)
@@ -325,7 +356,7 @@ class ModelService:
         r = self.renderer
         try:
             messages, tpl_tools, kw = (r.protect(x, table) for x in parts)
-            text = await self._run(self.template_pool, r.render, messages, tpl_tools, True, kw)
+            text = await self.render_chat(messages, tpl_tools, kw, body.prefill, body.add_generation_prompt)
         except TemplateUnavailable as e:
             raise APIError(503, str(e), type_="server_error", code="template_unavailable",
                            headers={"Retry-After": "1"}) from None
@@ -335,6 +366,24 @@ class ModelService:
         for placeholder, original in table.items():
             text = text.replace(placeholder, original)
         return ids, text, choice
+
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          kw: dict[str, Any], prefill: bool, add_generation_prompt: bool | None = None) -> str:
+        """The template's text for `messages`. With `prefill`, the final (assistant) message is left open
+        for the model to continue: the conversation rendered without a generation prompt and cut right
+        after that message's content (an empty one: the earlier messages with the generation prompt)."""
+        render = self.renderer.render
+        if not prefill:
+            gen = True if add_generation_prompt is None else add_generation_prompt
+            return await self._run(self.template_pool, render, messages, tools, gen, kw)
+        content = messages[-1].get("content") or ""
+        if content:
+            text = await self._run(self.template_pool, render, messages, tools, False, kw)
+            end = text.rfind(content)
+            if end >= 0:
+                return text[: end + len(content)]
+        text = await self._run(self.template_pool, render, messages[:-1], tools, True, kw)
+        return text + content
 
     def chat_parsers(self, body: P.ChatCompletionRequest, prompt: str, choice: ToolChoice,
                      ) -> list[ChatOutputParser] | None:
@@ -348,18 +397,23 @@ class ModelService:
         opened = thinking_opened_in_prompt(prompt)
         return [ChatOutputParser(rp, tp, opened_in_prompt=opened, request_tools=body.tools) for _ in range(body.n)]
 
-    def completion_prompt(self, body: P.CompletionRequest) -> tuple[list[int], str]:
-        """(prompt ids, prompt text for echo). A completion's prompt is the caller's own template, so its
-        special strings are control tokens (as vLLM and llama-server read it); chat content is not."""
-        if isinstance(body.prompt, str):
-            self.check_chars(len(body.prompt), "prompt")
-            return self.tokenizer.encode(body.prompt), body.prompt
-        ids = list(body.prompt)
+    def completion_prompt(self, prompt: P.Prompt, echo: bool = False) -> tuple[list[int], str]:
+        """(prompt ids, prompt text for echo) of one prompt: text, token ids, or ids and text mixed (each
+        piece in order, special tokens added before the first only). A completion's prompt is the
+        caller's own template, so its special strings are control tokens (as vLLM and llama-server read
+        it); chat content is not."""
+        if isinstance(prompt, str):
+            self.check_chars(len(prompt), "prompt")
+            return self.tokenizer.encode(prompt), prompt
+        self.check_chars(sum(len(p) for p in prompt if isinstance(p, str)), "prompt")
+        ids: list[int] = []
+        for k, piece in enumerate(prompt):
+            ids += [piece] if isinstance(piece, int) else self.tokenizer.encode(piece, add_special=k == 0)
         if len(ids) >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                                 f"has {len(ids)}.", param="prompt", code="context_length_exceeded")
         self.check_ids(ids, "prompt")
-        return ids, (self.tokenizer.decode(ids) if body.echo else "")
+        return ids, (self.tokenizer.decode(ids) if echo else "")
 
     def check_chars(self, n: int, param: str) -> None:
         """A 400 for text that cannot fit the context whatever it tokenizes to: more characters than the
@@ -408,13 +462,38 @@ class ModelService:
         """One engine request per choice (ids `{rid}-{i}` when n > 1); choice i of a seeded request
         draws from seed + i (mod 2^64), so the choices differ and the whole response is reproducible.
         The job holds `ticket` until it closes."""
+        return self.submit_prompts(rid, n, [(ids, params)], logprobs, ticket, top)
+
+    async def submit_completion(self, body: Any, prompts: list[Any], n: int, echo: bool
+                                ) -> tuple[str, list[tuple[list[int], str]], list[SamplingParams], Job, list[Any]]:
+        """A completions request (OpenAI's or llama-server's native one) admitted, its prompts encoded
+        and constrained, and submitted: (request id, (ids, echoed text) per prompt, sampling parameters per
+        prompt, the job, its streams)."""
+        ticket = self.admit(n * len(prompts))
+        try:
+            encoded = [await self.run_cpu(self.completion_prompt, p, echo) for p in prompts]
+            spec, param = self.grammar_spec(body)
+            params = [await self.constrain(self.sampling(body, len(ids), "prompt"), spec, param) for ids, _ in encoded]
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            job, streams = self.submit_prompts(rid, n, [(ids, p) for (ids, _), p in zip(encoded, params)],
+                                               body.wants_logprobs, ticket, body.num_top_logprobs)
+        except BaseException:
+            ticket.release()
+            raise
+        return rid, encoded, params, job, streams
+
+    def submit_prompts(self, rid: str, n: int, prompts: list[tuple[list[int], SamplingParams]], logprobs: bool,
+                       ticket: Ticket, top: int = 0) -> tuple[Job, list[Any]]:
+        """`submit` for several prompts: `n` choices each, choice `i * n + j` being prompt i's choice j."""
         if self.closing:
             raise self.shutting_down()
-        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        total = n * len(prompts)
+        rids = [rid] if total == 1 else [f"{rid}-{k}" for k in range(total)]
         streams: list[Any] = []
         try:
-            for i, r in enumerate(rids):
-                p = params
+            for k, r in enumerate(rids):
+                ids, params = prompts[k // n]
+                p, i = params, k % n
                 if i and params.seed is not None:
                     p = dataclasses.replace(params, seed=(params.seed + i) % 2**64)
                 streams.append(self._submit_one(r, ids, p, logprobs, top))
@@ -438,7 +517,7 @@ class ModelService:
             parsers = self.chat_parsers(body, prompt, tool_choice)
             params = self.sampling(body, len(ids), "messages")
             params = await self.constrain(params, *self.chat_grammar(body, prompt, tool_choice))
-            job, streams = self.submit(rid, body.n, ids, params, body.logprobs, ticket, body.num_top_logprobs)
+            job, streams = self.submit(rid, body.n, ids, params, body.wants_logprobs, ticket, body.num_top_logprobs)
         except BaseException:
             ticket.release()
             raise

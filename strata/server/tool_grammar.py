@@ -26,16 +26,16 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from strata.grammar.llguidance_backend import JSON_WHITESPACE
-from strata.grammar.spec import GrammarSpec, close_objects
+from strata.grammar.llguidance_backend import JSON_COMPACT
+from strata.grammar.spec import GrammarSpec, bounded_integers, close_objects
 from strata.server.reasoning import THINK_CLOSE, THINK_OPEN
 from strata.server.tools import (CALL_CLOSE, CALL_OPEN, KEY_CLOSE, KEY_OPEN, VALUE_CLOSE, VALUE_OPEN, ToolChoice,
                                  ToolRequestError)
 
 Reasoning = Literal["none", "optional", "open"]
 TOOL_FORMATS = ("hermes", "glm45")
-# Embedded schemas: bounded whitespace as for response_format, and lenient about unknown keywords.
-_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE, "lenient": True}
+# Embedded schemas: compact as for response_format, and lenient about unknown keywords.
+_JSON_OPTIONS = {**JSON_COMPACT, "lenient": True}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
@@ -93,7 +93,8 @@ class _Lark:
 
 
 def _json(schema: Any) -> str:
-    return "%json " + json.dumps({**close_objects(schema), "x-guidance": _JSON_OPTIONS}, ensure_ascii=False)
+    return "%json " + json.dumps({**close_objects(bounded_integers(schema)), "x-guidance": _JSON_OPTIONS},
+                                 ensure_ascii=False)
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -127,6 +128,10 @@ def _glm_value(g: _Lark, schema: Any) -> str:
     pattern = schema.get("pattern")
     if isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$") and len(pattern) > 2:
         return g.pattern_until(pattern[1:-1].replace("/", "\\/"), VALUE_CLOSE)
+    longest = schema.get("maxLength")
+    if isinstance(longest, int) and not isinstance(longest, bool) and 0 <= longest <= 10_000:
+        # A raw value of at most maxLength characters, none of them starting the closing tag.
+        return g.pattern_until(f"[^<]{{{min(schema.get('minLength') or 0, longest)},{longest}}}", VALUE_CLOSE)
     return g.until(VALUE_CLOSE)
 
 

@@ -109,7 +109,7 @@ class MTPStep:
             raise ValueError(f"an MTP call of {r} sequences exceeds the drafter's {self.max_seqs}")
         if self.inputs_copied is not None:
             self.inputs_copied.synchronize()
-        self._fill(reqs, starts, lens, next_ids)
+        offs = self._fill(reqs, starts, lens, next_ids)
         q = max(lens)
         g = self._graph_for(q, r)
         if g is not None:
@@ -119,6 +119,7 @@ class MTPStep:
             self.graph_replays += 1
             return tuple(t[:r] for t in g.outputs)
         self._upload(n, r)
+        starts = [s - o for s, o in zip(starts, offs)]
         ctx = [s + k for s, k in zip(starts, lens)]
         if getattr(self.attn, "meta", None) is not None:
             self.attn.set_layout(self.d_slots[:n], self.d_tables[:r], r, q, max(ctx))
@@ -129,21 +130,28 @@ class MTPStep:
 
     def _fill(self, reqs, starts: list[int], lens: list[int], next_ids: list[int]) -> None:
         bs = self.pool.block_size
-        pos, slots, q_start, last = [], [], [], []
+        pos, slots, q_start, last, offs, host = [], [], [], [], [], []
         for j, (req, s, k) in enumerate(zip(reqs, starts, lens)):
             table = req.block_ids
             q_start.append(len(pos))
             last.append(len(pos) + k - 1)
             pos.extend(range(s, s + k))
             slots.extend(table[p // bs] * bs + p % bs for p in range(s, s + k))
-            self.np_tables[j, : len(table)] = table
+            off = len(req.host_blocks)  # a host-tier part: see ModelRunner._fill
+            self.np_tables[j, : len(table) - off] = table[off:]
+            if off:
+                host.append((q_start[-1], k, req.host_blocks))
+            offs.append(off * bs)
         n, r = len(pos), len(reqs)
         self.np_ids[:n] = next_ids
         self.np_pos[:n] = pos
         self.np_slots[:n] = slots
         self.np_last[:r] = last
         meta = self.np_meta
-        meta[0, :r], meta[1, :r], meta[2, :r] = q_start, lens, [s + k for s, k in zip(starts, lens)]
+        meta[0, :r], meta[1, :r], meta[2, :r] = q_start, lens, [s + k - o for s, k, o in zip(starts, lens, offs)]
+        if hasattr(self.attn, "set_host"):
+            self.attn.set_host(host)
+        return offs
 
     def _pad(self, rows: int, seqs: int, g: _DraftGraph) -> None:
         self.np_ids[rows : g.rows] = 0

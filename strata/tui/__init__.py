@@ -16,7 +16,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"the server's base URL (default: {DEFAULT_URL})")
     p.add_argument("--api-key", default=None, help="the server's API key (default: $STRATA_API_KEY)")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between /slots polls (default: 0.5)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between /strata/slots polls (default: 0.5)")
     p.add_argument("--system", default=None, help="system message for the chat")
     p.add_argument("--max-tokens", "-n", type=int, default=None, help="max_tokens of each chat reply")
     p.add_argument("--temperature", "--temp", type=float, default=None, help="temperature of chat replies")
@@ -42,7 +42,7 @@ def cmd_tui(a: argparse.Namespace) -> int:
 def add_tui_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "tui", help="terminal UI for a running server: slots, rates, chat",
-        description="Watch a running `strata serve` (GET /slots, refreshed twice a second) and chat with it. "
+        description="Watch a running `strata serve` (GET /strata/slots, refreshed twice a second) and chat with it. "
                     "Keys: enter sends, esc stops the reply, ctrl+c (or q outside the input) quits.",
     )
     configure_parser(p)

@@ -2,7 +2,7 @@
 
 Top to bottom: the status line (model, queue, KV use, give-ways, preemptions), an error line while
 the server cannot be read, sparklines of engine generation rate and TTFT, the slots table, the chat
-pane and its input. The slots are polled from `GET /slots`; the chat streams `/v1/chat/completions`.
+pane and its input. The slots are polled from `GET /strata/slots`; the chat streams `/v1/chat/completions`.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class StrataTUI(App):
         if self._client is not None:
             await self._client.aclose()
 
-    # -- polling /slots ----------------------------------------------------------------------------
+    # -- polling /strata/slots--------------------------------------------------------------------------
 
     @work(group="poll", exclusive=True)
     async def _poll_loop(self) -> None:
@@ -158,7 +158,7 @@ class StrataTUI(App):
             started = time.monotonic()
             try:
                 if not key_checked:
-                    # /slots may be open to all while /v1 wants the key: a wrong key must show here, not
+                    # /strata/slots may be open to all while /v1 wants the key: a wrong key must show here, not
                     # first when a chat message fails. Checked again after every failure.
                     self.model = await self._client.model_name()
                     key_checked = True
@@ -173,7 +173,7 @@ class StrataTUI(App):
                 self.show_slots(doc)
             except (TypeError, ValueError, AttributeError, KeyError) as e:
                 # A server speaking another version of the document: say so rather than crash the UI.
-                self.show_error(f"/slots: unexpected document ({type(e).__name__}: {e})")
+                self.show_error(f"/strata/slots: unexpected document ({type(e).__name__}: {e})")
             else:
                 attempt = 0
                 self.show_error(None)

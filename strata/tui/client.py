@@ -1,4 +1,4 @@
-"""What `strata tui` asks a running server: `GET /slots`, `GET /v1/models` and streamed chat completions.
+"""What `strata tui` asks a running server: `GET /strata/slots`, `GET /v1/models` and streamed chat completions.
 
 Only the public HTTP API is used, so the server may be on another machine. Every failure becomes a
 `ServerUnavailable` whose message is the one line the UI shows.
@@ -31,8 +31,8 @@ def _refused(resp: httpx.Response, what: str) -> ServerUnavailable:
     if resp.status_code == 401:
         return ServerUnavailable(f"{what}: 401 unauthorized - wrong or missing API key "
                                  f"(--api-key or $STRATA_API_KEY)", 401)
-    if resp.status_code == 404 and what == "/slots":
-        return ServerUnavailable("/slots: 404 - this server is too old to report its slots", 404)
+    if resp.status_code == 404 and what == "/strata/slots":
+        return ServerUnavailable("/strata/slots: 404 - this server is too old to report its slots", 404)
     return ServerUnavailable(f"{what}: {resp.status_code} {_error_message(resp)}", resp.status_code)
 
 
@@ -75,10 +75,10 @@ class ServerClient:
             raise ServerUnavailable(f"{path}: the answer is not JSON") from None
 
     async def slots(self) -> dict[str, Any]:
-        """The `GET /slots` document: model, one entry per engine slot, and engine totals."""
-        doc = await self._get_json("/slots")
+        """The `GET /strata/slots` document: model, one entry per engine slot, and engine totals."""
+        doc = await self._get_json("/strata/slots")
         if not isinstance(doc, dict) or not isinstance(doc.get("slots"), list):
-            raise ServerUnavailable("/slots: unexpected document (no 'slots' list)")
+            raise ServerUnavailable("/strata/slots: unexpected document (no 'slots' list)")
         return doc
 
     async def model_name(self) -> str:

@@ -1,4 +1,4 @@
-"""How `strata tui` draws numbers from `GET /slots`: text bars, table cells and the status line (rich Text)."""
+"""How `strata tui` draws numbers from `GET /strata/slots`: text bars, table cells and the status line (rich Text)."""
 
 from __future__ import annotations
 

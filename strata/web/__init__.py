@@ -1,7 +1,7 @@
 """The web page of `strata serve`: `mount_webui(app)` serves it at `/` and its files under `/static/`.
 
 The page is plain HTML, CSS and JavaScript in `static/` (no build step, nothing loaded from elsewhere).
-It talks to the server only through the public API (`/v1/models`, `/v1/chat/completions`, `/slots`),
+It talks to the server only through the public API (`/v1/models`, `/v1/chat/completions`, `/strata/slots`),
 sending the API key the user typed, so the files themselves are served without authentication.
 """
 

@@ -10,6 +10,8 @@ import torch
 from strata.config import EngineConfig, ModelConfig
 from strata.engine import placement
 from strata.engine.engine import LLMEngine
+from strata.kvcache.pool import kv_bytes_per_token
+from strata.kvcache.tier import tier_tokens
 from strata.engine.types import EngineRequest
 from strata.loaders import default_model_path, host_format, read_checkpoint
 from strata.memory_plan import MiB, PlanError
@@ -104,3 +106,23 @@ def test_the_plan_of_the_embedded_checkpoint():
 def test_batch_invariance_refuses_experts_in_ram():
     with pytest.raises(ValueError, match=r"MoE experts in host RAM \(--cpu-moe"):
         LLMEngine(EngineConfig(device="cpu", cpu_moe=True, batch_invariant=True), progress=False)
+
+
+def test_with_a_resident_window_the_plan_counts_the_window_not_the_context():
+    ckpt = read_checkpoint(default_model_path())
+    mc = ModelConfig.from_hf(ckpt.config)
+    kv_layers = mc.num_full_attention_layers
+    whole = EngineConfig(device="cuda", ctx=262144, parallel=2, gpu_memory=2.0, kv="int8",
+                         expert_stream_tokens=0).resolved()
+    tiered = dataclasses.replace(whole, kv_resident=4096)
+    sizes = placement.model_sizes(ckpt, mc, tiered, torch.bfloat16, kv_layers)
+    window = 2 * tier_tokens(4096, tiered.chunk_size, 0, tiered.block_size)
+    # The two streaming buffers of one layer's K/V at the full context are part of the scratch.
+    one_layer = kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, "int8", torch.bfloat16)
+    scratch = placement.scratch_bytes(tiered, mc) + 2 * 262144 * one_layer
+    budget = (sum(b for _, b in sizes.fixed) + sizes.shared_experts + sum(sizes.routed_experts) + scratch
+              + 2 * window * sizes.kv_bytes_per_token)
+    with pytest.raises(PlanError):  # one slot's 262K context does not fit beside the weights
+        placement.plan_placement(whole, mc, ckpt, torch.bfloat16, budget, kv_layers)
+    plan = placement.plan_placement(tiered, mc, ckpt, torch.bfloat16, budget, kv_layers)
+    assert plan.cpu_moe_layers == () and plan.kv_tokens == window and plan.scratch_bytes == scratch

@@ -69,3 +69,14 @@ def test_the_cap_holds_with_experts_in_ram():
     assert e.memory_plan is not None and e.memory_plan.cpu_moe_layers
     assert torch.cuda.max_memory_reserved() <= 1.5 * 2**30
     assert all(len(v) == 24 for v in out.values())
+
+
+def test_the_stream_threshold_is_measured_at_start_up():
+    out, e = _greedy(cpu_moe=True, host_experts="float")
+    moes = _host_moes(e)
+    if e.expert_streamer is None:  # the CPU was faster than a copy at every step size up to a chunk
+        assert all(m.stream_min_tokens == 0 for m in moes)
+    else:
+        assert len({m.stream_min_tokens for m in moes}) == 1 and moes[0].stream_min_tokens >= 1
+        assert e.host_staging.tokens >= moes[0].stream_min_tokens - 1
+    assert all(len(v) == 24 for v in out.values())

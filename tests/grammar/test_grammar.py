@@ -180,7 +180,7 @@ def test_the_cache_is_lru(tok):
 
 
 def test_walking_valid_json_accepts_then_terminates(compiler, tok):
-    text = json.dumps({"id": 7, "tags": ["new"], "ship": {"city": "Lyon"}})
+    text = json.dumps({"id": 7, "tags": ["new"], "ship": {"city": "Lyon"}}, separators=(",", ":"))
     n, total, m = _walk(compiler, tok, GrammarSpec.json_schema(ORDER_SCHEMA), text)
     assert n == total
     assert m.can_stop() and m.must_stop() and not m.is_terminated()  # after "}" only a stop token may follow
@@ -192,10 +192,10 @@ def test_walking_valid_json_accepts_then_terminates(compiler, tok):
 
 
 @pytest.mark.parametrize("text", [
-    '{"id": 0, "ship": {"city": "Lyon"}}',  # minimum 1
-    '{"id": 3}',  # ship is required
-    '{"id": 3, "ship": {"city": "Lyon"}, "extra": 1}',  # strict: no other keys
-    '{"id": 3, "tags": ["old"], "ship": {"city": "Lyon"}}',  # not in the enum
+    '{"id":0,"ship":{"city":"Lyon"}}',  # minimum 1
+    '{"id":3}',  # ship is required
+    '{"id":3,"ship":{"city":"Lyon"},"extra":1}',  # strict: no other keys
+    '{"id":3,"tags":["old"],"ship":{"city":"Lyon"}}',  # not in the enum
 ])
 def test_invalid_json_is_refused(compiler, tok, text):
     n, total, m = _walk(compiler, tok, GrammarSpec.json_schema(ORDER_SCHEMA), text)
@@ -203,8 +203,15 @@ def test_invalid_json_is_refused(compiler, tok, text):
     assert not m.is_terminated() and m.num_tokens == n  # the refused token left the state as it was
 
 
+def test_json_is_compact(compiler, tok):
+    """No free whitespace between tokens: a small model cannot wander into spaces."""
+    for text in ('{"id": 3,"ship":{"city":"Lyon"}}', '{ "id":3,"ship":{"city":"Lyon"}}', '{"id":3,\n"ship":{"city":"Lyon"}}'):
+        n, total, _ = _walk(compiler, tok, GrammarSpec.json_schema(ORDER_SCHEMA), text)
+        assert n < total, text
+
+
 def test_not_strict_allows_other_keys(compiler, tok):
-    text = '{"id": 3, "ship": {"city": "Lyon"}, "extra": 1}'
+    text = '{"id":3,"ship":{"city":"Lyon"},"extra":1}'
     n, total, _ = _walk(compiler, tok, GrammarSpec.json_schema(ORDER_SCHEMA, strict=False), text)
     assert n == total
 
@@ -227,7 +234,7 @@ def test_masks_on_a_tiny_vocabulary():
 
 def test_rollback_restores_earlier_masks(compiler, tok):
     m = compiler.matcher(GrammarSpec.json_schema(ORDER_SCHEMA))
-    ids = tok.encode('{"id": 12, "ship": {"city": "Oslo"}}', add_special=False)
+    ids = tok.encode('{"id":12,"ship":{"city":"Oslo"}}', add_special=False)
     masks = []
     for t in ids:
         masks.append(_mask(m, compiler.mask_words))
@@ -244,7 +251,7 @@ def test_rollback_restores_earlier_masks(compiler, tok):
 
 def test_valid_prefix_counts_drafts_and_keeps_the_state(compiler, tok):
     m = compiler.matcher(GrammarSpec.json_schema(ORDER_SCHEMA))
-    ids = tok.encode('{"id": 12, "ship": {"city": "Oslo"}}', add_special=False)
+    ids = tok.encode('{"id":12,"ship":{"city":"Oslo"}}', add_special=False)
     stop = min(tok.stop_ids)
     assert valid_prefix(m, ids[:5]) == 5 and m.num_tokens == 0
     bad = tok.encode("x", add_special=False)
@@ -259,7 +266,7 @@ def test_valid_prefix_counts_drafts_and_keeps_the_state(compiler, tok):
 
 def test_fill_masks_fills_draft_rows_like_one_by_one(compiler, tok):
     spec = GrammarSpec.json_schema(ORDER_SCHEMA)
-    ids = tok.encode('{"id": 12, "ship": {"city": "Oslo"}}', add_special=False)
+    ids = tok.encode('{"id":12,"ship":{"city":"Oslo"}}', add_special=False)
     stop = min(tok.stop_ids)
     a, b, e = compiler.matcher(spec), compiler.matcher(spec), compiler.matcher(spec)
     b.accept_many(ids[:-2])
@@ -289,16 +296,16 @@ def test_fill_masks_fills_draft_rows_like_one_by_one(compiler, tok):
 
 
 HERMES_OK = [
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","days":3}}\n</tool_call>',
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome"}}\n</tool_call>\n'
+    '<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>',
 ]
 HERMES_BAD = [
-    '<tool_call>\n{"name": "get_weathex", "arguments": {"city": "Paris"}}\n</tool_call>',  # no such function
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>',  # wrong type
-    '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>',  # city is required
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "when": 1}}\n</tool_call>',  # unknown key
-    'Sure. <tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>',  # text instead of a call
+    '<tool_call>\n{"name":"get_weathex","arguments":{"city":"Paris"}}\n</tool_call>',  # no such function
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":3}}\n</tool_call>',  # wrong type
+    '<tool_call>\n{"name":"get_weather","arguments":{"days":3}}\n</tool_call>',  # city is required
+    '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","when":1}}\n</tool_call>',  # unknown key
+    'Sure. <tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>',  # text instead of a call
 ]
 GLM_OK = [
     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris, France</arg_value>\n"
@@ -338,7 +345,7 @@ def test_a_named_function_allows_one_call_of_it(compiler, tok, fmt):
     good, two_calls = (HERMES_OK if fmt == "hermes" else GLM_OK)
     n, total, m = _walk(compiler, tok, spec, good)
     assert n == total and m.must_stop()
-    ping = ('<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>' if fmt == "hermes"
+    ping = ('<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>' if fmt == "hermes"
             else "<tool_call>ping\n</tool_call>")
     n, total, _ = _walk(compiler, tok, spec, ping)
     assert n < total
@@ -353,7 +360,7 @@ def test_reasoning_may_come_first(compiler, tok):
         n, total, _ = _walk(compiler, tok, optional, text)
         assert n == total, text
     opened = tool_call_grammar(TOOLS, ToolChoice("function", "ping"), "hermes", tok, reasoning="open")
-    text = 'so: ping </think>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    text = 'so: ping </think>\n<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>'
     assert _walk(compiler, tok, opened, text)[0] == len(tok.encode(text, add_special=False))
 
 
@@ -398,7 +405,7 @@ BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"grammar": 'root ::= "y"'}, GrammarSpec.grammar('root ::= "y"')),
     ({"json_schema": {"type": "integer"}}, GrammarSpec.json_schema({"type": "integer"}, strict=False)),
     ({"structured_outputs": {"choice": ["a", "b"]}}, GrammarSpec.choice(["a", "b"])),
-    ({"structured_outputs": {"json": '{"type": "object"}'}}, GrammarSpec.json_schema({"type": "object"}, False)),
+    ({"structured_outputs": {"json": '{"type":"object"}'}}, GrammarSpec.json_schema({"type": "object"}, False)),
     ({"structured_outputs": {"regex": "x+"}}, GrammarSpec.regex("x+")),
 ])
 def test_response_format_shapes(fields, spec):

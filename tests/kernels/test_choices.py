@@ -11,24 +11,25 @@ from strata.config import EngineConfig
 from strata.kernels import choices
 from strata.kernels.choices import KernelChoices
 
-FIELDS = ("quant_decode", "moe_decode", "dequant_read_rows", "linear_attention_kernel", "pdl")
+FIELDS = ("quant_decode", "moe_decode", "dequant_read_rows", "linear_attention_kernel", "pdl", "cpu_kernels")
 
 
 def test_defaults_are_the_engine_configs():
     assert tuple(f.name for f in dataclasses.fields(KernelChoices)) == FIELDS
     assert EngineConfig().kernel_choices() == KernelChoices()
     assert KernelChoices() == KernelChoices(quant_decode="auto", moe_decode="fused", dequant_read_rows=512,
-                                            linear_attention_kernel="auto", pdl=True)
+                                            linear_attention_kernel="auto", pdl=True, cpu_kernels=True)
 
 
 @pytest.mark.parametrize("bad", [dict(quant_decode="fast"), dict(moe_decode="fast"), dict(dequant_read_rows=-1),
                                  dict(linear_attention_kernel="triton"), dict(dequant_read_rows=True),
-                                 dict(pdl="yes")])
+                                 dict(pdl="yes"), dict(cpu_kernels=1)])
 def test_bad_values_are_refused(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         KernelChoices(**bad)
-    if not isinstance(bad[name], bool) and name != "pdl":  # the config checks values; its flags parse types
+    # The config checks values; its flags parse the booleans' types.
+    if not isinstance(bad[name], bool) and name not in ("pdl", "cpu_kernels"):
         with pytest.raises(ValueError, match=name):
             EngineConfig(**bad)
 

@@ -157,3 +157,95 @@ def test_short_cpu_steps_run_on_one_thread(monkeypatch):
         assert again == out
     finally:
         real(before)
+
+
+def _glm_model(**overrides):
+    from strata.models.registry import build_model
+
+    torch.manual_seed(4)
+    cfg = ModelConfig(**{**GLM, **overrides}, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.requires_grad_(False).eval()
+    model.pack()
+    return model
+
+
+def _forward_and_logits(model, n: int, plans, head):
+    """Hidden states and logits of n tokens with the blocks' `plans(layers)` and the LM head `head`."""
+    from strata.attention.reference import CausalBatch
+    from strata.models.decoder import DecoderLayer
+
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    saved, saved_head = [m.cpu_plan for m in layers], model.cpu_head
+    for m, p in zip(layers, plans(layers)):
+        m.cpu_plan = p
+    model.cpu_head = head
+    try:
+        torch.manual_seed(n)
+        ids, positions = torch.randint(0, 320, (n,)), torch.arange(n)
+        with torch.inference_mode():
+            hidden = model(ids, positions, CausalBatch(1, n))
+            return hidden, model.compute_logits(hidden)
+    finally:
+        for m, p in zip(layers, saved):
+            m.cpu_plan = p
+        model.cpu_head = saved_head
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_cpu_plan_without_kernels_gives_the_module_floats(n):
+    """Without the C kernels a few-row CPU step's plan runs the modules' ops on the same operands: the
+    same floats, whether the MoE takes the pairs (one token) or the module's path (three)."""
+    from strata.models.decoder import CpuDecodePlan, cpu_product
+
+    model = _glm_model()
+    torch_plans = lambda layers: [CpuDecodePlan(m, None) for m in layers]  # noqa: E731
+    got = _forward_and_logits(model, n, torch_plans, cpu_product(None, model.lm_head.weight))
+    want = _forward_and_logits(model, n, lambda layers: [None] * len(layers), None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_cpu_plan_with_kernels_agrees_to_rounding(n):
+    from strata.models.decoder import cpu_kernels
+
+    model = _glm_model()
+    if cpu_kernels() is None:
+        pytest.skip("no C compiler to build the CPU decode kernels")
+    assert all(m.cpu_plan is not None and m.cpu_plan.kernels is not None for m in model.model.layers)
+    assert model.cpu_head is not None
+    got = _forward_and_logits(model, n, lambda layers: [m.cpu_plan for m in layers], model.cpu_head)
+    want = _forward_and_logits(model, n, lambda layers: [None] * len(layers), None)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_embedded_model_greedy_tokens_with_and_without_the_kernels():
+    """The C kernels change the floats at fp32 rounding, not the embedded model's greedy tokens."""
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11], list(range(100, 132))]
+    outs = []
+    for on in (True, False):
+        llm = LLM(device="cpu", ctx=512, parallel=2, cpu_kernels=on)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=96, ignore_eos=True))])
+    assert outs[0] == outs[1]
+
+
+def test_a_copied_or_pickled_model_drops_the_plans():
+    """The plans hold copies of the weights as packed: a copy of the model (which may change its weights)
+    gets none until it is packed again."""
+    import io
+
+    model = _glm_model()
+    for clone in (copy.deepcopy(model), torch.load(_saved(model, io.BytesIO()), weights_only=False)):
+        assert clone.cpu_head is None and all(m.cpu_plan is None for m in clone.model.layers)
+        clone.pack()
+        assert clone.cpu_head is not None and all(m.cpu_plan is not None for m in clone.model.layers)
+
+
+def _saved(model, buf):
+    torch.save(model, buf)
+    buf.seek(0)
+    return buf

@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.models.host_experts import (HostExperts, HostProjection, StreamStack, dequantize_int4, dequantize_int8,
-                                        format_fits, int4_groups, int8_rows, int8_tokens)
+from strata.models.host_experts import (NEVER, HostExperts, HostProjection, StreamStack, dequantize_int4,
+                                        dequantize_int8, format_fits, host_step_seconds, int4_groups, int8_rows,
+                                        int8_tokens, stream_crossover)
 
 
 def _gen(seed):
@@ -117,3 +118,20 @@ def test_stream_stack_of_quantized_blocks_gives_back_the_stacks():
     assert (b13.ggml_type, b13.num_experts, b13.n, b13.k) == ("Q8_0", 3, 16, 64) and (b2.n, b2.k) == (64, 32)
     torch.testing.assert_close(b13.dequantize(), q13.dequantize(), rtol=0, atol=0)
     torch.testing.assert_close(b2.dequantize(), q2.dequantize(), rtol=0, atol=0)
+
+
+def test_stream_crossover_is_the_first_step_size_whose_cpu_time_passes_the_copy():
+    assert stream_crossover({1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0}, copy_seconds=2.0) == 4
+    assert stream_crossover({1: 3.0, 2: 4.0}, copy_seconds=2.0) == 1
+    # Past the largest size measured: along the last two sizes (4 ms more each 4 tokens -> 4 + 2 tokens).
+    assert stream_crossover({1: 1.0, 4: 2.0, 8: 6.0}, copy_seconds=8.0) == 10
+    assert stream_crossover({1: 1.0, 2: 1.0}, copy_seconds=2.0) == NEVER
+
+
+def test_host_step_seconds_times_a_step_and_leaves_the_counters():
+    g = torch.Generator().manual_seed(3)
+    host = HostExperts.from_stacks(torch.randn(8, 32, 16, generator=g), torch.randn(8, 16, 16, generator=g))
+    host.forward(torch.randn(2, 16), torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 0.5))
+    seconds, read = host.seconds, host.bytes_read
+    assert host_step_seconds(host, 4, 2) > 0
+    assert (host.seconds, host.bytes_read) == (seconds, read)

@@ -44,7 +44,11 @@ def test_plain_message_whole_and_streamed(served):
         final = s.get_final_message()
     assert names[0] == "message_start" and names[-1] == "message_stop" and "content_block_delta" in names
     assert final.content[0].text == m.content[0].text and final.stop_reason == m.stop_reason
-    assert final.usage.input_tokens == m.usage.input_tokens and final.usage.output_tokens == m.usage.output_tokens
+    assert final.usage.output_tokens == m.usage.output_tokens
+    # The same prompt again: what the prefix cache held is a cache read, the rest input, as Anthropic counts.
+    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens
+            == m.usage.input_tokens + m.usage.cache_read_input_tokens)
+    assert final.usage.cache_read_input_tokens > 0 and final.usage.cache_creation_input_tokens == 0
 
 
 def test_stop_sequences(served):
@@ -74,8 +78,8 @@ def test_auth_and_errors_have_anthropics_shape(served):
         client(served).messages.create(model=NAME, max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    with pytest.raises(anthropic.NotFoundError):
-        client(served).messages.create(model="nope", max_tokens=2, messages=HELLO)
+    # Any model name is the one served (as llama-server and its Anthropic clients expect).
+    assert client(served).messages.create(model="nope", max_tokens=2, messages=HELLO).type == "message"
 
 
 # ---- tools, over the fake Qwen3 engine ------------------------------------------------------------
@@ -140,3 +144,17 @@ def test_tool_result_conversation_reaches_the_prompt(fake, monkeypatch):  # noqa
     assert chat[1]["tool_calls"][0] == {"id": "toolu_1", "type": "function",
                                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     assert chat[2] == {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "toolu_1"}
+
+
+def test_earlier_thinking_reaches_the_template_as_reasoning_content():
+    from strata.server import anthropic as A
+
+    messages = [{"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "Add them.", "signature": ""},
+                                                  {"type": "redacted_thinking", "data": "x"},
+                                                  {"type": "text", "text": "4"}]},
+                {"role": "user", "content": "And 3 + 3?"}]
+    body = A.MessagesRequest.model_validate({"model": NAME, "max_tokens": 5, "messages": messages})
+    chat = A.to_chat_request(body).chat()
+    assert chat[1] == {"role": "assistant", "content": "4", "reasoning_content": "Add them."}
+    assert "reasoning_content" not in chat[0] and "reasoning_content" not in chat[2]

@@ -141,7 +141,7 @@ def test_n_choices_completions_and_greedy(plain):
 
 
 def _busy(base: str) -> float:
-    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(base + "/metrics", headers={"X-Api-Key": KEY}, timeout=10).text.splitlines():
         if line.startswith("strata_slots_busy "):
             return float(line.split()[1])
     raise KeyError("strata_slots_busy")
@@ -167,7 +167,8 @@ def test_tokenize_and_detokenize(plain):
     root = client(plain, "")
     tok = root.post("/tokenize", body={"prompt": PROMPT}, cast_to=object)
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == CTX
-    assert root.post("/detokenize", body={"tokens": tok["tokens"]}, cast_to=object) == {"prompt": PROMPT}
+    assert root.post("/detokenize", body={"tokens": tok["tokens"]}, cast_to=object) == {"prompt": PROMPT,
+                                                                                         "content": PROMPT}
     chat = client(plain).chat.completions.create(model=NAME, messages=CHAT, max_tokens=1)
     templated = root.post("/tokenize", body={"model": NAME, "messages": CHAT}, cast_to=object)
     assert templated["count"] == chat.usage.prompt_tokens
@@ -196,7 +197,7 @@ def test_bad_inputs_are_400s(plain):
             assert r.status_code == 400, (path, body, r.text)
             assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
         r = h.post("/tokenize", json={"model": "gpt-4o", "prompt": "a"})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 200 and r.json()["count"] >= 1  # any model name is the served one
     with pytest.raises(openai.BadRequestError) as e:
         client(plain).chat.completions.create(model=NAME, messages=CHAT, logprobs=True, top_logprobs=25)
     assert e.value.param == "top_logprobs"

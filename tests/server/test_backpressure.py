@@ -56,7 +56,7 @@ def test_a_burst_past_the_queue_gets_429s_and_no_request_is_lost(server):
     rejected = next(float(line.split()[1]) for line in metrics.splitlines()
                     if line.startswith("strata_requests_rejected_total "))
     assert rejected == len(busy)
-    totals = httpx.get(server + "/slots").json()["totals"]
+    totals = httpx.get(server + "/strata/slots").json()["totals"]
     assert totals["rejected"] == len(busy) and totals["queue"] == 0
     # With the burst over, a request is admitted again.
     r = httpx.post(server + "/v1/completions", json={"model": NAME, "prompt": "Again", "max_tokens": 2}, timeout=60)

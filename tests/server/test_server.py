@@ -115,7 +115,7 @@ def client(server):
 
 def metrics(server: str) -> dict[str, float]:
     """Parses the Prometheus text strictly enough to catch format slips; {name{labels}: value}."""
-    text = httpx.get(server + "/metrics", timeout=10).text
+    text = httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
     kinds, out = {}, {}
     for line in text.splitlines():
         if line.startswith("# TYPE "):
@@ -144,7 +144,10 @@ def test_health_models_and_auth(server, client, http):
     bad = openai.OpenAI(base_url=server + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2)
-    assert httpx.get(server + "/metrics").status_code == 200  # only /v1/* is behind the key
+    assert httpx.get(server + "/health").status_code == 200  # open to all
+    for path in ("/metrics", "/slots", "/strata/slots"):
+        assert httpx.get(server + path).status_code == 401, path
+    assert httpx.get(server + "/metrics", headers={"X-Api-Key": KEY}).status_code == 200
 
 
 def test_chat_non_streaming_and_streaming_agree(client, tok):
@@ -245,7 +248,6 @@ BAD_REQUESTS = [
     # (path, raw body or JSON, status, param, code)
     ("/v1/chat/completions", b'{"model": "x", "messages": [', 400, None, "invalid_json"),
     ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
-    ("/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}, 404, "model", "model_not_found"),
     ("/v1/completions", {"model": NAME, "prompt": [5] * (CTX + 10)}, 400, "prompt", "context_length_exceeded"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "word " * CTX}]},
      400, "messages", "context_length_exceeded"),
@@ -271,9 +273,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": NAME, "prompt": PROMPT, "stop": ""}, 400, "stop", None),
     ("/v1/completions", {"model": NAME, "prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"model": NAME, "prompt": [1, 99999]}, 400, "prompt", None),
-    ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, 400, None, None),
-    ("/v1/completions", {"model": NAME, "prompt": PROMPT, "presence_penalty": 0.5}, 400, "presence_penalty",
-     "unsupported_parameter"),
+    ("/v1/completions", {"model": NAME, "prompt": PROMPT, "presence_penalty": 2.5}, 400, "presence_penalty", None),
     ("/v1/completions", {"model": NAME, "prompt": PROMPT, "seed": 2**64}, 400, "seed", None),
     ("/v1/completions", {"model": NAME, "prompt": "x" * 2**16}, 413, None, "request_too_large"),
 ]
@@ -290,8 +290,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, htt
     r = http.get("/v1/nowhere")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert http.get("/v1/chat/completions").status_code == 405
+    # One model is served whatever name a request sends (as llama-server does); a lookup is exact.
+    assert client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=1).model == "gpt-4o"
     with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+        client.models.retrieve("gpt-4o")
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=CHAT, n=17)

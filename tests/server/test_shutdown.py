@@ -64,18 +64,19 @@ class Call(threading.Thread):
 LONG = 4000  # 20 s of decoding at the embedded model's best speed: none finishes within the timeout
 
 
-def test_sigterm_ends_long_requests_with_terminal_errors(tmp_path):
+def sigterm_ends_long_requests(tmp_path, long: int = LONG, **config) -> None:
     """Four long requests on two slots: two decode, two wait (one of them an Anthropic stream, which
-    has sent its message_start), and none can finish within the timeout."""
-    proc, base, log = _server(tmp_path, shutdown_timeout=3, parallel=2)
+    has sent its message_start), and none can finish within the timeout. `config` overrides the
+    server's (the GPU test's device and model)."""
+    proc, base, log = _server(tmp_path, **{"shutdown_timeout": 3, "parallel": 2, **config})
     try:
         chat = Call(base, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
-                                                   "max_tokens": LONG, "ignore_eos": True, "stream": True})
-        comp = Call(base, "/v1/completions", {"model": NAME, "prompt": "Once", "max_tokens": LONG, "n": 2,
+                                                   "max_tokens": long, "ignore_eos": True, "stream": True})
+        comp = Call(base, "/v1/completions", {"model": NAME, "prompt": "Once", "max_tokens": long, "n": 2,
                                               "ignore_eos": True, "stream": True})
-        whole = Call(base, "/v1/completions", {"model": NAME, "prompt": "Once", "max_tokens": LONG, "ignore_eos": True})
+        whole = Call(base, "/v1/completions", {"model": NAME, "prompt": "Once", "max_tokens": long, "ignore_eos": True})
         anth = Call(base, "/v1/messages", {"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
-                                           "max_tokens": LONG, "stream": True}, lines=2)
+                                           "max_tokens": long, "stream": True}, lines=2)
         calls = [chat, comp, whole, anth]
         for c in calls:  # one at a time: the chat and one choice take the slots, the others queue
             c.start()
@@ -109,8 +110,12 @@ def test_sigterm_ends_long_requests_with_terminal_errors(tmp_path):
     assert whole.error is None and whole.status == 503 and whole.json["error"]["code"] == "server_shutting_down"
 
 
-def test_sigterm_lets_requests_in_service_finish(tmp_path):
-    proc, base, log = _server(tmp_path, shutdown_timeout=60)
+def test_sigterm_ends_long_requests_with_terminal_errors(tmp_path):
+    sigterm_ends_long_requests(tmp_path)
+
+
+def sigterm_lets_requests_in_service_finish(tmp_path, **config) -> None:
+    proc, base, log = _server(tmp_path, **{"shutdown_timeout": 60, **config})
     try:
         short = Call(base, "/v1/completions", {"model": NAME, "prompt": "Once", "max_tokens": 60, "ignore_eos": True,
                                                "stream": True, "temperature": 0})
@@ -128,3 +133,7 @@ def test_sigterm_lets_requests_in_service_finish(tmp_path):
     finishes = [json.loads(d)["choices"][0]["finish_reason"] for d in data[:-1] if json.loads(d)["choices"]]
     assert finishes[-1] == "length"
     assert sum(len(json.loads(d)["choices"][0]["text"]) > 0 for d in data[:-1]) >= 30
+
+
+def test_sigterm_lets_requests_in_service_finish(tmp_path):
+    sigterm_lets_requests_in_service_finish(tmp_path)

@@ -125,7 +125,7 @@ def server(tmp_path_factory):
 
 
 def test_idle_server(http):
-    r = http.get("/slots")
+    r = http.get("/strata/slots")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     body = r.json()
     check_schema(body)
@@ -137,7 +137,7 @@ def test_idle_server(http):
 
 
 def test_a_long_request_reads_then_decodes_then_frees_its_slot(http, tok):
-    before = http.get("/slots").json()["totals"]
+    before = http.get("/strata/slots").json()["totals"]
     prompt = tok.encode(FILLER)[:600]
     done = threading.Event()
     usage: dict = {}
@@ -161,7 +161,7 @@ def test_a_long_request_reads_then_decodes_then_frees_its_slot(http, tok):
     deadline = time.monotonic() + 60
     while not done.is_set() and time.monotonic() < deadline:
         time.sleep(0.005)  # a read step takes a few ms here: polls often enough, leaves the engine the CPU
-        body = http.get("/slots").json()
+        body = http.get("/strata/slots").json()
         busy = [s for s in body["slots"] if s["state"] != "idle"]
         if not busy:
             continue
@@ -185,7 +185,7 @@ def test_a_long_request_reads_then_decodes_then_frees_its_slot(http, tok):
     # The finishing step's events reach the client just before the snapshot after it is swapped in.
     deadline = time.monotonic() + 10
     while True:
-        after = http.get("/slots").json()
+        after = http.get("/strata/slots").json()
         if all(s["state"] == "idle" for s in after["slots"]) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
@@ -202,7 +202,7 @@ def test_slots_follow_the_metrics_auth_rule(server):
     """/slots answers exactly whoever may read /metrics; /v1/* is behind the key."""
     assert httpx.get(server + "/v1/models").status_code == 401
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}"}):
-        slots, metrics = (httpx.get(server + path, headers=headers) for path in ("/slots", "/metrics"))
+        slots, metrics = (httpx.get(server + path, headers=headers) for path in ("/strata/slots", "/metrics"))
         assert slots.status_code == metrics.status_code, headers
         if headers.get("Authorization") == f"Bearer {KEY}":
             assert slots.status_code == 200
@@ -211,7 +211,7 @@ def test_slots_follow_the_metrics_auth_rule(server):
 def test_metrics_parse_with_prometheus_client(http):
     done = http.post("/v1/completions", json={"model": NAME, "prompt": "Once", "max_tokens": 3, "ignore_eos": True})
     assert done.status_code == 200
-    http.get("/slots")
+    http.get("/strata/slots")
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -226,5 +226,5 @@ def test_metrics_parse_with_prometheus_client(http):
     assert buckets[-1].value == samples["strata_time_to_first_token_seconds_count"].value >= 1
     assert samples["strata_generation_tokens_total"].value >= 3
     assert samples["strata_solo_reads_total"].value == 0  # the CPU captures no prompt graphs: never solo
-    slots_seen = [s for s in families["strata_http_requests"].samples if s.labels["path"] == "/slots"]
+    slots_seen = [s for s in families["strata_http_requests"].samples if s.labels["path"] == "/strata/slots"]
     assert slots_seen and all(s.labels["method"] == "GET" for s in slots_seen)

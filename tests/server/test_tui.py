@@ -25,9 +25,9 @@ from strata.tui.app import ChatMessage, SlotsTable, StrataTUI  # noqa: E402
 from strata.tui.format import bar, slot_cells, status_line  # noqa: E402
 
 KEY = "sk-strata-tui"
-CONFIG = {"ctx": 1024, "device": "cpu", "api_key": KEY, "log_level": "warning", "spec": 2, "batch_mtp": True}
+CONFIG = {"ctx": 4096, "device": "cpu", "api_key": KEY, "log_level": "warning", "spec": 2, "batch_mtp": True}
 # Long enough (about ten seconds on a CPU) to watch it decode and to stop it midway.
-CHAT_OPTIONS = {"max_tokens": 700, "ignore_eos": True, "temperature": 0}
+CHAT_OPTIONS = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}  # still streaming when stopped
 SIZE = (120, 34)
 
 

@@ -164,7 +164,7 @@ def test_page_needs_no_key_itself_and_asks_for_the_api_key(servers, driver):
     assert httpx.get(base + "/v1/models").status_code == 401
 
     driver.get(base + "/")
-    slots_need_key = httpx.get(base + "/slots").status_code == 401  # as /metrics does
+    slots_need_key = httpx.get(base + "/strata/slots").status_code == 401  # as /metrics does
 
     def asked_for_key() -> bool:
         asked = "API key" in driver.find_element(By.ID, "status").text
@@ -258,7 +258,7 @@ def test_stop_ends_a_long_generation_and_frees_the_slot(servers, driver):
     wait_for(lambda: all_idle(driver), "the server to free the slot")
     generated = []
     for _ in range(2):
-        doc = httpx.get(base + "/slots", headers={"Authorization": f"Bearer {KEY}"}).json()
+        doc = httpx.get(base + "/strata/slots", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert all(s["state"] == "idle" for s in doc["slots"]) and doc["totals"]["queue"] == 0
         generated.append(doc["totals"]["generation_tokens"])
         time.sleep(0.3)

@@ -99,8 +99,8 @@ class Fp8Experts:
     def device(self) -> torch.device:
         return self.w.device
 
-    def dequantize_expert(self, e: int) -> torch.Tensor:
-        return self.w[e].float() * self.scale[e].float()[:, None]
+    def dequantize_expert(self, e: int, device: torch.device | None = None) -> torch.Tensor:
+        return self.w[e].to(device).float() * self.scale[e].to(device).float()[:, None]
 
 
 def _planes(stack) -> tuple[torch.Tensor, ...]:

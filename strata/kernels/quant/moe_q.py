@@ -132,9 +132,13 @@ class QExpertStack:
     def expert_planes(self, e: int) -> dict[str, torch.Tensor]:
         return {name: p[e] for name, p in self.planes.items()}
 
-    def dequantize_expert(self, e: int) -> torch.Tensor:
-        """fp32 [N, K] of expert e (the format's exact `dequantize`)."""
-        return self.module.dequantize(self.expert_planes(e), self.n, self.k)
+    def dequantize_expert(self, e: int, device: torch.device | None = None) -> torch.Tensor:
+        """fp32 [N, K] of expert e (the format's exact `dequantize`), computed on `device` (default: where
+        the blocks are)."""
+        planes = self.expert_planes(e)
+        if device is not None:
+            planes = {name: p.to(device, non_blocking=True) for name, p in planes.items()}
+        return self.module.dequantize(planes, self.n, self.k)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [E, N, K]."""

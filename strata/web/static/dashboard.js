@@ -1,4 +1,4 @@
-// The server panel: `GET /slots` polled about twice a second, drawn as totals and one row per slot.
+// The server panel: `GET /strata/slots` polled about twice a second, drawn as totals and one row per slot.
 
 import { getJSON } from "./api.js";
 
@@ -115,12 +115,12 @@ export class Dashboard {
     this.inFlight = true;
     let delay = POLL_MS;
     try {
-      this.render(await getJSON("slots"));
+      this.render(await getJSON("strata/slots"));
       this.note.textContent = "";
       this.onReachable();
     } catch (e) {
       delay = RETRY_MS;
-      this.note.textContent = e.status === 404 ? "this server does not report its slots (GET /slots: 404)" : e.message;
+      this.note.textContent = e.status === 404 ? "this server does not report its slots (GET /strata/slots: 404)" : e.message;
       this.slots.dataset.stale = "true";
       if (e.status === 401) this.onUnauthorized();
     } finally {

@@ -1,0 +1,65 @@
+"""Start-up of the MoE layers whose routed experts the memory plan left in host RAM, on CUDA: the pinned
+staging their decode rows pass through to the CPU, and the streamer that brings their experts up to the
+GPU for steps of `--expert-stream-tokens` tokens or more (measured here when not given)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from strata.config import EngineConfig, ModelConfig
+from strata.models.host_experts import ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
+from strata.models.moe import MoE, grouped_mm_works
+
+log = logging.getLogger("strata")
+
+
+def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConfig, device: torch.device
+                        ) -> tuple[HostStagingPool | None, ExpertStreamer | None]:
+    """The staging pool and the streamer (None where not used) of `model`'s layers with experts in RAM,
+    handed to each of those layers."""
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.host is not None]
+    if not moes or device.type != "cuda":
+        return None, None
+    chunk = cfg.max_num_batched_tokens or 2048
+    streams = cfg.expert_stream_tokens != 0 and all(m.host.stream is not None for m in moes)
+    streamer = ExpertStreamer(moes, device) if streams else None
+    threshold = cfg.expert_stream_tokens or 0
+    if streamer is not None:
+        streamer.probe_float(grouped_mm_works)
+        if cfg.expert_stream_tokens is None:
+            act = cfg.torch_dtype if moes[0].host.fmt == "float" else torch.float32
+            threshold = measure_stream_crossover(moes, streamer, mc.num_experts_per_tok, act, chunk)
+        if threshold > chunk:  # no step is that large: the CPU computes them all
+            streamer, threshold = None, 0
+    rows = cfg.parallel * (1 + cfg.spec)
+    tokens = max(rows, threshold - 1 if streamer else chunk)
+    pool = HostStagingPool(tokens, mc.hidden_size, mc.num_experts_per_tok, cfg.torch_dtype, device)
+    pool.reserve([torch.cuda.current_stream(device)])
+    for m in moes:
+        m.host_staging, m.streamer = pool, streamer
+        m.stream_min_tokens = threshold if streamer else 0
+    fmt = ", ".join(sorted({m.host.fmt for m in moes}))
+    log.info("routed experts of %d MoE layers in host RAM (%s, %.2f GiB): steps of fewer than %s tokens on the CPU%s",
+             len(moes), fmt, sum(m.host.nbytes for m in moes) / 2**30, threshold if streamer else "any number of",
+             f", larger ones streamed to the GPU through 2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else "")
+    return pool, streamer
+
+
+def measure_stream_crossover(moes: list[MoE], streamer: ExpertStreamer, k: int, act: torch.dtype, chunk: int) -> int:
+    """`--expert-stream-tokens` measured: the largest layer's copy to the GPU against the CPU time of steps
+    of 1, 2, 4 .. tokens through it (uniformly routed rows, `k` experts each), up to the largest step."""
+    copy = streamer.copy_seconds()
+    host = max(moes, key=lambda m: m.host.nbytes).host
+    cpu: dict[int, float] = {}
+    t = 1
+    while True:
+        cpu[t] = host_step_seconds(host, t, k, act)
+        if cpu[t] >= copy or t >= chunk:
+            break
+        t *= 2
+    threshold = stream_crossover(cpu, copy)
+    log.info("expert streaming measured: a layer's copy %.2f ms; on the CPU %s: steps of %d tokens or more stream",
+             copy * 1e3, ", ".join(f"{n} tokens {s * 1e3:.2f} ms" for n, s in cpu.items()), threshold)
+    return threshold

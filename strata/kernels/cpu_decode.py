@@ -1,0 +1,553 @@
+"""C kernels for CPU steps of few rows (decodes): products, RMSNorm, q/k norm + RoPE and a gated MLP.
+
+A small model's CPU decode step waits on two things torch does slowly at one row: its matrix products
+(MKL's sgemv streams weights at ~8 GB/s on the AMD EPYC VM of docs/PERFORMANCE.md, where a plain loop
+reaches 20-40) and the fixed cost of each op (a norm is ten dispatched ops). These loops, vectorized by
+the compiler for the machine, do each in one call:
+
+- `gemv`: out[m, n] = x[m, k] @ w[n, k].T (+ bias), fp32 rows against fp32 or bf16 weights, each bf16
+  value widened to fp32 exactly (a 16-bit shift): a checkpoint stored in bf16 is read at half the bytes
+  with its values unchanged.
+- `add_rms_norm`: residual = x + residual; h = residual / rms(residual) * w.
+- `qk_norm_rope`: the q and k heads of a q|k|v row normalised per head (each head's weight row) and
+  rotated (rotate-half over the first rotary dims, cos/sin per row), written contiguous.
+- `mlp`: out (+)= scale * down(silu(gate) * up) of one gate|up stack and down weight (an expert, a shared
+  expert, a dense MLP); `moe`: a MoE layer's router, routing, chosen experts and shared expert.
+- `decode_attention`: one query row per sequence over a paged fp32 K/V pool, its new K/V stored first.
+
+All sums are fp32 in the vectorized loops' order, not torch's: results agree with the references
+(`*_ref`) to fp32 rounding, not bit for bit. The source is compiled once per machine with the system C
+compiler (`cc -O3 -march=native`, under a second) into a cache directory and loaded through ctypes,
+which releases the GIL for each call. Without a compiler, or where the build fails, `load` returns None
+and callers keep torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("strata")
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float widen(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float same(float v) { return v; }
+
+/* out[r * ldo + j] = sum_i w[j * k + i] * x[r * ldx + i] (+ bias[j]) for r < m, j < n: each weight row read
+   once for all m rows of x. The dot product is left to the compiler's vectorizer (-fassociative-math). */
+#define GEMV(NAME, T, LOAD)                                                                              \
+void NAME(const T *w, const float *x, const float *bias, float *out, long m, long n, long k, long ldx,      \
+          long ldo) {                                                                                   \
+    for (long j = 0; j < n; j++) {                                                                      \
+        const T *row = w + j * k;                                                                       \
+        for (long r = 0; r < m; r++) {                                                                  \
+            const float *xr = x + r * ldx;                                                              \
+            float acc = 0.f;                                                                            \
+            for (long i = 0; i < k; i++) acc += LOAD(row[i]) * xr[i];                                   \
+            out[r * ldo + j] = bias ? acc + bias[j] : acc;                                              \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+GEMV(strata_gemv_bf16, uint16_t, widen)
+GEMV(strata_gemv_f32, float, same)
+
+static inline void norm_row(const float *x, float *h, const float *w, long d, float eps) {
+    float ss = 0.f;
+    for (long i = 0; i < d; i++) ss += x[i] * x[i];
+    float r = 1.f / sqrtf(ss / (float)d + eps);
+    for (long i = 0; i < d; i++) h[i] = x[i] * r * w[i];
+}
+
+/* For rows t < n of width d: res_out = x + res (res NULL: x itself is the residual, res_out unused);
+   h = res_out / rms(res_out) * w. */
+void strata_add_rms_norm(const float *x, const float *res, float *res_out, float *h, const float *w, long n,
+                         long d, float eps) {
+    for (long t = 0; t < n; t++) {
+        const float *src = x + t * d;
+        if (res) {
+            float *o = res_out + t * d;
+            const float *rr = res + t * d;
+            for (long i = 0; i < d; i++) o[i] = src[i] + rr[i];
+            src = o;
+        }
+        norm_row(src, h + t * d, w, d, eps);
+    }
+}
+
+/* Heads j < nh of rows t < n: src = qkv + t * ld + j * d; normalised by rms with weight row w + j * d
+   (w NULL: no norm), then the first rd dims rotated (neox: x * cos + rotate_half(x) * sin, cos/sin rows of
+   rd values per t), written to out + (t * nh + j) * d. */
+void strata_qk_norm_rope(const float *qkv, long ld, float *out, const float *w, long n, long nh, long d, long rd,
+                         const float *cos_t, const float *sin_t, float eps) {
+    float tmp[1024];
+    long half = rd / 2;
+    for (long t = 0; t < n; t++) {
+        const float *c = cos_t + t * rd, *s = sin_t + t * rd;
+        for (long j = 0; j < nh; j++) {
+            const float *src = qkv + t * ld + j * d;
+            float *o = out + (t * nh + j) * d;
+            if (w) norm_row(src, tmp, w + j * d, d, eps);
+            else memcpy(tmp, src, d * sizeof(float));
+            for (long i = 0; i < half; i++) o[i] = tmp[i] * c[i] - tmp[i + half] * s[i];
+            for (long i = half; i < rd; i++) o[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+            for (long i = rd; i < d; i++) o[i] = tmp[i];
+        }
+    }
+}
+
+/* For rows t < m: out[t] = scale * down(silu(gate) * up) (accumulate: out[t] += ...), gate|up the 2 * inter
+   outputs of w13 [2 * inter, k], down w2 [k_out, inter]; scratch holds 2 * inter floats (and is given
+   k_out more). */
+#define MLP(NAME, T, LOAD, GEMV_FN)                                                                      \
+void NAME(const T *w13, const T *w2, const float *x, float *out, float *scratch, long m, long k, long inter, \
+          long k_out, float scale, int accumulate) {                                                    \
+    for (long t = 0; t < m; t++) {                                                                      \
+        GEMV_FN(w13, x + t * k, 0, scratch, 1, 2 * inter, k, k, 2 * inter);                             \
+        for (long i = 0; i < inter; i++) {                                                              \
+            float g = scratch[i];                                                                       \
+            scratch[i] = g / (1.f + expf(-g)) * scratch[inter + i];                                     \
+        }                                                                                               \
+        float *o = out + t * k_out;                                                                     \
+        for (long j = 0; j < k_out; j++) {                                                              \
+            const T *row = w2 + j * inter;                                                              \
+            float acc = 0.f;                                                                            \
+            for (long i = 0; i < inter; i++) acc += LOAD(row[i]) * scratch[i];                          \
+            o[j] = accumulate ? o[j] + scale * acc : scale * acc;                                       \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+MLP(strata_mlp_bf16, uint16_t, widen, strata_gemv_bf16)
+MLP(strata_mlp_f32, float, same, strata_gemv_f32)
+
+/* One token's routing from its router logits, as the torch router: softmax, or sigmoid with a correction
+   bias added for the choice only; the top k by value, descending (ties to the lower id); the weights (the
+   softmax's or the sigmoid's) normalised to sum 1 if asked (sigmoid: + 1e-20), the sigmoid's scaled. */
+static void route(const float *logits, long n_exp, long topk, int sigmoid, const float *corr, int norm,
+                  float scale, long *ids, float *w) {
+    float scores[n_exp], choice[n_exp];
+    if (sigmoid) {
+        for (long e = 0; e < n_exp; e++) {
+            scores[e] = 1.f / (1.f + expf(-logits[e]));
+            choice[e] = corr ? scores[e] + corr[e] : scores[e];
+        }
+    } else {
+        float mx = logits[0], sum = 0.f;
+        for (long e = 1; e < n_exp; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (long e = 0; e < n_exp; e++) sum += (scores[e] = expf(logits[e] - mx));
+        for (long e = 0; e < n_exp; e++) choice[e] = scores[e] /= sum;
+    }
+    float total = 0.f;
+    for (long j = 0; j < topk; j++) {
+        long best = -1;
+        for (long e = 0; e < n_exp; e++) {
+            int taken = 0;
+            for (long i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
+        }
+        ids[j] = best;
+        total += (w[j] = scores[best]);
+    }
+    if (norm) for (long j = 0; j < topk; j++) w[j] /= sigmoid ? total + 1e-20f : total;
+    if (sigmoid && scale != 1.f) for (long j = 0; j < topk; j++) w[j] *= scale;
+}
+
+/* The MoE layer for rows t < m of x [m, h]: router logits (fp32 router weight [n_exp, h]), routing, then
+   out[t] = sum_j w_j * expert_{id_j}(x[t]) in choice order, plus the shared expert (sw13 non-NULL) after
+   them. Experts are gate|up [2 * inter, h] and down [h, inter] stacks given by pointer; ids_out [m, topk]
+   receives the choices. scratch holds 2 * max(inter, shared_inter) + h floats. */
+#define MOE(NAME, T, MLP_FN)                                                                             \
+void NAME(const float *x, float *out, long m, long h, const float *router, const float *corr, long n_exp,  \
+          long topk, int sigmoid, int norm, float scale, const T *const *w13, const T *const *w2, long inter, \
+          const T *sw13, const T *sw2, long shared_inter, float *scratch, long *ids_out) {             \
+    float logits[n_exp], w[topk];                                                                       \
+    long ids[topk];                                                                                     \
+    for (long t = 0; t < m; t++) {                                                                      \
+        const float *xt = x + t * h;                                                                    \
+        strata_gemv_f32(router, xt, 0, logits, 1, n_exp, h, h, n_exp);                                  \
+        route(logits, n_exp, topk, sigmoid, corr, norm, scale, ids, w);                                 \
+        float *ot = out + t * h;                                                                        \
+        for (long j = 0; j < topk; j++)                                                                 \
+            MLP_FN(w13[ids[j]], w2[ids[j]], xt, ot, scratch, 1, h, inter, h, w[j], j > 0);              \
+        if (sw13) MLP_FN(sw13, sw2, xt, ot, scratch, 1, h, shared_inter, h, 1.f, 1);                     \
+        if (ids_out) memcpy(ids_out + t * topk, ids, topk * sizeof(long));                             \
+    }                                                                                                   \
+}
+
+MOE(strata_moe_bf16, uint16_t, strata_mlp_bf16)
+MOE(strata_moe_f32, float, strata_mlp_f32)
+
+/* Decode attention over a paged K/V pool, one query row per sequence. For sequences r < n_seq: row r of
+   k_new / v_new ([hkv, d] each, rows ldk / ldv apart) goes to slot slots[r] of the layer's pools kp / vp
+   ([slots, hkv, d]); then for each query head h (kv head h / (hq / hkv)) out[r, h] = softmax(scale * q[r, h]
+   . K_r) V_r over positions p < len, position p at slot blocks[r * ldb + p / bs] * bs + p % bs. scores
+   holds len floats. */
+void strata_decode_attention(float *kp, float *vp, const long *slots, const int *blocks, long ldb, long bs,
+                             long len, long n_seq, const float *q, long ldq, const float *k_new, long ldk,
+                             const float *v_new, long ldv, float *out, long hq, long hkv, long d, float scale,
+                             float *scores) {
+    long row = hkv * d, group = hq / hkv;
+    for (long r = 0; r < n_seq; r++) {
+        memcpy(kp + slots[r] * row, k_new + r * ldk, row * sizeof(float));
+        memcpy(vp + slots[r] * row, v_new + r * ldv, row * sizeof(float));
+    }
+    for (long r = 0; r < n_seq; r++) {
+        const int *table = blocks + r * ldb;
+        for (long h = 0; h < hq; h++) {
+            long g = h / group;
+            const float *qh = q + r * ldq + h * d;
+            float mx = -INFINITY;
+            for (long p = 0; p < len; p++) {
+                const float *key = kp + ((long)table[p / bs] * bs + p % bs) * row + g * d;
+                float s = 0.f;
+                for (long i = 0; i < d; i++) s += qh[i] * key[i];
+                s *= scale;
+                scores[p] = s;
+                mx = s > mx ? s : mx;
+            }
+            float sum = 0.f;
+            for (long p = 0; p < len; p++) sum += (scores[p] = expf(scores[p] - mx));
+            float *o = out + (r * hq + h) * d;
+            for (long i = 0; i < d; i++) o[i] = 0.f;
+            for (long p = 0; p < len; p++) {
+                const float *val = vp + ((long)table[p / bs] * bs + p % bs) * row + g * d;
+                float w = scores[p] / sum;
+                for (long i = 0; i < d; i++) o[i] += w * val[i];
+            }
+        }
+    }
+}
+"""
+
+# Not -ffast-math: linked into a shared library it can set flush-to-zero for the whole process.
+FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
+         "-shared", "-fPIC")
+MAX_HEAD_DIM = 1024  # qk_norm_rope's row buffer
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: F.linear in fp32 (a bf16 weight widened exactly)."""
+    return F.linear(x, w.float(), bias)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    res = x if residual is None else x + residual
+    return res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + eps) * w, res
+
+
+def qk_norm_rope_ref(qkv: torch.Tensor, nh: int, d: int, w: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """qkv [n, >= nh * d]: its first nh heads normed (w [nh, d]) and rotated over cos/sin's [n, rd] dims."""
+    x = qkv[:, : nh * d].reshape(-1, nh, d)
+    if w is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    rd, half = cos.shape[-1], cos.shape[-1] // 2
+    rot = x[..., :rd]
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos[:, None] + rotated * sin[:, None], x[..., rd:]], dim=-1)
+
+
+def moe_ref(x: torch.Tensor, router: torch.Tensor, corr: torch.Tensor | None, top_k: int, sigmoid: bool,
+            norm: bool, scale: float, w13: torch.Tensor, w2: torch.Tensor,
+            shared: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, ids): the MoE layer of `MoeDecode` in torch, experts stacked [E, 2I, H] and [E, H, I]."""
+    logits = F.linear(x, router)
+    if sigmoid:
+        scores = logits.sigmoid()
+        ids = (scores if corr is None else scores + corr).topk(top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) if norm else w
+        w = w * scale
+    else:
+        w, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        w = w / w.sum(-1, keepdim=True) if norm else w
+    out = torch.stack([sum(w[t, j] * mlp_ref(x[t : t + 1], w13[e], w2[e])[0] for j, e in enumerate(ids[t].tolist()))
+                       for t in range(x.shape[0])])
+    if shared is not None:
+        out = out + mlp_ref(x, *shared)
+    return out, ids
+
+
+def decode_attention_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
+                         block_size: int, length: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`CpuKernels.decode_attention` in torch: the pools written, then SDPA over each sequence's positions."""
+    k_pool[slots], v_pool[slots] = k, v
+    pos = torch.arange(length)
+    at = (blocks.long()[:, pos // block_size] * block_size + pos % block_size)  # [R, L] slots
+    keys, values = k_pool[at].transpose(1, 2), v_pool[at].transpose(1, 2)  # [R, Hkv, L, D]
+    o = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=q.shape[1] != k.shape[1])
+    return o[:, :, 0]
+
+
+def mlp_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    h = F.linear(x, w13.float())
+    gate, up = h.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2.float())
+
+
+def _fp32_rows(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+
+
+class CpuKernels:
+    """The compiled kernels. Activations are fp32 and contiguous (rows of unit stride for `gemv`'s x);
+    weights fp32 or bf16, contiguous (`compact` makes them)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        vp, lg, fl, it = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+        sigs = {"gemv": [vp] * 4 + [lg] * 5, "mlp": [vp] * 5 + [lg] * 4 + [fl, it],
+                "moe": [vp, vp, lg, lg, vp, vp, lg, lg, it, it, fl, vp, vp, lg, vp, vp, lg, vp, vp]}
+        self.fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for kind, args in sigs.items():
+            for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+                fn = getattr(lib, f"strata_{kind}_{suffix}")
+                fn.argtypes, fn.restype = args, None
+                self.fns[(kind, dtype)] = fn
+        self._norm = lib.strata_add_rms_norm
+        self._norm.argtypes, self._norm.restype = [vp] * 5 + [lg, lg, fl], None
+        self._rope = lib.strata_qk_norm_rope
+        self._rope.argtypes, self._rope.restype = [vp, lg, vp, vp, lg, lg, lg, lg, vp, vp, fl], None
+        self._attn = lib.strata_decode_attention
+        self._attn.argtypes = [vp, vp, vp, vp, lg, lg, lg, lg, vp, lg, vp, lg, vp, lg, vp, lg, lg, lg, fl, vp]
+        self._attn.restype = None
+
+    @staticmethod
+    def serves_decode_attention(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, q: torch.Tensor,
+                                k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether `decode_attention` takes these operands: fp32 pools [slots, Hkv, D] and rows, int32 block
+        tables, heads of unit-stride rows laid out D apart."""
+        return (k_pool.dtype == v_pool.dtype == q.dtype == k.dtype == v.dtype == torch.float32
+                and k_pool.is_contiguous() and v_pool.is_contiguous() and blocks.dtype == torch.int32
+                and blocks.stride(1) == 1 and k_pool.device.type == "cpu"
+                and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v)))
+
+    def decode_attention(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
+                         block_size: int, length: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One query row per sequence (q [R, Hq, D], k / v [R, Hkv, D]): k and v stored at `slots` (int64) of
+        the pools, then each row's attention over the first `length` positions of its sequence (`blocks`
+        [R, B], the block tables, `block_size` slots a block): `decode_attention_ref`. Returns [R, Hq, D]."""
+        n_seq, hq, d = q.shape
+        if slots.dtype != torch.long or not slots.is_contiguous() or slots.shape[0] != n_seq:
+            raise ValueError("decode_attention takes one int64 slot per sequence")
+        out = torch.empty(n_seq, hq, d, dtype=torch.float32)
+        scores = torch.empty(max(length, 1), dtype=torch.float32)
+        self._attn(k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), blocks.data_ptr(), blocks.stride(0),
+                   block_size, length, n_seq, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                   v.stride(0), out.data_ptr(), hq, k.shape[1], d, d ** -0.5, scores.data_ptr())
+        return out
+
+    def gemv(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        m, k = x.shape
+        n = w.shape[0]
+        if not (x.dtype == torch.float32 and x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == k):
+            raise ValueError("gemv takes fp32 rows of unit stride and a contiguous [n, k] weight")
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        self.fns[("gemv", w.dtype)](w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    out.data_ptr(), m, n, k, x.stride(0), out.stride(0))
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) * w, x + residual); with no residual x is the residual."""
+        n, d = x.shape
+        if not (_fp32_rows(x) and (residual is None or _fp32_rows(residual)) and w.is_contiguous()):
+            raise ValueError("add_rms_norm takes contiguous fp32 rows")
+        h = torch.empty(n, d, dtype=torch.float32)
+        res = x if residual is None else torch.empty(n, d, dtype=torch.float32)
+        self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), res.data_ptr(), h.data_ptr(),
+                   w.data_ptr(), n, d, eps)
+        return h, res
+
+    def qk_norm_rope(self, qkv: torch.Tensor, nh: int, d: int, w: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, eps: float) -> torch.Tensor:
+        """[n, nh, d]: `qk_norm_rope_ref`."""
+        n = qkv.shape[0]
+        rd = cos.shape[-1]
+        if not (qkv.dtype == torch.float32 and qkv.stride(-1) == 1 and d <= MAX_HEAD_DIM and rd <= d
+                and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
+                and (w is None or (w.is_contiguous() and w.shape == (nh, d)))):
+            raise ValueError("qk_norm_rope takes fp32 q|k|v rows and contiguous fp32 cos/sin tables")
+        out = torch.empty(n, nh, d, dtype=torch.float32)
+        self._rope(qkv.data_ptr(), qkv.stride(0), out.data_ptr(), None if w is None else w.data_ptr(), n, nh, d, rd,
+                   cos.data_ptr(), sin.data_ptr(), eps)
+        return out
+
+
+def _dropped() -> None:
+    return None
+
+
+class Prepared:
+    """An object made from a model's weights as they were (copies, raw pointers): a copy or a pickle of
+    the model gets None in its place, and is packed again to get its own."""
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self):
+        return _dropped, ()
+
+
+class Product(Prepared):
+    """One weight's products through the kernels, its pointers taken once: `product(x)` is
+    `gemv(x, w, bias)` with less per-call work (a decode step makes dozens). The product keeps its weight
+    and bias alive."""
+
+    def __init__(self, kernels: CpuKernels, w: torch.Tensor, bias: torch.Tensor | None = None):
+        if not (w.dim() == 2 and w.is_contiguous() and w.dtype in (torch.float32, torch.bfloat16)
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+            raise ValueError(f"unsupported weight for the CPU kernels: {tuple(w.shape)} {w.dtype}")
+        self.w, self.bias = w, bias
+        self.n, self.k = w.shape
+        self._fn = kernels.fns[("gemv", w.dtype)]
+        self._w, self._b = w.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.shape[0]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if out is None:
+            out = torch.empty(m, self.n, dtype=torch.float32)
+        self._fn(self._w, x.data_ptr(), self._b, out.data_ptr(), m, self.n, self.k, x.stride(0), out.stride(0))
+        return out
+
+
+class GatedMlp(Prepared):
+    """`down(silu(gate) * up)` of one gate|up stack `w13` [2I, H] and `w2` [H_out, I] in one call:
+    `mlp(x)`, or `mlp(x, out, scale, accumulate=True)` adding `scale` times it into `out`."""
+
+    def __init__(self, kernels: CpuKernels, w13: torch.Tensor, w2: torch.Tensor):
+        if not (w13.is_contiguous() and w2.is_contiguous() and w13.dtype == w2.dtype
+                and w13.dtype in (torch.float32, torch.bfloat16) and w2.shape[1] * 2 == w13.shape[0]):
+            raise ValueError("GatedMlp takes contiguous [2I, H] and [H_out, I] weights of one dtype")
+        self.w13, self.w2 = w13, w2
+        self.k, self.inter, self.k_out = w13.shape[1], w2.shape[1], w2.shape[0]
+        self._fn = kernels.fns[("mlp", w13.dtype)]
+        self._w13, self._w2 = w13.data_ptr(), w2.data_ptr()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0,
+                 accumulate: bool = False) -> torch.Tensor:
+        if not _fp32_rows(x):
+            x = x.float().contiguous()
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, self.k_out, dtype=torch.float32)
+        scratch = torch.empty(2 * self.inter + self.k_out, dtype=torch.float32)
+        self._fn(self._w13, self._w2, x.data_ptr(), out.data_ptr(), scratch.data_ptr(), m, self.k, self.inter,
+                 self.k_out, scale, accumulate)
+        return out
+
+
+class MoeDecode(Prepared):
+    """A MoE layer's decode rows in one call: router logits, routing (`route` in the source: softmax, or
+    sigmoid with a correction bias and a scale; no expert groups), each chosen expert's gated MLP
+    weighted in choice order, then the shared expert. `moe(x)` -> (out [m, H], ids [m, k])."""
+
+    def __init__(self, kernels: CpuKernels, router: torch.Tensor, corr: torch.Tensor | None, top_k: int, sigmoid: bool,
+                 norm: bool, scale: float, w13: torch.Tensor, w2: torch.Tensor,
+                 shared: tuple[torch.Tensor, torch.Tensor] | None):
+        """`w13` [E, 2I, H], `w2` [E, H, I], `shared` (gate|up, down) of one dtype (`compact`); `router`
+        fp32 [E, H]; `corr` fp32 [E] or None."""
+        dtypes = {w13.dtype, w2.dtype} | ({shared[0].dtype, shared[1].dtype} if shared else set())
+        if len(dtypes) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
+            raise ValueError("MoeDecode takes contiguous expert stacks of one dtype")
+        self.keep = (router.contiguous(), None if corr is None else corr.float().contiguous(), w13, w2, shared)
+        self.n_exp, self.inter, self.h = w13.shape[0], w2.shape[2], w13.shape[2]
+        self.top_k, self.sigmoid, self.norm, self.scale = top_k, sigmoid, norm, scale
+        ptrs = ctypes.c_void_p * self.n_exp
+        self._w13 = ptrs(*[w13[e].data_ptr() for e in range(self.n_exp)])
+        self._w2 = ptrs(*[w2[e].data_ptr() for e in range(self.n_exp)])
+        self.shared_inter = shared[1].shape[1] if shared else 0
+        self._fn = kernels.fns[("moe", w13.dtype)]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _fp32_rows(x):
+            x = x.float().contiguous()
+        m = x.shape[0]
+        router, corr, _, _, shared = self.keep
+        out = torch.empty(m, self.h, dtype=torch.float32)
+        ids = torch.empty(m, self.top_k, dtype=torch.long)
+        scratch = torch.empty(2 * max(self.inter, self.shared_inter) + self.h, dtype=torch.float32)
+        self._fn(x.data_ptr(), out.data_ptr(), m, self.h, router.data_ptr(), None if corr is None else corr.data_ptr(),
+                 self.n_exp, self.top_k, self.sigmoid, self.norm, self.scale, self._w13, self._w2, self.inter,
+                 shared[0].data_ptr() if shared else None, shared[1].data_ptr() if shared else None,
+                 self.shared_inter, scratch.data_ptr(), ids.data_ptr())
+        return out, ids
+
+
+def compact(*ws: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Weights as the kernels read them, contiguous: bf16 where that holds every value of all of them
+    exactly (a checkpoint stored in bf16), else fp32. One weight in, one out; several, a tuple of one dtype."""
+    fp32 = [w.detach().float().contiguous() for w in ws]
+    # bf16 is fp32's top half: a value is exact in bf16 when its low 16 bits are zero.
+    exact = not any(bool((w.view(torch.int32) & 0xFFFF).any()) for w in fp32)
+    out = tuple(w.to(torch.bfloat16) for w in fp32) if exact else tuple(fp32)
+    return out[0] if len(out) == 1 else out
+
+
+_lock = threading.Lock()
+_loaded: dict[Path, CpuKernels | None] = {}
+
+
+def _machine_key() -> str:
+    """What `-march=native` compiles for: the architecture and the CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def load(cache_dir: Path) -> CpuKernels | None:
+    """The kernels, compiled into `cache_dir` on first use (keyed by source, flags and CPU), or None where
+    there is no C compiler or the build fails (logged once)."""
+    cache_dir = Path(cache_dir)
+    with _lock:
+        if cache_dir not in _loaded:
+            _loaded[cache_dir] = _build(cache_dir)
+        return _loaded[cache_dir]
+
+
+def _build(cache_dir: Path) -> CpuKernels | None:
+    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, _machine_key())).encode()).hexdigest()[:16]
+    path = cache_dir / f"cpu_decode-{key}.so"
+    try:
+        if not path.exists():
+            cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+            if cc is None:
+                log.info("no C compiler: CPU decode steps keep torch's ops")
+                return None
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+                src, lib = Path(tmp) / "cpu_decode.c", Path(tmp) / "cpu_decode.so"
+                src.write_text(SOURCE)
+                subprocess.run([cc, *FLAGS, "-o", str(lib), str(src), "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(lib, path)  # atomic: a process building the same key at once reads a whole file
+        return CpuKernels(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("CPU decode kernels unavailable (%s%s); CPU decode steps keep torch's ops", e,
+                    f": {detail.decode(errors='replace')[:300]}" if detail else "")
+        return None

@@ -1,0 +1,83 @@
+"""A pipeline stage's model: the decoder layers it holds, and placeholders for those another stage holds.
+
+The module list keeps every index, so checkpoint names and the model's forward stay as they are; a
+placeholder passes the hidden states through and has no weights, no K/V and no linear-attention state.
+The held layers' attention indices are renumbered in pool order (held decoder layers, then MTP layers),
+and a hybrid's linear layers' state indices likewise, so a stage's KV pool and state pool have rows for
+its own layers only (`num_attention_layers` and `new_states` count them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.config import ConfigError, ModelConfig
+
+
+class HeldElsewhere(nn.Module):
+    """A decoder layer that another pipeline stage computes."""
+
+    held_elsewhere = True
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope, attn):
+        return x, residual
+
+
+class WeightElsewhere(nn.Module):
+    """The embedding or the LM head on a stage other than the first: rank 0 applies them, so the stage
+    reads no tensor of theirs. `weight` is empty, on the stage's device and dtype (what packing reads)."""
+
+    held_elsewhere = True
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(0, 0, dtype=dtype, device=device), persistent=False)
+
+
+def hold_ends(model: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """Replace the embedding and the LM head by placeholders (a stage after the first); returns their
+    checkpoint name prefixes."""
+    model.model.embed_tokens = WeightElsewhere(device, dtype)
+    model.lm_head = WeightElsewhere(device, dtype)
+    return ("model.embed_tokens.", "lm_head.")
+
+
+def stage_check(cfg: ModelConfig, first: int, last: int) -> None:
+    """Refuse a layer range a stage cannot hold."""
+    if not 0 <= first < last <= cfg.num_hidden_layers:
+        raise ConfigError(f"layers {first}..{last - 1} are not a range of the model's {cfg.num_hidden_layers}")
+
+
+def hold_layers(model: nn.Module, first: int, last: int) -> tuple[str, ...]:
+    """Replace the decoder layers outside first..last-1 by placeholders; returns the checkpoint name
+    prefixes of the layers replaced."""
+    layers = model.model.layers
+    gone = [i for i in range(model.num_layers) if not first <= i < last]
+    for i in gone:
+        layers[i] = HeldElsewhere(i)
+    return tuple(f"model.layers.{i}." for i in gone)
+
+
+def number_kv_layers(model: nn.Module) -> None:
+    """The held layers' K/V indices, 0.. in module order, MTP layers last; a hybrid's linear layers'
+    state indices 0.. among its own (after the weights are assigned: the loader names MTP tensors by the
+    original index; before packing: the CPU decode plans copy the index)."""
+    held = [m for m in model.model.layers if not getattr(m, "held_elsewhere", False)]
+    held += [m for m in model.mtp_layers if all(m is not h for h in held)]  # qwen3_next keeps them apart
+    kv = linear = 0
+    for layer in held:
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.linear_idx = linear
+            linear += 1
+            continue
+        attn = layer.self_attn
+        if hasattr(attn, "kv_idx"):
+            attn.kv_idx = kv
+        else:
+            attn.layer_idx = kv
+        kv += 1

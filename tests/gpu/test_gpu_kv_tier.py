@@ -1,0 +1,104 @@
+"""The host KV tier on CUDA (`pytest -m gpu -s tests/gpu/test_gpu_kv_tier.py`): the host pool is pinned,
+block moves go through the copier's side stream and events, the host part of decode rows is attended
+on the CPU and prompt chunks stream theirs, the device part by the Triton kernels with their LSE output;
+fp32 greedy output is identical with a resident window smaller than the prompt, and a steady second pass
+adds no allocator segment."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from strata.attention.tiered import TieredAttention
+from strata.attention.triton_backend import TritonPagedAttention
+from strata.config import EngineConfig
+from strata.engine.engine import LLMEngine
+from strata.engine.types import EngineRequest
+from strata.kvcache.host_pool import BlockCopier
+from strata.kvcache.pool import make_pool
+from strata.params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TEXT = open(__file__.replace("tests/gpu/test_gpu_kv_tier.py", "strata/assets/default-model/README.md")).read()
+
+
+def run(prompts, **kw):
+    base = dict(device="cuda", dtype="float32", ctx=2048, parallel=2, chunk_size=128, max_num_batched_tokens=256,
+                prefix_cache=False)
+    e = LLMEngine(EngineConfig(**{**base, **kw}), progress=False)
+    for i, p in enumerate(prompts):
+        e.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=32, ignore_eos=True), time.monotonic()))
+    out = {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in e.run_to_completion().items()}
+    return out, e
+
+
+def prompts(e_or_none=None):
+    e = LLMEngine(EngineConfig(device="cpu", ctx=256), progress=False)
+    ids = e.tokenizer.encode(TEXT * 2)
+    return [ids[:900], ids[1000:1500]]
+
+
+def test_cuda_copier_is_pinned_and_event_ordered():
+    dev = make_pool("int8", 2, 16, 16, 2, 64, "cuda", torch.bfloat16)
+    host = make_pool("int8", 2, 16, 16, 2, 64, "cpu", torch.bfloat16, pin=True)
+    assert host.k.is_pinned()
+    for layer in range(2):
+        dev.write(layer, torch.arange(256, device="cuda"), torch.randn(256, 2, 64, device="cuda"),
+                  torch.randn(256, 2, 64, device="cuda"))
+    cp = BlockCopier(dev, host, max_blocks=4)
+    t = cp.start([3, 7], [1, 2])
+    while not cp.ready(t):
+        pass
+    cp.finish(t)
+    for src, dst in ((3, 1), (7, 2)):
+        torch.testing.assert_close(host.k[:, dst * 16:(dst + 1) * 16], dev.k[:, src * 16:(src + 1) * 16].cpu())
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_cuda_fp32_tier_identical(kv):
+    ps = prompts()
+    want, _ = run(ps, kv=kv)
+    out, e = run(ps, kv=kv, kv_resident=128)
+    assert out == want
+    assert e.stats().kv_blocks_moved_total > 0 and e.host_pool.k.is_pinned()
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_cuda_tier_attends_its_device_part_with_the_triton_kernels(kv, monkeypatch):
+    """The tier's inner backend is the Triton one, and its `attend_lse` (the kernel's LSE output, split
+    decodes and prompt chunks alike) is what the greedy run without the tier is matched by."""
+    calls = {"lse": 0}
+    attend_lse = TritonPagedAttention.attend_lse
+
+    def counted(self, *a, **kw):
+        calls["lse"] += 1
+        return attend_lse(self, *a, **kw)
+
+    monkeypatch.setattr(TritonPagedAttention, "attend_lse", counted)
+    ps = prompts()
+    want, _ = run(ps, kv=kv)
+    out, e = run(ps, kv=kv, kv_resident=128)
+    assert isinstance(e.runner.attn, TieredAttention) and isinstance(e.runner.attn.inner, TritonPagedAttention)
+    assert e.runner.attn.host_rows_total > 0 and calls["lse"] > 0
+    assert out == want
+
+
+def test_cuda_fp32_tier_with_speculation_identical():
+    ps = prompts()
+    want, _ = run(ps)
+    out, _ = run(ps, kv_resident=128, spec=3, batch_mtp=True)
+    assert out == want
+
+
+def test_cuda_tier_second_pass_adds_no_segment():
+    ps = prompts()
+    _, e = run(ps, kv_resident=128)
+    before = torch.cuda.memory_stats()["segment.all.allocated"]
+    for i, p in enumerate(ps):
+        e.add_request(EngineRequest(f"again{i}", tuple(p), SamplingParams(max_tokens=32, ignore_eos=True),
+                                    time.monotonic()))
+    e.run_to_completion()
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == before
