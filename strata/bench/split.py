@@ -97,10 +97,19 @@ def run(args) -> dict:
             "summary": summarize(arms, gpus, llamacpp)}
 
 
+def draw(plt, info) -> None:
+    """Decode and read rates per arm (an arm that could not run is left out)."""
+    arms = {name: a for name, a in info["arms"].items() if a}
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, key, title in ((axes[0], "decode_tok_s", "decode (tok/s)"), (axes[1], "read_tok_s", "read (tok/s)")):
+        ax.bar(list(arms), [a[key] for a in arms.values()])
+        ax.set_title(title)
+
+
 def main(args) -> int:
     info = run(args)
     out = args.out or f"bench/results/layer_split_{args.shape}_cuda.json"
-    save(info, out, None)
+    save(info, out, draw)
     print(json.dumps(info["summary"], indent=1))
     return 0
 

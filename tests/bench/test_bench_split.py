@@ -26,3 +26,13 @@ def test_refused_without_cuda(capsys):
 
     assert main(["bench", "split"]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_the_plot_draws_the_arms_that_ran(tmp_path):
+    from strata.bench.results import save
+    from strata.bench.split import draw
+
+    pytest.importorskip("matplotlib")
+    arms = {"one_1": {"decode_tok_s": 100.0, "read_tok_s": 1000.0, "slots": 1}, "one_2": None}
+    save({"arms": arms, "summary": summarize(arms, 1, None)}, str(tmp_path / "layer_split_x_cuda.json"), draw)
+    assert (tmp_path / "layer_split_x_cuda.png").stat().st_size > 0
