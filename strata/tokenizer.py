@@ -8,6 +8,7 @@ they are rendered in jinja2's `SandboxedEnvironment`.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -39,8 +40,11 @@ def _raise(msg: str) -> None:
 @functools.lru_cache(maxsize=8)
 def compile_chat_template(source: str) -> Any:
     """`source` compiled in the sandbox (a jinja2 TemplateSyntaxError when it does not parse)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # loopcontrols: {% break %} / {% continue %}, which transformers' renderer allows and templates use.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
+    # Llama 3.x templates write today's date into the system turn (transformers gives them the same).
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
     return env.from_string(source)
 

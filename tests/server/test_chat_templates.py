@@ -147,3 +147,21 @@ def test_looping_renders_hold_up_no_other_request(tok, monkeypatch):
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def test_templates_can_write_todays_date():
+    import datetime
+
+    from strata.tokenizer import render_chat_template
+
+    text = render_chat_template("{{ strftime_now('%d %b %Y') }}|{{ messages[0]['content'] }}",
+                                [{"role": "user", "content": "hi"}], None, False, "", "", {})
+    assert text == datetime.datetime.now().strftime("%d %b %Y") + "|hi"
+
+
+def test_templates_can_break_out_of_loops():
+    from strata.tokenizer import render_chat_template
+
+    source = "{% for m in messages %}{% if m['role'] == 'stop' %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
+    msgs = [{"role": "user", "content": "a"}, {"role": "stop", "content": "b"}, {"role": "user", "content": "c"}]
+    assert render_chat_template(source, msgs, None, False, "", "", {}) == "a"
