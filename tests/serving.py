@@ -75,3 +75,14 @@ def start_server(tmp, config: dict, extra_args: list[str] = (), preexec=None) ->
             pytest.fail("server did not come up in 120 s")
         time.sleep(0.1)
     return proc, base, log
+
+
+def server_log(proc: subprocess.Popen, log: Any) -> str:
+    """The log of a server `start_server` started, once it has ended (killed if it has not)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.seek(0)
+    text = log.read()
+    log.close()
+    return text

@@ -247,10 +247,10 @@ class LLMEngine:
         self.context_sizes = ""
         if self.kv_tier is not None and cfg.kv_resident is not None:
             # The context is what both tiers hold.
-            self.kv_capacity += self.kv_tier.context_tokens
-            self.context_sizes = (f" ({self.kv_capacity - self.kv_tier.context_tokens} tokens in the device KV pool "
+            self.context_sizes = (f" ({self.kv_capacity} tokens in the device KV pool "
                                   f"with --kv-resident {cfg.kv_resident} + {self.kv_tier.host_capacity} in the host "
                                   "KV pool)")
+            self.kv_capacity += self.kv_tier.host_capacity
         if self.kv_capacity < self.max_model_len:
             log.info("context limited to %d tokens: the KV pool holds no more (--kv-size, --ctx %d)",
                      self.kv_capacity, cfg.ctx)

@@ -39,9 +39,8 @@ class HostKVTier:
         self.tier = KVTier(BlockAllocator(host_blocks, bs), allocator, cfg.kv_resident, max_moves)
         self.allocator = allocator
         allocator.record_evictions = cfg.prefix_cache
-        # Tokens of context the host pool adds: with a resident window, a request's older blocks live there.
+        # With a resident window a request's older blocks live in the host pool: context it adds.
         self.host_capacity = (host_blocks - 1) * bs
-        self.context_tokens = self.host_capacity if cfg.kv_resident is not None else 0
         self._copies: list[tuple[int | None, MoveBatch]] = []  # moves copying or waiting to apply, in order
         self._keeps: list[int] = []  # copies of device blocks the prefix cache evicted, in flight
         log.info("host KV pool: %d blocks of %d tokens (%s, %.1f MiB%s); resident window %s; copy staging "

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from serving import server_log
 from strata.loaders import default_model_path
 from test_shutdown import NAME, Call, _server, sigterm_ends_long_requests, sigterm_lets_requests_in_service_finish
 
@@ -85,11 +86,7 @@ def sigterm_with_everything_in_service(tmp_path, long: int, short: int, shutdown
             assert not c.is_alive()
         assert proc.wait(timeout=60) == 1
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    log.seek(0)
-    text = log.read()
-    log.close()
+        text = server_log(proc, log)
     assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
     for c in streams:
         assert c.error is None and c.status == 200, (c.error, c.lines[-3:])

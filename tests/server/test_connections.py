@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import resource
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 
-from serving import start_server
+from serving import server_log, start_server
 
 PARTIAL = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # headers never finished
 
@@ -23,11 +22,7 @@ def _stop(proc, log) -> str:
     try:
         proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    log.seek(0)
-    text = log.read()
-    log.close()
+        text = server_log(proc, log)
     return text
 
 

@@ -12,9 +12,8 @@ import threading
 import time
 
 import httpx
-import pytest
 
-from serving import start_server
+from serving import server_log, start_server
 
 NAME = "strata-drain"
 
@@ -94,10 +93,7 @@ def sigterm_ends_long_requests(tmp_path, long: int = LONG, **config) -> None:
             c.join(60)
         assert proc.wait(timeout=30) == 1
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    log.seek(0)
-    text = log.read()
+        text = server_log(proc, log)
     assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
     for c in (chat, comp):
         assert c.error is None and c.status == 200, (c.error, c.lines[-3:])
@@ -125,9 +121,7 @@ def sigterm_lets_requests_in_service_finish(tmp_path, **config) -> None:
         short.join(60)
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+        server_log(proc, log)
     data = short.data()
     assert short.error is None and data[-1] == "[DONE]"
     finishes = [json.loads(d)["choices"][0]["finish_reason"] for d in data[:-1] if json.loads(d)["choices"]]
