@@ -72,6 +72,15 @@ step() {  # name, seconds, command...
       soak) step soak 750 $B soak --shape qwen3-8b --clients 64 --seconds 600 --out $R/soak_qwen3-8b_cuda.json ;;
       # SIGTERM on CUDA with long streams and whole completions in flight: each ends whole or with an error event.
       gpu-shutdown) step gpu-shutdown 300 $T tests/gpu/test_gpu_shutdown.py ;;
+      # The soak beside other steps: capped at SOAK_GPU GiB so the test files after it fit the same card
+      # (its figures are lost requests, memory growth and greedy answers, none a speed). soak-wait ends it.
+      soak-bg)
+        setsid nohup bash -c "$B soak --shape qwen3-8b --clients 64 --seconds 600 --gpu-memory ${SOAK_GPU:-36} \
+          --out $R/soak_qwen3-8b_cuda.json; touch /tmp/soak_done" >/tmp/soak.log 2>&1 </dev/null &
+        echo "soak started" ;;
+      soak-wait) step soak-wait 900 bash -c "while [ ! -f /tmp/soak_done ]; do sleep 5; done; tail -60 /tmp/soak.log" ;;
+      kv-tier) step kv-tier 600 $B kv-tier --device cuda --shape qwen3-8b --context ${KV_CONTEXT:-131072} \
+        --resident 16384 --out $R/kv_tier_qwen3-8b_cuda.json ;;
       next-read) step next-read 300 $FLA $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_fla_cuda.json ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \

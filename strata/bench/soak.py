@@ -344,7 +344,7 @@ def run(args) -> int:
         raise SystemExit("give --shape (random weights) or --model, not both")
     model = None if args.model in (None, "default") else args.model
     cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, parallel=args.parallel, ctx=args.ctx,
-                       batch_invariant=True)
+                       batch_invariant=True, gpu_memory=args.gpu_memory)
     device, dtype = cfg.resolved_device, cfg.resolved_dtype
     if args.shape:  # random weights; prompts are random token ids, texts from a tokenizer naming every id
         from strata.bench.random_model import random_model, shape_config, synthetic_tokenizer
@@ -406,6 +406,7 @@ def run(args) -> int:
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
         "config": {"clients": args.clients, "seconds": args.seconds, "warmup_s": args.warmup,
                    "parallel": args.parallel, "ctx": limit, "batch_invariant": True,
+                   "gpu_memory_gib": args.gpu_memory,
                    "chunk_size": resolved.chunk_size, "prompt_lengths": args.prompts, "max_tokens": args.max_tokens,
                    "probe_prompt_lengths": [len(p) for p in job["probe_prompts"]], "probe_tokens": args.probe_tokens,
                    "sample_every_s": args.sample_every, "request_timeout_s": args.request_timeout, "seed": args.seed,
@@ -476,6 +477,8 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=float, default=60.0, help="seconds before memory growth is counted")
     p.add_argument("--parallel", type=int, default=16, help="the server's slots")
     p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="the server's VRAM cap (strata serve --gpu-memory), so other work can share the card")
     p.add_argument("--prompts", type=_ints, default=[16, 128, 512, 2048],
                    help="prompt lengths in tokens, drawn at random")
     p.add_argument("--max-tokens", type=_ints, default=[16, 64, 256], help="output lengths, drawn at random")
