@@ -33,7 +33,9 @@ step() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date +%T))"
   local t0=$SECONDS
-  timeout "$secs" "$@" 2>&1 | grep -v "^\s*$" | tail -${TAIL:-40}
+  # The whole output goes into results.tgz (logs/): the tail below is what a call shows.
+  mkdir -p "$R/logs"
+  timeout "$secs" "$@" 2>&1 | tee "$R/logs/$name.txt" | grep -v "^\s*$" | tail -${TAIL:-40}
   echo "--- $name: rc ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
   tar czf "$OUT/results.tgz" -C "$R" .  # after every step: a call cut short still brings back what ran
 }

@@ -5,12 +5,15 @@ against `strata serve` on the embedded model, and reports pass / fail per file.
 
 The suite starts its server through `$LLAMA_SERVER_BIN_PATH`; this script points that at a launcher
 (`python scripts/llama_server_suite.py --launch ...`) that maps llama-server's flags onto Strata's:
-`--ctx-size N --parallel P` become `--ctx N/P` (llama-server's per-slot context), `--alias` the model
-name, `--seed`, `--n-predict`, `--api-key`, `--chat-template(-file)`, `--slots`/`--no-slots`,
-`--cors-origins`, `--no-ui`; the model flags (`--hf-repo`, `--model`, ...) are dropped: the embedded
-model serves every test, so tests that assert the text of llama.cpp's own test models fail by design.
-Flags about llama.cpp's internals (batch sizes, threads, GPU layers, flash attention, ...) are
-dropped too. Downloads go to `.cache/llama-server-suite/`; the suite's own requirements are installed
+`--ctx-size N --parallel P` become `--ctx N/P` (llama-server's per-slot context; `--ctx N` with
+`--kv-unified`, where one slot may use the whole context), `--batch-size` becomes `--chunk-size`, and
+`--host`, `--port`, `--alias`, `--tags`, `--seed`, `--temp`, `--n-predict`, `--api-key`,
+`--chat-template(-file)`, `--slots`/`--no-slots`, `--cors-origins`, `--reasoning`, `--verbose` and
+`--metrics` keep their names (without `--metrics`, `--no-metrics`: llama-server's default); `--no-ui`
+is `--no-webui`. The model flags (`--hf-repo`, `--model`, ...) are dropped: the embedded model serves
+every test, so tests that assert the text or token counts of llama.cpp's own test models fail by design.
+Flags about llama.cpp's internals (threads, GPU layers, flash attention, ...) are dropped too.
+Downloads go to `.cache/llama-server-suite/`; the suite's own requirements are installed
 there (`pip install --target`), not into the environment.
 """
 
@@ -41,15 +44,24 @@ TAKES_VALUE = {"--port", "--host", "--temp", "--seed", "--model", "--model-url",
                "--mcp-servers-config", "--mcp-servers-json", "--cors-origins", "--pooling", "--models-dir",
                "--models-max", "--models-preset", "--spec-synth-len", "--spec-synth-rates"}
 RENAMED = {"--port": "--port", "--host": "--host", "--seed": "--seed", "--n-predict": "--n-predict",
+           "--alias": "--alias", "--tags": "--tags",
            "--api-key": "--api-key", "--chat-template": "--chat-template",
-           "--chat-template-file": "--chat-template-file", "--cors-origins": "--cors-origins"}
-SWITCHES = {"--slots": "--slots", "--no-slots": "--no-slots", "--no-ui": "--no-webui"}
+           "--chat-template-file": "--chat-template-file", "--cors-origins": "--cors-origins",
+           "--reasoning": "--reasoning", "--batch-size": "--chunk-size", "--temp": "--temp"}
+SWITCHES = {"--slots": "--slots", "--no-slots": "--no-slots", "--no-ui": "--no-webui", "--metrics": "--metrics",
+            "--verbose": "--verbose"}
 
 
 def launch(argv: list[str]) -> int:
     """The launcher: llama-server's command line as `strata serve`'s, then exec."""
+    os.execvp(sys.executable, [sys.executable, "-m", "strata.cli", *strata_args(argv)])
+    return 1
+
+
+def strata_args(argv: list[str]) -> list[str]:
+    """llama-server's command line (its arguments) as `strata serve`'s."""
     out = ["serve", "--device", "cpu", "--log-level", "warning"]
-    ctx, parallel = None, 1
+    ctx, parallel, unified = None, 1, False
     i = 0
     while i < len(argv):
         flag = argv[i]
@@ -59,19 +71,18 @@ def launch(argv: list[str]) -> int:
             ctx = int(value)  # type: ignore[arg-type]
         elif flag == "--parallel":
             parallel = int(value)  # type: ignore[arg-type]
-        elif flag == "--alias":
-            out += ["--model-name", value.split(",")[0]]  # type: ignore[union-attr]
-        elif flag == "--host":
-            out += ["--host", value.split(",")[0]]  # type: ignore[union-attr]
+        elif flag == "--kv-unified":
+            unified = True
         elif flag in RENAMED and value is not None:
             out += [RENAMED[flag], value]
         elif flag in SWITCHES:
             out.append(SWITCHES[flag])
+    if "--metrics" not in argv:  # llama-server serves /metrics only when asked to
+        out.append("--no-metrics")
     out += ["--parallel", str(parallel)]
-    if ctx:
-        out += ["--ctx", str(max(ctx // parallel, 64))]
-    os.execvp(sys.executable, [sys.executable, "-m", "strata.cli", *out])
-    return 1
+    if ctx:  # a unified KV cache lets one slot use the whole context, as Strata's shared pool does
+        out += ["--ctx", str(ctx if unified else max(ctx // parallel, 64))]
+    return out
 
 
 def fetch(version: str) -> Path:

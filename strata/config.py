@@ -296,7 +296,8 @@ class EngineConfig:
     expert_stream_tokens: int | None = None
     # Pipeline stages over torch.distributed (docs/MULTI_GPU.md): none | layer. With layer, one process per
     # stage holds a range of decoder layers (their weights and K/V); rank 0 also runs the scheduler, the
-    # embedding, the head, sampling and the MTP head, and starts the other stages of this machine itself.
+    # embedding, the head and sampling, and starts the other stages of this machine itself; the last stage
+    # runs the MTP head. With --batch-groups G the groups' steps are in the pipeline together.
     split_mode: str = "none"
     # With --split-mode layer: each stage's share of the decoder layers, e.g. "3,2"; None: even over the stages
     # (the count of --devices, else every GPU of the machine). On the CPU it names the stages: "1,1" runs two.

@@ -45,6 +45,9 @@ class _Env:
                                   "let STRATA_SPLIT_MTP_BATCH run beside STRATA_PIPED_CONCURRENT: the read stage writes "
                                   "the draft K/V itself, its stream-K pool grown before each read")
     NO_PROGRESS = Switch("STRATA_NO_PROGRESS", _bool, False, "hide the weight-loading progress bar")
+    STAGE_TRACE = Switch("STRATA_STAGE_TRACE", str, "",
+                         "a directory where each pipeline stage (--split-mode layer) writes a line per step it "
+                         "sends and receives, stage{rank}.trace (tests read the pipeline's order from them)")
     CACHE_DIR = Switch("STRATA_CACHE_DIR", str, "",
                        "where test fixtures, downloads and the compiled CPU kernels are cached (empty: "
                        "~/.cache/strata for the kernels)")

@@ -10,10 +10,16 @@ is unchanged), and names its host part with `set_host`. Each layer:
    on the CPU (`cpu`: the rows go down, the host pool is read in place, (o, lse) come back), prompt
    chunks by streaming (`stream`: the layer's host blocks are gathered into a pinned buffer and copied
    up, double-buffered: the next (layer, sequence) item is queued on a side stream while this one
-   computes);
+   computes), over key tiles whose scores stay within STREAM_SCORE_BYTES;
 3. the two are merged by log-sum-exp, host part first (`merge`), a fixed order.
 On the CPU both ways run the same code with the "device" being the CPU. Nothing here allocates device
 memory per step beyond the torch reference's temporaries: the streaming buffers are made at start-up.
+
+With a batch-invariant inner backend (`--batch-invariant`) a merge would make a row's bits depend on
+where its sequence's host part ends, which follows the schedule. So each tiered sequence is instead
+assembled whole, per layer, into a one-layer pool of the device pool's storage (host blocks first,
+then its device blocks) and attended there by a twin of the inner backend in the same mode, at its
+real positions: the same keys, values and arithmetic as without the tier, so the same bits.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from __future__ import annotations
 import torch
 
 from strata.attention.base import AttentionBackend
-from strata.kvcache.pool import Int8Pool, KVPool, pool_tensors
+from strata.kvcache.pool import Int8Pool, KVPool, make_pool, pool_tensors
+
+# A streamed chunk's scores ([Hq, rows, keys] fp32) are computed over key tiles of at most this size.
+STREAM_SCORE_BYTES = 64 << 20
 
 
 def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,21 +70,56 @@ class _Stage:
         self.item: tuple[int, int] | None = None  # (layer, span) staged here
 
 
+def _like(pool: KVPool, num_blocks: int, device: torch.device) -> KVPool:
+    """A one-layer pool of `pool`'s storage and block size."""
+    if isinstance(pool, Int8Pool):
+        return make_pool("int8", 1, num_blocks, pool.block_size, pool.n_kv, pool.head_dim, device, torch.float32)
+    return make_pool("auto", 1, num_blocks, pool.block_size, pool.n_kv, pool.head_dim, device, pool.k.dtype)
+
+
+def _twin(inner: AttentionBackend, pool: KVPool, max_context: int) -> AttentionBackend:
+    """A backend of `inner`'s kind and batch-invariant mode over `pool`, for one sequence at a time."""
+    from strata.attention.reference import PagedAttention
+
+    if isinstance(inner, PagedAttention):
+        return PagedAttention(pool, batch_invariant=True)
+    from strata.attention.triton_backend import TritonPagedAttention
+
+    return TritonPagedAttention(pool, num_q_heads=inner.out.shape[1], max_seqs=1, max_rows=inner.out.shape[0],
+                                max_split_rows=inner.max_split_rows, device=inner.device, dtype=inner.out.dtype,
+                                max_context=max_context, batch_invariant=True)
+
+
 class TieredAttention(AttentionBackend):
     def __init__(self, inner: AttentionBackend, host_pool: KVPool, *, device, decode_rows: int,
                  max_host_tokens: int, num_layers: int):
         """`decode_rows`: a sequence with at most this many rows in the step attends its host part on the
-        CPU; longer ones stream it. `max_host_tokens`: the longest host part (sizes the stream buffers)."""
+        CPU; longer ones stream it. `max_host_tokens`: the longest host part (sizes the stream buffers),
+        and with a batch-invariant inner backend the longest context (sizes the assembly pool)."""
         self.inner, self.host_pool, self.device = inner, host_pool, torch.device(device)
         self.decode_rows, self.num_layers = decode_rows, num_layers
         self.scale = 1.0 / host_pool.head_dim ** 0.5
         cuda = self.device.type == "cuda"
-        max_blocks = max(-(-max_host_tokens // host_pool.block_size), 1)
+        bs = host_pool.block_size
+        max_blocks = max(-(-max_host_tokens // bs), 1)
         self.stages = [_Stage(host_pool, max_blocks, self.device, cuda) for _ in range(2)]
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.spans: list[tuple[int, int, torch.Tensor, int]] = []  # (first row, rows, host blocks, host tokens)
+        # (first row, rows, host blocks, host tokens, sequence index, first position of the device part)
+        self.spans: list[tuple[int, int, torch.Tensor, int, int, int]] = []
         self.streamed: list[int] = []  # indices into spans of those streamed
+        self.tables: torch.Tensor | None = None  # the step's device block tables (shifted), as the inner's
         self.host_rows_total = 0
+        self.invariant = bool(getattr(inner, "batch_invariant", False))
+        self.whole_pool = self.whole = None
+        self.whole_sequences_total = 0
+        if self.invariant:
+            self.whole_pool = _like(inner.pool, max_blocks + 1, self.device)  # +1: block 0 is padding
+            self.whole = _twin(inner, self.whole_pool, max_host_tokens)
+            # Assembly position p sits at slot p + bs (block 0 is the padding block).
+            self.whole_slots = torch.arange(bs, (max_blocks + 1) * bs, device=self.device)
+            self.whole_table = torch.arange(1, max_blocks + 1, dtype=torch.int32, device=self.device)[None]
+            self._whole_for: tuple[int, int] | None = None  # (step, span) the twin's layout is prepared for
+            self._step = 0
 
     # The inner backend's layout, as the runner and the models see it.
     @property
@@ -90,32 +134,49 @@ class TieredAttention(AttentionBackend):
     def states(self, value):
         self.inner.states = value
 
-    def set_layout(self, *args, **kwargs):
-        return self.inner.set_layout(*args, **kwargs)
+    @property
+    def has_host(self) -> bool:
+        """Whether the step set up last has a host part (its attention cannot be replayed by a graph)."""
+        return bool(self.spans)
+
+    def set_layout(self, slots, tables, *args, **kwargs):
+        self.tables = tables
+        return self.inner.set_layout(slots, tables, *args, **kwargs)
 
     def plan_dequant(self, ctx):
         return self.inner.plan_dequant(ctx)
 
-    def prepare(self, *args, **kwargs):
-        return self.inner.prepare(*args, **kwargs)
+    def prepare(self, slots, starts, lens, block_tables):
+        self.tables = block_tables
+        return self.inner.prepare(slots, starts, lens, block_tables)
 
     @property
     def nbytes_stream(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.stages for t in s.dev)
 
-    def set_host(self, spans: list[tuple[int, int, list[int]]]) -> None:
-        """The step's host parts: per tiered sequence (first row, rows, host block ids)."""
+    def set_host(self, spans) -> None:
+        """The step's host parts: per tiered sequence (first row, rows, host block ids, sequence index,
+        first position of its device part); a batch-invariant inner backend needs the last two."""
         bs = self.host_pool.block_size
-        self.spans = [(r0, n, torch.tensor(blocks, dtype=torch.long), len(blocks) * bs) for r0, n, blocks in spans]
-        self.streamed = [i for i, (_, n, _, _) in enumerate(self.spans) if n > self.decode_rows]
-        for s in self.stages:
-            s.item = None
+        self.spans = []
+        for r0, n, blocks, *where in spans:
+            if self.invariant and not where:
+                raise ValueError("a batch-invariant tiered step needs each host part's sequence and start")
+            seq, start = where or (0, 0)
+            self.spans.append((r0, n, torch.tensor(blocks, dtype=torch.long), len(blocks) * bs, seq, start))
+        self.streamed = [] if self.invariant else [i for i, s in enumerate(self.spans) if s[1] > self.decode_rows]
+        for stage in self.stages:
+            stage.item = None
+        if self.invariant:
+            self._step += 1
 
     def attend(self, layer, q, k, v):
         if not self.spans:
             return self.inner.attend(layer, q, k, v)
+        if self.invariant:
+            return self._attend_whole(layer, q, k, v)
         o, lse = self.inner.attend_lse(layer, q, k, v)
-        for i, (r0, n, blocks, tokens) in enumerate(self.spans):
+        for i, (r0, n, blocks, tokens, _, _) in enumerate(self.spans):
             if n > self.decode_rows:
                 o_h, lse_h = self._streamed(layer, i, q[r0:r0 + n])
             else:
@@ -128,6 +189,41 @@ class TieredAttention(AttentionBackend):
         k, v = self.host_pool.gather_blocks(layer, blocks[None], tokens, torch.float32)
         o, lse = attend_all(q.to(self.host_pool.device), k[0], v[0], self.scale)
         return o.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
+
+    # ---- batch-invariant: each tiered sequence attended whole ------------------------------------------
+    def _attend_whole(self, layer, q, k, v):
+        o = self.inner.attend(layer, q, k, v)  # writes the step's K/V; the untiered sequences' rows
+        for i, (r0, n, _, tokens, seq, start) in enumerate(self.spans):
+            self._assemble(layer, i)
+            if self._whole_for != (self._step, i):
+                nb = -(-(tokens + start + n) // self.host_pool.block_size)
+                self.whole.prepare(self.whole_slots[tokens + start : tokens + start + n], [tokens + start], [n],
+                                   self.whole_table[:, :nb])
+                self._whole_for = (self._step, i)
+            o[r0:r0 + n] = self.whole.attend(0, q[r0:r0 + n], k[r0:r0 + n], v[r0:r0 + n])
+            self.host_rows_total += n
+            self.whole_sequences_total += 1
+        return o
+
+    def _assemble(self, layer: int, i: int) -> None:
+        """Span i's sequence into the assembly pool's blocks 1..: its host blocks, then its device blocks."""
+        _, n, blocks, tokens, seq, start = self.spans[i]
+        bs = self.host_pool.block_size
+        nh, nd = blocks.shape[0], -(-(start + n) // bs)
+        device_blocks = self.tables[seq, :nd]
+        pinned = self.stages[0].pinned
+        for j, (src, host, dst) in enumerate(zip(pool_tensors(self.inner.pool), pool_tensors(self.host_pool),
+                                                 pool_tensors(self.whole_pool))):
+            whole = dst[0].view(dst.shape[1] // bs, -1)
+            on_device = src[layer].view(src.shape[1] // bs, -1)
+            torch.index_select(on_device, 0, device_blocks, out=whole[1 + nh : 1 + nh + nd])
+            host_blocks = host[layer].view(host.shape[1] // bs, -1)
+            if whole.device == host_blocks.device:
+                torch.index_select(host_blocks, 0, blocks, out=whole[1 : 1 + nh])
+            else:
+                # Through pinned memory; a blocking copy, so the buffer is free again for the next tensor.
+                torch.index_select(host_blocks, 0, blocks, out=pinned[j][:nh])
+                whole[1 : 1 + nh].copy_(pinned[j][:nh])
 
     # ---- streaming ---------------------------------------------------------------------------------
     def _items(self) -> list[tuple[int, int]]:
@@ -144,6 +240,8 @@ class TieredAttention(AttentionBackend):
             src = t[layer].view(t.shape[1] // self.host_pool.block_size, -1)
             torch.index_select(src, 0, stage.idx[:nb], out=pinned[:nb])
         if self.stream is not None:
+            # The device buffer's previous contents may still be read by a kernel queued on the compute stream.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 for pinned, dev in zip(stage.pinned, stage.dev):
                     dev[:nb].copy_(pinned[:nb], non_blocking=True)
@@ -162,23 +260,24 @@ class TieredAttention(AttentionBackend):
         at = items.index(item) if item in items else -1
         if 0 <= at < len(items) - 1:  # the next item goes up while this one computes
             other = next(s for s in self.stages if s is not stage)
-            if other.event is not None:
-                # Its previous contents may still be read by a kernel queued on the compute stream.
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
             if other.item != items[at + 1]:
                 self._stage(items[at + 1], other)
         tokens = self.spans[i][3]
-        k, v = self._dequantized(stage, tokens, q.dtype)
-        return attend_all(q, k, v, self.scale)
+        tile = max(STREAM_SCORE_BYTES // (4 * q.shape[0] * q.shape[1]), self.host_pool.block_size)
+        o, lse = attend_all(q, *self._keys(stage, 0, min(tile, tokens)), self.scale)
+        for lo in range(tile, tokens, tile):
+            o2, lse2 = attend_all(q, *self._keys(stage, lo, min(lo + tile, tokens)), self.scale)
+            o, lse = merge(o, lse, o2, lse2), torch.logaddexp(lse, lse2)
+        return o, lse
 
-    def _dequantized(self, stage: _Stage, tokens: int, dtype: torch.dtype):
+    def _keys(self, stage: _Stage, lo: int, hi: int):
+        """Keys and values lo..hi of the staged host part (dequantized for int8)."""
         pool = self.host_pool
-        nb = -(-tokens // pool.block_size)
-        shape = (nb * pool.block_size, pool.n_kv, pool.head_dim)
-        k = stage.dev[0][:nb].view(shape)[:tokens]
-        v = stage.dev[1][:nb].view(shape)[:tokens]
+        shape = (stage.dev[0].shape[0] * pool.block_size, pool.n_kv, pool.head_dim)
+        k = stage.dev[0].view(shape)[lo:hi]
+        v = stage.dev[1].view(shape)[lo:hi]
         if isinstance(pool, Int8Pool):
-            ks = stage.dev[2][:nb].view(shape[:2])[:tokens]
-            vs = stage.dev[3][:nb].view(shape[:2])[:tokens]
+            ks = stage.dev[2].view(shape[:2])[lo:hi]
+            vs = stage.dev[3].view(shape[:2])[lo:hi]
             return k.float() * ks[..., None], v.float() * vs[..., None]
         return k, v

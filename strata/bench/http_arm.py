@@ -4,7 +4,9 @@ The engine runs as `strata serve` runs it (`AsyncEngine`'s loop thread, the app 
 uvicorn's event loop), here in a background thread of this process on a free loopback port; the
 client (`strata.bench.http_client`) is a separate process that streams `/v1/completions` with a
 token-id prompt and records when each chunk arrives. Tokens after the first over the time from the
-first chunk to the last gives tok/s; the gaps between chunks give the inter-token latencies.
+first chunk to the last gives tok/s; the gaps between chunks give the inter-token latencies. Where the
+server writes a stream at most every `stream_interval_ms` (its default on the CPU), the chunks between
+come in bursts: gaps of ~0 within one, the interval between them.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from strata.env import child_environment
 
 @contextlib.contextmanager
 def running_server(engine, model_name: str, log_level: str = "warning", start_timeout_s: float = 60.0,
-                   ) -> Iterator[str]:
+                   stream_interval_ms: float | None = None) -> Iterator[str]:
     """Serves `engine` (an `LLMEngine`, which this takes over and shuts down) over HTTP on 127.0.0.1;
     yields the base URL. The socket is bound before uvicorn starts, so no other process can take the
-    port in between."""
+    port in between. `stream_interval_ms`: the server's option (None: its default)."""
     import uvicorn
 
     from strata.engine.async_engine import AsyncEngine
@@ -40,7 +42,8 @@ def running_server(engine, model_name: str, log_level: str = "warning", start_ti
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server_cfg = ServerConfig(host="127.0.0.1", port=port, model_name=model_name, log_level=log_level)
+    server_cfg = ServerConfig(host="127.0.0.1", port=port, model_name=model_name, log_level=log_level,
+                              stream_interval_ms=stream_interval_ms)
     async_engine = AsyncEngine(engine)
     try:
         app = build_app(async_engine, server_cfg, own_engine=True)
@@ -122,9 +125,12 @@ def summarize(client_out: dict, warmup: int = 1) -> dict:
 
 
 def measure_http(engine, model_name: str, prompt_tokens: int, max_tokens: int, vocab: int, repeats: int,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, stream_interval_ms: float | None = None) -> dict:
     """Serves `engine`, streams `repeats` + 1 completions from a client process (the first warms up)
-    and returns `summarize`'s fields plus the raw arrival times."""
-    with running_server(engine, model_name) as url:
+    and returns `summarize`'s fields, the server's stream interval and the raw arrival times."""
+    from strata.engine.async_engine import default_stream_interval
+
+    interval = default_stream_interval(engine) * 1e3 if stream_interval_ms is None else stream_interval_ms
+    with running_server(engine, model_name, stream_interval_ms=stream_interval_ms) as url:
         out = run_client(url, model_name, prompt_tokens, max_tokens, vocab, repeats + 1, seed)
-    return {**summarize(out), "http_raw": out["runs"]}
+    return {**summarize(out), "http_stream_interval_ms": interval, "http_raw": out["runs"]}

@@ -364,7 +364,8 @@ def _http(args, device, loaded: LoadedModel, mc: ModelConfig) -> dict:
     # `http_tokens_per_chunk` says so).
     served = loaded if getattr(args, "model", None) else with_tokenizer(loaded, synthetic_tokenizer(mc.vocab_size))
     eng, startup = build_engine(engine_config(args, device, args.prompt + args.tokens + 8, 1, args.chunk), served)
-    out = measure_http(eng, _name(args), args.prompt, args.tokens, mc.vocab_size, args.repeats, seed=args.seed)
+    out = measure_http(eng, _name(args), args.prompt, args.tokens, mc.vocab_size, args.repeats, seed=args.seed,
+                       stream_interval_ms=getattr(args, "stream_interval_ms", None))
     out["http_startup_s"] = startup
     del eng
     _free(device)
@@ -564,6 +565,9 @@ def add_parsers(sub) -> None:
             p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: 512; with --model 32)")
             p.add_argument("--tokens", type=int, default=None, help="new tokens (default: 128; with --model 256)")
             p.add_argument("--http", action="store_true", help="also batch-1 decode through the OpenAI server")
+            p.add_argument("--stream-interval-ms", type=float, default=None,
+                           help="with --http: the server's --stream-interval-ms (default: the server's, 16 on the "
+                                "CPU and 0 elsewhere; 0 writes every step)")
             p.add_argument("--tokenizer", default=None,
                            help="a vocab GGUF or HF model dir: the engine gets a grammar compiler (mask kernel on)")
             p.add_argument("--grammar", default=None, choices=["json", "json-array"],

@@ -21,10 +21,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from strata.config import ConfigError, EngineConfig, ModelConfig
+from strata.config import EngineConfig
 from strata.dist.link import Link
 from strata.dist.plan import StagePlan, layer_ranges, parse_devices, parse_shares, stage_count, stage_device
-from strata.loaders import LoadError, default_model_path, read_checkpoint
+from strata.env import ENV
+from strata.loaders import read_model
 
 log = logging.getLogger("strata")
 
@@ -35,14 +36,12 @@ JOIN_TIMEOUT = timedelta(minutes=10)
 
 def plan_for(cfg: EngineConfig, rank: int, world: int, local: int) -> StagePlan:
     """This rank's view of the pipeline: the model's layers by --tensor-split, its device by --devices."""
-    path = cfg.model or default_model_path()
-    try:
-        mc = ModelConfig.from_hf(read_checkpoint(path).config)
-    except ConfigError as e:
-        raise LoadError(path, str(e)) from None
+    _, mc = read_model(cfg.model)
     cuda = cfg.resolved_device.startswith("cuda")
     ranges = layer_ranges(mc.num_hidden_layers, parse_shares(cfg.tensor_split, world))
-    return StagePlan(rank, world, tuple(ranges), stage_device(local, parse_devices(cfg.devices), cuda))
+    devices = parse_devices(cfg.devices)
+    device = stage_device(local, devices, cuda)
+    return StagePlan(rank, world, tuple(ranges), device, devices.count(device) if cuda and devices else 1)
 
 
 def _world(cfg: EngineConfig) -> int:
@@ -67,8 +66,18 @@ def init_group(cfg: EngineConfig, plan: StagePlan | None, store, cuda: bool) -> 
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT), None
 
 
+def refuse(cfg: EngineConfig) -> None:
+    """What does not run across stages, refused before any stage starts."""
+    if cfg.kv_resident is not None or cfg.kv_host_memory is not None:
+        raise ValueError("the host KV tier (--kv-resident, --kv-host-memory) does not run across pipeline stages yet")
+    if ENV.PIPED_CONCURRENT.get() and ENV.SPLIT_MTP_BATCH.get() and ENV.PIPED_CONCURRENT_SMB.get():
+        raise ValueError("STRATA_PIPED_CONCURRENT_SMB does not run across pipeline stages: the read's MTP K/V "
+                         "would be written on rank 0, and the MTP head is the last stage's")
+
+
 def join(cfg: EngineConfig) -> Link | None:
     """Rank 0: the link to the other stages (None when there is one stage). Other ranks never return."""
+    refuse(cfg)
     world = _world(cfg)
     if world < 2:
         log.info("--split-mode layer with one stage: nothing to split")

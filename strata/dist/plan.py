@@ -52,6 +52,7 @@ class StagePlan:
     world: int
     ranges: tuple[tuple[int, int], ...]
     device: str
+    sharing: int = 1  # the stages of this machine on `device` (more than one only to test on one card)
 
     @property
     def layers(self) -> tuple[int, int]:

@@ -14,6 +14,11 @@ pipelined the same way with one group: the next step is scheduled and launched b
 one's tokens are read, its decode inputs taken from the previous step's picks on the device
 (the scheduler's run-ahead), so the GPU always has a step queued while the host finishes the last.
 A request that stops on a token has had one more step computed for it; that step is dropped.
+
+With pipeline stages (`--split-mode layer`, `overlap` on) steps are pipelined whatever the groups, up
+to one step in flight per stage, at least two (`Link.depth`): `step()` launches the next step and
+finishes the oldest once that many are out (or when nothing new was launched). Besides the groups' decodes, the next
+chunks of one prompt fill the pipeline (the scheduler's read-ahead).
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from __future__ import annotations
 import dataclasses
 
 import gc
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from strata.config import ConfigError, EngineConfig, ModelConfig
+from strata.config import EngineConfig
 from strata.engine.concurrent import ConcurrentReadSetup
 from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
                                  EngineStats, RateWindow, SlotSnapshot)
@@ -38,12 +44,14 @@ from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.kvcache.tier import tier_tokens
 from strata.kvcache.state_pool import StatePool
 from strata.engine import placement
+from strata.dist.draft import StageDrafter
 from strata.dist.launch import join as join_stages
-from strata.loaders import LoadedModel, LoadError, default_model_path, load_model, read_checkpoint
+from strata.loaders import LoadedModel, default_model_path, load_model, read_model
 from strata.memory_plan import Plan
-from strata.engine.host_offload import set_up_host_experts
+from strata.runner.host_offload import set_up_host_experts
 from strata.engine.kv_tiering import HostKVTier
 from strata.models.host_experts import HostStagingPool
+from strata.models.invariance import check_batch_invariant
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, prompt_graph_sizes
@@ -73,12 +81,10 @@ def check_prompt(num_tokens: int, max_model_len: int, sizes: str = "") -> None:
 
 
 def _tier_limits(cfg: EngineConfig) -> EngineConfig:
-    """With the host KV tier, attention reads the host part through the CPU each layer, which neither a
-    CUDA graph nor a step queued ahead of its inputs can hold; and the concurrent read's stage has no
-    tiered backend yet."""
+    """With the host KV tier, a request's blocks move to the host between its steps, which a step
+    queued ahead of its inputs would never leave room for. (CUDA graphs stay: a step with a host part,
+    whose attention reads it through the CPU, runs eagerly.)"""
     changes = {}
-    if cfg.cuda_graph and torch.device(cfg.resolved_device).type == "cuda":
-        changes["cuda_graph"] = False
     if cfg.async_scheduling:
         changes["async_scheduling"] = False
     if changes:
@@ -101,7 +107,7 @@ class _TextState:
 
 
 def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device, reserved: int,
-                        plan: Plan | None = None) -> int:
+                        plan: Plan | None = None, sharing: int = 1) -> int:
     if cfg.kv_size:
         return cfg.kv_size
     if device.type == "cuda":
@@ -113,10 +119,9 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
             # Within the cap: what the plan left for K/V, less what loading took beyond its estimate.
             left = plan.gpu_budget - plan.scratch_bytes - torch.cuda.memory_reserved(device) - reserved
             return max(min(plan.kv_tokens, int(left) // per_token), 0)
-        free, _ = torch.cuda.mem_get_info(device)
         # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
         # the rest of the margin is for one step's activations.
-        return int(free * cfg.gpu_memory_utilization - reserved) // per_token
+        return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved, 0) // per_token
     return cfg.ctx * cfg.parallel
 
 
@@ -132,34 +137,6 @@ def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
         log.info("CUDA graphs off with --spec: verification rows of %s keep their states eagerly", mc.model_type)
         changes["cuda_graph"] = False
     return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-def _check_batch_invariant(cfg: EngineConfig, mc, device: torch.device, model: torch.nn.Module) -> None:
-    """What --batch-invariant covers: the CPU's torch path for dense and MoE models; on
-    CUDA dense and MoE models (the invariant GEMM, grouped-expert GEMM, routing and attention kernels);
-    no linear-attention layers. Weights
-    kept quantized (`model` as loaded): Q8_0 and FP8 linear weights (`strata.kernels.quant.invariant`),
-    no other format and no MoE experts kept quantized (their grouped kernels are not row-invariant)."""
-    if not cfg.batch_invariant:
-        return
-    from strata.kernels.quant import invariant as k_quant_invariant
-    from strata.models.quantize import qweights_of
-    from strata.models.moe import MoE
-
-    formats = sorted({q.ggml_type for q in qweights_of(model) if not k_quant_invariant.supports(q)})
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    quantized_experts = any(m.fp8 is not None or m.quant is not None for m in moes)
-    # On CUDA the invariant MoE runs on the stacked experts (`MoE._grouped_invariant`).
-    unstacked = device.type == "cuda" and any(m.w13 is None and m.fp8 is None and m.quant is None for m in moes)
-    missing = [what for what, lacking in (
-        ("MoE layers whose experts are not stacked on CUDA", unstacked),
-        (f"{mc.model_type}'s linear-attention layers", mc.is_hybrid),
-        (f"weights kept quantized in {', '.join(formats)} (covered: "
-         f"{', '.join(k_quant_invariant.FORMATS)}; --no-keep-quantized expands them)", bool(formats)),
-        ("MoE experts kept quantized (--keep-quantized, --quantize fp8)", quantized_experts),
-        ("MoE experts in host RAM (--cpu-moe, --n-cpu-moe)", any(m.host is not None for m in moes))) if lacking]
-    if missing:
-        raise ValueError("--batch-invariant is not built yet for " + "; ".join(missing))
 
 
 def _grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler | None:
@@ -208,14 +185,17 @@ class LLMEngine:
         mc = self.model_config
         self.host_staging: HostStagingPool | None
         self.host_staging, self.expert_streamer = set_up_host_experts(self.model, mc, cfg, self.device)
-        _check_batch_invariant(cfg, mc, self.device, self.model)
+        check_batch_invariant(cfg, mc, self.device, self.model)
         self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:
             cfg = self.cfg = _hybrid_limits(cfg, mc)
         layers = self.model.num_attention_layers
         per_token = kv_bytes_per_token(layers, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
+        # With a resident window a read's blocks leave the device before the read ends, so the prompt's MTP
+        # K/V are written chunk by chunk (as with STRATA_SPLIT_MTP_BATCH=1), not at hand-over.
+        split_drafts = MTPDrafter.split_mode() or cfg.kv_resident is not None
         drafter_bytes = (cfg.parallel * self.max_model_len * mc.hidden_size * dtype.itemsize
-                         if cfg.spec and not MTPDrafter.split_mode() else 0)
+                         if cfg.spec and not split_drafts and self.stages is None else 0)
         # Hybrid models: one linear-attention state per slot (+1: a graph's padding rows), allocated now.
         self.states = (self.model.new_states(cfg.parallel + 1, self.device, dtype, verify_rows=1 + cfg.spec if cfg.spec else 0)
                        if mc.is_hybrid else None)
@@ -223,12 +203,15 @@ class LLMEngine:
             log.info("linear-attention state pool: %d slots x %.1f MiB (%d linear layers; K/V for %d layers)",
                      cfg.parallel + 1, self.states.nbytes / (cfg.parallel + 1) / 2**20,
                      mc.num_hidden_layers - mc.num_full_attention_layers, layers)
-        self.concurrent = ConcurrentReadSetup.from_env(
-            "the host KV tier (--kv-resident, --kv-host-memory) reads on the main stage" if self.tiered else None)
+        self.concurrent = ConcurrentReadSetup.from_env()
+        if cfg.spec and cfg.kv_resident is not None and self.concurrent.piped_concurrent:
+            # Beside the concurrent read, the read stage writes those MTP K/V (STRATA_PIPED_CONCURRENT_SMB).
+            self.concurrent = dataclasses.replace(self.concurrent, split_mtp_batch=True, smb=True)
         self.concurrent.log_decision()
-        if self.concurrent.enabled and self.stages is not None:
-            raise ValueError("the concurrent read (STRATA_PIPED_CONCURRENT) does not run across pipeline stages yet")
-        tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes, self.memory_plan)
+        sharing = self.stages.plan.sharing if self.stages is not None else 1
+        tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes, self.memory_plan, sharing)
+        if self.stages is not None:  # every stage's pool has the blocks of rank 0's allocator
+            tokens = self.stages.kv_tokens(tokens)
         if cfg.kv_resident is not None and not cfg.kv_size and self.device.type != "cuda":
             tokens = min(tokens, cfg.parallel * tier_tokens(cfg.kv_resident, cfg.chunk_size, cfg.spec, cfg.block_size))
         # --kv-size is what the pool holds at least (the context is capped to it); a size from memory is a ceiling.
@@ -261,6 +244,7 @@ class LLMEngine:
                             max_model_len=self.max_model_len, give_way=cfg.give_way, lookahead=cfg.spec,
                             batch_groups=cfg.batch_groups, max_hold_steps=cfg.max_hold_steps,
                             run_ahead=bool(cfg.async_scheduling), prefix_cache=cfg.prefix_cache,
+                            read_ahead=self.stages.depth if self.stages is not None and cfg.overlap else 1,
                             prefix_salt=f"{self.model_name}|{dtype}|{cfg.kv}", prefix_with_mtp=bool(cfg.spec),
                             read_lane=self.concurrent.enabled, run_ahead_grammar=True,
                             solo_read_tokens=self._solo_read_tokens(cfg)),
@@ -277,13 +261,18 @@ class LLMEngine:
         if cfg.spec:
             if not loaded.has_mtp:
                 raise ValueError(f"{loaded.path}: --spec needs a model with an MTP head; this one has none")
+        if cfg.spec and self.stages is not None:  # the MTP head is the last stage's
+            self.drafter = StageDrafter(self.stages, max_drafts=cfg.spec, max_seqs=cfg.parallel,
+                                        max_blocks=self.runner.max_blocks, max_model_len=self.max_model_len,
+                                        vocab_size=mc.vocab_size, split=split_drafts)
+        elif cfg.spec:
             self.drafter = MTPDrafter(self.model, self.pool, max_drafts=cfg.spec, min_p=cfg.spec_min_p,
                                       batch_mtp=cfg.batch_mtp, adaptive=cfg.spec_adaptive,
                                       max_model_len=self.max_model_len, max_seqs=cfg.parallel,
                                       chunk_size=cfg.chunk_size, device=self.device, dtype=dtype,
                                       seed_of=lambda req: self.runner.sampler(req).seed,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens, cuda_graph=cfg.cuda_graph,
-                                      host_pool=self.host_pool)
+                                      host_pool=self.host_pool, split=split_drafts)
         self.read_stage = None
         if self.concurrent.enabled:
             self.read_stage = ReadStage(self.runner, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -292,10 +281,12 @@ class LLMEngine:
             self.read_stage.reserve()
             if self.read_stage.stream is not None and self.host_staging is not None:
                 self.host_staging.reserve([self.read_stage.stream])  # the read's host-expert layers
+            if self.stages is not None:  # the read's steps go through the stages too, in a slot of their own
+                self.stages.lane_for(self.read_stage.runner)
         self.alloc_guard = AllocationGuard(self.read_stage, self.pool) if self.read_stage and cfg.alloc_guard else None
         if self.stages is not None:
             self.stages.attach(self.runner, num_blocks, self.max_model_len,
-                               max(cfg.parallel * (1 + cfg.spec), PROMPT_GRAPH_ROWS[0]))
+                               max(cfg.parallel * (1 + cfg.spec), PROMPT_GRAPH_ROWS[0]), cfg.spec, split_drafts)
         # Every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
         if self.drafter:
@@ -309,12 +300,18 @@ class LLMEngine:
                      self.read_stage.region_bytes / 2**20, self.read_stage.up_ring.nbytes)
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
-        self.pipelined = (cfg.batch_groups > 1 and cfg.overlap) or bool(cfg.async_scheduling)
-        self.in_flight: _Launched | None = None
+        self.progress_ids: set[str] = set()  # requests that asked for an event per chunk of their prompt read
+        self.pipelined = (((cfg.batch_groups > 1 or self.stages is not None) and cfg.overlap)
+                          or bool(cfg.async_scheduling))
+        # Steps launched and not finished, oldest first: at most `depth` (each stage's ring of slots).
+        self.flights: deque[_Launched] = deque()
+        self.depth = self.stages.depth if self.stages is not None else 2
         self.pending_events: list[EngineEvent] = []  # produced outside step() (an abort waiting for a read)
         self._struck: list[SchedulerOutput] = []  # the steps the current step() scheduled or completed
         self.started = time.monotonic()
         self.prompt_tokens_total = self.generation_tokens_total = self.finished_total = 0
+        self.steps_total = self.step_rows_total = self.longest_sequence = 0
+        self.decode_seconds_total = 0.0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self.ttft_last: float | None = None
@@ -338,6 +335,8 @@ class LLMEngine:
         r = Request(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
                     arrival_time=req.arrival_time, eos_ids=frozenset(self.eos_ids))
         self.requests[req.request_id] = r
+        if req.report_progress:
+            self.progress_ids.add(req.request_id)
         try:
             # Without a tokenizer (token-id-only checkpoints, benchmarks) events carry ids and no text.
             detok = Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])) if self.tokenizer else None
@@ -350,6 +349,7 @@ class LLMEngine:
             self.scheduler.add(r)
         except Exception:
             self.requests.pop(req.request_id, None)
+            self.progress_ids.discard(req.request_id)
             self.text.pop(req.request_id, None)
             self.runner.release(req.request_id)
             raise
@@ -375,6 +375,11 @@ class LLMEngine:
             return None
         return self._finish_event(r, "abort", (), "")
 
+    @property
+    def in_flight(self) -> _Launched | None:
+        """The latest step launched and not finished yet."""
+        return self.flights[-1] if self.flights else None
+
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.pending_events)
 
@@ -382,12 +387,10 @@ class LLMEngine:
         """Start-up's first steps: read the checkpoint's index, decide where its parts go (on CUDA the
         memory plan, printed; elsewhere --cpu-moe / --n-cpu-moe), then load them there."""
         path = cfg.model or default_model_path()
-        ckpt = read_checkpoint(path)
-        try:
-            mc = ModelConfig.from_hf(ckpt.config)
-        except ConfigError as e:
-            raise LoadError(path, str(e)) from None
+        ckpt, mc = read_model(path)
         host = placement.flagged_host_layers(cfg, mc)
+        stage_budgets = self.stages.budgets() if self.stages is not None else []
+        plans = None
         if self.device.type == "cuda":
             placement.cap_allocator(cfg, self.device)
             kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
@@ -395,10 +398,22 @@ class LLMEngine:
             # every verification row under speculation, as the engine allocates them after the load.
             states = ((cfg.parallel + 1) * (1 + (1 + cfg.spec if cfg.spec else 0)) * StatePool.bytes_per_state(mc, dtype)
                       if mc.is_hybrid else 0)
-            self.memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, placement.gpu_budget(cfg, self.device),
-                                                        kv_layers, kv_tokens_max=1 << 40, state_bytes=states)
-            log.info("%s", self.memory_plan.table())
+            budget = placement.gpu_budget(cfg, self.device, self.stages.plan.sharing if self.stages else 1)
+            if self.stages is not None:  # every stage's own layers within its own budget
+                ranges = self.stages.plan.ranges
+                plans = placement.plan_stages(cfg, mc, ckpt, dtype, ranges, [budget] + stage_budgets,
+                                              MTPDrafter.split_mode())
+                for r, ((a, b), plan) in enumerate(zip(ranges, plans)):
+                    log.info("pipeline stage %d, layers %d-%d: %s", r, a, b - 1, plan.table())
+                self.memory_plan = plans[0]
+            else:
+                self.memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers,
+                                                            kv_tokens_max=1 << 40, state_bytes=states)
+                log.info("%s", self.memory_plan.table())
             host = list(self.memory_plan.cpu_moe_layers)
+        if self.stages is not None:
+            self.stages.place(placement.stage_placements(cfg, mc, self.stages.plan.ranges, plans), mc.num_hidden_layers)
+            host = [i for i in host or () if i < self.stages.plan.layers[1]]
         if host and (cfg.cuda_graph or cfg.async_scheduling) and self.device.type == "cuda":
             # The CPU's experts sit between a layer's router and its output: no graph can hold that step,
             # and the host waits for each router.
@@ -455,11 +470,14 @@ class LLMEngine:
         if not self.pipelined:
             done = self._complete(launched) if launched else []
         else:
-            previous, self.in_flight = self.in_flight, launched
-            done = self._complete(previous) if previous else []
+            if launched is not None:
+                self.flights.append(launched)
+            full = launched is None or len(self.flights) >= self.depth
+            oldest = self.flights.popleft() if self.flights and full else None
+            done = self._complete(oldest) if oldest else []
             if launched is not None and launched.step is not None:
                 self.runner.launch_head(launched.step)  # a grammar run-ahead step samples now
-            launched = launched or previous
+            launched = launched or oldest
         if launched is None and self.read_stage is not None and self.read_stage.busy:
             reads += self._read_lane(block=True)  # nothing to decode: wait for the read
         return reads + done
@@ -477,8 +495,8 @@ class LLMEngine:
                 torch.cuda.empty_cache()
         else:
             message = f"engine error: {type(e).__name__}: {e}"
-        outs = self._struck + ([self.in_flight.out] if self.in_flight is not None else [])
-        self.in_flight = None
+        outs = self._struck + [f.out for f in self.flights]
+        self.flights.clear()
         self.runner.faults = {}
         struck = {c.request.request_id for o in outs for c in o.chunks} | {r.request_id for o in outs for r in o.finished}
         if not struck:  # the scheduler's own fault, which no step's requests can be held to: it would recur
@@ -529,8 +547,12 @@ class LLMEngine:
                 # record_stream: its blocks would come back late and fragment the stage's cache.
                 stage.follow(torch.cuda.current_stream(res.hidden.device))
         if next_read and not stage.busy:
+            if self.kv_tier is not None:  # a long read is back in flight at once: its blocks move now
+                self.kv_tier.before_schedule(self.scheduler, self._written)
             out = self.scheduler.schedule("read")
             self._struck.append(out)
+            if self.kv_tier is not None:
+                self.kv_tier.after_schedule(stage.stream)
             if out.chunks:
                 stage.reserve()  # nothing in flight on the stage
                 if self.alloc_guard is not None:
@@ -556,6 +578,10 @@ class LLMEngine:
         sampled = {rid: s for rid, s in sampled.items() if rid in self.requests}
         self.prompt_tokens_total += sum(max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
                                         for c in out.chunks)
+        if out.chunks:
+            self.steps_total += 1
+            self.step_rows_total += len(out.chunks)
+        progress = self._progress_events(out) if self.progress_ids else []
         finished = self.scheduler.update(out, {rid: s.tokens for rid, s in sampled.items()})
         grammar_done = self._advance_grammars(sampled)
         if self.drafter:
@@ -569,7 +595,7 @@ class LLMEngine:
                 r = out.chunks[i].request
                 self.scheduler.cache_blocks(r, self.drafter.mtp_upto.get(r.request_id, 0))
             self._cut_drafts(sampled)
-        events: list[EngineEvent] = []
+        events: list[EngineEvent] = progress
         done = {r.request_id for r in finished}
         for rid, s in sampled.items():
             try:
@@ -580,6 +606,19 @@ class LLMEngine:
         for r in finished:  # finished without a sampled token this step (e.g. could never fit)
             if r.request_id in self.requests:
                 events.append(self._finish_event(r, r.finish_reason, (), self.text[r.request_id].stops.flush()))
+        return events
+
+    def _progress_events(self, out: SchedulerOutput) -> list[EngineEvent]:
+        """An event with `prompt_read` for each chunk of a first prompt read whose request asked for them
+        (`EngineRequest.report_progress`), before the step's token events."""
+        events = []
+        for c in out.chunks:
+            r = c.request
+            n = len(r.prompt_ids)
+            if r.request_id in self.progress_ids and r.request_id in self.requests and not r.output_ids \
+                    and c.start < n:
+                events.append(EngineEvent(r.request_id, (), "", prompt_tokens=n, cached_tokens=r.num_cached_tokens or 0,
+                                          prompt_read=min(c.start + c.num_tokens, n)))
         return events
 
     def _events_of(self, rid: str, s, done: set[str], grammar_done: set[str]) -> list[EngineEvent]:
@@ -653,10 +692,14 @@ class LLMEngine:
     def _finish_event(self, r: Request, reason: str, ids, text: str, lp=None, top=None,
                       error: str | None = None) -> EngineEvent:
         self.requests.pop(r.request_id, None)
+        self.progress_ids.discard(r.request_id)
         self.text.pop(r.request_id, None)
         self.runner.release(r.request_id)
         spec = self.drafter.forget(r.request_id) if self.drafter else None
         self.finished_total += 1
+        self.longest_sequence = max(self.longest_sequence, len(r.prompt_ids) + len(r.output_ids))
+        if r.first_token_time is not None:
+            self.decode_seconds_total += time.monotonic() - r.first_token_time
         completion = len(r.output_ids)
         if r.output_ids and reason == "stop" and _is_eos(r, r.output_ids[-1]):
             completion -= 1  # the EOS token is not part of the completion
@@ -676,7 +719,8 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             requests_finished_total=self.finished_total, give_ways_total=s.give_ways_total,
             preemptions_total=s.preemptions_total, ttft_counts=tuple(self.ttft_counts), ttft_sum=self.ttft_sum,
-            uptime_seconds=uptime,
+            uptime_seconds=uptime, steps_total=self.steps_total, step_rows_total=self.step_rows_total,
+            longest_sequence=self.longest_sequence, decode_seconds_total=self.decode_seconds_total,
             spec=self.drafter.total.as_dict() if self.drafter else None,
             prompt_tokens_per_second=self.prompt_rate.update(self.prompt_tokens_total, uptime),
             generation_tokens_per_second=self.generation_rate.update(self.generation_tokens_total, uptime),

@@ -1,8 +1,9 @@
 """The engine's side of the host KV tier (`--kv-resident`, `--kv-host-memory`): the host pool and its
 allocator, the copier between the pools, and the two moments of each step that drive them — before
 scheduling, blocks that left their requests' windows start copying to the host (and finished copies
-take effect); after scheduling, device blocks the prefix cache evicted are copied to host blocks that
-keep their keys. The bookkeeping of which block is where is `strata.kvcache.tier.KVTier`'s."""
+take effect); after scheduling (each lane's, with the concurrent read), device blocks the prefix cache
+evicted are copied to host blocks that keep their keys. The bookkeeping of which block is where is
+`strata.kvcache.tier.KVTier`'s."""
 
 from __future__ import annotations
 
@@ -81,9 +82,10 @@ class HostKVTier:
                 if rest:
                     self._copies.append((None, MoveBatch(rest)))
 
-    def after_schedule(self) -> None:
+    def after_schedule(self, stream=None) -> None:
         """Before the step that overwrites them: device blocks the prefix cache evicted are copied to host
-        blocks that take their keys (the prefix cache's host tier)."""
+        blocks that take their keys (the prefix cache's host tier). `stream`: the CUDA stream that step
+        runs on (the concurrent read's), else the current one."""
         pairs = self.tier.keep(self.allocator.take_evicted())
         for i in range(0, len(pairs), self.copier.max_blocks):
             part = pairs[i : i + self.copier.max_blocks]
@@ -99,7 +101,7 @@ class HostKVTier:
                 ticket = self.copier.start([d for d, _ in part], [h for _, h in part])
             if self.device.type == "cuda":
                 # The step about to be launched may overwrite these blocks: it waits for the copy on the device.
-                torch.cuda.current_stream(self.device).wait_event(self.copier.sets[ticket].event)
+                (stream or torch.cuda.current_stream(self.device)).wait_event(self.copier.sets[ticket].event)
                 self._keeps.append(ticket)
             else:
                 self.copier.finish(ticket)

@@ -8,16 +8,20 @@ before any weight is read; `strata.memory_plan` does the arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import re
 
 import torch
 
 from strata.config import EngineConfig, ModelConfig
+from strata.dist.link import StagePlacement
+from strata.dist.stage import free_share
+from strata.engine.concurrent import ConcurrentReadSetup
 from strata.env import torch_allocator_configured
 from strata.kernels.quant import FORMATS as KEPT_FORMATS
 from strata.kvcache.pool import kv_bytes_per_token
-from strata.kvcache.tier import tier_tokens
+from strata.kvcache.tier import device_context_buffers, tier_tokens
 from strata.loaders.base import Checkpoint
 from strata.memory_plan import GiB, MiB, ModelSizes, Plan, PlanError, PlanRequest, plan_memory
 
@@ -57,12 +61,18 @@ def tensor_bytes(ckpt: Checkpoint, name: str, dtype: torch.dtype, keep_quantized
 
 
 def model_sizes(ckpt: Checkpoint, mc: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, num_kv_layers: int,
-                state_bytes: int = 0) -> ModelSizes:
+                state_bytes: int = 0, layers: tuple[int, int] | None = None,
+                elsewhere: tuple[str, ...] = ()) -> ModelSizes:
+    """`layers` (a, b), `elsewhere`: a pipeline stage's decoder layers and the name prefixes of the tensors
+    it does not hold (`strata.models.held.elsewhere_prefixes`)."""
     keep = bool(cfg.keep_quantized)
-    layers = moe_layers(mc)
+    first, last = layers or (0, mc.num_hidden_layers)
+    layers = [i for i in moe_layers(mc) if first <= i < last]
     routed = {i: 0 for i in layers}
     embed = dense = shared = 0
     for name in ckpt.names:
+        if name.startswith(elsewhere):
+            continue
         b = tensor_bytes(ckpt, name, dtype, keep)
         m = _ROUTED.match(name)
         if m and int(m[1]) in routed:
@@ -81,30 +91,38 @@ def model_sizes(ckpt: Checkpoint, mc: ModelConfig, cfg: EngineConfig, dtype: tor
                       state_bytes=state_bytes)
 
 
-def scratch_bytes(cfg: EngineConfig, mc: ModelConfig) -> int:
+def scratch_bytes(cfg: EngineConfig, mc: ModelConfig, logits: bool = True) -> int:
     """Activations of the largest step (fp32 upper bound on its widest tensors) and the logits of its
-    sampling rows; under --gpu-memory also CONTEXT_BYTES, which a budget taken from the card's free
-    memory has already lost."""
+    sampling rows (`logits`: a pipeline stage that applies the LM head); under --gpu-memory also
+    CONTEXT_BYTES, which a budget taken from the card's free memory has already lost."""
     tokens = cfg.max_num_batched_tokens or 2048
     width = max(mc.intermediate_size, 2 * mc.moe_intermediate_size * max(mc.num_experts_per_tok, 1), mc.hidden_size)
     rows = cfg.parallel * (1 + cfg.spec)
     context = CONTEXT_BYTES if cfg.gpu_memory is not None else 0
-    return context + tokens * (6 * mc.hidden_size + 2 * width) * 4 + rows * mc.vocab_size * 4 * 3
+    return context + tokens * (6 * mc.hidden_size + 2 * width) * 4 + logits * rows * mc.vocab_size * 4 * 3
 
 
 def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype, budget: int,
-                   num_kv_layers: int, kv_tokens_max: int | None = None, state_bytes: int = 0) -> Plan:
-    """The memory plan of this run on a GPU budget of `budget` bytes (raises `PlanError`)."""
+                   num_kv_layers: int, kv_tokens_max: int | None = None, state_bytes: int = 0,
+                   sizes: ModelSizes | None = None, scratch: int | None = None) -> Plan:
+    """The memory plan of this run on a GPU budget of `budget` bytes (raises `PlanError`). `sizes`,
+    `scratch`: a pipeline stage's (`plan_stages`), instead of the whole model's."""
     demand = cfg.kv_size or cfg.ctx * cfg.parallel
-    scratch = scratch_bytes(cfg, mc)
+    scratch = scratch_bytes(cfg, mc) if scratch is None else scratch
     tiered = cfg.kv_resident is not None and not cfg.kv_size
     if tiered:
-        # Older blocks live in the host tier: the device holds each slot's window and what one step adds,
-        # and two buffers of one layer's K/V at the full context stream a host prefix to prompt chunks.
+        # Older blocks live in the host tier: the device holds each slot's window and what one step adds.
         demand = min(demand, cfg.parallel * tier_tokens(cfg.kv_resident, cfg.chunk_size or cfg.max_num_batched_tokens
                                                         or 2048, cfg.spec, cfg.block_size))
-        scratch += 2 * cfg.ctx * kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
-    req = PlanRequest(model_sizes(ckpt, mc, cfg, dtype, num_kv_layers, state_bytes), gpu_budget=budget,
+    if cfg.kv_resident is not None or cfg.kv_host_memory is not None:
+        # Buffers of one layer's K/V at the full context: a host prefix streamed to prompt chunks.
+        concurrent = ConcurrentReadSetup.from_env()
+        buffers = device_context_buffers(drafter=bool(cfg.spec), concurrent_read=concurrent.enabled,
+                                         read_drafts=bool(cfg.spec) and (concurrent.split_mtp_batch_reserved or (
+                                             concurrent.piped_concurrent and cfg.kv_resident is not None)),
+                                         batch_invariant=cfg.batch_invariant)
+        scratch += buffers * cfg.ctx * kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
+    req = PlanRequest(sizes or model_sizes(ckpt, mc, cfg, dtype, num_kv_layers, state_bytes), gpu_budget=budget,
                       scratch_bytes=scratch, kv_tokens=demand,
                       kv_tokens_max=None if cfg.kv_size else kv_tokens_max, context=cfg.ctx, parallel=cfg.parallel,
                       cpu_moe=cfg.cpu_moe, n_cpu_moe=cfg.n_cpu_moe, stream_experts=cfg.expert_stream_tokens != 0)
@@ -120,19 +138,79 @@ def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: 
         "be preempted while others run",))
 
 
-def gpu_budget(cfg: EngineConfig, device: torch.device) -> int:
-    """--gpu-memory GiB, else the card's free memory x gpu_memory_utilization."""
+def plan_stages(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype,
+                ranges: tuple[tuple[int, int], ...], budgets: list[int], split_drafts: bool) -> list[Plan]:
+    """Each pipeline stage's memory plan (`--split-mode layer`): rank r's decoder layers `ranges[r]` on its
+    own GPU budget `budgets[r]`, placed as `plan_placement` places one device's. A stage counts what it
+    holds (`strata.models.held.elsewhere_prefixes`: its layers' weights as they load, kept quantized or not;
+    the embedding and LM head on the first stage, and on the last with the MTP head, which needs them),
+    its own layers' K/V (full-attention layers, the MTP layer on the last), its linear layers' states,
+    its routed experts (the planner keeps those of the stage's first MoE layers in RAM as far as its
+    budget needs; --n-cpu-moe N counts the model's first N MoE layers, each stage those it holds), the
+    logits of the sampling rows where it applies the head, and on the last stage the drafter's prompt
+    hidden states (`split_drafts` false)."""
+    from strata.kvcache.state_pool import StatePool
+    from strata.loaders import mtp_prefix as checkpoint_mtp_prefix
+    from strata.models.held import elsewhere_prefixes, holds_ends
+
+    mtp_prefix = checkpoint_mtp_prefix(mc, ckpt.names)
+
+    linear = sum(mc.layer_is_linear(i) for i in range(mc.num_hidden_layers))
+    # The slots' recurrent states (+1, a graph's padding rows), each with its copies after every
+    # verification row under speculation, per linear layer.
+    per_layer = (StatePool.bytes_per_state(mc, dtype) // linear * (cfg.parallel + 1)
+                 * (1 + (1 + cfg.spec if cfg.spec else 0)) if linear else 0)
+    moe = moe_layers(mc)
+    plans = []
+    for (a, b), budget in zip(ranges, budgets):
+        mtp = mtp_prefix is not None and b == mc.num_hidden_layers
+        kv_layers = sum(not mc.layer_is_linear(i) for i in range(a, b)) + (mc.num_nextn_predict_layers if mtp else 0)
+        states = per_layer * sum(mc.layer_is_linear(i) for i in range(a, b))
+        sizes = model_sizes(ckpt, mc, cfg, dtype, kv_layers, states, (a, b), elsewhere_prefixes(mc, a, b, mtp_prefix))
+        if mtp and cfg.spec and not split_drafts:
+            hidden = cfg.parallel * min(cfg.ctx, mc.max_position_embeddings) * mc.hidden_size * dtype.itemsize
+            sizes = dataclasses.replace(sizes, fixed=sizes.fixed + (("MTP prompt hidden states", hidden),))
+        local = cfg
+        if cfg.n_cpu_moe is not None:
+            local = dataclasses.replace(cfg, n_cpu_moe=sum(a <= i < b for i in moe[: cfg.n_cpu_moe]))
+        scratch = scratch_bytes(cfg, mc, logits=holds_ends(mc, a, b, mtp_prefix is not None))
+        plans.append(plan_placement(local, mc, ckpt, dtype, budget, kv_layers, kv_tokens_max=1 << 40,
+                                    state_bytes=states, sizes=sizes, scratch=scratch))
+    return plans
+
+
+def stage_placements(cfg: EngineConfig, mc: ModelConfig, ranges: tuple[tuple[int, int], ...],
+                     plans: list[Plan] | None) -> list[StagePlacement]:
+    """What each pipeline stage loads by: its plan's experts in RAM, K/V tokens (under --gpu-memory),
+    budget, scratch and allocator cap (`plans` None, off CUDA: the layers --cpu-moe / --n-cpu-moe name)."""
+    if plans is None:
+        flagged = flagged_host_layers(cfg, mc) or []
+        return [StagePlacement(tuple(i for i in flagged if a <= i < b)) for a, b in ranges]
+    capped = cfg.gpu_memory is not None
+    cap = max(int(cfg.gpu_memory * GiB) - CONTEXT_BYTES, 0) if capped else -1
+    return [StagePlacement(p.cpu_moe_layers, p.kv_tokens if capped else -1, p.gpu_budget, p.scratch_bytes, cap)
+            for p in plans]
+
+
+def gpu_budget(cfg: EngineConfig, device: torch.device, sharing: int = 1) -> int:
+    """--gpu-memory GiB, else the card's free memory x gpu_memory_utilization (its share, where `sharing`
+    pipeline stages share the card)."""
     if cfg.gpu_memory is not None:
         return int(cfg.gpu_memory * GiB)
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * cfg.gpu_memory_utilization)
+    return free_share(device, cfg.gpu_memory_utilization, sharing)
 
 
 def cap_allocator(cfg: EngineConfig, device: torch.device) -> None:
     """With --gpu-memory, torch's caching allocator may hold at most the budget less CONTEXT_BYTES: a
     step that would go past it fails with an out-of-memory error instead of taking more of the card."""
     if cfg.gpu_memory is None:
+        # An engine capped before this one in the same process (a benchmark's arms, tests) left its cap.
+        torch.cuda.set_per_process_memory_fraction(1.0, device.index if device.index is not None
+                                                   else torch.cuda.current_device())
         return
+    # Blocks an earlier engine of this process left in torch's cache would count against the cap.
+    gc.collect()
+    torch.cuda.empty_cache()
     if not torch_allocator_configured():
         # Under a cap a free block between live ones still counts against it, and the load's repacking
         # temporaries leave such holes (1.8 GiB of 16 in the 80B-A3B IQ3_S load). Segments that grow page

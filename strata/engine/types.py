@@ -28,6 +28,7 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     top_logprobs: int = 0  # 1..MAX_TOP_LOGPROBS: events also carry each token's most likely alternatives
+    report_progress: bool = False  # an event (`prompt_read`) after each chunk of the prompt read
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class EngineEvent:
     # descending, under the distribution `logprobs` come from.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     cached_tokens: int = 0  # on the last event: prompt tokens whose K/V came from the prefix cache
+    # On a progress event (no tokens, no text; EngineRequest.report_progress): prompt tokens whose K/V are
+    # computed or came from the prefix cache (`cached_tokens`, set on it too) after this step's chunk.
+    prompt_read: int | None = None
 
 
 class SlotSnapshot(NamedTuple):
@@ -132,3 +136,7 @@ class EngineStats:
     kv_host_blocks_used: int = 0
     kv_host_blocks_total: int = 0
     kv_blocks_moved_total: int = 0
+    steps_total: int = 0  # model steps run (each a forward pass over one or more requests' tokens)
+    step_rows_total: int = 0  # requests in those steps, summed
+    longest_sequence: int = 0  # the most tokens (prompt + output) a finished request held
+    decode_seconds_total: float = 0.0  # from each finished request's first token to its end, summed

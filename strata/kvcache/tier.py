@@ -163,5 +163,16 @@ class KVTier:
 
 def tier_tokens(window: int, chunk: int, lookahead: int, block_size: int) -> int:
     """Device positions one request may hold with the tier: its window, the chunk being computed past it,
-    the drafter's lookahead, and two blocks of slack (a partly filled block, a move in flight)."""
-    return window + chunk + lookahead + 2 * block_size
+    the chunk before it (its blocks left the window when this step was scheduled and are still being
+    copied to the host), the drafter's lookahead, and two blocks of slack (a partly filled block, a
+    decode's move in flight)."""
+    return window + 2 * chunk + lookahead + 2 * block_size
+
+
+def device_context_buffers(*, drafter: bool, concurrent_read: bool, read_drafts: bool, batch_invariant: bool) -> int:
+    """One-layer K/V buffers at the full context that the tiered attention backends keep on the device:
+    two per backend (a host prefix streamed to prompt chunks, double-buffered): the runner's, the
+    drafter's, the concurrent read's and its draft K/V's; and under --batch-invariant one per runner
+    (the runner's, the concurrent read's), where a tiered sequence is assembled whole."""
+    backends = 1 + drafter + concurrent_read + read_drafts
+    return 2 * backends + (1 + concurrent_read) * batch_invariant

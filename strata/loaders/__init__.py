@@ -61,6 +61,17 @@ def read_checkpoint(path: str) -> Checkpoint:
     raise LoadError(path, "unknown model format (expected an HF directory or a .gguf file)")
 
 
+def read_model(path: str | None) -> tuple[Checkpoint, ModelConfig]:
+    """The checkpoint at `path` (None: the embedded model) and its model's configuration; a configuration
+    Strata cannot run is a LoadError naming the file."""
+    path = os.fspath(path or default_model_path())
+    ckpt = read_checkpoint(path)
+    try:
+        return ckpt, ModelConfig.from_hf(ckpt.config)
+    except ConfigError as e:
+        raise LoadError(path, str(e)) from None
+
+
 class _Progress:
     """The weight-loading bar, on stderr (stdout carries generated text only); STRATA_NO_PROGRESS hides it."""
 
@@ -77,8 +88,11 @@ class _Progress:
             self.bar.close()
 
 
-def _mtp_prefix(cfg: ModelConfig) -> str:
-    return model_class(cfg).mtp_checkpoint_prefix or f"model.layers.{cfg.num_hidden_layers}."
+def mtp_prefix(cfg: ModelConfig, names: Collection[str]) -> str | None:
+    """Where the checkpoint keeps its MTP head's tensors; None when it carries none, even where its config
+    names MTP layers (HF transformers drops them on save)."""
+    prefix = model_class(cfg).mtp_checkpoint_prefix or f"model.layers.{cfg.num_hidden_layers}."
+    return prefix if cfg.num_nextn_predict_layers > 0 and any(n.startswith(prefix) for n in names) else None
 
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -89,34 +103,35 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
     to copy weights out for training). `keep_quantized`: see the module docstring (needs packing).
     `host_moe_layers`: decoder layers whose routed experts stay in host RAM, computed on the CPU in the
     format `host_experts` (`strata.models.host_experts`; "auto": `host_format`). `checkpoint`: `path`
-    already read. `layers` (a, b): a pipeline stage's model, holding decoder layers a..b-1 only (and the
-    embedding, the LM head and the MTP layers when a is 0; `strata.models.held`); the others' tensors
-    are not read."""
+    already read. `layers` (a, b): a pipeline stage's model, holding decoder layers a..b-1 only, the MTP
+    layers when b is the last, the embedding and the LM head when a is 0 or the stage holds the MTP
+    layers (`strata.models.held.elsewhere_prefixes`); the others' tensors are not read. `has_mtp` tells
+    whether the checkpoint has an MTP head, whichever stage holds it."""
     path = os.fspath(path or default_model_path())
     ckpt = checkpoint or read_checkpoint(path)
     try:
         cfg = ModelConfig.from_hf(ckpt.config)
-        names = set(ckpt.names)
-        # A checkpoint may carry no MTP tensors even when its config names MTP layers (HF transformers
-        # drops them on save): then the model is built without a draft head.
-        with_mtp = cfg.num_nextn_predict_layers > 0 and any(n.startswith(_mtp_prefix(cfg)) for n in names)
+        # Without MTP tensors the model is built without a draft head.
+        prefix = mtp_prefix(cfg, ckpt.names)
+        with_mtp = prefix is not None
         elsewhere: tuple[str, ...] = ()
+        build_mtp = with_mtp
         if layers is not None:
-            from strata.models.held import stage_check
+            from strata.models.held import elsewhere_prefixes, stage_check
 
             stage_check(cfg, *layers)
-            if layers[0] > 0 and with_mtp:
-                elsewhere, with_mtp = (_mtp_prefix(cfg),), False
+            elsewhere = elsewhere_prefixes(cfg, *layers, prefix)
+            build_mtp = with_mtp and layers[1] == cfg.num_hidden_layers
         with torch.device("meta"):
-            model = build_model(cfg, with_mtp=with_mtp)
+            model = build_model(cfg, with_mtp=build_mtp)
     except ConfigError as e:
         raise LoadError(path, str(e)) from None
     if layers is not None:
-        from strata.models.held import hold_ends, hold_layers
+        from strata.models.held import hold_ends, hold_layers, holds_ends
 
-        elsewhere += hold_layers(model, *layers)
-        if layers[0] > 0:
-            elsewhere += hold_ends(model, torch.device(device), dtype)
+        hold_layers(model, *layers)
+        if not holds_ends(cfg, *layers, with_mtp):
+            hold_ends(model, torch.device(device), dtype)
     quantizable = _quantizable_linears(model) if keep_quantized and pack_experts and ckpt.raw else set()
     on_host = _place_host_experts(model, ckpt, host_moe_layers, host_experts) if pack_experts else set()
     host = _HostLayers(model, ckpt, on_host, dtype, torch.device(device)) if on_host else None

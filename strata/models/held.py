@@ -29,8 +29,8 @@ class HeldElsewhere(nn.Module):
 
 
 class WeightElsewhere(nn.Module):
-    """The embedding or the LM head on a stage other than the first: rank 0 applies them, so the stage
-    reads no tensor of theirs. `weight` is empty, on the stage's device and dtype (what packing reads)."""
+    """The embedding or the LM head on a stage that does not apply them (`holds_ends`): it reads no
+    tensor of theirs. `weight` is empty, on the stage's device and dtype (what packing reads)."""
 
     held_elsewhere = True
 
@@ -39,12 +39,30 @@ class WeightElsewhere(nn.Module):
         self.register_buffer("weight", torch.zeros(0, 0, dtype=dtype, device=device), persistent=False)
 
 
-def hold_ends(model: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """Replace the embedding and the LM head by placeholders (a stage after the first); returns their
-    checkpoint name prefixes."""
+def hold_ends(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace the embedding and the LM head by placeholders (`holds_ends` false)."""
     model.model.embed_tokens = WeightElsewhere(device, dtype)
     model.lm_head = WeightElsewhere(device, dtype)
-    return ("model.embed_tokens.", "lm_head.")
+
+
+def elsewhere_prefixes(cfg: ModelConfig, first: int, last: int, mtp_prefix: str | None) -> tuple[str, ...]:
+    """Checkpoint name prefixes a stage holding decoder layers first..last-1 does not read: the other
+    decoder layers; the MTP head (`mtp_prefix`, None: the checkpoint has none) unless the stage is the
+    last; the embedding and the LM head unless it is the first, or the last holding the MTP head (which
+    embeds the tokens it drafts from and applies the head to its rows). One rule for the loader and
+    the memory plan."""
+    out = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers) if not first <= i < last)
+    is_last = last == cfg.num_hidden_layers
+    if mtp_prefix is not None and not is_last:
+        out += (mtp_prefix,)
+    if not holds_ends(cfg, first, last, mtp_prefix is not None):
+        out += ("model.embed_tokens.", "lm_head.")
+    return out
+
+
+def holds_ends(cfg: ModelConfig, first: int, last: int, has_mtp: bool) -> bool:
+    """Whether the stage of layers first..last-1 holds the embedding and the LM head."""
+    return first == 0 or (has_mtp and last == cfg.num_hidden_layers)
 
 
 def stage_check(cfg: ModelConfig, first: int, last: int) -> None:
@@ -53,14 +71,12 @@ def stage_check(cfg: ModelConfig, first: int, last: int) -> None:
         raise ConfigError(f"layers {first}..{last - 1} are not a range of the model's {cfg.num_hidden_layers}")
 
 
-def hold_layers(model: nn.Module, first: int, last: int) -> tuple[str, ...]:
-    """Replace the decoder layers outside first..last-1 by placeholders; returns the checkpoint name
-    prefixes of the layers replaced."""
+def hold_layers(model: nn.Module, first: int, last: int) -> None:
+    """Replace the decoder layers outside first..last-1 by placeholders."""
     layers = model.model.layers
-    gone = [i for i in range(model.num_layers) if not first <= i < last]
-    for i in gone:
-        layers[i] = HeldElsewhere(i)
-    return tuple(f"model.layers.{i}." for i in gone)
+    for i in range(model.num_layers):
+        if not first <= i < last:
+            layers[i] = HeldElsewhere(i)
 
 
 def number_kv_layers(model: nn.Module) -> None:

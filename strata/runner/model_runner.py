@@ -8,7 +8,7 @@ On CUDA, decode and verification steps (every chunk samples all its rows: one to
 plus one) replay CUDA graphs captured at start-up per batch-size bucket, largest first, on one memory
 pool. A graph covers the forward, the logits of every row, the greedy picks and their logprobs; its
 inputs are the same static buffers an eager step uses, padded to the bucket. Steps with prompt reads
-run eagerly.
+run eagerly, and so do steps where a sequence has blocks in the host KV tier (set in `_fill`).
 
 Run-ahead chunks (async scheduling, `ScheduledChunk.pending`) take their first input token from the
 previous launch's picks, still on the device: the runner keeps that launch's pick tensor and each
@@ -161,9 +161,13 @@ class ModelRunner:
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
         # the pinned outputs) because the next replay overwrites the graph's own.
         self.graphs: dict[int, BucketGraphs] = {}
-        self.use_graphs = cuda and cuda_graph and not self.tiered  # a graph cannot hold the host part's attention
+        # With the host KV tier too: a step with a host part runs eagerly (`_graph_for`).
+        self.use_graphs = cuda and cuda_graph
         self.hidden_out: list[torch.Tensor] = []
         self.prompt_graphs = PromptGraphs(self, max_num_batched_tokens)  # one sequence's short prompt chunk
+        # Pipeline stages (`strata.dist.link.Link`): the forward hands the step to the later stages and the
+        # step samples when collected, once their hidden states are back (`LaunchedStep.remote`).
+        self.pipeline = None
 
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
@@ -214,9 +218,9 @@ class ModelRunner:
             # after it, and the tiered backend attends over the host part.
             off = len(req.host_blocks)
             tables[r, : len(table) - off] = table[off:]
-            if off:
-                host.append((len(ids) - k, k, req.host_blocks))
             off *= bs
+            if off:
+                host.append((len(ids) - k, k, req.host_blocks, r, s - off))
             starts.append(s - off)
             lens.append(k)
             ctx.append(s + k - off)
@@ -282,6 +286,8 @@ class ModelRunner:
         graphs = self.graphs
         if not graphs or len(chunks) > self.max_seqs:
             return None
+        if self.tiered and self.attn.has_host:
+            return None  # the host part's attention goes through the CPU each layer: no graph holds it
         for ch in chunks:
             if not ch.sample or ch.num_tokens != len(ch.drafts) + 1 or ch.num_tokens > self.rows_per_seq:
                 return None
@@ -319,9 +325,13 @@ class ModelRunner:
         self.hidden_out = [torch.zeros(rows_max, self.model.config.hidden_size, device=self.device,
                                        dtype=self.model.model.embed_tokens.weight.dtype) for _ in range(2)]
         stream = torch.cuda.Stream(self.device)
+        if self.pipeline is not None:  # the graphs hold rank 0's layers; each replay's sends follow it
+            self.pipeline.capturing = True
         self.graphs = self._capture_buckets(buckets, pool, stream)
-        prompt = self.prompt_graphs.capture(pool, stream)
+        prompt = self.prompt_graphs.capture(pool, stream) if self.pipeline is None else 0
         torch.cuda.synchronize(self.device)
+        if self.pipeline is not None:
+            self.pipeline.capturing = False
         took = time.perf_counter() - t0
         log.info("captured %d CUDA graphs (up to %d sequences x %d rows; %d for one prompt chunk of up to %d "
                  "tokens) in %.1fs", len(buckets) + prompt, buckets[0], q, prompt, self.prompt_graphs.max_rows, took)
@@ -346,7 +356,7 @@ class ModelRunner:
             self._upload(rows, b)
             self.attn.set_layout(self.d_slots[:rows], self.d_tables[:b], b, q, self.max_model_len)
             g = graphs[b] = capture_bucket(self._graph_body, rows, b, pool, stream, self.device)
-            if self.grammar is not None:
+            if self.grammar is not None or self.pipeline is not None:
                 g.forward, g.head = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g.forward, pool=pool, stream=stream):
                     g.forward_hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
@@ -392,6 +402,7 @@ class ModelRunner:
         g = self._graph_for(chunks)
         # A constrained run-ahead row's mask needs the token still being computed: sample it later.
         defer = bool(self.matchers) and any(ch.pending and ch.request.request_id in self.matchers for ch in chunks)
+        defer = defer or self.pipeline is not None
         if g is not None:
             spans = [(row_starts[i], ch.num_tokens) for i, ch in enumerate(chunks)]
             if defer:
@@ -420,8 +431,12 @@ class ModelRunner:
             self.attn.plan_dequant(ctx)
         else:
             self.attn.prepare(self.d_slots[:n], starts, lens, self.d_tables[:r])
+        if self.pipeline is not None:
+            self.pipeline.begin(self, r)
         hidden = self.model(self.d_ids[:n], self.d_pos[:n], self.attn)
         step = LaunchedStep(chunks, hidden, row_starts, picks, spans, head_pending=defer and bool(picks))
+        if self.pipeline is not None:
+            step.remote = self.pipeline.launched()
         if not step.picks or step.head_pending:
             return step
         return self._head_eager(step, masked)
@@ -429,8 +444,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_head(self, step: LaunchedStep) -> None:
         """The second stage of a two-stage step: fill and upload its masks (the matchers have seen the
-        previous step's tokens now), then logits, masks and picks, as a one-stage launch would."""
-        if not step.head_pending:
+        previous step's tokens now), then logits, masks and picks, as a one-stage launch would. A
+        pipeline step's head runs when it is collected, its hidden states back."""
+        if not step.head_pending or step.remote is not None:
             return
         step.head_pending = False
         self.two_stage_steps += 1
@@ -557,7 +573,12 @@ class ModelRunner:
         g.forward.replay()
         hidden = self.hidden_out[self.next_out][:n]
         hidden.copy_(g.forward_hidden[:n])
-        return LaunchedStep(chunks, hidden, row_starts, list(range(r)), spans, head_pending=True, graph=g)
+        step = LaunchedStep(chunks, hidden, row_starts, list(range(r)), spans, head_pending=True, graph=g)
+        if self.pipeline is not None:
+            self.pipeline.begin(self, r)
+            self.pipeline.send_replayed(n)
+            step.remote = self.pipeline.launched()
+        return step
 
     def _picks_from(self, step: LaunchedStep, g: BucketGraphs, logits, best, best_lp, lse) -> None:
         """A replayed graph's picks towards the host (after the replay and outside the graph: its
@@ -606,6 +627,11 @@ class ModelRunner:
         """Wait for a launched step and return the tokens of its sampling chunks: one token, or with
         drafts the verified ones. `draft_probs`: the draft distributions of sampled requests.
         Afterwards `hidden` / `row_starts` describe this step (the drafter reads them)."""
+        if step.remote is not None:
+            step.hidden, step.remote = self.pipeline.receive(step.remote), None
+            if step.graph is not None:  # its head graph reads the forward graph's hidden states
+                step.graph.forward_hidden[: step.hidden.shape[0]].copy_(step.hidden)
+            self.launch_head(step)
         self.hidden, self.row_starts = step.hidden, step.row_starts
         if not step.picks:
             return {}

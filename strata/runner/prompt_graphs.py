@@ -12,7 +12,8 @@ so the graph's outputs have one row whatever its size.
 
 Not served by these graphs (they run eagerly, as before): steps with more than one sequence, chunks
 with drafts (the decode/verify graphs take those), grammar-constrained requests, hybrid models (their
-linear-attention state is laid out per step), and chunks that do not sample (the middle of a read).
+linear-attention state is laid out per step), chunks that do not sample (the middle of a read), and
+chunks of a sequence with blocks in the host KV tier.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class PromptGraphs:
             return None
         ch, r = chunks[0], self.runner
         if not ch.sample or ch.drafts or r.attn.states is not None or ch.request.request_id in r.matchers:
+            return None
+        if getattr(r.attn, "has_host", False):  # the host KV tier's part of the step: attended eagerly
             return None
         size = smallest_fitting(self.graphs, ch.num_tokens)
         return None if size is None else self.graphs[size]

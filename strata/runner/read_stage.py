@@ -2,8 +2,8 @@
 decode loop, so a decoding slot's steps never wait for a read chunk.
 
 The stage has a worker thread, on CUDA its own stream of lower priority, and its own `ModelRunner`
-(eager: reads never replay graphs) over the same model and KV pool: its static input buffers are the
-stage's scratch `region`, allocated once. The engine's scheduler hands it one read step at a time
+(eager: reads never replay graphs) over the same model and KV pool (and host KV tier, through a tiered
+attention backend of its own): its static input buffers are the stage's scratch `region`, allocated once. The engine's scheduler hands it one read step at a time
 (`Scheduler.schedule("read")`); the worker runs the forward, samples where a read ends (the request's
 first token) and waits for its own stream only, then reports; the engine applies the result and hands
 the request to the decode lane, with nothing read again.
@@ -69,6 +69,14 @@ class Prefill:
         model, pool = drafter.model, drafter.pool
         self.attn = make_attention(pool, model.config, max_seqs=max_seqs + 1, max_rows=max_rows, max_split_rows=max_seqs,
                                    device=device, dtype=dtype, max_context=max_model_len)
+        host_pool = getattr(drafter.attn, "host_pool", None)  # the host KV tier's, as the drafter's own calls
+        if host_pool is not None:
+            from strata.attention.reference import PagedAttention
+            from strata.attention.tiered import TieredAttention
+
+            inner = self.attn if self.attn.meta is not None else PagedAttention(pool)
+            self.attn = TieredAttention(inner, host_pool, device=device, decode_rows=1, max_host_tokens=max_model_len,
+                                        num_layers=0)
         self.step = MTPStep(model, pool, self.attn, max_seqs=max_seqs, max_rows=max_rows, rows_per_seq=1,
                             max_model_len=max_model_len, device=device, dtype=dtype, cuda_graph=False)
         self.contexts: list = []  # the stage's stream-K contexts, grown by reserve_draft_kv
@@ -107,7 +115,8 @@ class ReadStage:
         self.runner = ModelRunner(model, main.pool, max_num_batched_tokens=max_num_batched_tokens, max_seqs=max_seqs,
                                   max_model_len=max_model_len, device=self.device, seed=main.seed, max_drafts=0,
                                   cuda_graph=False, grammar=main.grammar, batch_invariant=main.batch_invariant,
-                                  states=main.attn.states.view() if main.attn.states is not None else None)
+                                  states=main.attn.states.view() if main.attn.states is not None else None,
+                                  host_pool=main.attn.host_pool if main.tiered else None)
         # One sampler, grammar state and alternatives request per request, whichever stage samples it.
         self.runner.sampler = main.sampler
         self.runner.matchers = main.matchers

@@ -36,6 +36,8 @@ class LaunchedStep:
     top_k: int = 0  # alternatives per picked row in the pinned top buffers (0: none asked for)
     head_pending: bool = False  # forward only so far: `ModelRunner.launch_head` samples (grammar run-ahead)
     graph: "BucketGraphs | None" = None  # the bucket whose forward graph ran (two-stage steps)
+    # Pipeline stages: the step in flight on the later stages (`strata.dist.link.InFlight`), until collected.
+    remote: object | None = None
     # Requests whose sampling failed in this step (id -> why): their picks are placeholders, and the
     # engine fails them alone.
     faults: dict[str, str] = field(default_factory=dict)

@@ -46,6 +46,10 @@ class Request:
     eos_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Scheduled in chunks whose step update() has not applied yet: positions and chunks. They count as
+    # computed only once applied; a prompt chunk read ahead (pipeline stages) starts after them.
+    num_in_flight_tokens: int = 0
+    num_in_flight_chunks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     slot: int | None = None
@@ -121,5 +125,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
-            f"{self.num_tokens}, out={len(self.output_ids)}, slot={self.slot}, blocks={len(self.block_ids)})"
+            f"{self.num_tokens}, in_flight={self.num_in_flight_tokens}, out={len(self.output_ids)}, slot={self.slot}, "
+            f"blocks={len(self.block_ids)})"
         )

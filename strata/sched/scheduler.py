@@ -23,9 +23,9 @@ computed to sample: so a shared block is never written.
 
 Steps may overlap: with batch groups the engine schedules and launches one group's step before it
 applies the previous step's results. A request stays *in flight* from the schedule() that gave it a
-chunk until the update() of that step; in-flight requests are neither scheduled again nor preempted
-(the device may still be writing their blocks), so a preemption they block happens at their next
-step boundary instead.
+chunk until the update() of that step; in-flight requests are not preempted (the device may still be
+writing their blocks), so a preemption they block happens at their next step boundary instead, and
+are not scheduled again, except by run-ahead and read-ahead (below).
 
 Run-ahead (`run_ahead`, the engine's async scheduling): a request in flight may get the chunk after
 its in-flight one in the very next schedule(), before update() has seen the in-flight step's result,
@@ -35,6 +35,18 @@ takes it from the device), which is only allowed where nothing on the host needs
 (no drafts, no repetition penalty) and the request cannot finish by length on it. A run-ahead chunk
 of a request that finishes on its in-flight token (EOS, a stop string, an abort) is computed and
 dropped: update() skips requests that are no longer running.
+
+Read-ahead (`read_ahead`, pipeline stages): chunks of one prompt are scheduled while the previous ones
+are in flight, up to `read_ahead` of them (one per stage), so a lone long read keeps every stage busy.
+Positions scheduled and not yet applied are counted on the request (`num_in_flight_tokens`,
+`num_in_flight_chunks`); the next chunk starts after them. It is safe because a chunk only needs the
+K/V and recurrent states its predecessors write on the same stage, which runs its steps in order. A
+chunk read ahead samples nothing and follows chunks that sample nothing: it is read ahead only where
+the remainder from its start exceeds `chunk_size`, so it ends before the last token; the chunk that
+samples waits until every earlier one is applied, and ends the overlap. A chunk read ahead takes free
+blocks only (it preempts nobody: the request may as well wait for its update), and a request with
+chunks in flight is preempted only once they are all applied, as any in-flight request. Only on the
+"all" lane, exclusive with run-ahead.
 
 Lanes (`read_lane`, the engine's concurrent read): reads and decodes are scheduled apart, so a read
 step can be in flight on its own stage for as long as it takes while decode steps come and go.
@@ -71,6 +83,7 @@ class SchedulerConfig:
     batch_groups: int = 1  # slots split into groups (slot % G) whose decodes are stepped in turn
     max_hold_steps: int = 16  # a long read held back this many steps in a row reads the next one anyway
     run_ahead: bool = False  # schedule a request's next chunk while its previous step is in flight
+    read_ahead: int = 1  # most prompt chunks of one request in flight at once (pipeline stages; 1: off)
     prefix_cache: bool = False  # reuse cached full blocks of earlier requests (see the module docstring)
     prefix_salt: str = ""  # what else the K/V depend on (model, dtype, KV storage): part of every key
     prefix_with_mtp: bool = False  # keys take the next token; blocks are registered by cache_blocks() only
@@ -87,6 +100,10 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_hold_steps < 1:
             raise ValueError("SchedulerConfig.max_hold_steps must be >= 1")
+        if self.read_ahead < 1:
+            raise ValueError("SchedulerConfig.read_ahead must be >= 1")
+        if self.read_ahead > 1 and self.run_ahead:
+            raise ValueError("SchedulerConfig.read_ahead and run_ahead do not go together")
         if self.batch_groups < 1 or self.batch_groups > self.parallel:
             raise ValueError("SchedulerConfig.batch_groups must be within 1..parallel")
         if self.num_blocks < 2:
@@ -140,7 +157,8 @@ class Scheduler:
         reported by the next schedule()/update()."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids
+                or request.num_in_flight_chunks):
             raise ValueError(f"request {request.request_id!r} is not fresh: {request!r}")
         if request.num_tokens > self.config.max_model_len:
             raise ValueError(
@@ -283,6 +301,9 @@ class Scheduler:
         self._last_step[lane] = set(step.chunks) | {r for r, ln in self._lane_of.items() if ln == lane}
         self._in_flight.update(step.chunks)
         self._lane_of.update(dict.fromkeys(step.chunks, lane))
+        for chunk in step.chunks.values():
+            chunk.request.num_in_flight_tokens += chunk.num_tokens
+            chunk.request.num_in_flight_chunks += 1
         return SchedulerOutput(list(step.chunks.values()), step.preempted, step.finished)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -294,7 +315,9 @@ class Scheduler:
         finished = list(output.finished)
         for chunk in output.chunks:
             req = chunk.request
-            if self._in_flight.get(req.request_id) is chunk:  # else a run-ahead chunk followed it
+            req.num_in_flight_tokens -= chunk.num_tokens
+            req.num_in_flight_chunks -= 1
+            if self._in_flight.get(req.request_id) is chunk:  # else a run-ahead or read-ahead chunk followed it
                 del self._in_flight[req.request_id]
                 self._lane_of.pop(req.request_id, None)
             if req.status is not RequestStatus.RUNNING:
@@ -435,8 +458,18 @@ class Scheduler:
         ahead = self._in_flight.get(req.request_id)
         if ahead is None:
             return req.num_computed_tokens, 0
-        if (not self.config.run_ahead or ahead.drafts or req.request_id in self._preempt_next
-                or self._lane_of.get(req.request_id) == "read"):
+        if req.request_id in self._preempt_next:
+            return None
+        if self.config.read_ahead > 1:
+            start = req.num_computed_tokens + req.num_in_flight_tokens
+            # After chunks that sample nothing (the first that samples ends the read), one per stage at
+            # most, and only a chunk that cannot sample either.
+            if (ahead.sample or req.num_in_flight_chunks >= self.config.read_ahead
+                    or self._lane_of.get(req.request_id) != "all"
+                    or req.num_tokens - start <= self.config.chunk_size):
+                return None
+            return start, 0
+        if not self.config.run_ahead or ahead.drafts or self._lane_of.get(req.request_id) == "read":
             return None
         if not ahead.sample:
             return ahead.end, 0
@@ -456,7 +489,8 @@ class Scheduler:
     def _schedule_read(self, req: Request, step: StepBuilder, start: int) -> None:
         left = self.config.max_num_batched_tokens - step.tokens
         if req.status is RequestStatus.RUNNING and left > 0:
-            self._schedule_chunk(req, min(self.config.chunk_size, req.num_tokens - start, left), step, start=start)
+            self._schedule_chunk(req, min(self.config.chunk_size, req.num_tokens - start, left), step, start=start,
+                                 preempt=not req.num_in_flight_chunks)
 
     def _decode_group(self, nexts: dict[str, tuple[int, int]]) -> list[Request]:
         """The requests to decode this step: all of them, or with batch groups the next group in turn
@@ -505,19 +539,20 @@ class Scheduler:
         self._schedule_chunk(req, 1 + len(drafts), step, drafts, start=start)
 
     def _schedule_chunk(self, req: Request, n: int, step: StepBuilder, drafts: tuple[int, ...] = (), *,
-                        start: int, pending: int = 0) -> bool:
+                        start: int, pending: int = 0, preempt: bool = True) -> bool:
         if req.request_id in self._preempt_next:
             return False  # marked as a victim in this step (run-ahead): it gets no more work
         # Lookahead blocks hold the K/V the drafter writes past the verified tokens.
         reserve = min(start + n + self.config.lookahead, self.config.max_model_len)
-        if not self._make_room(req, max(reserve, start + n), step):
+        if not self._make_room(req, max(reserve, start + n), step, preempt):
             return False
         sample = start + n - len(drafts) == req.num_tokens + pending
         step.add(ScheduledChunk(req, start, n, sample, drafts, pending))
         return True
 
-    def _make_room(self, req: Request, num_tokens: int, step: StepBuilder) -> bool:
-        """Give `req` blocks for `num_tokens` positions, preempting the newest admissions as needed.
+    def _make_room(self, req: Request, num_tokens: int, step: StepBuilder, preempt: bool = True) -> bool:
+        """Give `req` blocks for `num_tokens` positions, preempting the newest admissions as needed
+        (`preempt` False: free blocks only, else False).
 
         If `req` is itself the newest it is the one preempted (False). If it is the only running request
         and still does not fit, it never will: it is finished as "length", as if it had hit
@@ -532,6 +567,8 @@ class Scheduler:
             if ids is not None:
                 req.block_ids.extend(ids)
                 return True
+            if not preempt:
+                return False
             victim = self._running[-1]
             if victim is req and len(self._running) == 1:
                 # Finishing is safe even while a run-ahead step of it is in flight: nothing comes back.

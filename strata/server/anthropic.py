@@ -338,7 +338,8 @@ async def anthropic_messages(s: ModelService, request: Request) -> Response:
             raise validation_error(e) from None
         chat = to_chat_request(body)
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        job, streams, parsers, n_prompt = await s.start_chat(rid, chat)
+        job, streams, parsers, prompt_ids = await s.start_chat(rid, chat)
+        n_prompt = len(prompt_ids)
         parser = parsers[0] if parsers else None
         stops = list(chat.stop or [])
         if body.stream:

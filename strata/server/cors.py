@@ -29,12 +29,14 @@ class CORSGuard:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         origin = headers.get(b"origin", b"").decode("latin-1")
         allowed = self.cfg.cors_allows(origin)
-        extra = [(b"access-control-allow-origin", origin.encode("latin-1")),
-                 (b"access-control-allow-credentials", b"true"), (b"vary", b"Origin")] if allowed else []
+        # Spelled as llama-server spells them: HTTP names are case-blind, but some clients read them from
+        # a plain dict.
+        extra = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")),
+                 (b"Access-Control-Allow-Credentials", b"true"), (b"Vary", b"Origin")] if allowed else []
         if scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers:
             if allowed:
-                extra += [(b"access-control-allow-methods", ALLOW_METHODS), (b"access-control-allow-headers", b"*"),
-                          (b"access-control-max-age", b"600")]
+                extra += [(b"Access-Control-Allow-Methods", ALLOW_METHODS), (b"Access-Control-Allow-Headers", b"*"),
+                          (b"Access-Control-Max-Age", b"600")]
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-length", b"0"), *extra]})
             await send({"type": "http.response.body", "body": b""})

@@ -7,6 +7,7 @@ and any other exception into that body, so nothing a request carries can stop th
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -19,17 +20,22 @@ from strata.server import protocol as P
 
 
 class APIError(Exception):
+    """`extra`: fields the error object carries beside OpenAI's four (llama-server's `n_ctx`, ...)."""
+
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
+        self.headers, self.extra = headers, extra
+
+    def body(self) -> dict[str, Any]:
+        detail = P.ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return {"error": {**detail.model_dump(), **(self.extra or {})}}
 
     def response(self) -> Response:
-        body = P.ErrorResponse(error=P.ErrorDetail(message=self.message, type=self.type, param=self.param,
-                                                   code=self.code))
-        return Response(body.model_dump_json(), status_code=self.status, media_type="application/json",
-                        headers=self.headers)
+        return Response(json.dumps(self.body(), separators=(",", ":"), ensure_ascii=False), status_code=self.status,
+                        media_type="application/json", headers=self.headers)
 
 
 def validation_error(e: ValidationError | RequestValidationError) -> APIError:

@@ -7,6 +7,8 @@ waiting for a whole completion, is aborted in the engine so its slot frees at th
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections import deque
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -99,26 +101,46 @@ class Job:
 
 class MergedEvents:
     """The events of a job's streams as (choice index, event), in the order they arrive, until every
-    stream has finished; `close()` stops listening."""
+    stream has finished; `close()` stops listening. A stream that can hand its events to a callback
+    (`listen`, the engine's own) is read without a task of its own; any other async iterable is read by
+    one. `batch()` gives every event that has arrived, so a consumer that fell behind catches up in one
+    pass. `whole`: the consumer wants only finished results, so such streams may hold events back until
+    their request ends."""
 
-    def __init__(self, streams: list[Any], job: Job | None = None):
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, streams: list[Any], job: Job | None = None, whole: bool = False):
+        self.ready: deque[tuple[int, Any]] = deque()
+        self.waiter: asyncio.Future | None = None
         self.left = len(streams)
-        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+        self.closed = False
+        self.tasks = []
+        for i, s in enumerate(streams):
+            listen = getattr(s, "listen", None)
+            if listen is not None:
+                listen(functools.partial(self._put, i), whole=whole)
+            else:
+                self.tasks.append(asyncio.ensure_future(self._pump(i, s)))
         if job is not None:
             job.merged = self
             if job.interrupted is not None:
                 self.interrupt(Interrupted(job.interrupted))
 
+    def _put(self, i: int, ev: Any) -> None:
+        if self.closed:
+            return
+        self.ready.append((i, ev))
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def interrupt(self, e: Exception) -> None:
-        self.queue.put_nowait((-1, e))
+        self._put(-1, e)
 
     async def _pump(self, i: int, stream: Any) -> None:
         try:
             async for ev in stream:
-                self.queue.put_nowait((i, ev))
+                self._put(i, ev)
         except Exception as e:  # handed to the consumer, which would otherwise wait forever
-            self.queue.put_nowait((i, e))
+            self._put(i, e)
 
     def __aiter__(self) -> "MergedEvents":
         return self
@@ -126,13 +148,38 @@ class MergedEvents:
     async def __anext__(self) -> tuple[int, EngineEvent]:
         if not self.left:
             raise StopAsyncIteration
-        i, ev = await self.queue.get()
+        await self._wait()
+        return self._take()
+
+    async def batch(self) -> list[tuple[int, EngineEvent]]:
+        """At least one event, waiting for it, and every other one already arrived, in order; empty
+        once every stream has finished. A failure is raised by the call that would return it first."""
+        if not self.left:
+            return []
+        await self._wait()
+        out = [self._take()]
+        while self.left and self.ready and not isinstance(self.ready[0][1], Exception):
+            out.append(self._take())
+        return out
+
+    async def _wait(self) -> None:
+        while not self.ready:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def _take(self) -> tuple[int, EngineEvent]:
+        i, ev = self.ready.popleft()
         if isinstance(ev, Exception):
             raise ev
         self.left -= ev.finish_reason is not None
         return i, ev
 
     def close(self) -> None:
+        self.closed = True
+        self.ready.clear()
         for t in self.tasks:
             t.cancel()
 
@@ -162,15 +209,16 @@ async def wait_disconnect(request: Request) -> None:
 async def collect(request: Request, job: Job, streams: list[Any]) -> list[Result]:
     """Each choice's whole completion; a client gone first is a 499, an engine failure a 500."""
     results = [Result() for _ in streams]
-    merged = MergedEvents(streams, job)
+    merged = MergedEvents(streams, job, whole=True)
 
     async def pump() -> None:
-        async for i, ev in merged:
-            results[i].add(ev)
-            if ev.finish_reason is not None:
-                job.done(i)
-            if ev.error:
-                return  # the response fails: the other choices are aborted
+        while batch := await merged.batch():
+            for i, ev in batch:
+                results[i].add(ev)
+                if ev.finish_reason is not None:
+                    job.done(i)
+                if ev.error:
+                    return  # the response fails: the other choices are aborted
 
     pumping = asyncio.ensure_future(pump())
     gone = asyncio.ensure_future(wait_disconnect(request))
@@ -206,20 +254,30 @@ async def _event_stream(request: Request, job: Job, streams: list[Any], chunks: 
     try:
         for piece in chunks.start():
             yield piece
+        # The events that arrived together are written together: one write however far the stream fell
+        # behind, and the last event's pieces go with the stream's end.
+        out: list[str] = []
         try:
-            async for i, ev in merged:
-                if ev.finish_reason is not None:
-                    job.done(i)
-                for piece in chunks.event(i, ev):
-                    yield piece
-                if ev.error or job.finished:
-                    break
+            done = False
+            while not done:
+                batch = await merged.batch()
+                done = not batch
+                for i, ev in batch:
+                    if ev.finish_reason is not None:
+                        job.done(i)
+                    out += chunks.event(i, ev)
+                    if ev.error or job.finished:
+                        done = True
+                        break
+                if out and not done:
+                    yield "".join(out)
+                    out = []
         except Interrupted as e:
             job.close()
-            for piece in chunks.error(str(e)):
-                yield piece
-        for piece in chunks.end() if end is None else [end]:
-            yield piece
+            out += chunks.error(str(e))
+        out += chunks.end() if end is None else [end]
+        if out:
+            yield "".join(out)
     finally:
         watcher.cancel()
         merged.close()

@@ -20,7 +20,7 @@ import asyncio
 import json
 import math
 import time
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, AsyncIterator, ClassVar, Iterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -32,6 +32,7 @@ from strata.server.errors import APIError, validation_error
 from strata.server.jobs import EngineStreamResponse, Job, MergedEvents, Result, collect, visible_tokens, wait_disconnect
 from strata.server.logprobs import MIN_LOGPROB
 from strata.server.request_body import read_json, validate_body
+from strata.server.responses import ChatChunks
 from strata.server.service import ModelService
 
 # llama.cpp's sampling defaults (common/common.h), used where a native request names none.
@@ -126,7 +127,9 @@ def _prompts(raw: Any) -> list[P.Prompt]:
     return [one(raw)]
 
 
-class _Timer:
+class Timer:
+    """When a request's first token and its end came, for llama-server's `timings`."""
+
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.first: float | None = None
@@ -145,16 +148,37 @@ class _Timer:
             self.end = now
 
     def timings(self, prompt_n: int, cached: int, predicted_n: int) -> dict[str, Any]:
-        first = self.first or self.end or time.perf_counter()
-        end = self.end or time.perf_counter()
+        """llama-server's `timings`. The first token comes with the prompt's last step, so the generation
+        rates count the steps after it (predicted_n - 1), as llama-server counts them."""
+        now = time.perf_counter()
+        first = self.first or self.end or now
+        end = self.end or now
         read_ms, gen_ms = (first - self.start) * 1e3, (end - first) * 1e3
         evaluated = max(prompt_n - cached, 0)
+        steps = max(predicted_n - 1, 0)
         return {"cache_n": cached, "prompt_n": evaluated, "prompt_ms": read_ms,
                 "prompt_per_token_ms": read_ms / evaluated if evaluated else 0.0,
                 "prompt_per_second": evaluated / read_ms * 1e3 if read_ms > 0 else 0.0,
                 "predicted_n": predicted_n, "predicted_ms": gen_ms,
-                "predicted_per_token_ms": gen_ms / predicted_n if predicted_n else 0.0,
-                "predicted_per_second": predicted_n / gen_ms * 1e3 if gen_ms > 0 else 0.0}
+                "predicted_per_token_ms": gen_ms / steps if steps else 0.0,
+                "predicted_per_second": steps / gen_ms * 1e3 if gen_ms > 0 else 0.0}
+
+    def read_timings(self, read: int, cached: int, started: bool = True) -> dict[str, Any]:
+        """`timings` while the prompt is read: `read` tokens of it so far, `cached` of them from the cache
+        (`started`: False for the report sent before any is read, whose times are 0)."""
+        ms = (time.perf_counter() - self.start) * 1e3 if started else 0.0
+        n = max(read - cached, 0)
+        return {"cache_n": cached, "prompt_n": n, "prompt_ms": ms, "prompt_per_token_ms": ms / n if n else 0.0,
+                "prompt_per_second": n / ms * 1e3 if ms > 0 else 0.0, "predicted_n": 0, "predicted_ms": 0.0,
+                "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0}
+
+    def progress(self, ev: EngineEvent, first: bool) -> dict[str, Any]:
+        """llama-server's `prompt_progress` of a progress event (`first`: the report of what the prefix cache
+        gave, before any token is read)."""
+        processed = ev.cached_tokens if first else ev.prompt_read
+        ms = (time.perf_counter() - self.start) * 1e3
+        return {"total": ev.prompt_tokens, "cache": ev.cached_tokens, "processed": processed,
+                "time_ms": 0 if first else int(ms)}
 
 
 class NativeRoutes:
@@ -179,10 +203,13 @@ class NativeRoutes:
         s = self.s
         data = await read_json(request, s.cfg.max_body_bytes, s.cfg.body_timeout)
         prompts = _prompts(data.get("prompt"))
-        fields = {**LLAMA_DEFAULTS, **{k: v for k, v in data.items() if v is not None}}
+        fields = {**self.defaults(), **{k: v for k, v in data.items() if v is not None}}
         fields["logit_bias"] = _logit_bias(s, data.get("logit_bias"))
+        # llama-server's --seed is every request's default seed (-1: a random one), not a seed per arrival.
         if fields.get("seed") == -1:
             fields.pop("seed")
+        elif "seed" not in fields and s.default_seed is not None:
+            fields["seed"] = s.default_seed
         if "repeat_penalty" in fields and "repetition_penalty" not in fields:
             fields["repetition_penalty"] = fields["repeat_penalty"]
         if data.get("input_suffix") or data.get("input_extra"):
@@ -212,14 +239,18 @@ class NativeRoutes:
             "default_generation_settings": settings, "total_slots": s.parallel, "model_alias": s.model_name,
             "model_path": s.engine.model_name, "chat_template": tok.chat_template or "",
             "bos_token": tok.bos_token, "eos_token": tok.eos_token, "modalities": {"vision": False, "audio": False},
-            "endpoint_slots": s.cfg.slots, "endpoint_props": False, "endpoint_metrics": True,
+            "endpoint_slots": s.cfg.slots, "endpoint_props": False, "endpoint_metrics": s.cfg.metrics,
             "build_info": P.SYSTEM_FINGERPRINT, "is_sleeping": False,
         }
         return Response(json.dumps(body), media_type="application/json")
 
-    @staticmethod
-    def default_params() -> dict[str, Any]:
-        return {**LLAMA_DEFAULTS, "n_predict": -1, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+    def defaults(self) -> dict[str, Any]:
+        """llama.cpp's sampling defaults, with the server's --temp."""
+        temp = self.s.cfg.temp
+        return LLAMA_DEFAULTS if temp is None else {**LLAMA_DEFAULTS, "temperature": temp}
+
+    def default_params(self) -> dict[str, Any]:
+        return {**self.defaults(), "n_predict": -1, "repeat_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "stop": [], "n_probs": 0, "ignore_eos": False}
 
     async def set_props(self) -> Response:
@@ -256,7 +287,7 @@ class _Native:
 
     def __init__(self, s: ModelService, body: NativeCompletionRequest, prompt_ids: list[list[int]], params: list[Any]):
         self.s, self.body, self.prompt_ids, self.params = s, body, prompt_ids, params
-        self.timer = _Timer()
+        self.timer = Timer()
 
     def settings(self, i: int) -> dict[str, Any]:
         p = self.params[i]
@@ -314,6 +345,9 @@ class _Native:
         ids: list[list[int]] = [[] for _ in streams]
         texts: list[list[str]] = [[] for _ in streams]
         totals = [0] * len(streams)
+        reported = [False] * len(streams)  # progress reported (the cache's share first)
+        cached = [0] * len(streams)  # prompt tokens from the prefix cache, as far as events told yet
+        timed = self.body.timings_per_token
 
         async def abort_when_gone() -> None:
             await wait_disconnect(request)
@@ -326,17 +360,30 @@ class _Native:
                     error = {"error": {"code": 500, "message": ev.error, "type": "server_error"}}
                     yield f"data: {json.dumps(error)}\n\n"
                     break
+                if ev.prompt_read is not None:
+                    cached[i] = ev.cached_tokens
+                    for first in [True, False] if not reported[i] else [False]:
+                        chunk = {"index": i, "content": "", "tokens": [], "stop": False, "id_slot": -1,
+                                 "tokens_predicted": 0, "tokens_evaluated": ev.prompt_tokens,
+                                 "prompt_progress": self.timer.progress(ev, first)}
+                        if timed:
+                            chunk["timings"] = self.timer.read_timings(
+                                ev.cached_tokens if first else ev.prompt_read, ev.cached_tokens, not first)
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    reported[i] = True
+                    continue
                 new, lps, tops = visible_tokens(ev, sent[i])
                 sent[i] += len(new)
                 totals[i] += len(ev.token_ids)
                 ids[i] += new
                 texts[i].append(ev.text)
                 if ev.text or new:
-                    chunk: dict[str, Any] = {"index": i, "content": ev.text, "tokens": list(new), "stop": False,
-                                             "id_slot": -1, "tokens_predicted": sent[i],
-                                             "tokens_evaluated": ev.prompt_tokens}
+                    chunk = {"index": i, "content": ev.text, "tokens": list(new), "stop": False, "id_slot": -1,
+                             "tokens_predicted": sent[i], "tokens_evaluated": ev.prompt_tokens}
                     if self.body.n_probs:
                         chunk["completion_probabilities"] = self.probabilities(new, lps, tops)
+                    if timed:
+                        chunk["timings"] = self.timer.timings(ev.prompt_tokens, cached[i], sent[i])
                     yield f"data: {json.dumps(chunk)}\n\n"
                 if ev.finish_reason is not None:
                     job.done(i)
@@ -352,6 +399,43 @@ class _Native:
             watcher.cancel()
             merged.close()
             job.close()
+
+
+class LlamaChatChunks(ChatChunks):
+    """Chat SSE chunks with the extras of llama-server's streams that a request asked for: a chunk with
+    `prompt_progress` per chunk of the prompt read (`return_progress`), and `timings` on every chunk
+    (`timings_per_token`) or else on the last one."""
+
+    def __init__(self, *args: Any, per_token: bool, **kw: Any):
+        super().__init__(*args, **kw)
+        self.timer, self.per_token = Timer(), per_token
+        self.reported = [False] * len(self.sent)
+        self.cached = [0] * len(self.sent)
+
+    def event(self, i: int, ev: EngineEvent) -> Iterator[str]:
+        self.timer.seen(ev)
+        if ev.prompt_read is not None:
+            self.cached[i] = ev.cached_tokens
+            for first in [True, False] if not self.reported[i] else [False]:
+                extra: dict[str, Any] = {"prompt_progress": self.timer.progress(ev, first)}
+                if self.per_token:
+                    extra["timings"] = self.timer.read_timings(ev.cached_tokens if first else ev.prompt_read,
+                                                               ev.cached_tokens, not first)
+                yield _with(self._chunk(i, P.ChatDelta(role="assistant")), extra)
+            self.reported[i] = True
+            return
+        pieces = list(super().event(i, ev))
+        for k, piece in enumerate(pieces):
+            if self.per_token or ev.finish_reason is not None and k == len(pieces) - 1:
+                cached = max(self.cached[i], ev.cached_tokens)
+                pieces[k] = _with(piece, {"timings": self.timer.timings(ev.prompt_tokens, cached, self.sent[i])})
+        yield from pieces
+
+
+def _with(piece: str, extra: dict[str, Any]) -> str:
+    """An SSE `data:` line with `extra`'s keys added to its object."""
+    doc = json.loads(piece.removeprefix("data: "))
+    return f"data: {json.dumps({**doc, **extra}, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 def _path(doc: dict[str, Any], path: str) -> Any:

@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from strata.engine.types import TTFT_BUCKETS, EngineStats, RateWindow
 
-__all__ = ["CONTENT_TYPE", "Metrics", "RateWindow", "RequestCounter", "slots_json"]
+__all__ = ["CONTENT_TYPE", "Metrics", "RateWindow", "RequestCounter", "llama_metrics", "slots_json"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -114,11 +114,46 @@ class EngineCollector(Collector):
         yield http
 
 
+def llama_metrics(s: EngineStats) -> bytes:
+    """llama-server's `llamacpp:*` families, for dashboards built on them. Rendered by hand: its counters
+    are named as they are (`n_tokens_max`, no `_total` split off), which prometheus-client would rename."""
+    spec = s.spec or {}
+    counters = [
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", s.prompt_tokens_total),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+         s.prefix_cache_cached_tokens_total),
+        ("prompt_seconds_total", "Seconds from each request's arrival to its first token, summed", s.ttft_sum),
+        ("tokens_predicted_total", "Number of generation tokens processed", s.generation_tokens_total),
+        ("tokens_predicted_seconds_total", "Seconds from each request's first token to its end, summed",
+         s.decode_seconds_total),
+        ("n_decode_total", "Model steps run", s.steps_total),
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)", s.longest_sequence),
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated",
+         spec.get("drafts_proposed", 0)),
+        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model",
+         spec.get("drafts_accepted", 0)),
+        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps",
+         spec.get("verification_steps", 0)),
+    ]
+    gauges = [
+        ("prompt_tokens_seconds", "Prompt throughput in tokens/s, recent", s.prompt_tokens_per_second),
+        ("predicted_tokens_seconds", "Generation throughput in tokens/s, recent", s.generation_tokens_per_second),
+        ("requests_processing", "Number of requests processing", s.slots_busy),
+        ("requests_deferred", "Number of requests deferred", s.queue_len),
+        ("n_busy_slots_per_decode", "Average number of busy slots per model step",
+         s.step_rows_total / max(s.steps_total, 1)),
+    ]
+    lines = [f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {floatToGoString(value)}\n"
+             for kind, items in (("counter", counters), ("gauge", gauges)) for name, doc, value in items]
+    return "".join(lines).encode()
+
+
 class Metrics:
     """The app's metrics: HTTP counts (from the middleware) and a registry that renders /metrics."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], rejected: Callable[[], int] = lambda: 0):
-        self.model_name = model_name
+        self.model_name, self.stats = model_name, stats
+        self.start_time = int(time.time())  # llama-server's Process-Start-Time-Unix header
         self._lock = threading.Lock()
         self._http: dict[tuple[str, str, str], int] = {}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -134,7 +169,7 @@ class Metrics:
             return sorted(self._http.items())
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + llama_metrics(self.stats())
 
 
 def slots_json(s: EngineStats, model_name: str, now: float | None = None, rejected: int = 0) -> dict[str, Any]:
@@ -162,8 +197,8 @@ def llama_slots_json(s: EngineStats, n_ctx: int, speculative: bool) -> list[dict
     return [{
         "id": x.id, "id_task": x.request_id or -1, "n_ctx": n_ctx, "speculative": speculative,
         "is_processing": x.state != "idle",
-        "next_token": {"has_next_token": x.state != "idle", "n_decoded": x.generated,
-                       "n_remain": max(x.max_tokens - x.generated, 0) if x.state != "idle" else -1},
+        "next_token": [{"has_next_token": x.state != "idle", "n_decoded": x.generated if x.state != "idle" else 0,
+                        "n_remain": max(x.max_tokens - x.generated, 0) if x.state != "idle" else -1}],
     } for x in s.slots]
 
 

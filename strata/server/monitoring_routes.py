@@ -1,4 +1,5 @@
-"""`/health` (503 `{"status": "draining"}` once shutdown begins; open to all), `/metrics` (Prometheus),
+"""`/health` (503 `{"status": "draining"}` once shutdown begins; open to all), `/metrics` (Prometheus,
+Strata's `strata_*` families and llama-server's `llamacpp:*` ones; 501 with `--no-metrics`),
 `/strata/slots` (Strata's slot document, read by the TUI and the web page) and `/slots` (llama-server's
 shape; 501 with `--no-slots`). With an API key set, all but /health need it (`--metrics-public` opens
 /metrics), since they show what clients are doing."""
@@ -27,7 +28,13 @@ def monitoring_router(s: ModelService) -> APIRouter:
         return Response('{"status":"ok"}', media_type="application/json")
 
     async def metrics() -> Response:
-        return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+        if not s.cfg.metrics:
+            raise APIError(501, "This server does not serve metrics (--no-metrics).", type_="not_supported_error",
+                           code="not_supported")
+        response = Response(s.metrics.render(), media_type=CONTENT_TYPE)
+        # llama-server's header, spelled as it spells it (Starlette would lower-case a name given in `headers`).
+        response.raw_headers.append((b"Process-Start-Time-Unix", str(s.metrics.start_time).encode()))
+        return response
 
     async def strata_slots() -> Response:
         return Response(json.dumps(slots_json(s.engine.stats(), s.model_name, rejected=s.rejected_total)),

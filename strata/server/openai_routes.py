@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from strata.server import protocol as P
 from strata.server.errors import APIError
 from strata.server.jobs import collect, stream_response
+from strata.server.llama_routes import LlamaChatChunks
 from strata.server.request_body import parse_body, read_json, validate_body
 from strata.server.responses import ChatChunks, CompletionChunks, chat_message, json_response, response_usage
 from strata.server.service import ModelService
@@ -43,11 +44,15 @@ class OpenAIRoutes:
         s = self.s
         body: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        job, streams, parsers, _ = await s.start_chat(rid, body)
+        job, streams, parsers, prompt_ids = await s.start_chat(rid, body)
         logprobs = s.logprobs if body.wants_logprobs else None
         model = body.model or s.model_name
         if body.stream:
-            chunks = ChatChunks(rid, model, body.n, body.include_usage, logprobs, parsers)
+            if body.return_progress or body.timings_per_token:
+                chunks = LlamaChatChunks(rid, model, body.n, body.include_usage, logprobs, parsers,
+                                         per_token=body.timings_per_token)
+            else:
+                chunks = ChatChunks(rid, model, body.n, body.include_usage, logprobs, parsers)
             return stream_response(request, job, streams, chunks)
         results = await collect(request, job, streams)
         choices = []
@@ -56,8 +61,10 @@ class OpenAIRoutes:
             choices.append(P.ChatChoice(index=i, message=message, finish_reason=finish,
                                         logprobs=logprobs.chat_logprobs(r.token_ids, r.logprobs, r.tops)
                                         if logprobs is not None else None))
+        verbose = s.verbose(body, prompt_ids, "".join(results[0].text))
         return json_response(P.ChatCompletion(id=rid, created=int(time.time()), model=model, choices=choices,
-                                              usage=response_usage(results)))
+                                              usage=response_usage(results)),
+                             {"__verbose": verbose} if verbose is not None else None)
 
     async def completions(self, request: Request) -> Response:
         s = self.s

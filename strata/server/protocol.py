@@ -173,6 +173,10 @@ class SamplingRequest(RequestModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     grammar: str | None = None  # llama-server's: GBNF (or Lark)
     json_schema: dict[str, Any] | None = None  # llama-server's
+    verbose: bool | None = None  # llama-server's: the response carries `__verbose` (None: the server's --verbose)
+    # llama-server's, when streamed: `timings` on every event, and a `prompt_progress` event per chunk read.
+    timings_per_token: bool = False
+    return_progress: bool = False
 
     default_max_tokens: ClassVar[int | None] = None  # None: whatever room the context leaves
 
@@ -263,6 +267,10 @@ class SamplingRequest(RequestModel):
             raise Unsupported("stream_options", "stream_options is only allowed when stream is true")
 
     @property
+    def wants_progress(self) -> bool:
+        return self.return_progress and self.stream
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -322,6 +330,11 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs a final assistant message")
+        if self.continue_final_message is None and self.prefill and len(self.messages) > 1 \
+                and self.messages[-2].role == "assistant":
+            # As llama-server: which of them would be continued is a guess; continue_final_message says.
+            raise ValueError("the conversation ends with two assistant messages; send continue_final_message: true "
+                             "to continue the last one")
         return self
 
     @property
@@ -611,6 +624,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "strata"
     max_model_len: int
+    aliases: list[str] | None = Field(None, exclude_if=lambda v: v is None)  # llama-server's --alias names
+    tags: list[str] | None = Field(None, exclude_if=lambda v: v is None)  # llama-server's --tags
 
 
 class ModelList(BaseModel):

@@ -7,6 +7,7 @@ engine's events into what OpenAI clients read.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Iterator
 
@@ -21,8 +22,12 @@ from strata.server.tools import ChatOutputParser
 
 
 # serialize_as_any: a usage is a `CachedUsage` (its prompt_tokens_details are not in P.Usage's schema).
-def json_response(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(serialize_as_any=True), media_type="application/json")
+def json_response(model: BaseModel, extra: dict[str, Any] | None = None) -> Response:
+    """`model` as JSON, with `extra`'s keys beside its own (llama-server's `__verbose`) when given."""
+    if not extra:
+        return Response(model.model_dump_json(serialize_as_any=True), media_type="application/json")
+    body = {**model.model_dump(mode="json", serialize_as_any=True), **extra}
+    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False), media_type="application/json")
 
 
 def sse_event(model: BaseModel) -> str:
@@ -62,6 +67,7 @@ def pooled_spec(specs: list[dict]) -> dict | None:
 
     positions = len(specs[0]["accepted_per_position"])
     return {"drafts_proposed": proposed, "drafts_accepted": accepted,
+            "verification_steps": sum(s["verification_steps"] for s in specs),
             "acceptance": accepted / proposed if proposed else 0.0,
             "mean_accepted_length": mean([s["mean_accepted_length"] for s in specs]),
             "accepted_per_position": [mean([s["accepted_per_position"][j] for s in specs]) for j in range(positions)]}

@@ -28,6 +28,7 @@ from strata.engine.types import EngineEvent
 from strata.server import protocol as P
 from strata.server.errors import APIError, validation_error
 from strata.server.jobs import collect, stream_response, visible_tokens
+from strata.server.llama_routes import Timer
 from strata.server.request_body import read_json
 from strata.server.service import ModelService
 from strata.server.tools import ChatOutputParser, Delta
@@ -53,6 +54,10 @@ class ResponsesRequest(P.RequestModel):
     metadata: dict[str, Any] | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop context silently
     seed: int | None = None  # an extension, as in the chat API
+    # llama-server's, when streamed: `timings` on every text delta, and a `response.in_progress` event with
+    # `prompt_progress` per chunk of the prompt read; the last event carries `timings` when either is set.
+    timings_per_token: bool = False
+    return_progress: bool = False
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -182,7 +187,8 @@ class ResponsesAPI:
                                      "top_p": body.top_p, "tools": _tools(body.tools),
                                      "tool_choice": _tool_choice(body.tool_choice),
                                      "parallel_tool_calls": body.parallel_tool_calls,
-                                     "response_format": _response_format(body.text), "seed": body.seed}
+                                     "response_format": _response_format(body.text), "seed": body.seed,
+                                     "return_progress": body.return_progress}
         effort = (body.reasoning or {}).get("effort")
         if effort is not None:
             chat_data["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
@@ -228,6 +234,10 @@ class _Output:
         self.sent = 0
         self.on_done: Any = None
         self.response = self._response("in_progress")
+        self.timer = Timer()
+        self.reported = False  # prompt progress reported (the cache's share first)
+        self.cached = 0
+        self.delta_extra: dict[str, Any] = {}  # what each text delta carries beside its own fields
 
     def _response(self, status: str, usage: dict[str, Any] | None = None, incomplete: str | None = None,
                   ) -> dict[str, Any]:
@@ -278,7 +288,7 @@ class _Output:
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
         yield self._sse(name, {"item_id": item["id"], "output_index": self._index(), "content_index": 0,
-                               "delta": text, **extra})
+                               "delta": text, **extra, **self.delta_extra})
 
     def _close(self) -> Iterator[str]:
         item, self.open = self.open, None
@@ -332,12 +342,18 @@ class _Output:
         yield self._sse("response.in_progress", {"response": self._response("in_progress")})
 
     def event(self, i: int, ev: EngineEvent) -> Iterator[str]:
+        self.timer.seen(ev)
+        if ev.prompt_read is not None:
+            yield from self._progress(ev)
+            return
         if ev.error:
             self.response = {**self._response("failed"), "error": {"code": "server_error", "message": ev.error}}
             yield self._sse("response.failed", {"response": self.response})
             return
         ids, _, _ = visible_tokens(ev, self.sent)
         self.sent += len(ids)
+        if self.body.timings_per_token:
+            self.delta_extra = {"timings": self.timer.timings(ev.prompt_tokens, self.cached, self.sent)}
         deltas = self.parser.push(ev.text) if self.parser is not None else [Delta(content=ev.text)] if ev.text else []
         if ev.finish_reason is not None and self.parser is not None:
             deltas += self.parser.finish()
@@ -358,7 +374,22 @@ class _Output:
                                        "max_output_tokens" if length else None)
         if self.on_done is not None:
             self.on_done(self.response)
-        yield self._sse("response.incomplete" if length else "response.completed", {"response": self.response})
+        last: dict[str, Any] = {"response": self.response}
+        if self.body.timings_per_token or self.body.return_progress:
+            last["timings"] = self.timer.timings(ev.prompt_tokens, max(self.cached, ev.cached_tokens), self.sent)
+        yield self._sse("response.incomplete" if length else "response.completed", last)
+
+    def _progress(self, ev: EngineEvent) -> Iterator[str]:
+        """llama-server's progress events: `response.in_progress` with `prompt_progress`."""
+        self.cached = ev.cached_tokens
+        for first in [True, False] if not self.reported else [False]:
+            data: dict[str, Any] = {"response": self._response("in_progress"),
+                                    "prompt_progress": self.timer.progress(ev, first)}
+            if self.body.timings_per_token:
+                data["timings"] = self.timer.read_timings(ev.cached_tokens if first else ev.prompt_read,
+                                                          ev.cached_tokens, not first)
+            yield self._sse("response.in_progress", data)
+        self.reported = True
 
     def error(self, message: str) -> Iterator[str]:
         self.response = {**self._response("failed"), "error": {"code": "server_shutting_down", "message": message}}

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import socket
 import sys
 from typing import Any
 
@@ -36,7 +37,7 @@ SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 API_KEY_ENV = ENV.API_KEY.name
 
 _SERVER_HELP = {
-    "host": "address to bind; 0.0.0.0 exposes the server to the network",
+    "host": "address to bind (several: comma-separated); 0.0.0.0 exposes the server to the network",
     "port": "TCP port",
     "api_key": f"require `Authorization: Bearer KEY` on /v1/*; unset: ${API_KEY_ENV} if set",
     "model_name": "the model name clients send; unset: the model's file or directory name",
@@ -91,10 +92,30 @@ def uvicorn_config(app: Any, server_cfg: ServerConfig, **kw: Any) -> Any:
     from strata.server.connections import connection_budget, guarded_protocol
 
     cap, backlog = connection_budget(server_cfg.max_connections)
-    options = dict(host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
+    options = dict(host=server_cfg.hosts[0], port=server_cfg.port, log_level=server_cfg.log_level,
                    http=guarded_protocol(cap, server_cfg.header_timeout), backlog=backlog,
                    timeout_keep_alive=server_cfg.keep_alive_timeout, timeout_graceful_shutdown=FLUSH_S)
     return uvicorn.Config(app, **{**options, **kw})
+
+
+def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
+    """Listening sockets on each of `hosts` (names or addresses, IPv6 ones bare or in brackets)."""
+    sockets = []
+    try:
+        for host in hosts:
+            host = host.strip("[]")
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # "::" beside "0.0.0.0" would otherwise take the IPv4 port too
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise ValueError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+    return sockets
 
 
 def draining_server(config: Any, service: Any, timeout: float) -> Any:
@@ -153,10 +174,12 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     try:
         app = build_app(engine, server_cfg, own_engine=True)
         name = app.state.strata.model_name
-        print(f"strata: serving {name!r} (context {engine.max_model_len}) on http://{server_cfg.host}:"
-              f"{server_cfg.port}/v1", file=sys.stderr, flush=True)
+        hosts = server_cfg.hosts
+        urls = ", ".join(f"http://{f'[{h}]' if ':' in h and not h.startswith('[') else h}:{server_cfg.port}/v1"
+                         for h in hosts)
+        print(f"strata: serving {name!r} (context {engine.max_model_len}) on {urls}", file=sys.stderr, flush=True)
         server = draining_server(uvicorn_config(app, server_cfg), app.state.strata, server_cfg.shutdown_timeout)
-        server.run()
+        server.run(sockets=bind_sockets(hosts, server_cfg.port) if len(hosts) > 1 else None)
         return server.exit_code if server.started else 1
     finally:
         engine.shutdown()  # a second call is a no-op; this one covers a server that never started

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import functools
 import inspect
 import logging
@@ -93,6 +94,7 @@ class Ticket:
 
 
 SHUTTING_DOWN = "the server is shutting down"
+CONTEXT_EXCEEDED = "exceed_context_size_error"  # llama-server's error type for a request the context cannot hold
 
 
 class ModelService:
@@ -101,13 +103,16 @@ class ModelService:
 
     def __init__(self, engine: Any, cfg: ServerConfig):
         self.engine, self.cfg = engine, cfg
+        if cfg.stream_interval_ms is not None and hasattr(engine, "stream_interval_s"):
+            engine.stream_interval_s = cfg.stream_interval_ms / 1e3
         self.tokenizer = engine.tokenizer
         template = resolve_chat_template(cfg.chat_template, cfg.chat_template_file)
         if template is not None:  # the server's own copy: the engine's tokenizer keeps the model's
             self.tokenizer = dataclasses.replace(engine.tokenizer, chat_template=template)
         self.max_model_len = int(engine.max_model_len)
-        self.model_name = cfg.model_name or model_id(engine.model_name)
-        self.known_names = {self.model_name, engine.model_name}  # the path too: what clients sent before
+        self.model_name = cfg.model_name or (cfg.aliases or [model_id(engine.model_name)])[0]
+        # The path too: what clients sent before.
+        self.known_names = {self.model_name, engine.model_name, *cfg.aliases}
         self.other_names: set[str] = set()  # other names clients sent (logged once each)
         self.created = int(time.time())
         self.metrics = Metrics(self.model_name, engine.stats, rejected=lambda: self.rejected_total)
@@ -123,8 +128,11 @@ class ModelService:
         self.parallel = max(int(engine.stats().parallel), 1)
         self.speculative = bool(getattr(getattr(engine, "engine_config", None), "spec", 0))
         self.default_seed = getattr(getattr(engine, "engine_config", None), "seed", None)
+        self.default_temperature = OPENAI_DEFAULT_TEMPERATURE if cfg.temp is None else cfg.temp
         kv, ctx = _engine_attr(engine, "kv_capacity"), getattr(getattr(engine, "engine_config", None), "ctx", None)
-        self.context_note = (f" (what its KV cache of {kv} tokens holds, below --ctx {ctx})"
+        sizes = _engine_attr(engine, "context_sizes")  # with the host KV tier: the device's and the host's
+        self.context_note = ((sizes if isinstance(sizes, str) and sizes else
+                              f" (what its KV cache of {kv} tokens holds, below --ctx {ctx})")
                              if isinstance(kv, int) and isinstance(ctx, int) and kv < ctx else "")
         # Text longer than this cannot fit the context (`check_chars`).
         vocab_chars = max((len(t) for t in self.tokenizer.tk.get_vocab(with_added_tokens=True)), default=1)
@@ -217,18 +225,17 @@ class ModelService:
         if room < 1 or requested is not None and requested > room:
             asked = f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the completion)" \
                 if requested is not None else f"{n_prompt} tokens in the prompt and at least 1 for the completion"
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens"
-                                f"{self.context_note}; this request needs {asked}.", param=param,
-                           code="context_length_exceeded")
-        max_tokens = requested if requested is not None else min(body.default_max_tokens or room, room)
-        if self.cfg.n_predict > 0:
-            max_tokens = min(max_tokens, self.cfg.n_predict)
+            raise self.context_exceeded(f"This model's maximum context length is {self.max_model_len} tokens"
+                                        f"{self.context_note}; this request needs {asked}.", param, n_prompt)
+        # --n-predict is the limit of requests that set none, as llama-server's; a request's own limit wins.
+        default = self.cfg.n_predict if self.cfg.n_predict > 0 else body.default_max_tokens
+        max_tokens = requested if requested is not None else min(default or room, room)
         if body.stop_token_ids:
             self.check_ids(body.stop_token_ids, "stop_token_ids")
         kw: dict[str, Any] = dict(
             max_tokens=max_tokens, stop=list(body.stop or []), stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos, seed=body.seed,
-            temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            temperature=self.default_temperature if body.temperature is None else body.temperature,
         )
         if kw["temperature"] < GREEDY_BELOW_TEMPERATURE:
             kw["temperature"] = 0.0
@@ -313,8 +320,7 @@ class ModelService:
             if tp is None:
                 raise APIError(400, f"tool_choice {choice.mode!r} needs a model with a known tool-call format",
                                param="tool_choice", code="unsupported_parameter")
-            kw = body.chat_template_kwargs or {}
-            rp = reasoning_parser_for(self.model_type, template, kw.get("enable_thinking", True))
+            rp = reasoning_parser_for(self.model_type, template, self.template_kwargs(body)["enable_thinking"])
             reasoning = "none" if rp is None else "open" if thinking_opened_in_prompt(prompt) else "optional"
             try:
                 spec = tool_call_grammar(body.tools, choice, tp.format, self.tokenizer,
@@ -349,7 +355,7 @@ class ModelService:
             messages = body.chat()
         except P.Unsupported as e:
             raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from None
-        kw = body.chat_template_kwargs or {}
+        kw = self.template_kwargs(body)
         parts = [messages, tpl_tools, kw]
         self.check_chars(sum(text_chars(x) for x in parts), "messages")
         table: dict[str, str] = {}
@@ -366,6 +372,15 @@ class ModelService:
         for placeholder, original in table.items():
             text = text.replace(placeholder, original)
         return ids, text, choice
+
+    def template_kwargs(self, body: P.ChatCompletionRequest) -> dict[str, Any]:
+        """The chat template's extra variables: the request's `chat_template_kwargs` over what llama-server
+        gives every template: `enable_thinking` (--reasoning; templates that test `not enable_thinking`
+        would read an unset one as thinking turned off) and today's date as `date_string` ("06 Dec 2026",
+        Llama 3's) and `datetime` ("Dec 06 2026", FireFunction's)."""
+        today = datetime.date.today()
+        return {"enable_thinking": self.cfg.reasoning != "off", "date_string": today.strftime("%d %b %Y"),
+                "datetime": today.strftime("%b %d %Y"), **(body.chat_template_kwargs or {})}
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                           kw: dict[str, Any], prefill: bool, add_generation_prompt: bool | None = None) -> str:
@@ -388,9 +403,8 @@ class ModelService:
     def chat_parsers(self, body: P.ChatCompletionRequest, prompt: str, choice: ToolChoice,
                      ) -> list[ChatOutputParser] | None:
         """One output parser per choice, or None when the model's output is neither reasoning nor calls."""
-        kw = body.chat_template_kwargs or {}
         template = self.tokenizer.chat_template
-        rp = reasoning_parser_for(self.model_type, template, kw.get("enable_thinking", True))
+        rp = reasoning_parser_for(self.model_type, template, self.template_kwargs(body)["enable_thinking"])
         tp = tool_parser_for(self.model_type, template) if choice.uses_tools else None
         if rp is None and tp is None:
             return None
@@ -410,8 +424,8 @@ class ModelService:
         for k, piece in enumerate(prompt):
             ids += [piece] if isinstance(piece, int) else self.tokenizer.encode(piece, add_special=k == 0)
         if len(ids) >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                                f"has {len(ids)}.", param="prompt", code="context_length_exceeded")
+            raise self.context_exceeded(f"This model's maximum context length is {self.max_model_len} tokens"
+                                        f"{self.context_note}; the prompt has {len(ids)}.", "prompt", len(ids))
         self.check_ids(ids, "prompt")
         return ids, (self.tokenizer.decode(ids) if echo else "")
 
@@ -420,9 +434,18 @@ class ModelService:
         context's tokens times the longest token's characters (twice over, for normalizers that join
         characters). Checked before tokenizing, which costs time and memory by the character."""
         if n > self.max_prompt_chars:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
-                                f"{param} has {n} characters, more than the {self.max_prompt_chars} that could fit "
-                                f"it.", param=param, code="context_length_exceeded")
+            raise self.context_exceeded(f"This model's maximum context length is {self.max_model_len} tokens; the "
+                                        f"{param} has {n} characters, more than the {self.max_prompt_chars} that "
+                                        f"could fit it.", param)
+
+    def context_exceeded(self, message: str, param: str, n_prompt: int | None = None) -> APIError:
+        """The 400 of a request the context cannot hold: OpenAI's code, llama-server's type and its `n_ctx`
+        and `n_prompt_tokens` (when the prompt was tokenized)."""
+        extra: dict[str, Any] = {"n_ctx": self.max_model_len}
+        if n_prompt is not None:
+            extra["n_prompt_tokens"] = n_prompt
+        return APIError(400, message, type_=CONTEXT_EXCEEDED, param=param, code="context_length_exceeded",
+                        extra=extra)
 
     async def run_cpu(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in the server's text pool (tokenization, grammar compiles): bounded, so such work
@@ -447,9 +470,10 @@ class ModelService:
 
     # -- running ----------------------------------------------------------------------------------
 
-    def _submit_one(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool, top: int) -> Any:
+    def _submit_one(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool, top: int,
+                    progress: bool = False) -> Any:
         req = EngineRequest(request_id=rid, prompt_ids=tuple(ids), params=params, arrival_time=time.monotonic(),
-                            top_logprobs=top)
+                            top_logprobs=top, report_progress=progress)
         try:
             return self.engine.submit(req, logprobs=True) if logprobs else self.engine.submit(req)
         except ValueError as e:
@@ -458,11 +482,11 @@ class ModelService:
             raise APIError(503, f"the engine is not accepting requests: {e}", type_="server_error") from None
 
     def submit(self, rid: str, n: int, ids: list[int], params: SamplingParams, logprobs: bool, ticket: Ticket,
-               top: int = 0) -> tuple[Job, list[Any]]:
+               top: int = 0, progress: bool = False) -> tuple[Job, list[Any]]:
         """One engine request per choice (ids `{rid}-{i}` when n > 1); choice i of a seeded request
         draws from seed + i (mod 2^64), so the choices differ and the whole response is reproducible.
         The job holds `ticket` until it closes."""
-        return self.submit_prompts(rid, n, [(ids, params)], logprobs, ticket, top)
+        return self.submit_prompts(rid, n, [(ids, params)], logprobs, ticket, top, progress)
 
     async def submit_completion(self, body: Any, prompts: list[Any], n: int, echo: bool
                                 ) -> tuple[str, list[tuple[list[int], str]], list[SamplingParams], Job, list[Any]]:
@@ -476,14 +500,15 @@ class ModelService:
             params = [await self.constrain(self.sampling(body, len(ids), "prompt"), spec, param) for ids, _ in encoded]
             rid = f"cmpl-{uuid.uuid4().hex}"
             job, streams = self.submit_prompts(rid, n, [(ids, p) for (ids, _), p in zip(encoded, params)],
-                                               body.wants_logprobs, ticket, body.num_top_logprobs)
+                                               body.wants_logprobs, ticket, body.num_top_logprobs,
+                                               body.wants_progress)
         except BaseException:
             ticket.release()
             raise
         return rid, encoded, params, job, streams
 
     def submit_prompts(self, rid: str, n: int, prompts: list[tuple[list[int], SamplingParams]], logprobs: bool,
-                       ticket: Ticket, top: int = 0) -> tuple[Job, list[Any]]:
+                       ticket: Ticket, top: int = 0, progress: bool = False) -> tuple[Job, list[Any]]:
         """`submit` for several prompts: `n` choices each, choice `i * n + j` being prompt i's choice j."""
         if self.closing:
             raise self.shutting_down()
@@ -496,7 +521,7 @@ class ModelService:
                 p, i = params, k % n
                 if i and params.seed is not None:
                     p = dataclasses.replace(params, seed=(params.seed + i) % 2**64)
-                streams.append(self._submit_one(r, ids, p, logprobs, top))
+                streams.append(self._submit_one(r, ids, p, logprobs, top, progress))
         except APIError:
             for r in rids[: len(streams)]:
                 self.engine.abort(r)
@@ -506,9 +531,9 @@ class ModelService:
         return job, streams
 
     async def start_chat(self, rid: str, body: P.ChatCompletionRequest,
-                         ) -> tuple[Job, list[Any], list[ChatOutputParser] | None, int]:
+                         ) -> tuple[Job, list[Any], list[ChatOutputParser] | None, list[int]]:
         """A chat request admitted, templated, checked and submitted: its job, streams, output parsers
-        and prompt length."""
+        and prompt ids."""
         self.check_model(body.model)
         ticket = self.admit(body.n)
         try:
@@ -517,11 +542,20 @@ class ModelService:
             parsers = self.chat_parsers(body, prompt, tool_choice)
             params = self.sampling(body, len(ids), "messages")
             params = await self.constrain(params, *self.chat_grammar(body, prompt, tool_choice))
-            job, streams = self.submit(rid, body.n, ids, params, body.wants_logprobs, ticket, body.num_top_logprobs)
+            job, streams = self.submit(rid, body.n, ids, params, body.wants_logprobs, ticket, body.num_top_logprobs,
+                                       body.wants_progress)
         except BaseException:
             ticket.release()
             raise
-        return job, streams, parsers, len(ids)
+        return job, streams, parsers, ids
+
+    def verbose(self, body: P.SamplingRequest, prompt_ids: list[int], text: str) -> dict[str, Any] | None:
+        """llama-server's `__verbose` of a response, when the request (or else --verbose) asks for it."""
+        if not (self.cfg.verbose if body.verbose is None else body.verbose):
+            return None
+        return {"prompt": self.tokenizer.decode(prompt_ids, skip_special=False), "content": text,
+                "tokens_evaluated": len(prompt_ids)}
 
     def model_card(self) -> P.ModelCard:
-        return P.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+        return P.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len,
+                           aliases=self.cfg.aliases or None, tags=self.cfg.tag_list or None)

@@ -40,10 +40,11 @@ class MTPDrafter:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_drafts: int, min_p: float, batch_mtp: bool,
                  adaptive: bool, max_model_len: int, max_seqs: int, chunk_size: int, device: torch.device,
                  dtype: torch.dtype, seed_of: Callable[[Any], int], max_num_batched_tokens: int = 0,
-                 cuda_graph: bool = True, host_pool: KVPool | None = None):
+                 cuda_graph: bool = True, host_pool: KVPool | None = None, split: bool | None = None):
         """`seed_of(request)`: the request's sampling seed; its drafts draw from the next one.
         `host_pool`: the host KV tier's pool (the MTP layer's K/V tier with the rest).
-        `max_num_batched_tokens`: the most rows of a step (sizes the MTP call buffers)."""
+        `max_num_batched_tokens`: the most rows of a step (sizes the MTP call buffers).
+        `split`: the prompt's MTP K/V chunk by chunk during the read (None: as STRATA_SPLIT_MTP_BATCH)."""
         if not model.mtp_layers:
             raise ValueError("speculation needs a model with an MTP head (num_nextn_predict_layers > 0)")
         self.model, self.pool, self.device = model, pool, torch.device(device)
@@ -61,11 +62,9 @@ class MTPDrafter:
             inner = self.attn if self.attn.meta is not None else PagedAttention(pool)
             self.attn = TieredAttention(inner, host_pool, device=self.device, decode_rows=1 + max_drafts,
                                         max_host_tokens=max_model_len, num_layers=0)
-        # A graph cannot hold the host part's attention.
         self.step = MTPStep(model, pool, self.attn, max_seqs=max_seqs, max_rows=max_rows, rows_per_seq=1 + max_drafts,
-                            max_model_len=max_model_len, device=self.device, dtype=dtype,
-                            cuda_graph=cuda_graph and host_pool is None)
-        self.split = self.split_mode()
+                            max_model_len=max_model_len, device=self.device, dtype=dtype, cuda_graph=cuda_graph)
+        self.split = self.split_mode() if split is None else split
         log.info("MTP draft K/V for prompts: %s", "batched with the read (STRATA_SPLIT_MTP_BATCH=1)" if self.split
                  else "by the drafter at hand-over (default)")
         # Default mode keeps each slot's prompt hidden states until the read hands over.

@@ -14,8 +14,8 @@ bucket of sequences, largest first, on one pool of their own, as the target's de
 one row per sequence (the drafting recursion: draft j from draft j - 1) and up to `rows_per_seq`
 rows per sequence (after a verification step: the verified tokens' rows). Padding rows write their
 K/V into the padding block's slot 0 and padding sequences have no rows and no context. Calls that
-fit no graph (a prompt's catch-up, a read's rows with STRATA_SPLIT_MTP_BATCH) run eagerly on the
-same buffers; nothing is allocated for inputs either way.
+fit no graph (a prompt's catch-up, a read's rows with STRATA_SPLIT_MTP_BATCH, a sequence with blocks
+in the host KV tier) run eagerly on the same buffers; nothing is allocated for inputs either way.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class MTPStep:
             self.inputs_copied.synchronize()
         offs = self._fill(reqs, starts, lens, next_ids)
         q = max(lens)
-        g = self._graph_for(q, r)
+        g = None if any(offs) else self._graph_for(q, r)  # a host-tier part is attended eagerly
         if g is not None:
             self._pad(n, r, g)
             self._upload(g.rows, g.seqs)

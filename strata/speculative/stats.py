@@ -50,7 +50,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {
-            "drafts_proposed": self.proposed, "drafts_accepted": self.accepted,
+            "drafts_proposed": self.proposed, "drafts_accepted": self.accepted, "verification_steps": self.steps,
             "acceptance": self.acceptance, "mean_accepted_length": self.mean_accepted_length,
             "accepted_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
         }

@@ -1,8 +1,10 @@
 """The host KV tier on CUDA (`pytest -m gpu -s tests/gpu/test_gpu_kv_tier.py`): the host pool is pinned,
 block moves go through the copier's side stream and events, the host part of decode rows is attended
 on the CPU and prompt chunks stream theirs, the device part by the Triton kernels with their LSE output;
-fp32 greedy output is identical with a resident window smaller than the prompt, and a steady second pass
-adds no allocator segment."""
+fp32 greedy output is identical with a resident window smaller than the prompt (CUDA graphs on: steps
+with a host part run eagerly; speculation, preemption, the concurrent read on its own stream, a hybrid
+model), bf16 under --batch-invariant is bitwise the run without the tier, and a steady second pass adds
+no allocator segment."""
 
 from __future__ import annotations
 
@@ -25,13 +27,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TEXT = open(__file__.replace("tests/gpu/test_gpu_kv_tier.py", "strata/assets/default-model/README.md")).read()
 
 
-def run(prompts, **kw):
+def run(prompts, logprobs=False, **kw):
     base = dict(device="cuda", dtype="float32", ctx=2048, parallel=2, chunk_size=128, max_num_batched_tokens=256,
                 prefix_cache=False)
     e = LLMEngine(EngineConfig(**{**base, **kw}), progress=False)
     for i, p in enumerate(prompts):
-        e.add_request(EngineRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=32, ignore_eos=True), time.monotonic()))
-    out = {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in e.run_to_completion().items()}
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        e.add_request(EngineRequest(f"r{i}", tuple(p), params, time.monotonic()), logprobs=logprobs)
+    got = e.run_to_completion()
+    e.close()
+    out = {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in got.items()}
+    if logprobs:
+        out = {rid: (out[rid], [x for ev in evs for x in ev.logprobs]) for rid, evs in got.items()}
     return out, e
 
 
@@ -39,6 +46,23 @@ def prompts(e_or_none=None):
     e = LLMEngine(EngineConfig(device="cpu", ctx=256), progress=False)
     ids = e.tokenizer.encode(TEXT * 2)
     return [ids[:900], ids[1000:1500]]
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Counts decode-graph replays and fails on one for a step with a host part."""
+    from strata.runner.model_runner import ModelRunner
+
+    n = {"replays": 0}
+    launch = ModelRunner._launch_graph
+
+    def counted(self, *a, **kw):
+        assert not self.attn.has_host, "a step with a host part replayed a graph"
+        n["replays"] += 1
+        return launch(self, *a, **kw)
+
+    monkeypatch.setattr(ModelRunner, "_launch_graph", counted)
+    return n
 
 
 def test_cuda_copier_is_pinned_and_event_ordered():
@@ -89,8 +113,61 @@ def test_cuda_tier_attends_its_device_part_with_the_triton_kernels(kv, monkeypat
 def test_cuda_fp32_tier_with_speculation_identical():
     ps = prompts()
     want, _ = run(ps)
-    out, _ = run(ps, kv_resident=128, spec=3, batch_mtp=True)
-    assert out == want
+    out, e = run(ps, kv_resident=128, spec=3, batch_mtp=True)
+    assert out == want and e.drafter.split
+    # One slot whose device pool is smaller than its prompt; then preemptions with blocks in both tiers.
+    out, e = run(ps[:1], kv_resident=128, spec=3, parallel=1, kv_size=640)
+    assert out == {"r0": want["r0"]}
+    out, e = run(ps, kv_resident=128, kv_size=416, give_way=False)
+    assert out == want and e.scheduler.preemptions_total > 0
+
+
+def test_cuda_graphs_replay_only_steps_without_a_host_part(replays):
+    """Graphs on with the tier: a request within its window decodes by replays (the MTP calls too), the
+    steps of requests with host blocks run eagerly; output identical to graphs without the tier."""
+    ps = prompts()
+    ps.append(ps[1][:40])  # within the window: never tiered
+    want, _ = run(ps, spec=2)
+    replays["replays"] = 0
+    out, e = run(ps, kv_resident=128, spec=2)
+    assert out == want and e.runner.graphs and e.runner.attn.host_rows_total > 0
+    assert replays["replays"] > 0 and e.drafter.step.graph_replays > 0
+
+
+def test_cuda_tier_beside_the_concurrent_read(monkeypatch):
+    """The read stage on its own stream with its own tiered backend: a long read beside a decode."""
+    ps = prompts()
+    want, _ = run(ps)
+    monkeypatch.setenv("STRATA_PIPED_CONCURRENT", "1")
+    out, e = run(ps, kv_resident=128)
+    assert out == want and e.read_stage.runner.attn.host_rows_total > 0
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_cuda_bf16_batch_invariant_tier_is_bitwise(tiny_model_dirs, kv):
+    """--batch-invariant in bf16 (tiny dense Qwen3): each tiered sequence is assembled whole and attended by
+    the invariant Triton kernel, so tokens and logprobs are bitwise those without the tier."""
+    path, hf = tiny_model_dirs["qwen3"]
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (300, 120)]
+    kw = dict(model=path, dtype="bfloat16", ctx=512, chunk_size=64, max_num_batched_tokens=128, kv=kv,
+              batch_invariant=True, logprobs=True)
+    want, _ = run(ps, **kw)
+    out, e = run(ps, kv_resident=64, **kw)
+    assert out == want and e.runner.attn.whole_sequences_total > 0
+
+
+def test_cuda_hybrid_tier_identical(tiny_model_dirs, replays):
+    """The tiny Qwen3-Next in fp32: the full-attention layer tiers, the linear-attention states stay on
+    the device; decode graphs (which update the slots' states) replay where no host part is."""
+    path, hf = tiny_model_dirs["qwen3_next"]
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (300, 130, 20)]
+    kw = dict(model=path, ctx=512, chunk_size=32, max_num_batched_tokens=64)
+    want, _ = run(ps, **kw)
+    replays["replays"] = 0
+    out, e = run(ps, kv_resident=64, **kw)
+    assert out == want and e.runner.attn.host_rows_total > 0 and replays["replays"] > 0
 
 
 def test_cuda_tier_second_pass_adds_no_segment():

@@ -1,11 +1,15 @@
 """The host KV tier: its bookkeeping (pure Python), block copies, attention over both tiers merged by
-log-sum-exp against one attention over all keys, on fresh random inputs."""
+log-sum-exp against one attention over all keys, on fresh random inputs; with a batch-invariant backend
+(the torch reference, and the Triton kernels in the interpreter) the bits of one attention over all keys,
+wherever the host part ends."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_lse import tiny_tiles  # noqa: F401 (a fixture)
 
+from strata.attention import tiered as tiered_mod
 from strata.attention.reference import PagedAttention
 from strata.attention.tiered import TieredAttention, attend_all, merge
 from strata.kvcache.allocator import NULL_BLOCK, BlockAllocator
@@ -28,18 +32,18 @@ def test_merge_of_two_key_sets_equals_attention_over_all():
     torch.testing.assert_close(merge(o1, l1, torch.zeros_like(o1), empty), o1)
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8"])
-def test_tiered_attention_matches_one_pool(kind):
-    """Two sequences (a decode row and a 20-row chunk) whose first blocks sit in a host pool: the tiered
-    backend over the shifted device layout gives what the plain backend gives over everything."""
-    g = torch.Generator().manual_seed(5)
+def _two_tiers(kind: str, host_counts=(3, 5), seed: int = 5):
+    """Two sequences (a decode row, a 20-row chunk) in a pool holding everything (`full`) and, the same
+    K/V, split between a device pool and a host pool holding each one's first `host_counts` blocks."""
+    g = torch.Generator().manual_seed(seed)
     bs, hkv, hq, d = 4, 2, 4, 16
     full = make_pool(kind, 1, 32, bs, hkv, d, "cpu", torch.float32)
     dev = make_pool(kind, 1, 32, bs, hkv, d, "cpu", torch.float32)
     host = make_pool(kind, 1, 16, bs, hkv, d, "cpu", torch.float32)
     lens, news = [37, 52], [1, 20]
     tables = [list(range(1, 11)), list(range(11, 24))]
-    host_blocks = [[3, 4, 5], [6, 7, 8, 9, 10]]  # the first 3 and 5 blocks of each sequence
+    first = [3, 3 + host_counts[0]]
+    host_blocks = [list(range(f, f + c)) for f, c in zip(first, host_counts)]
     starts = [n - k for n, k in zip(lens, news)]
     for r, (table, n) in enumerate(zip(tables, starts)):  # the context before the step, in both layouts
         k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
@@ -47,7 +51,7 @@ def test_tiered_attention_matches_one_pool(kind):
         full.write(0, slots, k, v)
         dev.write(0, slots, k, v)
         nh = len(host_blocks[r])
-        hs = torch.tensor([host_blocks[r][p // bs] * bs + p % bs for p in range(nh * bs)])
+        hs = torch.tensor([host_blocks[r][p // bs] * bs + p % bs for p in range(nh * bs)], dtype=torch.long)
         host.write(0, hs, k[: nh * bs], v[: nh * bs])
     q = torch.randn(sum(news), hq, d, generator=g)
     k, v = torch.randn(sum(news), hkv, d, generator=g), torch.randn(sum(news), hkv, d, generator=g)
@@ -59,17 +63,60 @@ def test_tiered_attention_matches_one_pool(kind):
             t[r, : len(row)] = torch.tensor(row)
         return t
 
+    full_layout = (slots, starts, news, table_tensor(tables))
+    offs = [len(h) * bs for h in host_blocks]
+    shifted = [s - o for s, o in zip(starts, offs)]
+    tiered_layout = (slots, shifted, news, table_tensor([t[len(h):] for t, h in zip(tables, host_blocks)]))
+    spans = [(0, 1, host_blocks[0], 0, shifted[0]), (1, 20, host_blocks[1], 1, shifted[1])]
+    return full, dev, host, full_layout, tiered_layout, spans, (q, k, v)
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_tiered_attention_matches_one_pool(kind, monkeypatch):
+    """The tiered backend over the shifted device layout gives what the plain backend gives over
+    everything; the streamed chunk's host part in key tiles of one block, merged in order."""
+    monkeypatch.setattr(tiered_mod, "STREAM_SCORE_BYTES", 4 * 20 * 4 * 4)  # 20 rows x 4 heads: tiles of 4 keys
+    full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
     ref = PagedAttention(full)
-    ref.prepare(slots, starts, news, table_tensor(tables))
-    want = ref.attend(0, q, k, v)
+    ref.prepare(*full_layout)
+    want = ref.attend(0, *qkv)
 
     tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1)
-    offs = [len(h) * bs for h in host_blocks]
-    tiered.prepare(slots, [s - o for s, o in zip(starts, offs)], news,
-                   table_tensor([t[len(h):] for t, h in zip(tables, host_blocks)]))
-    tiered.set_host([(0, 1, host_blocks[0]), (1, 20, host_blocks[1])])
-    got = tiered.attend(0, q, k, v)
+    tiered.prepare(*tiered_layout)
+    tiered.set_host([sp[:3] for sp in spans])
+    got = tiered.attend(0, *qkv)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _invariant_backend(kind: str, pool):
+    if kind == "reference":
+        return PagedAttention(pool, batch_invariant=True)
+    from strata.attention.triton_backend import TritonPagedAttention
+
+    return TritonPagedAttention(pool, num_q_heads=4, max_seqs=3, max_rows=64, max_split_rows=8, device="cpu",
+                                dtype=torch.float32, max_context=64, batch_invariant=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_batch_invariant_tiered_attention_is_bitwise_one_pool(backend, kind, tiny_tiles):
+    """Batch-invariant: each tiered sequence is attended whole, so its rows carry the bits of the plain
+    backend over every key, wherever its host part ends (none, 1 or 5 blocks)."""
+    full, _, _, full_layout, _, _, qkv = _two_tiers(kind)
+    ref = _invariant_backend(backend, full)
+    ref.prepare(*full_layout)
+    want = ref.attend(0, *qkv).clone()
+    for counts in ((1, 5), (5, 2), (0, 3)):
+        _, dev, host, _, tiered_layout, spans, qkv = _two_tiers(kind, counts)
+        tiered = TieredAttention(_invariant_backend(backend, dev), host, device="cpu", decode_rows=1,
+                                 max_host_tokens=64, num_layers=1)
+        tiered.prepare(*tiered_layout)
+        tiered.set_host([sp for sp in spans if sp[2]])
+        got = tiered.attend(0, *qkv)
+        assert torch.equal(got, want), counts
+        assert tiered.whole_sequences_total == sum(c > 0 for c in counts)
+    with pytest.raises(ValueError, match="sequence and start"):
+        tiered.set_host([sp[:3] for sp in spans])
 
 
 def test_copier_moves_whole_blocks_of_every_layer():

@@ -285,8 +285,13 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, htt
              else http.post(path, json=body))
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
-        assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), (body, err)
+        # A context the request cannot fit: llama-server's type and its n_ctx / n_prompt_tokens beside
+        # OpenAI's code.
+        kind, extra = (("exceed_context_size_error", {"n_ctx", "n_prompt_tokens"}) if code == "context_length_exceeded"
+                       else ("invalid_request_error", set()))
+        assert set(err) == {"message", "type", "param", "code"} | extra and err["message"], err
+        assert (err["param"], err["code"], err["type"]) == (param, code, kind), (body, err)
+        assert not extra or err["n_ctx"] == CTX and err["n_prompt_tokens"] > 0, err
     r = http.get("/v1/nowhere")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert http.get("/v1/chat/completions").status_code == 405

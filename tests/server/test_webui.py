@@ -22,7 +22,7 @@ import pytest
 from serving import running_server
 
 KEY = "sk-webui-test"
-CTX = 1024
+CTX = 2048
 WAIT_S = 15.0
 
 
@@ -201,7 +201,7 @@ def test_markdown_is_rendered_from_escaped_text(servers, driver):
 def test_chat_streams_the_reply_and_the_dashboard_follows(servers, driver):
     fill(driver, "temperature", "0.8")
     fill(driver, "seed", "3")
-    fill(driver, "max_tokens", "100")
+    fill(driver, "max_tokens", "600")  # long enough for the dashboard's 500 ms refresh to see it
     send_message(driver, "Tell me about the sea.")
     texts, slot_states = [], set()
     deadline = time.monotonic() + WAIT_S
@@ -231,7 +231,7 @@ def test_chat_streams_the_reply_and_the_dashboard_follows(servers, driver):
 
 def test_stop_ends_a_long_generation_and_frees_the_slot(servers, driver):
     base, _ = servers
-    fill(driver, "max_tokens", str(CTX - 300))  # room for the first exchange, sent again
+    fill(driver, "max_tokens", str(CTX - 800))  # room for the first exchange (600 tokens at most), sent again
     fill(driver, "seed", "")
     # The reply is sampled with a fresh seed: now and then the small model ends it (EOS) before the
     # click lands. Such a reply shows "done", not "stopped"; then ask again, at most twice more.
