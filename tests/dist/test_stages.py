@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -74,6 +75,23 @@ def same_drafts(a: dict, b: dict) -> None:
     strike another request) proposed the same drafts wherever both decoded the same position."""
     common = a.keys() & b.keys()
     assert len(common) >= len(a) // 2 and all(a[k] == b[k] for k in common), (a, b)
+
+
+def collector() -> tuple[dict[str, list[int]], Callable[[list], None]]:
+    """(tokens by request, a function that adds a step's events to them, failing on an error event)."""
+    out: dict[str, list[int]] = {}
+
+    def keep(events) -> None:
+        for ev in events:
+            assert ev.error is None, ev.error
+            out.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+    return out, keep
+
+
+def add_long(e: LLMEngine) -> None:
+    e.add_request(EngineRequest("r0", tuple(e.tokenizer.encode(LONG)), SamplingParams(max_tokens=12, ignore_eos=True),
+                                time.monotonic()))
 
 
 def run(prompts: list[str] = PROMPTS, params: dict | None = None, between=None,
@@ -240,16 +258,11 @@ def test_the_next_step_runs_on_an_earlier_stage_while_the_first_is_on_the_last(t
     e = LLMEngine(EngineConfig(device="cpu", **cfg, split_mode="layer", tensor_split=split), progress=False)
     world = e.stages.plan.world
     before, (_, last) = world - 2, e.stages.children[-1]
-    out: dict[str, list[int]] = {}
+    out, keep = collector()
 
     def add(i: int) -> None:
         e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(prompts[i])),
                                     SamplingParams(max_tokens=12, ignore_eos=True), time.monotonic()))
-
-    def keep(events) -> None:
-        for ev in events:
-            assert ev.error is None, ev.error
-            out.setdefault(ev.request_id, []).extend(ev.token_ids)
 
     try:
         add(0)
@@ -295,7 +308,8 @@ def test_the_next_step_runs_on_an_earlier_stage_while_the_first_is_on_the_last(t
     sends = sum(ev == "send" for ev, _, _ in r0)
     assert depth == 0 and sends > 6 and overlapped >= 6, r0
     one = LLMEngine(EngineConfig(device="cpu", **cfg), progress=False)
-    e, out_split, out = one, out, {}
+    e, out_split = one, out
+    out, keep = collector()
     try:
         add(0)
         keep(e.step())
@@ -332,16 +346,10 @@ def test_one_prompts_next_chunk_runs_on_an_earlier_stage_while_the_one_before_is
                   progress=False)
     record(e)
     world, (_, last) = e.stages.plan.world, e.stages.children[-1]
-    out: dict[str, list[int]] = {}
-
-    def keep(events) -> None:
-        for ev in events:
-            assert ev.error is None, ev.error
-            out.setdefault(ev.request_id, []).extend(ev.token_ids)
+    out, keep = collector()
 
     try:
-        e.add_request(EngineRequest("r0", tuple(e.tokenizer.encode(LONG)),
-                                    SamplingParams(max_tokens=12, ignore_eos=True), time.monotonic()))
+        add_long(e)
         os.kill(last.pid, signal.SIGSTOP)
         for _ in range(world - 1):
             keep(e.step())  # launches the next chunk: fewer steps out than stages, nothing is waited for
@@ -403,16 +411,10 @@ def test_with_speculation_the_next_chunk_is_launched_before_the_drafter_answers(
         return hidden
 
     e.stages.receive = stop_after_the_first
-    out: dict[str, list[int]] = {}
-
-    def keep(events) -> None:
-        for ev in events:
-            assert ev.error is None, ev.error
-            out.setdefault(ev.request_id, []).extend(ev.token_ids)
+    out, keep = collector()
 
     try:
-        e.add_request(EngineRequest("r0", tuple(e.tokenizer.encode(LONG)),
-                                    SamplingParams(max_tokens=12, ignore_eos=True), time.monotonic()))
+        add_long(e)
         keep(e.step())  # chunk 0
         failed: list[BaseException] = []
         events: list = []
