@@ -3,7 +3,7 @@ model file's template, untrusted code in a sandbox that stops code execution but
 can be killed when it runs too long and cannot take more than its memory limit.
 
 Protocol, JSON lines: the first line on stdin is `{"template", "bos_token", "eos_token", "max_chars",
-"memory_bytes"}`, answered `{"ready": true}` once the worker has started; then each line is a render
+"memory_bytes"}`, answered `{"ready": true}` once the worker has compiled the template; then each line is a render
 `{"messages", "tools", "add_generation_prompt", "kwargs"}` answered by one line on stdout: `{"text": ...}`
 or `{"error": ...}`.
 """
@@ -35,9 +35,6 @@ def main() -> int:
     setup = json.loads(sys.stdin.readline())
     source = setup["template"] or DEFAULT_CHAT_TEMPLATE
     _limit_memory(setup["memory_bytes"])  # compiling folds constant expressions: it is bounded too
-    out = sys.stdout
-    out.write('{"ready": true}\n')
-    out.flush()
     try:
         compile_chat_template(source)
         error = None
@@ -45,6 +42,10 @@ def main() -> int:
         error = f"the chat template used more than {setup['memory_bytes'] // 2**20} MiB"
     except Exception as e:  # answered to every request: the parent reports it at start-up
         error = f"{type(e).__name__}: {e}"
+    # Ready once compiled: a render's time limit then counts the render alone, not the compiling.
+    out = sys.stdout
+    out.write('{"ready": true}\n')
+    out.flush()
     for line in sys.stdin:
         try:
             if error is not None:

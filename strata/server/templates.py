@@ -37,6 +37,7 @@ log = logging.getLogger("strata")
 PLACEHOLDER_BASE = 0xF0000
 PLACEHOLDER_END = 0xFFFFE
 START_TIMEOUT_S = 60.0  # a worker's interpreter starting (a loaded machine is slow to start one)
+CHECK_TIMEOUT_S = 10.0
 
 
 class TemplateLimitError(ValueError):
@@ -134,8 +135,10 @@ class TemplateRenderer:
         w.kill()
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
-        """The prompt text; TemplateLimitError when the template fails or breaks a limit."""
+               add_generation_prompt: bool, kwargs: dict[str, Any], *, timeout_s: float | None = None) -> str:
+        """The prompt text; TemplateLimitError when the template fails or breaks a limit (`timeout_s`:
+        the time limit, when not the renderer's own)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
         request = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
                    "kwargs": kwargs}
         if not self.slots.acquire(timeout=self.timeout_s * 4):
@@ -145,15 +148,15 @@ class TemplateRenderer:
             start = time.monotonic()
             try:
                 w.send(request)
-                reply = w.receive(self.timeout_s)
+                reply = w.receive(limit)
             except (OSError, ValueError) as e:
                 w.kill()
                 raise TemplateLimitError(f"the chat-template worker failed: {e}") from None
             if reply is None:
                 w.kill()
                 took = time.monotonic() - start
-                if took >= self.timeout_s:
-                    raise TemplateLimitError(f"the chat template took longer than {self.timeout_s:g} s to render")
+                if took >= limit:
+                    raise TemplateLimitError(f"the chat template took longer than {limit:g} s to render")
                 raise TemplateLimitError("the chat template's worker ended while rendering (out of memory?)")
             self._give_back(w)
         finally:
@@ -164,9 +167,11 @@ class TemplateRenderer:
 
     def check(self) -> None:
         """A one-message conversation through the template: ValueError naming the problem when the
-        template does not compile, render, or stay within its limits."""
+        template does not compile, render, or stay within its limits. Its time limit is at least
+        CHECK_TIMEOUT_S: start-up loads the model beside it, and a loaded machine renders slowly."""
         try:
-            self.render([{"role": "user", "content": "Hello"}], None, True, {})
+            self.render([{"role": "user", "content": "Hello"}], None, True, {},
+                        timeout_s=max(self.timeout_s, CHECK_TIMEOUT_S))
         except TemplateLimitError as e:
             raise ValueError(f"the model's chat template cannot render a conversation: {e}") from None
 
