@@ -325,6 +325,8 @@ class LLMEngine:
             raise RequestError(f"duplicate request id {req.request_id!r}")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        if req.filtered_logprobs and not req.top_logprobs:
+            raise RequestError("filtered_logprobs needs top_logprobs")
         # Ids the model cannot embed or sample would fail the step of every request batched beside it.
         vocab = self.model_config.vocab_size
         for what, ids in (("prompt", req.prompt_ids), ("logit_bias", req.params.logit_bias)):
@@ -343,7 +345,7 @@ class LLMEngine:
             self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
             self.runner.sampler(r)  # its seed, in arrival order, whichever stage samples it first
             if req.top_logprobs:
-                self.runner.want_top_logprobs(req.request_id, req.top_logprobs)
+                self.runner.want_top_logprobs(req.request_id, req.top_logprobs, req.filtered_logprobs)
             if matcher is not None:
                 self.runner.constrain(req.request_id, matcher)
             self.scheduler.add(r)

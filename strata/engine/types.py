@@ -28,6 +28,9 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     top_logprobs: int = 0  # 1..MAX_TOP_LOGPROBS: events also carry each token's most likely alternatives
+    # With top_logprobs: logprobs and alternatives under the distribution after temperature, top-k, top-p
+    # and min-p, the one the token was drawn from (a token they filter out has -inf).
+    filtered_logprobs: bool = False
     report_progress: bool = False  # an event (`prompt_read`) after each chunk of the prompt read
 
 

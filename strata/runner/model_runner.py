@@ -47,7 +47,8 @@ from strata.models.transformer import CausalLM
 from strata.attention.registry import make_attention
 from strata.attention.reference import PagedAttention
 from strata.attention.tiered import TieredAttention
-from strata.runner.device_sampling import DeviceSampler, RowParams, SamplePlan, output_penalties
+from strata.runner.device_sampling import (DeviceSampler, RowParams, SamplePlan, filtered_probs_batched,
+                                          output_penalties)
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
 from strata.sampling import (Sampler, apply_logit_bias, apply_output_penalties, apply_repetition_penalty,
                              filtered_probs)
@@ -134,6 +135,9 @@ class ModelRunner:
         self.h_top_ids = [torch.zeros(top_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.h_top_lp = [torch.zeros(top_size, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
         self.top_logprobs: dict[str, int] = {}  # request id -> alternatives per token, for those asking
+        # Requests whose logprobs and alternatives are under the distribution the token is drawn from
+        # after temperature, top-k, top-p and min-p (llama-server's post_sampling_probs).
+        self.filtered_logprobs: set[str] = set()
         # Token bitmasks, one row per sampling logit row (at most every sequence's drafts + 1). The
         # device copy is all ones except in the first `mask_dirty` rows (those of the last step that
         # had a grammar), so steps without grammars upload nothing.
@@ -172,6 +176,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         self.top_logprobs.pop(request_id, None)
+        self.filtered_logprobs.discard(request_id)
         self.matchers.pop(request_id, None)
 
     def constrain(self, request_id: str, matcher: GrammarMatcher) -> None:
@@ -180,11 +185,15 @@ class ModelRunner:
             raise ValueError("this runner was built without a grammar compiler")
         self.matchers[request_id] = matcher
 
-    def want_top_logprobs(self, request_id: str, k: int) -> None:
-        """Report the `k` (1..20) most likely tokens of each of the request's rows with its tokens."""
+    def want_top_logprobs(self, request_id: str, k: int, filtered: bool = False) -> None:
+        """Report the `k` (1..20) most likely tokens of each of the request's rows with its tokens.
+        `filtered`: the tokens' logprobs and the alternatives under the distribution after temperature,
+        top-k, top-p and min-p (a filtered-out token's logprob is -inf), not the plain softmax."""
         if not 1 <= k <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs must be in [1, {MAX_TOP_LOGPROBS}], got {k}")
         self.top_logprobs[request_id] = k
+        if filtered:
+            self.filtered_logprobs.add(request_id)
 
     def sampler(self, req) -> Sampler:
         """The request's sampler. With an engine seed, requests that bring none get seeds derived from
@@ -483,6 +492,7 @@ class ModelRunner:
         else:
             picked = drawn[:2]
         top = self._top(step.logits, step.lse, sampling, drawn[2] if drawn else None)
+        picked, top = self._filtered(step.logits, sampling, picked, top)
         self._send_picks(step, *picked, len(rows), top)
         return step
 
@@ -553,6 +563,31 @@ class ModelRunner:
             values[r0:r1], ids[r0:r1] = v - row_logsumexp(x, self.batch_invariant)[:, None], i
         return ids, values, k
 
+    def _filtered(self, logits: torch.Tensor, chunks, picked: tuple[torch.Tensor, torch.Tensor],
+                  top: tuple[torch.Tensor, torch.Tensor, int] | None):
+        """(picked, top) with the rows of requests in `filtered_logprobs` under the filtered distribution:
+        each pick's logprob and the row's alternatives (the ones drawn on the device; the host gives
+        those of the rows it verifies)."""
+        if not self.filtered_logprobs or top is None:
+            return picked, top
+        rows, params, r0 = [], [], 0
+        for ch in chunks:
+            n, req = len(ch.drafts) + 1, ch.request
+            if (req.request_id in self.filtered_logprobs and req.request_id not in self.faults
+                    and (req.params.greedy or not ch.drafts)):
+                rows.extend(range(r0, r0 + n))
+                params.extend(self._rows_of(ch))
+            r0 += n
+        if not rows:
+            return picked, top
+        idx = to_device(rows, self.device)
+        logp = filtered_probs_batched(logits.index_select(0, idx), params).log()
+        tokens, lps = picked[0], picked[1].clone()  # a graph's output buffer stays as the graph wrote it
+        lps[idx] = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+        ids, values, k = top[0].clone(), top[1].clone(), top[2]
+        values[idx], ids[idx] = logp.topk(k, dim=-1)
+        return (tokens, lps), (ids, values, k)
+
     def _launch_graph(self, g: BucketGraphs, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
         self._pad(n, r, g, chunks)
         self._upload(g.rows, g.seqs)
@@ -589,7 +624,8 @@ class ModelRunner:
             step.logits, step.lse = logits[:n].clone(), lse[:n].clone()
         drawn = self._draw(logits[:n], chunks)
         top = self._top(logits[:n], lse[:n], chunks, drawn[2] if drawn else None)
-        self._send_picks(step, *(drawn[:2] if drawn else (best[:n], best_lp[:n])), n, top)
+        picked, top = self._filtered(logits[:n], chunks, drawn[:2] if drawn else (best[:n], best_lp[:n]), top)
+        self._send_picks(step, *picked, n, top)
 
     def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int,
                     top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
@@ -666,6 +702,12 @@ class ModelRunner:
             target = torch.stack([filtered_probs(self._penalised(logits[r0 + j], req, ch.drafts[:j]), p)
                                   for j in range(k1)]).cpu()
             toks = verify_sampled(list(ch.drafts), q, target, self.sampler(req).gen)
+            if req.request_id in self.filtered_logprobs:
+                logp = target[: len(toks)].log()
+                v, a = logp.topk(self.top_logprobs[req.request_id], dim=-1)
+                out[req.request_id] = Sampled(toks, logp.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist(),
+                                              [list(zip(x, y)) for x, y in zip(a.tolist(), v.tolist())])
+                continue
             idx = torch.tensor(toks, device=logits.device)
             rows = torch.arange(r0, r0 + len(toks), device=logits.device)
             lp = logits[rows, idx] - step.lse[rows]

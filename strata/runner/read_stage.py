@@ -121,6 +121,7 @@ class ReadStage:
         self.runner.sampler = main.sampler
         self.runner.matchers = main.matchers
         self.runner.top_logprobs = main.top_logprobs
+        self.runner.filtered_logprobs = main.filtered_logprobs
         self.max_tokens = max_num_batched_tokens
         self.up_ring = UpRing(self.device)
         self.twins = k_scratch.make_twins(model_scratch(model))

@@ -7,10 +7,11 @@
 sampling defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and names (`repeat_penalty`),
 `logit_bias` as `[[token id or text, bias or false], ...]` or an object, `n_probs` (the sampled
 token's logprob with that many alternatives, as `completion_probabilities`), `return_tokens`,
-`response_fields`. It answers `content`, `tokens`, `stop`, `stop_type`, `timings`, ... and streams
-one such object per event, with no `[DONE]`. Fields whose meaning Strata cannot give are a 400 naming
-them: `id_slot` other than -1 (requests are not pinned to slots), `post_sampling_probs`,
-multimodal prompts, `repeat_last_n` with a repetition penalty (Strata's reads the whole context).
+`response_fields`; `post_sampling_probs` gives, in place of logprobs, the probabilities after
+temperature, top-k, top-p and min-p (`prob`, `top_probs`: the tokens they keep, at most `n_probs`). It
+answers `content`, `tokens`, `stop`, `stop_type`, `timings`, ... and streams one such object per event,
+with no `[DONE]`. Fields whose meaning Strata cannot give are a 400 naming them: `id_slot` other than -1
+(requests are not pinned to slots), multimodal prompts, `repeat_last_n` with a repetition penalty (Strata's reads the whole context).
 `cache_prompt` is accepted either way: the prefix cache keeps exact K/V, so it never changes a result.
 """
 
@@ -57,9 +58,6 @@ class NativeCompletionRequest(P.SamplingRequest):
         super().check_supported()
         if self.id_slot not in (None, -1):
             raise P.Unsupported("id_slot", "id_slot: requests are not pinned to slots here; send -1 or leave it out")
-        if self.post_sampling_probs:
-            raise P.Unsupported("post_sampling_probs", "post_sampling_probs is not supported; n_probs gives the "
-                                                       "logprobs the token was drawn under, before top-k/top-p/min-p")
         if self.repeat_penalty not in (None, 1.0) and self.repeat_last_n not in (None, -1):
             raise P.Unsupported("repeat_last_n", "repeat_last_n: the repetition penalty reads the whole context "
                                                  "here (-1)")
@@ -75,6 +73,10 @@ class NativeCompletionRequest(P.SamplingRequest):
     @property
     def num_top_logprobs(self) -> int:
         return self.n_probs or 0
+
+    @property
+    def wants_filtered_logprobs(self) -> bool:
+        return self.post_sampling_probs
 
 
 def _logit_bias(s: ModelService, raw: Any) -> dict[str, float] | None:
@@ -301,12 +303,17 @@ class _Native:
 
     def probabilities(self, ids: Any, lps: Any, tops: Any) -> list[dict[str, Any]]:
         fmt = self.s.logprobs
+        post = self.body.post_sampling_probs
 
         def entry(t: int, lp: float) -> dict[str, Any]:
             text = fmt.token_text(t)
-            return {"id": t, "token": text, "logprob": max(float(lp), MIN_LOGPROB), "bytes": list(text.encode())}
+            value = {"prob": min(1.0, math.exp(lp))} if post else {"logprob": max(float(lp), MIN_LOGPROB)}
+            return {"id": t, "token": text, **value, "bytes": list(text.encode())}
 
-        return [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in (tops[j] if tops is not None else ())]}
+        # After the filters, a token they drop has probability 0: it is no alternative.
+        alternatives = "top_probs" if post else "top_logprobs"
+        return [{**entry(t, lp), alternatives: [entry(a, v) for a, v in (tops[j] if tops is not None else ())
+                                                 if not post or v > -math.inf]}
                 for j, (t, lp) in enumerate(zip(ids, lps or ()))]
 
     def _stop_type(self, i: int, finish: str | None, eos: bool) -> str:

@@ -271,6 +271,12 @@ class SamplingRequest(RequestModel):
         return self.return_progress and self.stream
 
     @property
+    def wants_filtered_logprobs(self) -> bool:
+        """Logprobs under the distribution after temperature, top-k, top-p and min-p (the one the
+        token was drawn from) rather than the plain softmax."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 

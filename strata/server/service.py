@@ -471,9 +471,9 @@ class ModelService:
     # -- running ----------------------------------------------------------------------------------
 
     def _submit_one(self, rid: str, ids: list[int], params: SamplingParams, logprobs: bool, top: int,
-                    progress: bool = False) -> Any:
+                    progress: bool = False, filtered: bool = False) -> Any:
         req = EngineRequest(request_id=rid, prompt_ids=tuple(ids), params=params, arrival_time=time.monotonic(),
-                            top_logprobs=top, report_progress=progress)
+                            top_logprobs=top, report_progress=progress, filtered_logprobs=filtered and top > 0)
         try:
             return self.engine.submit(req, logprobs=True) if logprobs else self.engine.submit(req)
         except ValueError as e:
@@ -501,15 +501,17 @@ class ModelService:
             rid = f"cmpl-{uuid.uuid4().hex}"
             job, streams = self.submit_prompts(rid, n, [(ids, p) for (ids, _), p in zip(encoded, params)],
                                                body.wants_logprobs, ticket, body.num_top_logprobs,
-                                               body.wants_progress)
+                                               body.wants_progress, body.wants_filtered_logprobs)
         except BaseException:
             ticket.release()
             raise
         return rid, encoded, params, job, streams
 
     def submit_prompts(self, rid: str, n: int, prompts: list[tuple[list[int], SamplingParams]], logprobs: bool,
-                       ticket: Ticket, top: int = 0, progress: bool = False) -> tuple[Job, list[Any]]:
-        """`submit` for several prompts: `n` choices each, choice `i * n + j` being prompt i's choice j."""
+                       ticket: Ticket, top: int = 0, progress: bool = False, filtered: bool = False
+                       ) -> tuple[Job, list[Any]]:
+        """`submit` for several prompts: `n` choices each, choice `i * n + j` being prompt i's choice j.
+        `filtered`: logprobs under the distribution after the sampler's filters."""
         if self.closing:
             raise self.shutting_down()
         total = n * len(prompts)
@@ -521,7 +523,7 @@ class ModelService:
                 p, i = params, k % n
                 if i and params.seed is not None:
                     p = dataclasses.replace(params, seed=(params.seed + i) % 2**64)
-                streams.append(self._submit_one(r, ids, p, logprobs, top, progress))
+                streams.append(self._submit_one(r, ids, p, logprobs, top, progress, filtered))
         except APIError:
             for r in rids[: len(streams)]:
                 self.engine.abort(r)

@@ -231,3 +231,44 @@ def test_engine_top_lists_match_the_picks(device, spec):
             assert values[0] >= lp - 1e-5 and dict(top).get(t, lp) == pytest.approx(lp, abs=1e-5)
             if rid != "sampled":
                 assert top[0][0] == t
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("spec", [0, 2])
+def test_filtered_lists_are_the_distribution_after_the_samplers_filters(device, spec):
+    """With filtered_logprobs (llama-server's post_sampling_probs) the first token's list is the
+    filtered distribution rebuilt from the plain top 20 (top_k 10 keeps it within them); on every
+    token after it (drafted ones too, with spec) the pick has the probability its list gives it, at
+    most top_k tokens are kept, none below min_p of the best, and a greedy row is one token at 1."""
+    from strata.sampling import filtered_probs
+
+    e = LLMEngine(EngineConfig(device=device, dtype="float32", ctx=512, parallel=4, spec=spec), progress=False)
+    ids = tuple(e.tokenizer.encode(PROMPT))
+    filtered = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, top_k=10, top_p=0.9, min_p=0.05,
+                              seed=5)
+    asks = {"raw": (SamplingParams(max_tokens=1, ignore_eos=True), False),
+            "filtered": (filtered, True),
+            "greedy": (SamplingParams(max_tokens=12, ignore_eos=True), True)}
+    for rid, (params, post) in asks.items():
+        e.add_request(EngineRequest(rid, ids, params, 0.0, top_logprobs=20 if rid == "raw" else 10,
+                                    filtered_logprobs=post), logprobs=True)
+    out = {rid: ([t for ev in evs for t in ev.token_ids], [v for ev in evs for v in ev.logprobs],
+                 [t for ev in evs if ev.top_logprobs is not None for t in ev.top_logprobs])
+           for rid, evs in e.run_to_completion().items()}
+
+    raw = torch.full((e.model_config.vocab_size,), float("-inf"))
+    for t, v in out["raw"][2][0]:
+        raw[t] = v
+    ref = filtered_probs(raw, filtered)
+    toks, lps, tops = out["filtered"]
+    kept = [(t, v) for t, v in tops[0] if v > float("-inf")]
+    assert [t for t, _ in kept] == ref.nonzero()[:, 0][ref[ref > 0].argsort(descending=True)].tolist()
+    assert [v for _, v in kept] == pytest.approx(ref[[t for t, _ in kept]].log().tolist(), abs=1e-4)
+    assert len(toks) == len(tops) == 12
+    for t, lp, top in zip(toks, lps, tops):
+        probs = {a: torch.tensor(v).exp().item() for a, v in top if v > float("-inf")}
+        assert 1 <= len(probs) <= 10 and probs[t] == pytest.approx(torch.tensor(lp).exp().item(), abs=1e-5)
+        assert min(probs.values()) >= 0.05 * max(probs.values()) - 1e-6 and sum(probs.values()) <= 1 + 1e-5
+    toks, lps, tops = out["greedy"]
+    assert all(lp == 0.0 for lp in lps)
+    assert all([(a, v) for a, v in top if v > float("-inf")] == [(t, 0.0)] for t, top in zip(toks, tops))

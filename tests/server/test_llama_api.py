@@ -186,7 +186,29 @@ def test_native_logit_bias_n_probs_and_response_fields(server, tok):
     assert set(only) == {"content", "generation_settings/n_predict"} and only["generation_settings/n_predict"] == 6
 
 
-@pytest.mark.parametrize("field, value", [("id_slot", 1), ("post_sampling_probs", True), ("mirostat", 2),
+def test_native_post_sampling_probs_are_the_filtered_distribution(server):
+    """post_sampling_probs: probabilities (not logprobs) after top-k, top-p and min-p; only tokens they
+    keep are listed, so a short list holds the whole distribution; streamed chunks carry the same."""
+    body = {"prompt": PROMPT, "n_predict": 5, "n_probs": 10, "temperature": 1.0, "top_k": 8, "min_p": 0.02,
+            "seed": 4, "post_sampling_probs": True}
+    probs = native(server, body).json()["completion_probabilities"]
+    assert len(probs) == 5
+    for p in probs:
+        top = [t["prob"] for t in p["top_probs"]]
+        assert "logprob" not in p and 0 < p["prob"] <= 1 and 1 <= len(top) <= 8 and all(0 < v <= 1 for v in top)
+        assert top == sorted(top, reverse=True) and min(top) >= 0.02 * top[0] - 1e-6
+        assert len(top) == 8 or sum(top) == pytest.approx(1.0, abs=1e-4)
+        assert next(t["prob"] for t in p["top_probs"] if t["id"] == p["id"]) == pytest.approx(p["prob"])
+    greedy = native(server, {**body, "temperature": 0})
+    assert all(p["prob"] == 1.0 and [t["id"] for t in p["top_probs"]] == [p["id"]]
+               for p in greedy.json()["completion_probabilities"])
+    with httpx.stream("POST", server + "/completion", json={**body, "stream": True}, headers={"X-Api-Key": KEY},
+                      timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [p for e in events for p in e.get("completion_probabilities", ())] == probs
+
+
+@pytest.mark.parametrize("field, value", [("id_slot", 1), ("mirostat", 2),
                                           ("typical_p", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
                                           ("top_n_sigma", 1.0), ("input_suffix", "x")])
 def test_native_fields_strata_cannot_give_are_400s_naming_them(server, field, value):
