@@ -12,8 +12,11 @@ writers (`strata.kernels.quant.writers`): the exact values the format's kernels 
 - `rms_dp`: root mean square change of the probability of the text's actual next token.
 
 A format `host:F` instead loads the model with every MoE layer's routed experts in host RAM in the CPU
-format F (`--host-experts`: int8, w8a8, int4; `strata.models.host_experts`), the rest as the file holds
-it: how far the copy the CPU computes from is from the file's own weights (not with `--shape`).
+format F (`--host-experts`: float, int8, w8a8, fbgemm, int4; `strata.models.host_experts`), the rest as
+the file holds it: how far the copy the CPU computes from is from the file's own weights (not with
+`--shape`). A window's tokens reach the experts together, as a prompt step's do; `host:F@token` hands
+them one token at a time, as decode steps do (it differs where a format rounds the rows of a call
+together: fbgemm).
 
 Run on the embedded model and on a random one (`--shape`); docs/QUANTIZATION.md sets the results
 beside llama.cpp's published KL table. The writers are simple searches without importance weights,
@@ -112,16 +115,37 @@ def _windows(args, loaded) -> tuple[list[torch.Tensor], str]:
     return [ids[i : i + args.ctx] for i in range(0, len(ids) - 1, args.ctx)], source
 
 
+class _TokenByToken:
+    """A layer's `HostExperts` as decode steps call it: one token's rows at a time."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out=None) -> torch.Tensor:
+        return torch.cat([self.host.forward(x[i : i + 1], ids[i : i + 1], weights[i : i + 1]) for i in range(len(x))])
+
+    def __getattr__(self, name: str):
+        return getattr(self.host, name)
+
+
 def _host_copy(loaded, fmt: str) -> tuple[nn.Module, int, int]:
-    """The model loaded again with every MoE layer's routed experts in host RAM as `fmt`: (model, the
-    expert parameters held in that format, the linear parameters left as loaded)."""
+    """The model loaded again with every MoE layer's routed experts in host RAM as `fmt` (`F@token`: each
+    layer's experts called a token at a time): (model, the expert parameters held in that format, the
+    linear parameters left as loaded)."""
     from strata.models.moe import MoE
 
+    fmt, _, calls = fmt.partition("@")
+    if calls not in ("", "token"):
+        raise SystemExit(f"host:{fmt}@{calls}: the only way of calling is @token")
     cfg = loaded.config
     layers = [i for i in range(cfg.num_hidden_layers) if cfg.layer_is_moe(i)]
     model = load_model(loaded.path, device="cpu", dtype=torch.float32, progress=False, host_moe_layers=layers,
                        host_experts=fmt).model
     hosts = [m.host for m in model.modules() if isinstance(m, MoE) and m.host is not None]
+    if calls:
+        for m in model.modules():
+            if isinstance(m, MoE) and m.host is not None:
+                m.host = _TokenByToken(m.host)
     done = sum(h.num_experts * (h.gate_up.n * h.gate_up.k + h.down.n * h.down.k) for h in hosts)
     total = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Router)))
     return model, done, total - done
@@ -151,7 +175,8 @@ def run(args) -> int:
               f"RMS dp {row['rms_dp']:.4f} ({row['quantized_share']:.0%} of linear weights quantized)", flush=True)
         del model
     name = args.shape or "default"
-    info = {"bench": "quant-kl", "model": name, "text": source, "ctx": args.ctx, "seed": args.seed, "rows": rows}
+    info = {"bench": "quant-kl", "model": name, "text": source, "ctx": args.ctx, "seed": args.seed, "rows": rows,
+            "summary": {r["format"]: {k: r[k] for k in ("kld", "same_top", "ppl_ratio")} for r in rows}}
     out = args.out or f"bench/results/quant_kl_{name}_cpu.json"
 
     def draw(plt, info):
@@ -179,7 +204,8 @@ def _add_args(p) -> None:
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random model at this shape instead")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=[*WRITTEN, "FP8"],
                    help=f"comma-separated, of {', '.join(WRITTEN)}, FP8 (the formats the project's writers make), "
-                        "host:int8, host:w8a8, host:int4 (MoE experts in host RAM in that CPU format)")
+                        "host:float, host:int8, host:w8a8, host:fbgemm, host:int4 (MoE experts in host RAM in "
+                        "that CPU format; host:F@token: called a token at a time, as decode steps call them)")
     p.add_argument("--text", default=None, help="text to score (default: the embedded model's README)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)

@@ -244,16 +244,17 @@ def _quantizable_linears(model: CausalLM) -> set[str]:
 
 def host_format(stored_type: str | None, shapes: Collection[tuple[int, int]], int8_fits: bool = True) -> str:
     """The CPU format of routed experts stored as `stored_type` (a safetensors dtype or GGUF type name):
-    float for float weights (exact); for quantized files w8a8, the fastest CPU kernel measured (oneDNN's
-    int8 GEMM: 35 GB/s of experts a decode step on the H100 host, against 10 for torch's weight-only
-    int8 and 4 for its int4 kernel), unless host RAM cannot hold an int8 copy (`int8_fits`): then int4
-    (groups of 32, about 5 bits with its scales), where every weight's shape takes it."""
-    from strata.models.host_experts import format_fits
+    float for float weights (exact); for quantized files the fastest CPU kernel measured for a row
+    (bench/results/host_expert_kernels_cuda.txt, on the H100 host): fbgemm (97 GB/s of experts), else
+    w8a8 (oneDNN's int8 GEMM, 50 GB/s; torch's weight-only int8 and int4 kernels read 9 and 1.5), unless
+    host RAM cannot hold an int8 copy (`int8_fits`): then int4 (groups of 32, about 5 bits with its
+    scales), where every weight's shape takes it."""
+    from strata.models.host_experts import format_fits, has_fbgemm
 
     if stored_type is None or stored_type.upper() in ("F32", "F16", "BF16", "F64"):
         return "float"
     if int8_fits or not all(format_fits("int4", *s) for s in shapes):
-        return "w8a8"
+        return "fbgemm" if has_fbgemm() else "w8a8"
     return "int4"
 
 

@@ -10,7 +10,11 @@ of torch's maintained CPU kernels reads (no hand-written SIMD):
   float);
 - "w8a8": the same int8 weights, each token's activations rounded to int8 with a scale of its own
   (as llama.cpp's CPU backend rounds them to Q8 blocks), through `torch._int_mm` (oneDNN's int8 GEMM):
-  the fastest on the hosts measured (docs/PERFORMANCE.md), so quantized files take it by default;
+  the default for quantized files where torch has no FBGEMM;
+- "fbgemm": the same int8 weights packed for FBGEMM (torch's x86 quantized backend), through its
+  dynamic-quantized linear: the rows one expert takes are rounded to uint8 with one scale and zero
+  point (a decode step's single token: per token), inside the kernel. Twice oneDNN's rate for a row
+  on the hosts measured, so quantized files take it by default where torch has FBGEMM;
 - "int4": int4 in groups of 32 values with a scale and an offset per group, through
   `torch._weight_int4pack_mm_for_cpu`: half the RAM of int8, the default only where RAM cannot hold int8.
 
@@ -29,12 +33,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("float", "int8", "w8a8", "int4")
+FORMATS = ("float", "int8", "w8a8", "fbgemm", "int4")
 INT4_GROUP = 32
 # The int4 CPU kernel packs rows in tiles of 16 and groups of INT4_GROUP values: shapes it can take.
 INT4_ROW_TILE = 16
@@ -81,11 +87,40 @@ def int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).to(torch.int8), scale
 
 
+def has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _has_vnni() -> bool:
+    """Whether the CPU multiplies uint8 by int8 into int32 directly (VNNI, AMX). Without it FBGEMM's
+    int16 pair sums can saturate at full-range activations, so they are rounded to 7 bits instead."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return any(name in flags for name in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+FBGEMM_REDUCE_RANGE = not _has_vnni()
+
+
 def format_fits(fmt: str, n: int, k: int) -> bool:
-    """Whether a [n, k] weight can be held in `fmt` (int4: rows in tiles of 16, groups of 32)."""
+    """Whether a [n, k] weight can be held in `fmt` (int4: rows in tiles of 16, groups of 32; fbgemm:
+    where torch has FBGEMM)."""
     if fmt == "int4":
         return n % INT4_ROW_TILE == 0 and k % INT4_GROUP == 0
+    if fmt == "fbgemm":
+        return has_fbgemm()
     return fmt in FORMATS
+
+
+def fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_rows`' (q [N, K], scale [N]) on the CPU -> FBGEMM's packed linear weight."""
+    with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; FBGEMM's kernels are not
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qw, None)
 
 
 class HostProjection:
@@ -116,6 +151,11 @@ class HostProjection:
             q, scale = int8_rows(w)
             self.w[first:last].copy_(q)
             self.scale[first:last].copy_(scale)
+        elif self.fmt == "fbgemm":
+            q, scale = int8_rows(w)
+            # One thread packs one weight: an 80B-A3B file has 49k of them, so they are packed side by side.
+            with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+                self.packed[first:last] = pool.map(fbgemm_pack, q.cpu(), scale.cpu())
         else:
             for i in range(w.shape[0]):
                 q, sz = int4_groups(w[i])
@@ -128,6 +168,8 @@ class HostProjection:
             return self.w.numel() * self.w.element_size()
         if self.fmt in ("int8", "w8a8"):
             return self.w.numel() + self.scale.numel() * 4
+        if self.fmt == "fbgemm":  # the int8 rows, their scales, zero points and column offsets
+            return self.num_experts * self.n * (self.k + 16)
         return self.num_experts * (self.n * self.k // 2 + self.k // INT4_GROUP * self.n * 2 * 4)
 
     def dequantize(self, e: int) -> torch.Tensor:
@@ -136,6 +178,8 @@ class HostProjection:
             return self.w[e].float()
         if self.fmt in ("int8", "w8a8"):
             return dequantize_int8(self.w[e], self.scale[e])
+        if self.fmt == "fbgemm":
+            return torch.ops.quantized.linear_unpack(self.packed[e])[0].dequantize()
         return self.mm(e, torch.eye(self.k)).t().contiguous()
 
     def prepare(self, x: torch.Tensor):
@@ -159,6 +203,9 @@ class HostProjection:
         if self.fmt == "int4":
             x = x if rows is None else x[rows]
             return torch._weight_int4pack_mm_for_cpu(x.float(), self.packed[e], INT4_GROUP, self.scales_and_zeros[e])
+        if self.fmt == "fbgemm":
+            x = x if rows is None else x[rows]
+            return torch.ops.quantized.linear_dynamic(x.float(), self.packed[e], FBGEMM_REDUCE_RANGE)
         w, scale = self._expert_views()
         if self.fmt == "w8a8":
             q, s = x if isinstance(x, tuple) else int8_tokens(x)

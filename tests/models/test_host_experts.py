@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.models.host_experts import (NEVER, HostExperts, HostProjection, StreamStack, dequantize_int4,
-                                        dequantize_int8, format_fits, host_step_seconds, int4_groups, int8_rows,
-                                        int8_tokens, stream_crossover)
+from strata.models.host_experts import (FBGEMM_REDUCE_RANGE, NEVER, HostExperts, HostProjection, StreamStack,
+                                        dequantize_int4, dequantize_int8, format_fits, has_fbgemm, host_step_seconds,
+                                        int4_groups, int8_rows, int8_tokens, stream_crossover)
 
 
 def _gen(seed):
@@ -53,6 +53,30 @@ def test_projection_matmul_is_its_dequantized_definition(fmt):
             torch.testing.assert_close(x @ p.dequantize(e).t(), want, rtol=1e-5, atol=1e-4)
 
 
+def test_fbgemm_rounds_the_weights_per_row_and_the_rows_it_takes_to_one_uint8_grid():
+    """FBGEMM's weights are `int8_rows`; its activations one uint8 grid over the rows of the call (7
+    bits without VNNI), so each output is the exact product within the grid's rounding: half a step
+    per activation, times the row's weights."""
+    if not has_fbgemm():
+        pytest.skip("torch has no FBGEMM here")
+    w = torch.randn(2, 64, 96, generator=_gen(4))
+    x = torch.randn(5, 96, generator=_gen(5))
+    x[:, :3] *= 20  # outliers widen the grid
+    p = HostProjection("fbgemm", 2, 64, 96)
+    p.set(0, w)
+    levels = 127 if FBGEMM_REDUCE_RANGE else 255
+    for e in range(2):
+        wq = dequantize_int8(*int8_rows(w[e]))
+        assert torch.equal(p.dequantize(e), wq)
+        for rows in (slice(0, 5), slice(2, 3)):
+            xs = x[rows]
+            step = (xs.max().clamp(min=0) - xs.min().clamp(max=0)) / levels
+            bound = step / 2 * wq.abs().sum(dim=1) * 1.01 + 1e-4
+            got = p.mm(e, p.prepare(x), rows)
+            assert bool(((got - xs @ wq.t()).abs() <= bound).all())
+            assert float((got - xs @ wq.t()).abs().max()) > 0  # the activations are rounded: not the float product
+
+
 def test_int4_needs_row_tiles_and_groups():
     assert format_fits("int4", 32, 64) and not format_fits("int4", 24, 64) and not format_fits("int4", 32, 48)
     with pytest.raises(ValueError, match="cannot be held as int4"):
@@ -60,10 +84,12 @@ def test_int4_needs_row_tiles_and_groups():
 
 
 @pytest.mark.parametrize("t", [1, 7])
-@pytest.mark.parametrize("fmt,tol", [("float", 1e-5), ("int8", 1e-5), ("w8a8", 3e-2), ("int4", 1e-5)])
+@pytest.mark.parametrize("fmt,tol", [("float", 1e-5), ("int8", 1e-5), ("w8a8", 3e-2), ("fbgemm", 3e-2), ("int4", 1e-5)])
 def test_grouped_forward_matches_a_loop_over_tokens(fmt, tol, t):
-    """Each format against a per-(token, expert) loop over the weights it holds (w8a8 also rounds the
-    activations, hence its tolerance)."""
+    """Each format against a per-(token, expert) loop over the weights it holds (w8a8 and fbgemm also
+    round the activations, hence their tolerance)."""
+    if fmt == "fbgemm" and not has_fbgemm():
+        pytest.skip("torch has no FBGEMM here")
     e, h, inter, k = 6, 64, 32, 2
     w13 = torch.randn(e, 2 * inter, h, generator=_gen(6)) / h**0.5
     w2 = torch.randn(e, h, inter, generator=_gen(7)) / inter**0.5
