@@ -295,6 +295,10 @@ class EngineConfig:
     # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. None: measured
     # at start-up, the step size at which a layer's CPU time passes its copy over PCIe.
     expert_stream_tokens: int | None = None
+    # With experts in RAM on CUDA, decode steps replay CUDA graphs in pieces, one between each two layers
+    # whose experts the CPU computes (off: those steps launch every kernel eagerly). Off by default until
+    # the pieces have been checked on a GPU against the eager steps.
+    host_expert_graphs: bool = False
     # Pipeline stages over torch.distributed (docs/MULTI_GPU.md): none | layer. With layer, one process per
     # stage holds a range of decoder layers (their weights and K/V); rank 0 also runs the scheduler, the
     # embedding, the head and sampling, and starts the other stages of this machine itself; the last stage

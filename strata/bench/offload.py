@@ -1,6 +1,7 @@
 """`strata bench offload`: a model whose routed experts live in host RAM (`--cpu-moe`, `--n-cpu-moe N`,
 or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
-read, for each CPU format of the experts asked for, beside llama.cpp's figures on the same file
+read, for each CPU format of the experts asked for (`F+graphs`: decode steps replaying CUDA graph pieces,
+`--host-expert-graphs`), beside llama.cpp's figures on the same file
 (`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
 CPU expert computation reached during decode, and the peak GPU memory against the cap.
 
@@ -162,9 +163,12 @@ def run(args) -> int:
                         max_num_batched_tokens=args.read, chunk_size=args.read,
                         expert_stream_tokens=args.expert_stream_tokens)
     rows = []
-    for fmt in args.formats:
-        cfg = dataclasses.replace(base, host_experts=fmt)
-        row = measure(cfg, args.read, args.tokens, args.seed, args.crossover)
+    for label in args.formats:
+        fmt, _, more = label.partition("+")
+        if more not in ("", "graphs"):
+            raise SystemExit(f"--formats {label}: the only addition to a format is +graphs")
+        cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs=more == "graphs")
+        row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
         if "cpu_expert_read_gb_s" in row:
             row["cpu_expert_bandwidth_fraction"] = row["cpu_expert_read_gb_s"] * 1e9 / bandwidth
         rows.append(row)
@@ -205,7 +209,8 @@ def _add_args(p) -> None:
     p.add_argument("--model", required=True, help="the GGUF (or HF directory) both engines load")
     p.add_argument("--name", default="model", help="the results file's shape name (offload_NAME_cuda.json)")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=["auto"],
-                   help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, int4)")
+                   help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, int4; "
+                        "F+graphs: with --host-expert-graphs)")
     p.add_argument("--cpu-moe", action="store_true")
     p.add_argument("--n-cpu-moe", type=int, default=None)
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB cap (the memory plan places the experts)")

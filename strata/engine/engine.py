@@ -417,11 +417,13 @@ class LLMEngine:
             self.stages.place(placement.stage_placements(cfg, mc, self.stages.plan.ranges, plans), mc.num_hidden_layers)
             host = [i for i in host or () if i < self.stages.plan.layers[1]]
         if host and (cfg.cuda_graph or cfg.async_scheduling) and self.device.type == "cuda":
-            # The CPU's experts sit between a layer's router and its output: no graph can hold that step,
-            # and the host waits for each router.
-            log.info("CUDA graphs and async scheduling off: %d MoE layers compute their routed experts on the CPU",
-                     len(host))
-            self.cfg = dataclasses.replace(self.cfg, cuda_graph=False, async_scheduling=False)
+            # The CPU's experts sit between a layer's router and its output: the host waits for each router,
+            # and a step's graph is captured in pieces around them (`strata.runner.graph_pieces`), or not at all.
+            graphs = cfg.cuda_graph and cfg.host_expert_graphs and self.stages is None
+            log.info("%s: %d MoE layers compute their routed experts on the CPU",
+                     "async scheduling off, CUDA graphs in pieces around them" if graphs
+                     else "CUDA graphs and async scheduling off", len(host))
+            self.cfg = dataclasses.replace(self.cfg, cuda_graph=graphs, async_scheduling=False)
         return load_model(path, device=self.device, dtype=dtype, progress=progress, keep_quantized=cfg.keep_quantized,
                           quantize=cfg.quantize, host_moe_layers=host or (), host_experts=cfg.host_experts,
                           checkpoint=ckpt, layers=self.stages.plan.layers if self.stages is not None else None)

@@ -409,12 +409,15 @@ class HostStaging:
     def tokens(self) -> int:
         return self.x.shape[0]
 
-    def down(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def down(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mark: bool = True) -> tuple[torch.Tensor, ...]:
+        """The rows' copies down, and (`mark`) `event` recorded after them; not under a graph capture,
+        whose host parts wait for the whole piece instead."""
         t = x.shape[0]
         self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.w[:t].copy_(w, non_blocking=True)
-        self.event.record()
+        if mark:
+            self.event.record()
         return self.x[:t], self.ids[:t], self.w[:t]
 
     def up(self, y: torch.Tensor) -> torch.Tensor:

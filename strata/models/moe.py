@@ -213,6 +213,9 @@ class MoE(nn.Module):
         self.host_staging: HostStagingPool | None = None
         self.streamer: ExpertStreamer | None = None
         self.stream_min_tokens = 0
+        # Set by the runner while it captures CUDA graphs of steps with experts in RAM: an object with
+        # `capturing` and `cut(host_part)` (`strata.runner.graph_pieces.GraphCutter`).
+        self.graph_cut = None
 
     @torch.no_grad()
     def pack_experts(self, extra: MLP | None = None) -> str:
@@ -342,17 +345,33 @@ class MoE(nn.Module):
             out = self.host.forward(x, ids, w).to(x.dtype)
         elif self.host_staging is not None and x.shape[0] <= self.host_staging.tokens:
             staging = self.host_staging.get()
-            xh, idh, wh = staging.down(x, ids, w)
+            cut = self.graph_cut is not None and self.graph_cut.capturing
+            xh, idh, wh = staging.down(x, ids, w, mark=not cut)
             if during is not None:
                 during()
                 during = None
-            staging.event.synchronize()
-            out = staging.up(self.host.forward(xh, idh, wh, out=staging.out[: x.shape[0]]))
+            if cut:
+                out = self._cut_graph(staging, xh, idh, wh)
+            else:
+                staging.event.synchronize()
+                out = staging.up(self.host.forward(xh, idh, wh, out=staging.out[: x.shape[0]]))
         else:
             out = self.host.forward(x.cpu(), ids.cpu(), w.float().cpu()).to(device=x.device, dtype=x.dtype)
         if during is not None:
             during()
         return out
+
+    def _cut_graph(self, staging, xh: torch.Tensor, idh: torch.Tensor, wh: torch.Tensor) -> torch.Tensor:
+        """Under a graph capture: the piece ends after the rows' copy down; at replay the host part
+        computes the step's real rows into the pinned sum, and the next piece starts with its copy up."""
+        host, t = self.host, xh.shape[0]
+
+        def host_part(rows: int | None) -> None:
+            n = t if rows is None else min(rows, t)
+            staging.out_cast[:n].copy_(host.forward(xh[:n], idh[:n], wh[:n], out=staging.out[:n]))
+
+        self.graph_cut.cut(host_part)
+        return staging.dev[:t].copy_(staging.out_cast[:t], non_blocking=True)
 
     def routed(self, x: torch.Tensor, during: Callable[[], None] | None = None) -> torch.Tensor:
         """The routed experts' weighted sum; `during` runs once, while the CPU computes where it does."""

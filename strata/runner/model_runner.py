@@ -49,6 +49,8 @@ from strata.attention.reference import PagedAttention
 from strata.attention.tiered import TieredAttention
 from strata.runner.device_sampling import (DeviceSampler, RowParams, SamplePlan, filtered_probs_batched,
                                           output_penalties)
+from strata.models.moe import MoE
+from strata.runner.graph_pieces import GraphCutter, GraphPieces, replay
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
 from strata.sampling import (Sampler, apply_logit_bias, apply_output_penalties, apply_repetition_penalty,
                              filtered_probs)
@@ -336,17 +338,36 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         if self.pipeline is not None:  # the graphs hold rank 0's layers; each replay's sends follow it
             self.pipeline.capturing = True
-        self.graphs = self._capture_buckets(buckets, pool, stream)
-        prompt = self.prompt_graphs.capture(pool, stream) if self.pipeline is None else 0
+        hosts = [m for m in self.model.modules() if isinstance(m, MoE) and m.host is not None]
+        cutter = None
+        if hosts:
+            # Layers with experts in RAM cut the graphs into pieces; only steps their CPU computes (not
+            # those streamed to the GPU, nor larger than the staging) are captured.
+            cutter = GraphCutter(pool, stream)
+            limit = min([m.host_staging.tokens + 1 for m in hosts]
+                        + [m.stream_min_tokens for m in hosts if m.streamer is not None and m.stream_min_tokens])
+            buckets = [b for b in buckets if b * q < limit]
+            for m in hosts:
+                m.graph_cut = cutter
+        try:
+            self.graphs = self._capture_buckets(buckets, pool, stream, cutter)
+        finally:
+            for m in hosts:
+                m.graph_cut = None
+        # A prompt chunk's graphs are left out with experts in RAM: such chunks may stream them.
+        prompt = self.prompt_graphs.capture(pool, stream) if self.pipeline is None and not hosts else 0
         torch.cuda.synchronize(self.device)
         if self.pipeline is not None:
             self.pipeline.capturing = False
         took = time.perf_counter() - t0
+        pieces = sum(len(g.graph.pieces) for g in self.graphs.values() if isinstance(g.graph, GraphPieces))
         log.info("captured %d CUDA graphs (up to %d sequences x %d rows; %d for one prompt chunk of up to %d "
-                 "tokens) in %.1fs", len(buckets) + prompt, buckets[0], q, prompt, self.prompt_graphs.max_rows, took)
+                 "tokens%s) in %.1fs", len(buckets) + prompt, max(buckets, default=0), q, prompt,
+                 self.prompt_graphs.max_rows, f"; {pieces} pieces around the CPU's experts" if pieces else "", took)
         return took
 
-    def _capture_buckets(self, buckets: list[int], pool, stream) -> dict[int, BucketGraphs]:
+    def _capture_buckets(self, buckets: list[int], pool, stream, cutter: GraphCutter | None = None
+                         ) -> dict[int, BucketGraphs]:
         graphs = {}
         q = self.rows_per_seq
         for b in buckets:
@@ -364,11 +385,15 @@ class ModelRunner:
                 self.attn.states.set_spans([(i, 1, self.max_seqs, False, False) for i in range(rows)])
             self._upload(rows, b)
             self.attn.set_layout(self.d_slots[:rows], self.d_tables[:b], b, q, self.max_model_len)
-            g = graphs[b] = capture_bucket(self._graph_body, rows, b, pool, stream, self.device)
+            g = graphs[b] = capture_bucket(self._graph_body, rows, b, pool, stream, self.device, cutter)
             if self.grammar is not None or self.pipeline is not None:
                 g.forward, g.head = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g.forward, pool=pool, stream=stream):
-                    g.forward_hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
+                if cutter is not None:
+                    g.forward, g.forward_hidden = cutter.capture(self.model, self.d_ids[:rows], self.d_pos[:rows],
+                                                                 self.attn)
+                else:
+                    with torch.cuda.graph(g.forward, pool=pool, stream=stream):
+                        g.forward_hidden = self.model(self.d_ids[:rows], self.d_pos[:rows], self.attn)
                 with torch.cuda.graph(g.head, pool=pool, stream=stream):
                     g.head_outputs = self._head_body(g.forward_hidden)
         return graphs
@@ -591,7 +616,7 @@ class ModelRunner:
     def _launch_graph(self, g: BucketGraphs, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
         self._pad(n, r, g, chunks)
         self._upload(g.rows, g.seqs)
-        g.graph.replay()
+        replay(g.graph, n)
         out = self.next_out
         hidden = self.hidden_out[out][:n]
         hidden.copy_(g.hidden[:n])
@@ -605,7 +630,7 @@ class ModelRunner:
         self.mask_rows = 0  # filled and uploaded by launch_head
         self._pad(n, r, g, chunks)
         self._upload(g.rows, g.seqs)
-        g.forward.replay()
+        replay(g.forward, n)
         hidden = self.hidden_out[self.next_out][:n]
         hidden.copy_(g.forward_hidden[:n])
         step = LaunchedStep(chunks, hidden, row_starts, list(range(r)), spans, head_pending=True, graph=g)

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.runner.graph_pieces import GraphCutter, GraphPieces
+
+
 @dataclass
 class Sampled:
     tokens: list[int]  # one token, or with drafts: the accepted drafts then the target's own token
@@ -45,7 +48,7 @@ class LaunchedStep:
 
 @dataclass
 class BucketGraphs:
-    graph: torch.cuda.CUDAGraph
+    graph: "torch.cuda.CUDAGraph | GraphPieces"  # pieces where layers wait for the host (`graph_pieces`)
     seqs: int
     rows: int
     hidden: torch.Tensor
@@ -60,15 +63,19 @@ class BucketGraphs:
     head_outputs: tuple[torch.Tensor, ...] = ()  # logits, best, best_lp, lse
 
 
-def capture_bucket(body, rows: int, seqs: int, pool, stream: torch.cuda.Stream, device) -> BucketGraphs:
+def capture_bucket(body, rows: int, seqs: int, pool, stream: torch.cuda.Stream, device,
+                   cutter: GraphCutter | None = None) -> BucketGraphs:
     """`body(rows)` → (hidden, logits, best, best_lp, lse), run twice on `stream` (kernels compile and
-    library handles are made outside the capture), then captured on `pool`; the inputs are already
-    in the runner's static buffers."""
+    library handles are made outside the capture), then captured on `pool` (through `cutter`, in
+    pieces, where layers wait for the host); the inputs are already in the runner's static buffers."""
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):
             body(rows)
     torch.cuda.current_stream(device).wait_stream(stream)
+    if cutter is not None:
+        graph, outputs = cutter.capture(body, rows)
+        return BucketGraphs(graph, seqs, rows, *outputs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = body(rows)

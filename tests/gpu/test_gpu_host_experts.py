@@ -80,3 +80,49 @@ def test_the_stream_threshold_is_measured_at_start_up():
         assert len({m.stream_min_tokens for m in moes}) == 1 and moes[0].stream_min_tokens >= 1
         assert e.host_staging.tokens >= moes[0].stream_min_tokens - 1
     assert all(len(v) == 24 for v in out.values())
+
+
+def test_graph_pieces_around_the_cpu_experts_give_the_eager_tokens():
+    """--host-expert-graphs: decode steps replay graphs cut at each layer whose experts the CPU computes
+    (fp32, every layer's experts in RAM, spec 2 for verification rows too); tokens identical to the
+    eager steps, and the pieces were replayed."""
+    from strata.runner.graph_pieces import GraphPieces
+
+    for spec in (0, 2):
+        eager, _ = _greedy(cpu_moe=True, host_experts="float", expert_stream_tokens=0, spec=spec)
+        replays = {"pieces": 0}
+        original = GraphPieces.replay
+
+        def counted(self, rows=None):
+            replays["pieces"] += 1
+            return original(self, rows)
+
+        GraphPieces.replay = counted
+        try:
+            e = LLMEngine(EngineConfig(device="cuda", dtype="float32", parallel=2, cpu_moe=True, host_experts="float",
+                                       expert_stream_tokens=0, spec=spec, host_expert_graphs=True), progress=False)
+            assert e.runner.graphs and all(isinstance(g.graph, GraphPieces) for g in e.runner.graphs.values())
+            assert all(len(g.graph.pieces) == len(_host_moes(e)) + 1 for g in e.runner.graphs.values())
+            for i, p in enumerate(PROMPTS):
+                e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                            SamplingParams(max_tokens=24, ignore_eos=True), time.monotonic()))
+            pieces = {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in e.run_to_completion().items()}
+        finally:
+            GraphPieces.replay = original
+        assert replays["pieces"] > 0 and pieces == eager, spec
+
+
+def test_decoding_through_graph_pieces_allocates_nothing_new():
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, cpu_moe=True, host_expert_graphs=True),
+                  progress=False)
+    for i, p in enumerate(PROMPTS[:2]):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=64, ignore_eos=True), time.monotonic()))
+    for _ in range(8):
+        e.step()
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    while e.has_work():
+        e.step()
+    torch.cuda.synchronize()
+    assert e.runner.graphs and torch.cuda.memory_reserved() == reserved
