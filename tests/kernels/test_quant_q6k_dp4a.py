@@ -13,7 +13,7 @@ up to fp32 rounding); against the product with the unquantized x and the dequant
 by up to half a step of amax/127, ~5e-3 RMS relative). The choice: 'auto' runs dp4a up to
 DP4A_MAX_ROWS = 2 rows and the dequantizing GEMV above (which kernel ran, spied; each result that
 kernel's own, bit for bit), one workspace serving both. The dequantizing GEMV's own tolerance, where
-'auto' takes it, is test_quant_q6_k.py's 2e-3 for fp16 x (fp16: the interpreter multiplies
+'auto' takes it, is test_quant_formats.py's 2e-3 for fp16 x (fp16: the interpreter multiplies
 bf16 dot operands as raw integers in that kernel). GPU (`pytest -m gpu`): the Qwen3-8B shapes against
 the reference, rows independent of M, CUDA-graph replay, 'auto' through `QWeight` at every M.
 """
