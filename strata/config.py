@@ -296,8 +296,7 @@ class EngineConfig:
     # at start-up, the step size at which a layer's CPU time passes its copy over PCIe.
     expert_stream_tokens: int | None = None
     # With experts in RAM on CUDA, decode steps replay CUDA graphs in pieces, one between each two layers
-    # whose experts the CPU computes (off: those steps launch every kernel eagerly). Off by default until
-    # the pieces have been checked on a GPU against the eager steps.
+    # whose experts the CPU computes (off: those steps launch every kernel eagerly)
     host_expert_graphs: bool = False
     # Pipeline stages over torch.distributed (docs/MULTI_GPU.md): none | layer. With layer, one process per
     # stage holds a range of decoder layers (their weights and K/V); rank 0 also runs the scheduler, the
