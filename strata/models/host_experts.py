@@ -115,6 +115,17 @@ def format_fits(fmt: str, n: int, k: int) -> bool:
     return fmt in FORMATS
 
 
+_PACKERS: list[ThreadPoolExecutor] = []
+
+
+def _packers() -> ThreadPoolExecutor:
+    """Threads that pack weights side by side (one packing runs on one thread, and an 80B-A3B file has
+    49k weights to pack), made on first use."""
+    if not _PACKERS:
+        _PACKERS.append(ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="strata-pack"))
+    return _PACKERS[0]
+
+
 def fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`int8_rows`' (q [N, K], scale [N]) on the CPU -> FBGEMM's packed linear weight."""
     with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; FBGEMM's kernels are not
@@ -153,9 +164,7 @@ class HostProjection:
             self.scale[first:last].copy_(scale)
         elif self.fmt == "fbgemm":
             q, scale = int8_rows(w)
-            # One thread packs one weight: an 80B-A3B file has 49k of them, so they are packed side by side.
-            with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-                self.packed[first:last] = pool.map(fbgemm_pack, q.cpu(), scale.cpu())
+            self.packed[first:last] = _packers().map(fbgemm_pack, q.cpu(), scale.cpu())
         else:
             for i in range(w.shape[0]):
                 q, sz = int4_groups(w[i])
