@@ -51,6 +51,7 @@ step() {  # name, seconds, command...
       fla) step fla 300 $FLA $T tests/kernels/test_gated_delta_fla.py ;;
       files) step files ${FILES_S:-300} $T $FILES ;;  # FILES="tests/a.py tests/b.py -k ...": any tests by name
       # The benchmarks the docs quote (bench/results/README.md names each file's command).
+      host-kernels) step host-kernels 400 bash -c "python3 benchmarks/kernels/host_expert_kernels.py | tee $R/host_expert_kernels_cuda.txt" ;;
       decode) step decode 300 $B decode --batch 1,8,32 --tokens 64 --repeats 1 --http --out $R/decode_qwen3-8b_cuda.json ;;
       decode-quick) step decode-quick 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_cuda.json ;;
       decode32k) step decode32k 200 $B decode --prompt 32000 --batch 1,8 --tokens 48 --no-hf --repeats 1 --out $R/decode32k_qwen3-8b_cuda.json ;;

@@ -6,21 +6,26 @@ expert and the expert bytes read per second.
 - int8pack / int4pack: torch's weight-only packed kernels (`HostProjection` int8 / int4);
 - bf16: `F.linear` on bf16 weights (oneDNN);
 - int_mm_dyn: int8 weights and per-token int8 activations through `torch._int_mm` (`w8a8`);
-- fbgemm_dyn: FBGEMM's dynamic-quantized linear (per-tensor int8 activations), for comparison.
+- fbgemm_dyn: FBGEMM's dynamic-quantized linear (uint8 activations per call: `fbgemm`).
 
-    python benchmarks/kernels/host_expert_kernels.py
+Then whole layers as a decode step computes them (`HostExperts.forward`: T tokens, each routed to k
+distinct experts, the grouping and the weighted sum included) at the 30B-A3B and 80B-A3B expert shapes,
+for the int8 formats: milliseconds per layer and the distinct experts' bytes read per second.
+
+    python benchmarks/kernels/host_expert_kernels.py [--layers-only]
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from strata.models.host_experts import HostProjection, int8_tokens, int8_rows
+from strata.models.host_experts import HostExperts, HostProjection, int8_tokens, int8_rows
 
 H, I = 2048, 768
 EXPERTS = 24  # more than the caches hold: each call reads its weights from memory
@@ -34,12 +39,37 @@ def bench(fn, n: int = 10) -> float:
     return (time.perf_counter() - t0) / n
 
 
+# (name, experts, experts per token, hidden, expert intermediate)
+LAYERS = [("30B-A3B", 128, 8, 2048, 768), ("80B-A3B", 512, 10, 2048, 512)]
+
+
+def layers() -> None:
+    g = torch.Generator().manual_seed(0)
+    for name, e, k, h, inter in LAYERS:
+        w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.02
+        w2 = torch.randn(e, h, inter, generator=g) * 0.02
+        for fmt in ("w8a8", "fbgemm"):
+            host = HostExperts.from_stacks(w13, w2, fmt)
+            per_expert = 3 * inter * h
+            for t in (1, 4, 16):
+                x = torch.randn(t, h, generator=g)
+                ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+                w = torch.rand(t, k, generator=g)
+                sec = bench(lambda: host.forward(x, ids, w), 20)
+                read = len(ids.unique()) * per_expert
+                print(f"layer {name} {fmt:6s} T={t:2d}: {sec * 1e3:6.2f} ms, {read / sec / 1e9:6.1f} GB/s of experts")
+            del host
+
+
 def main() -> None:
     os.system("lscpu | grep -E 'Model name|^CPU\\(s\\)'")
     print("torch", torch.__version__, "threads", torch.get_num_threads())
     big = torch.ones(2**29)
     print(f"host read (a sum over 2 GiB): {big.numel() * 4 / bench(big.sum, 5) / 1e9:.1f} GB/s")
     del big
+    if "--layers-only" in sys.argv:
+        layers()
+        return
     ws = [torch.randn(2 * I, H) * 0.02 for _ in range(EXPERTS)]
 
     def projection(fmt):
@@ -82,6 +112,7 @@ def main() -> None:
         pageable = torch.empty(2**30, dtype=torch.uint8)
         t = bench(lambda: (dev.copy_(pageable), torch.cuda.synchronize()), 5)
         print(f"pageable host-to-device: {2**30 / t / 1e9:.1f} GB/s")
+    layers()
 
 
 if __name__ == "__main__":
