@@ -248,8 +248,6 @@ def test_the_next_step_runs_on_an_earlier_stage_while_the_first_is_on_the_last(t
     layers with two stages, stage 1's with three) — the stages' traces show it, whatever the timing. Then
     the run completes with the tokens of one stage, and its decode steps of the two batch groups went
     through the pipeline two at a time."""
-    import threading
-
     from strata.dist.link import read_trace
 
     monkeypatch.setenv("STRATA_STAGE_TRACE", str(tmp_path))
@@ -269,26 +267,15 @@ def test_the_next_step_runs_on_an_earlier_stage_while_the_first_is_on_the_last(t
         os.kill(last.pid, signal.SIGSTOP)
         keep(e.step())  # launches A's read (step 0, slot 0): nothing to wait for yet
         add(1)
-        failed: list[BaseException] = []
-        events: list = []
-
-        def next_step():
-            try:
-                events.extend(e.step())  # launches B's read (step 1, slot 1), then (two stages) waits for A's
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
-                failed.append(exc)
-
-        t = threading.Thread(target=next_step)
-        t.start()
         b_done = ("send" if before == 0 else "out", 1, 1)  # B's step leaves the stage before the last
-        deadline = time.monotonic() + 60
-        while b_done not in read_trace(str(tmp_path), before) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        seen_before, seen_last = read_trace(str(tmp_path), before), read_trace(str(tmp_path), world - 1)
-        back_before = ("back", 0, 0) in read_trace(str(tmp_path), 0)
-        os.kill(last.pid, signal.SIGCONT)
-        t.join(timeout=60)
-        assert not failed and not t.is_alive()
+
+        def look() -> tuple:
+            return (read_trace(str(tmp_path), before), read_trace(str(tmp_path), world - 1),
+                    ("back", 0, 0) in read_trace(str(tmp_path), 0))
+
+        # The step launches B's read (step 1, slot 1), then (two stages) waits for A's.
+        (seen_before, seen_last, back_before), events = _steps_while_stopped(e, last.pid, 1, look,
+                                                                             lambda seen: b_done in seen[0])
         assert b_done in seen_before, seen_before
         # A's step was in flight on the stopped stage: not computed there, not back at rank 0.
         assert seen_last == [] and not back_before
@@ -328,6 +315,35 @@ def lone_read():
     return out, e.stats().spec
 
 
+def _steps_while_stopped(e: LLMEngine, pid: int, steps: int, look: Callable, ready: Callable) -> tuple:
+    """`steps` engine steps on a thread while the stage process `pid` is stopped (SIGSTOP): waits until
+    `ready(look())` (60 s at most), resumes the stage and joins the steps. Returns (what `look` gave
+    last, the steps' events)."""
+    import threading
+
+    failed: list[BaseException] = []
+    events: list = []
+
+    def run() -> None:
+        try:
+            for _ in range(steps):
+                events.extend(e.step())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            failed.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 60
+    seen = look()
+    while not ready(seen) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen = look()
+    os.kill(pid, signal.SIGCONT)
+    t.join(timeout=60)
+    assert not failed and not t.is_alive()
+    return seen, events
+
+
 @pytest.mark.parametrize("split", ["1,1", "1,1,1"])
 def test_one_prompts_next_chunk_runs_on_an_earlier_stage_while_the_one_before_is_on_the_last(
         tmp_path, monkeypatch, lone_read, split):
@@ -337,8 +353,6 @@ def test_one_prompts_next_chunk_runs_on_an_earlier_stage_while_the_one_before_is
     chunk 1 and rank 0 chunk 2) while chunk 0 is held on the last: the traces show it, whatever the
     timing. Then the run completes with the tokens and drafts of one stage, the prompt's chunks in
     flight one per stage and the chunk that samples alone."""
-    import threading
-
     from strata.dist.link import read_trace
 
     monkeypatch.setenv("STRATA_STAGE_TRACE", str(tmp_path))
@@ -353,26 +367,11 @@ def test_one_prompts_next_chunk_runs_on_an_earlier_stage_while_the_one_before_is
         os.kill(last.pid, signal.SIGSTOP)
         for _ in range(world - 1):
             keep(e.step())  # launches the next chunk: fewer steps out than stages, nothing is waited for
-        failed: list[BaseException] = []
-        events: list = []
-
-        def next_step():
-            try:
-                events.extend(e.step())  # launches chunk world-1, then waits for chunk 0
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
-                failed.append(exc)
-
-        t = threading.Thread(target=next_step)
-        t.start()
         # Rank r < world - 1 has computed chunk world-1-r (step and slot k for chunk k).
         want = {r: ("send" if r == 0 else "out", world - 1 - r, world - 1 - r) for r in range(world - 1)}
-        deadline = time.monotonic() + 60
-        while any(want[r] not in read_trace(str(tmp_path), r) for r in want) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        seen = {r: read_trace(str(tmp_path), r) for r in range(world)}
-        os.kill(last.pid, signal.SIGCONT)
-        t.join(timeout=60)
-        assert not failed and not t.is_alive()
+        # The step launches chunk world-1, then waits for chunk 0.
+        seen, events = _steps_while_stopped(e, last.pid, 1, lambda: {r: read_trace(str(tmp_path), r) for r in range(world)},
+                                            lambda seen: all(want[r] in seen[r] for r in want))
         assert all(want[r] in seen[r] for r in want), seen
         # Chunk 0 is on the stopped stage: not computed there, not back at rank 0.
         assert seen[world - 1] == [] and not any(ev == "back" for ev, _, _ in seen[0])
@@ -393,8 +392,6 @@ def test_with_speculation_the_next_chunk_is_launched_before_the_drafter_answers(
     at rank 0, before rank 0 tells it what to draft from chunk 0. A chunk that samples nothing needs no
     answer at once, so rank 0 goes on: it launches chunk 2 (its layers computed, step 2 sent) while the
     last stage holds both chunk 1 and chunk 0's drafting message. The tokens and drafts are one stage's."""
-    import threading
-
     from strata.dist.link import read_trace
 
     monkeypatch.setenv("STRATA_STAGE_TRACE", str(tmp_path))
@@ -416,25 +413,9 @@ def test_with_speculation_the_next_chunk_is_launched_before_the_drafter_answers(
     try:
         add_long(e)
         keep(e.step())  # chunk 0
-        failed: list[BaseException] = []
-        events: list = []
-
-        def two_steps():
-            try:
-                events.extend(e.step())  # chunk 1 launched, chunk 0 collected: the stage stops
-                events.extend(e.step())  # chunk 2 launched; waits for the stage
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
-                failed.append(exc)
-
-        t = threading.Thread(target=two_steps)
-        t.start()
-        deadline = time.monotonic() + 60
-        while ("send", 2, 0) not in read_trace(str(tmp_path), 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        sent = read_trace(str(tmp_path), 0)
-        os.kill(last.pid, signal.SIGCONT)
-        t.join(timeout=60)
-        assert not failed and not t.is_alive()
+        # Chunk 1 launched, chunk 0 collected: the stage stops; chunk 2 launched, waiting for the stage.
+        sent, events = _steps_while_stopped(e, last.pid, 2, lambda: read_trace(str(tmp_path), 0),
+                                            lambda sent: ("send", 2, 0) in sent)
         assert ("send", 2, 0) in sent and ("back", 0, 0) in sent, sent
         assert e.chunks[:3] == [("r0", 64 * k, 64, False, 1 + min(k, 1)) for k in range(3)]
         keep(events)
