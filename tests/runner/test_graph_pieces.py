@@ -1,5 +1,6 @@
 """Graph pieces (strata/runner/graph_pieces.py) without a GPU: the replay order of pieces and host parts,
-and the rows each host part is given. Capture itself runs on CUDA (tests/gpu/test_gpu_host_experts.py)."""
+the rows each host part is given, and what a MoE layer's cut hands over. Capture itself runs on CUDA
+(tests/gpu/test_gpu_host_experts.py)."""
 
 from strata.runner.graph_pieces import GraphPieces, replay
 
@@ -24,3 +25,30 @@ def test_pieces_alternate_with_host_parts_after_a_wait(monkeypatch):
     plain = Piece("graph", log)
     replay(plain, 5)
     assert log == ["graph"]
+
+
+def test_a_layer_cut_computes_the_real_rows_into_the_pinned_sum():
+    """`MoE._cut_graph` on CPU stand-ins for the staging buffers: the cut hands over a host part that
+    computes the step's first `rows` rows (all the captured rows when None) into `out_cast`, the rows
+    the next piece copies up; the padding rows are left as they were."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from strata.models.host_experts import HostExperts
+    from strata.models.moe import MoE
+
+    g = torch.Generator().manual_seed(0)
+    host = HostExperts.from_stacks(torch.randn(6, 16, 32, generator=g), torch.randn(6, 32, 8, generator=g))
+    t = 4
+    staging = SimpleNamespace(out=torch.zeros(8, 32), out_cast=torch.full((8, 32), 7.0), dev=torch.zeros(8, 32))
+    x, ids, w = torch.randn(t, 32, generator=g), torch.tensor([[0, 1], [2, 3], [4, 5], [1, 2]]), torch.rand(t, 2)
+    parts: list = []
+    layer = SimpleNamespace(host=host, graph_cut=SimpleNamespace(cut=parts.append))
+    out = MoE._cut_graph(layer, staging, x, ids, w)
+    assert len(parts) == 1 and out.data_ptr() == staging.dev.data_ptr() and out.shape == (t, 32)
+    parts[0](3)
+    torch.testing.assert_close(staging.out_cast[:3], host.forward(x[:3], ids[:3], w[:3]))
+    assert bool((staging.out_cast[3:] == 7.0).all())
+    parts[0](None)
+    torch.testing.assert_close(staging.out_cast[:t], host.forward(x, ids, w))
