@@ -278,8 +278,8 @@ class EngineConfig:
     linear_attention_kernel: str = "auto"
     # Programmatic dependent launch on sm_90+: each Triton kernel's launch overlaps its predecessor's tail
     pdl: bool = True
-    # CPU decode steps through Strata's C kernels (compiled with the system C compiler on first use; the
-    # same tokens, sums in another order); off: torch's ops, the floats of the modules' path
+    # CPU decode steps and the host KV tier's decode rows through Strata's C kernels (compiled with the
+    # system C compiler on first use; the same tokens, sums in another order); off: torch's ops
     cpu_kernels: bool = True
     # GiB of GPU memory Strata may place (weights, KV, scratch, graphs); None: the card's free memory
     # x gpu_memory_utilization. The memory plan fits everything in it and torch's allocator is capped to it.

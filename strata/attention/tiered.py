@@ -7,7 +7,10 @@ is unchanged), and names its host part with `set_host`. Each layer:
    (`attend_lse`: the reference in torch, on CUDA the Triton kernel's split-and-merge with an LSE
    output);
 2. the host part, which every row of the step sees whole, gives (o, lse) per row: decode-sized rows
-   on the CPU (`cpu`: the rows go down, the host pool is read in place, (o, lse) come back), prompt
+   on the CPU (the rows go down, the host pool is read in place, (o, lse) come back: with the C kernels
+   of `strata.kernels.cpu_decode`, the span is cut into parts of at least SPAN_PART_KEYS keys, one per
+   thread, each read where it lies, and the parts merged by log-sum-exp; without them, torch gathers
+   and widens the span first), prompt
    chunks by streaming (`stream`: the layer's host blocks are gathered into a pinned buffer and copied
    up, double-buffered: the next (layer, sequence) item is queued on a side stream while this one
    computes), over key tiles whose scores stay within STREAM_SCORE_BYTES;
@@ -24,6 +27,8 @@ real positions: the same keys, values and arithmetic as without the tier, so the
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from strata.attention.base import AttentionBackend
@@ -31,6 +36,9 @@ from strata.kvcache.pool import Int8Pool, KVPool, make_pool, pool_tensors
 
 # A streamed chunk's scores ([Hq, rows, keys] fp32) are computed over key tiles of at most this size.
 STREAM_SCORE_BYTES = 64 << 20
+# A host span read by the C kernel is split over threads in parts of at least this many keys: below it a
+# part's hand-off costs more than its reading.
+SPAN_PART_KEYS = 2048
 
 
 def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +100,20 @@ def _twin(inner: AttentionBackend, pool: KVPool, max_context: int) -> AttentionB
 
 class TieredAttention(AttentionBackend):
     def __init__(self, inner: AttentionBackend, host_pool: KVPool, *, device, decode_rows: int,
-                 max_host_tokens: int, num_layers: int):
+                 max_host_tokens: int, num_layers: int, cpu_kernels=None):
         """`decode_rows`: a sequence with at most this many rows in the step attends its host part on the
         CPU; longer ones stream it. `max_host_tokens`: the longest host part (sizes the stream buffers),
-        and with a batch-invariant inner backend the longest context (sizes the assembly pool)."""
+        and with a batch-invariant inner backend the longest context (sizes the assembly pool).
+        `cpu_kernels`: `strata.kernels.cpu_decode`'s kernels, which read the host part in place (None:
+        torch's ops)."""
         self.inner, self.host_pool, self.device = inner, host_pool, torch.device(device)
+        k_host = getattr(host_pool, "k", None)
+        serves = cpu_kernels is not None and k_host is not None and cpu_kernels.serves_span_attention(k_host[0])
+        self.cpu_kernels = cpu_kernels if serves else None
+        self.threads = max(torch.get_num_threads(), 1)
+        self.executor = ThreadPoolExecutor(self.threads - 1, "strata-kv-host") if self.cpu_kernels and self.threads > 1 \
+            else None
+        self.span_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # per part: o, lse, work
         self.decode_rows, self.num_layers = decode_rows, num_layers
         self.scale = 1.0 / host_pool.head_dim ** 0.5
         cuda = self.device.type == "cuda"
@@ -186,9 +203,43 @@ class TieredAttention(AttentionBackend):
         return o
 
     def _on_host(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
-        k, v = self.host_pool.gather_blocks(layer, blocks[None], tokens, torch.float32)
-        o, lse = attend_all(q.to(self.host_pool.device), k[0], v[0], self.scale)
+        if self.cpu_kernels is not None:
+            o, lse = self._span_parts(layer, q.to(self.host_pool.device, torch.float32).contiguous(), blocks, tokens)
+        else:
+            k, v = self.host_pool.gather_blocks(layer, blocks[None], tokens, torch.float32)
+            o, lse = attend_all(q.to(self.host_pool.device), k[0], v[0], self.scale)
         return o.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
+
+    def _span_parts(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
+        """The host part through the C kernel, its keys split over the threads, merged by log-sum-exp."""
+        n, hq, d = q.shape
+        parts = max(1, min(self.threads, tokens // SPAN_PART_KEYS))
+        work = self.cpu_kernels.span_work_numel(n, hq, d)
+        bufs = self.span_bufs
+        if bufs is None or bufs[0].shape[1] < n or bufs[0].shape[2:] != (hq, d):
+            # Made once for the largest decode step (grown if a step has more rows), reused after.
+            rows = max(n, self.decode_rows)
+            bufs = self.span_bufs = (torch.empty(self.threads, rows, hq, d), torch.empty(self.threads, rows, hq),
+                                     torch.empty(self.threads, self.cpu_kernels.span_work_numel(rows, hq, d)))
+        o_parts, lse_parts = bufs[0][:, :n], bufs[1][:, :n]
+        pool = self.host_pool
+        scales = (pool.k_scale[layer], pool.v_scale[layer]) if isinstance(pool, Int8Pool) else (None, None)
+
+        def part(i: int) -> None:
+            o_i, lse_i = o_parts[i], lse_parts[i]  # views of contiguous rows: [n, hq, d] and [n, hq]
+            self.cpu_kernels.span_attention(pool.k[layer], pool.v[layer], *scales, blocks, pool.block_size,
+                                            tokens * i // parts, tokens * (i + 1) // parts, q, self.scale,
+                                            o_i, lse_i, bufs[2][i, :work])
+
+        futures = [self.executor.submit(part, i) for i in range(1, parts)] if parts > 1 else []
+        part(0)
+        for f in futures:
+            f.result()
+        if parts == 1:
+            return o_parts[0].clone(), lse_parts[0].clone()
+        lse = torch.logsumexp(lse_parts[:parts], dim=0)
+        w = torch.exp(lse_parts[:parts] - lse)
+        return (o_parts[:parts] * w[..., None]).sum(0), lse
 
     # ---- batch-invariant: each tiered sequence attended whole ------------------------------------------
     def _attend_whole(self, layer, q, k, v):

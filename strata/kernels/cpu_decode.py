@@ -14,6 +14,9 @@ the compiler for the machine, do each in one call:
 - `mlp`: out (+)= scale * down(silu(gate) * up) of one gate|up stack and down weight (an expert, a shared
   expert, a dense MLP); `moe`: a MoE layer's router, routing, chosen experts and shared expert.
 - `decode_attention`: one query row per sequence over a paged fp32 K/V pool, its new K/V stored first.
+- `span_attention`: few rows over a span of one sequence's positions in a paged pool of fp32, bf16 or int8
+  (with per-token scales) K/V, read in place: each row's output and log-sum-exp, for a caller that
+  splits a long span over threads and merges the parts (the host KV tier).
 
 All sums are fp32 in the vectorized loops' order, not torch's: results agree with the references
 (`*_ref`) to fp32 rounding, not bit for bit. The source is compiled once per machine with the system C
@@ -233,12 +236,84 @@ void strata_decode_attention(float *kp, float *vp, const long *slots, const int 
         }
     }
 }
+
+/* Attention of rows q [n, hq, d] (fp32, contiguous) over positions p0 <= p < p1 of one sequence in a paged
+   pool (position p at slot blocks[p / bs] * bs + p % bs; a slot holds hkv heads of d values), every position
+   visible to every row. Int8 pools scale each (slot, head) by ks / vs (NULL: no scales). Writes o [n, hq, d]
+   (normalised) and lse [n, hq] (natural log), fp32. Keys are taken SPAN_TILE at a time: each slot's key and
+   value heads are read in order and widened to fp32 once for all the n * (hq / hkv) query heads they serve,
+   then one rescale of the running sums per tile. work holds n * hq * (SPAN_TILE + 2) + 2 * d floats. */
+#define SPAN_TILE 32
+#define SPAN_ATTENTION(NAME, T, LOAD)                                                                    \
+void NAME(const T *kp, const T *vp, const float *ks, const float *vs, const long *blocks, long bs, long p0,  \
+          long p1, const float *q, long n, long hq, long hkv, long d, float scale, float *o, float *lse,      \
+          float *work) {                                                                                \
+    long group = hq / hkv, rows = n * hq;                                                               \
+    float *sc = work, *mx = work + rows * SPAN_TILE, *sum = mx + rows, *kf = sum + rows, *vf = kf + d;  \
+    for (long rh = 0; rh < rows; rh++) {                                                                \
+        for (long i = 0; i < d; i++) o[rh * d + i] = 0.f;                                               \
+        mx[rh] = -INFINITY;                                                                             \
+        sum[rh] = 0.f;                                                                                  \
+    }                                                                                                   \
+    for (long t0 = p0; t0 < p1; t0 += SPAN_TILE) {                                                      \
+        long tn = p1 - t0 < SPAN_TILE ? p1 - t0 : SPAN_TILE;                                            \
+        for (long t = 0; t < tn; t++) {                                                                 \
+            long slot = blocks[(t0 + t) / bs] * bs + (t0 + t) % bs;                                     \
+            for (long g = 0; g < hkv; g++) {                                                            \
+                const T *key = kp + (slot * hkv + g) * d;                                               \
+                float f = ks ? ks[slot * hkv + g] * scale : scale;                                      \
+                for (long i = 0; i < d; i++) kf[i] = LOAD(key[i]);                                      \
+                for (long r = 0; r < n; r++)                                                            \
+                    for (long h = g * group; h < (g + 1) * group; h++) {                                \
+                        const float *qr = q + (r * hq + h) * d;                                         \
+                        float s = 0.f;                                                                  \
+                        for (long i = 0; i < d; i++) s += qr[i] * kf[i];                                \
+                        sc[(r * hq + h) * SPAN_TILE + t] = s * f;                                       \
+                    }                                                                                   \
+            }                                                                                           \
+        }                                                                                               \
+        for (long rh = 0; rh < rows; rh++) {                                                            \
+            float *s = sc + rh * SPAN_TILE, m = mx[rh];                                                 \
+            for (long t = 0; t < tn; t++) m = s[t] > m ? s[t] : m;                                      \
+            float alpha = expf(mx[rh] - m), total = 0.f;                                                \
+            for (long t = 0; t < tn; t++) total += (s[t] = expf(s[t] - m));                             \
+            sum[rh] = sum[rh] * alpha + total;                                                          \
+            mx[rh] = m;                                                                                 \
+            if (alpha != 1.f)                                                                           \
+                for (long i = 0; i < d; i++) o[rh * d + i] *= alpha;                                    \
+        }                                                                                               \
+        for (long t = 0; t < tn; t++) {                                                                 \
+            long slot = blocks[(t0 + t) / bs] * bs + (t0 + t) % bs;                                     \
+            for (long g = 0; g < hkv; g++) {                                                            \
+                const T *val = vp + (slot * hkv + g) * d;                                               \
+                float f = vs ? vs[slot * hkv + g] : 1.f;                                                \
+                for (long i = 0; i < d; i++) vf[i] = LOAD(val[i]) * f;                                  \
+                for (long r = 0; r < n; r++)                                                            \
+                    for (long h = g * group; h < (g + 1) * group; h++) {                                \
+                        float w = sc[(r * hq + h) * SPAN_TILE + t], *orow = o + (r * hq + h) * d;        \
+                        for (long i = 0; i < d; i++) orow[i] += w * vf[i];                              \
+                    }                                                                                   \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    for (long rh = 0; rh < rows; rh++) {                                                                \
+        float inv = sum[rh] > 0.f ? 1.f / sum[rh] : 0.f;                                                \
+        for (long i = 0; i < d; i++) o[rh * d + i] *= inv;                                              \
+        lse[rh] = sum[rh] > 0.f ? mx[rh] + logf(sum[rh]) : -INFINITY;                                   \
+    }                                                                                                   \
+}
+
+static inline float from_i8(int8_t v) { return (float)v; }
+SPAN_ATTENTION(strata_span_attention_i8, int8_t, from_i8)
+SPAN_ATTENTION(strata_span_attention_bf16, uint16_t, widen)
+SPAN_ATTENTION(strata_span_attention_f32, float, same)
 """
 
 # Not -ffast-math: linked into a shared library it can set flush-to-zero for the whole process.
 FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
          "-shared", "-fPIC")
 MAX_HEAD_DIM = 1024  # qk_norm_rope's row buffer
+SPAN_TILE = 32  # keys per tile in span_attention (the C source's SPAN_TILE)
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -296,6 +371,24 @@ def decode_attention_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torc
     return o[:, :, 0]
 
 
+def span_attention_ref(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None, blocks: torch.Tensor, block_size: int, p0: int, p1: int,
+                       q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`CpuKernels.span_attention` in torch: the span's keys and values gathered and widened to fp32, then
+    every row over all of them. Returns (o [n, Hq, D], lse [n, Hq])."""
+    pos = torch.arange(p0, p1)
+    slots = blocks.long()[pos // block_size] * block_size + pos % block_size
+    k, v = k_pool[slots].float(), v_pool[slots].float()
+    if k_scale is not None:
+        k, v = k * k_scale[slots][..., None], v * v_scale[slots][..., None]
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    s = torch.einsum("nhgd,khd->hgnk", q.float().view(n, hkv, hq // hkv, d), k) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("hgnk,khd->nhgd", torch.exp(s - lse[..., None]), v).reshape(n, hq, d)
+    return o, lse.permute(2, 0, 1).reshape(n, hq)
+
+
 def mlp_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     h = F.linear(x, w13.float())
     gate, up = h.chunk(2, dim=-1)
@@ -327,6 +420,11 @@ class CpuKernels:
         self._attn = lib.strata_decode_attention
         self._attn.argtypes = [vp, vp, vp, vp, lg, lg, lg, lg, vp, lg, vp, lg, vp, lg, vp, lg, lg, lg, fl, vp]
         self._attn.restype = None
+        self._span: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        for dtype, suffix in ((torch.int8, "i8"), (torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            fn = getattr(lib, f"strata_span_attention_{suffix}")
+            fn.argtypes, fn.restype = [vp] * 5 + [lg] * 3 + [vp] + [lg] * 4 + [fl, vp, vp, vp], None
+            self._span[dtype] = fn
 
     @staticmethod
     def serves_decode_attention(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, q: torch.Tensor,
@@ -352,6 +450,39 @@ class CpuKernels:
                    block_size, length, n_seq, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                    v.stride(0), out.data_ptr(), hq, k.shape[1], d, d ** -0.5, scores.data_ptr())
         return out
+
+    def serves_span_attention(self, k_pool: torch.Tensor) -> bool:
+        """Whether `span_attention` reads a layer's pool of this kind: contiguous [slots, Hkv, D] host
+        tensors of fp32, bf16 or int8."""
+        return k_pool.dtype in self._span and k_pool.device.type == "cpu" and k_pool.is_contiguous()
+
+    @staticmethod
+    def span_work_numel(rows: int, hq: int, head_dim: int) -> int:
+        """fp32 elements of `span_attention`'s scratch for `rows` query rows of `hq` heads."""
+        return rows * hq * (SPAN_TILE + 2) + 2 * head_dim
+
+    def span_attention(self, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None, blocks: torch.Tensor, block_size: int, p0: int, p1: int,
+                       q: torch.Tensor, scale: float, o: torch.Tensor, lse: torch.Tensor, work: torch.Tensor) -> None:
+        """Rows q [n, Hq, D] (fp32, contiguous) over positions [p0, p1) of the sequence whose block table is
+        `blocks` (int64), read in place from one layer's pools (k / v [slots, Hkv, D], int8 ones with
+        k_scale / v_scale [slots, Hkv]): writes o [n, Hq, D] and lse [n, Hq] (`span_attention_ref`), using
+        `work` (fp32, at least `span_work_numel` elements). Releases the GIL while it runs."""
+        n, hq, d = q.shape
+        hkv = k_pool.shape[1]
+        if not (q.dtype == o.dtype == lse.dtype == work.dtype == torch.float32 and q.is_contiguous()
+                and o.is_contiguous() and lse.is_contiguous() and o.shape == q.shape and lse.shape == (n, hq)
+                and v_pool.dtype == k_pool.dtype and v_pool.shape == k_pool.shape and v_pool.is_contiguous()
+                and self.serves_span_attention(k_pool) and k_pool.shape[2] == d and hq % hkv == 0):
+            raise ValueError("span_attention takes contiguous fp32 rows and outputs over a contiguous host pool")
+        if blocks.dtype != torch.long or not blocks.is_contiguous() or not 0 <= p0 <= p1 <= blocks.numel() * block_size:
+            raise ValueError("span_attention takes an int64 block table that covers the span")
+        if (k_scale is None) != (k_pool.dtype != torch.int8) or work.numel() < self.span_work_numel(n, hq, d):
+            raise ValueError("span_attention: int8 pools take their scales, others none; work is too small")
+        scales = (None, None) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
+        self._span[k_pool.dtype](k_pool.data_ptr(), v_pool.data_ptr(), *scales, blocks.data_ptr(), block_size, p0,
+                                 p1, q.data_ptr(), n, hq, hkv, d, scale, o.data_ptr(), lse.data_ptr(),
+                                 work.data_ptr())
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:

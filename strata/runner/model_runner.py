@@ -103,7 +103,8 @@ class ModelRunner:
                 inner = PagedAttention(pool, batch_invariant=batch_invariant)
                 inner.cpu_kernels = getattr(self.attn_device, "cpu_kernels", None)
             self.attn = TieredAttention(inner, host_pool, device=self.device, decode_rows=self.rows_per_seq,
-                                        max_host_tokens=max_model_len, num_layers=model.num_attention_layers)
+                                        max_host_tokens=max_model_len, num_layers=model.num_attention_layers,
+                                        cpu_kernels=cpu_kernels())
             self.attn.states = states
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
         self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=cuda)

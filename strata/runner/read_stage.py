@@ -76,7 +76,7 @@ class Prefill:
 
             inner = self.attn if self.attn.meta is not None else PagedAttention(pool)
             self.attn = TieredAttention(inner, host_pool, device=device, decode_rows=1, max_host_tokens=max_model_len,
-                                        num_layers=0)
+                                        num_layers=0, cpu_kernels=drafter.attn.cpu_kernels)
         self.step = MTPStep(model, pool, self.attn, max_seqs=max_seqs, max_rows=max_rows, rows_per_seq=1,
                             max_model_len=max_model_len, device=device, dtype=dtype, cuda_graph=False)
         self.contexts: list = []  # the stage's stream-K contexts, grown by reserve_draft_kv

@@ -28,6 +28,7 @@ import torch
 from strata.env import ENV
 from strata.kvcache.pool import KVPool
 from strata.models.transformer import CausalLM
+from strata.models.decoder import cpu_kernels
 from strata.attention.registry import make_attention
 from strata.sampling import filtered_probs
 from strata.speculative.mtp_step import MTPStep
@@ -61,7 +62,7 @@ class MTPDrafter:
             # The Triton backend (layout tensors, an LSE output) on CUDA, the torch reference elsewhere.
             inner = self.attn if self.attn.meta is not None else PagedAttention(pool)
             self.attn = TieredAttention(inner, host_pool, device=self.device, decode_rows=1 + max_drafts,
-                                        max_host_tokens=max_model_len, num_layers=0)
+                                        max_host_tokens=max_model_len, num_layers=0, cpu_kernels=cpu_kernels())
         self.step = MTPStep(model, pool, self.attn, max_seqs=max_seqs, max_rows=max_rows, rows_per_seq=1 + max_drafts,
                             max_model_len=max_model_len, device=self.device, dtype=dtype, cuda_graph=cuda_graph)
         self.split = self.split_mode() if split is None else split

@@ -126,3 +126,31 @@ def test_decode_attention_matches_sdpa_over_the_pool(kernels, hq, hkv):
     got = kernels.decode_attention(k_pool, v_pool, slots, blocks, bs, length, q, k, v)
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
     assert _close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("hq,hkv,d,n", [(16, 2, 64, 1), (4, 4, 32, 3), (6, 2, 16, 2)])
+def test_span_attention_reads_a_paged_pool_in_place(kernels, kind, hq, hkv, d, n):
+    """Rows over spans of one sequence's positions (whole, inside a block, across blocks and tiles, one key)
+    in a shuffled block table: the reference's output and log-sum-exp; scratch reused between calls."""
+    from strata.kvcache.pool import make_pool
+
+    torch.manual_seed(hq * 31 + d + n)
+    bs, nb = 8, 12
+    pool = make_pool("auto" if kind == "fp32" else kind, 2, nb, bs, hkv, d, "cpu", torch.float32)
+    pool.write(1, torch.arange(nb * bs), torch.randn(nb * bs, hkv, d), torch.randn(nb * bs, hkv, d))
+    scales = (pool.k_scale[1], pool.v_scale[1]) if kind == "int8" else (None, None)
+    blocks = torch.randperm(nb)
+    q = torch.randn(n, hq, d)
+    o, lse = torch.empty(n, hq, d), torch.empty(n, hq)
+    work = torch.empty(kernels.span_work_numel(n, hq, d))
+    assert kernels.serves_span_attention(pool.k[1])
+    for p0, p1 in [(0, nb * bs), (2, 7), (5, 77), (40, 41)]:
+        kernels.span_attention(pool.k[1], pool.v[1], *scales, blocks, bs, p0, p1, q, d ** -0.5, o, lse, work)
+        want_o, want_lse = cpu_decode.span_attention_ref(pool.k[1], pool.v[1], *scales, blocks, bs, p0, p1, q,
+                                                         d ** -0.5)
+        assert _close(o, want_o, 1e-5) and _close(lse, want_lse, 1e-5)
+    with pytest.raises(ValueError, match="block table"):
+        kernels.span_attention(pool.k[1], pool.v[1], *scales, blocks, bs, 0, nb * bs + 1, q, 0.1, o, lse, work)
+    with pytest.raises(ValueError, match="too small"):
+        kernels.span_attention(pool.k[1], pool.v[1], *scales, blocks, bs, 0, 4, q, 0.1, o, lse, work[:8])

@@ -16,6 +16,7 @@ from strata.kvcache.allocator import NULL_BLOCK, BlockAllocator
 from strata.kvcache.host_pool import BlockCopier
 from strata.kvcache.pool import make_pool
 from strata.kvcache.tier import KVTier
+from strata.kernels import cpu_decode
 from strata.sched.request import Request
 
 
@@ -86,6 +87,32 @@ def test_tiered_attention_matches_one_pool(kind, monkeypatch):
     tiered.set_host([sp[:3] for sp in spans])
     got = tiered.attend(0, *qkv)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["auto", "bf16", "int8"])
+@pytest.mark.parametrize("part_keys", [2048, 4])
+def test_tiered_attention_reads_the_host_part_in_place_through_the_c_kernel(kind, part_keys, monkeypatch,
+                                                                             tmp_path):
+    """With the CPU kernels the decode row's host part is read where it lies, in one part or split over
+    threads (parts of 4 keys: 3 blocks give 3 parts) and merged: what the plain backend gives over
+    everything."""
+    kernels = cpu_decode.load(tmp_path)
+    if kernels is None:
+        pytest.skip("no C compiler to build the CPU decode kernels")
+    monkeypatch.setattr(tiered_mod, "SPAN_PART_KEYS", part_keys)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
+    ref = PagedAttention(full)
+    ref.prepare(*full_layout)
+    want = ref.attend(0, *qkv)
+    tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1,
+                             cpu_kernels=kernels)
+    assert tiered.cpu_kernels is kernels and (tiered.executor is not None)
+    tiered.prepare(*tiered_layout)
+    tiered.set_host([sp[:3] for sp in spans])
+    for _ in range(2):  # the second step reuses the first's buffers
+        got = tiered.attend(0, *qkv)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 if kind != "bf16" else 1e-2)
 
 
 def _invariant_backend(kind: str, pool):
