@@ -55,7 +55,10 @@ def free_share(device: torch.device, utilization: float, sharing: int) -> int:
     """The bytes this process may still take of the card: its free memory x `utilization`; where
     `sharing` stages share the card, its share of the whole card less what this process holds (the
     others' allocations come and go while each one sizes its pool, so free memory would count them
-    twice or not at all)."""
+    twice or not at all). An engine built before in this process (a test's or a benchmark's previous
+    one) may linger in a reference cycle, or as blocks in torch's cache: both are released first."""
+    gc.collect()
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     if sharing <= 1:
         return int(free * utilization)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.config import EngineConfig
+from strata.config import EngineConfig, ModelConfig
 from strata.engine.concurrent import ConcurrentReadSetup
 from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
                                  EngineStats, RateWindow, SlotSnapshot)
@@ -106,7 +106,7 @@ class _TextState:
     logprobs: bool = False
 
 
-def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device, reserved: int,
+def _kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, device: torch.device, reserved: int,
                         plan: Plan | None = None, sharing: int = 1) -> int:
     if cfg.kv_size:
         return cfg.kv_size
@@ -115,10 +115,13 @@ def _kv_capacity_tokens(cfg: EngineConfig, per_token: int, device: torch.device,
         # with its pool, or as blocks in PyTorch's cache: neither counts as free unless released.
         gc.collect()
         torch.cuda.empty_cache()
-        if cfg.gpu_memory is not None and plan is not None:
-            # Within the cap: what the plan left for K/V, less what loading took beyond its estimate.
-            left = plan.gpu_budget - plan.scratch_bytes - torch.cuda.memory_reserved(device) - reserved
-            return max(min(plan.kv_tokens, int(left) // per_token), 0)
+        if cfg.gpu_memory is not None:
+            # Within the cap: what the plan left for K/V, less what loading took beyond its estimate. A model
+            # built before the engine (a benchmark's random weights) has no plan: the cap less one step's scratch.
+            budget, scratch, most = ((plan.gpu_budget, plan.scratch_bytes, plan.kv_tokens) if plan is not None else
+                                     (placement.gpu_budget(cfg, device), placement.scratch_bytes(cfg, mc), 1 << 62))
+            left = budget - scratch - torch.cuda.memory_reserved(device) - reserved
+            return max(min(most, int(left) // per_token), 0)
         # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
         # the rest of the margin is for one step's activations.
         return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved, 0) // per_token
@@ -175,6 +178,9 @@ class LLMEngine:
         if loaded is None:
             loaded = self._load_placed(cfg, dtype, progress)
             cfg = self.cfg
+        elif self.device.type == "cuda":
+            # Its builder placed a model built before the engine; the cap bounds everything that follows.
+            placement.cap_allocator(cfg, self.device)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         if self.stages is not None:
             self.stages.install(self.model)
@@ -209,11 +215,12 @@ class LLMEngine:
             self.concurrent = dataclasses.replace(self.concurrent, split_mtp_batch=True, smb=True)
         self.concurrent.log_decision()
         sharing = self.stages.plan.sharing if self.stages is not None else 1
-        tokens = _kv_capacity_tokens(cfg, per_token, self.device, drafter_bytes, self.memory_plan, sharing)
+        tokens = _kv_capacity_tokens(cfg, mc, per_token, self.device, drafter_bytes, self.memory_plan, sharing)
         if self.stages is not None:  # every stage's pool has the blocks of rank 0's allocator
             tokens = self.stages.kv_tokens(tokens)
-        if cfg.kv_resident is not None and not cfg.kv_size and self.device.type != "cuda":
-            tokens = min(tokens, cfg.parallel * tier_tokens(cfg.kv_resident, cfg.chunk_size, cfg.spec, cfg.block_size))
+        if cfg.kv_resident is not None and not cfg.kv_size and self.memory_plan is None:  # the plan counts the window
+            tokens = min(tokens, cfg.parallel * tier_tokens(cfg.kv_resident, cfg.chunk_size or cfg.max_num_batched_tokens or 2048,
+                                                          cfg.spec, cfg.block_size))
         # --kv-size is what the pool holds at least (the context is capped to it); a size from memory is a ceiling.
         blocks = -(-tokens // cfg.block_size) if cfg.kv_size else tokens // cfg.block_size
         num_blocks = max(blocks, 2) + 1  # +1: block 0 is the padding block

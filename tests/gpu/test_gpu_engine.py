@@ -152,3 +152,26 @@ def test_cuda_speculation_identity_scenarios(scenario, monkeypatch):
         del e
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def test_the_cap_holds_for_a_model_built_before_the_engine():
+    """A benchmark's random weights reach the engine already built (no plan of the load): --gpu-memory
+    still bounds its KV pool, buffers and graphs, and a resident window sizes the pool by the window."""
+    from strata.bench.random_model import random_model
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = random_model("tiny", "cuda", torch.bfloat16)
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, gpu_memory=1.0), progress=False,
+                  loaded=loaded)
+    e.add_request(EngineRequest("r", tuple(range(10, 200)), SamplingParams(max_tokens=16, ignore_eos=True),
+                                time.monotonic()))
+    assert len(e.run_to_completion()["r"]) > 0
+    assert torch.cuda.max_memory_reserved() <= 2**30
+    del e
+    gc.collect()
+    torch.cuda.empty_cache()
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, kv="int8", kv_resident=256,
+                               chunk_size=64, ctx=4096), progress=False, loaded=loaded)
+    assert e.kv_capacity - e.kv_tier.host_capacity <= 2 * (256 + 2 * 64 + 2 * e.cfg.block_size)
