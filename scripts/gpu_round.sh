@@ -50,6 +50,8 @@ step() {  # name, seconds, command...
       gpu-rest) step gpu-rest 560 $T tests/engine tests/loaders tests/speculative tests/bench --durations=10 ;;
       fla) step fla 300 $FLA $T tests/kernels/test_gated_delta_fla.py ;;
       files) step files ${FILES_S:-300} $T $FILES ;;  # FILES="tests/a.py tests/b.py -k ...": any tests by name
+      # One step per file of FILES, FILES_S seconds each: a file cut short still leaves the others' tracebacks.
+      files-each) for f in $FILES; do step "$(basename "$f" .py)" ${FILES_S:-300} $T "$f" -rf --tb=short; done ;;
       # The benchmarks the docs quote (bench/results/README.md names each file's command).
       host-kernels) step host-kernels 400 bash -c "python3 benchmarks/kernels/host_expert_kernels.py | tee $R/host_expert_kernels_cuda.txt" ;;
       decode) step decode 300 $B decode --batch 1,8,32 --tokens 64 --repeats 1 --http --out $R/decode_qwen3-8b_cuda.json ;;

@@ -161,6 +161,7 @@ class LLMEngine:
         """`loaded`: a model already on the device (benchmarks build random weights in place); else
         `cfg.model` is loaded."""
         cfg = cfg.resolved()
+        clock = [("", time.perf_counter())]  # start-up's phases, each ended by a mark
         # Pipeline stages (--split-mode layer): ranks other than 0 run their stage inside `join` and exit.
         self.stages = join_stages(cfg) if cfg.split_mode == "layer" else None
         if self.stages is not None:
@@ -178,6 +179,7 @@ class LLMEngine:
         if loaded is None:
             loaded = self._load_placed(cfg, dtype, progress)
             cfg = self.cfg
+            clock.append(("load", time.perf_counter()))
         elif self.device.type == "cuda":
             # Its builder placed a model built before the engine; the cap bounds everything that follows.
             placement.cap_allocator(cfg, self.device)
@@ -191,6 +193,8 @@ class LLMEngine:
         mc = self.model_config
         self.host_staging: HostStagingPool | None
         self.host_staging, self.expert_streamer = set_up_host_experts(self.model, mc, cfg, self.device)
+        if self.host_staging is not None:
+            clock.append(("host experts' staging and stream threshold", time.perf_counter()))
         check_batch_invariant(cfg, mc, self.device, self.model)
         self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:
@@ -294,6 +298,7 @@ class LLMEngine:
         if self.stages is not None:
             self.stages.attach(self.runner, num_blocks, self.max_model_len,
                                max(cfg.parallel * (1 + cfg.spec), PROMPT_GRAPH_ROWS[0]), cfg.spec, split_drafts)
+        clock.append(("pools and buffers", time.perf_counter()))
         # Every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
         if self.drafter:
@@ -305,6 +310,9 @@ class LLMEngine:
                 self.read_stage.warm_up()
             log.info("read stage: %.1f MiB of region and scratch twins, %d B upload ring",
                      self.read_stage.region_bytes / 2**20, self.read_stage.up_ring.nbytes)
+        clock.append(("graphs and warm-up", time.perf_counter()))
+        log.info("start-up in %.1f s: %s", clock[-1][1] - clock[0][1],
+                 ", ".join(f"{name} {t - before:.1f} s" for (_, before), (name, t) in zip(clock, clock[1:])))
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.progress_ids: set[str] = set()  # requests that asked for an event per chunk of their prompt read

@@ -15,6 +15,7 @@ import math
 import re
 import os
 import sys
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -320,6 +321,7 @@ class _HostLayers:
         self.work = device if self.stream else torch.device("cpu")
         self.ckpt, self.dtype, self.names = ckpt, dtype, names
         self.pending: dict[int, dict] = {}
+        self.built, self.seconds = 0, 0.0
         self.moe_of: dict[str, MoE] = {}
         for name, m in model.named_modules():
             if isinstance(m, MoE) and m.host_format is not None:
@@ -335,7 +337,9 @@ class _HostLayers:
         got[(int(e), proj)] = value
         if len(got) == 3 * moe.num_experts:
             del self.pending[id(moe)]
+            t0 = time.perf_counter()
             self._build(moe, got)
+            self.built, self.seconds = self.built + 1, self.seconds + time.perf_counter() - t0
 
     def _build(self, moe, got: dict) -> None:
         from strata.kernels.quant.moe_q import QExpertStack
@@ -388,6 +392,8 @@ class _HostLayers:
     def check_done(self) -> None:
         if self.pending:
             raise LoadError(self.ckpt.path, f"{len(self.pending)} MoE layers placed in RAM lack some of their experts")
+        log.info("routed experts of %d MoE layers made ready for RAM in %.1f s (converted on the %s)", self.built,
+                 self.seconds, "GPU" if self.stream else "CPU")
 
 
 def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool,
