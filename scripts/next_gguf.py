@@ -19,6 +19,7 @@ MoE block under qwen3next's names plus the head's nextn.eh_proj / enorm / hnorm 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shutil
@@ -251,11 +252,14 @@ def main() -> None:
     p.add_argument("--vocab", default=None, help="a vocab-only GGUF whose tokenizer.* fields are copied "
                    "(llama.cpp needs them; Strata reads the file without)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="the first N of the shape's layers (quick checks)")
     p.add_argument("--mtp", action="store_true", help="also write the MTP layer (blk.L + nextn.*, "
                    "nextn_predict_layers), for Strata's --spec; off by default because llama.cpp refuses "
                    "a qwen3next file with tensors it does not create, so llama-bench cannot read it")
     args = p.parse_args()
     cfg = shape_config(args.shape)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers, layer_types=cfg.layer_types[: args.layers])
     if not args.vocab:
         print("no --vocab: llama.cpp will refuse a file without tokenizer fields", file=sys.stderr)
     t0 = time.perf_counter()

@@ -29,7 +29,9 @@ log = logging.getLogger("strata")
 
 _ROUTED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
 _SHARED = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_experts?\.")
-_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|^lm_head\.weight$")
+# The weights a load keeps quantized (`strata.loaders._quantizable_linears`: Gated DeltaNet's projections too).
+_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.(in_proj_qkvz|in_proj_ba|out_proj)\.weight$"
+                     r"|^lm_head\.weight$")
 # The CUDA context, cuBLAS and Triton workspaces and the graphs' pools, beside the activations.
 CONTEXT_BYTES = 768 * MiB
 

@@ -229,7 +229,8 @@ def _optional_mtp_copies(model: CausalLM, names: set[str]) -> None:
 
 
 def _quantizable_linears(model: CausalLM) -> set[str]:
-    """Weight names that may stay quantized: attention and MLP projections (MoE experts' too), the LM head."""
+    """Weight names that may stay quantized: attention and MLP projections (MoE experts' too), the
+    projections another architecture's layers name in `QUANTIZABLE`, the LM head."""
     from strata.models.layers import MLP, Attention
 
     out = set()
@@ -238,6 +239,8 @@ def _quantizable_linears(model: CausalLM) -> set[str]:
             out |= {f"{name}.{p}_proj.weight" for p in "qkvo"}
         elif isinstance(m, MLP):
             out |= {f"{name}.{p}_proj.weight" for p in ("gate", "up", "down")}
+        else:
+            out |= {f"{name}.{p}.weight" for p in getattr(m, "QUANTIZABLE", ())}
     if not model.config.tie_word_embeddings:
         out.add("lm_head.weight")
     return out

@@ -130,6 +130,10 @@ def tensor_to_torch(t: ReaderTensor, expert: int | None = None) -> torch.Tensor:
     return torch.from_numpy(dequantize(data, qtype))
 
 
+# Transforms that only regroup rows: also undone on a quantized file's rows of blocks, kept quantized.
+ROW_ORDER_UNDO = frozenset({"qkvz"})
+
+
 def _undo(how: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """The inverse of the llama.cpp converter's transform `how` (`names.UNDO`, `names.JOINED_TENSORS`)
     on the tensor read, or on the GGUF tensors it is joined from (`parts`)."""
@@ -269,14 +273,17 @@ def read_gguf(path: str) -> Checkpoint:
         from strata.kernels.quant import FORMATS
 
         ref = where[name]
-        t = tensors[ref.gguf_name]
+        group = [tensors[g] for g in (ref.gguf_name, *ref.more)]
         dims = 2 if ref.expert is None else 3  # a 2-D weight, or one expert of a stack
-        if ref.undo is not None or ref.more or len(shapes[ref.gguf_name]) != dims \
-                or _np_shape(t) != shapes[ref.gguf_name] or t.tensor_type.name not in FORMATS:
+        kept = ref.undo is None or (ref.undo in ROW_ORDER_UNDO and ref.expert is None)
+        if not kept or len({t.tensor_type for t in group}) != 1 or group[0].tensor_type.name not in FORMATS \
+                or any(len(shapes[t.name]) != dims or _np_shape(t) != shapes[t.name] for t in group):
             return None
-        # A copy: the mapping is read-only. Rows of blocks, as the file stores them.
-        data = t.data if ref.expert is None else t.data[ref.expert]
-        return t.tensor_type.name, torch.from_numpy(np.array(data, dtype=np.uint8))
+        # A copy: the mapping is read-only. Rows of blocks, as the file stores them (rows regrouped by a
+        # transform that only reorders them).
+        parts = [torch.from_numpy(np.array(t.data if ref.expert is None else t.data[ref.expert], dtype=np.uint8))
+                 for t in group]
+        return group[0].tensor_type.name, parts[0] if ref.undo is None else _undo(ref.undo, parts, cfg)
 
     tokenizer = None
     if reader.fields.get("tokenizer.ggml.model") is not None:

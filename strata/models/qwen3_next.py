@@ -25,7 +25,8 @@ from strata.kernels.gated_delta import gated_delta_varlen
 from strata.kernels.gated_delta_decode import causal_conv1d_decode, delta_gates, gated_delta_decode_with_gating
 from strata.attention import AttentionBackend, CausalBatch
 from strata.kvcache.state_pool import RecurrentStates
-from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear, stack_views
+from strata.kernels.quant import QWeight
+from strata.models.layers import MLP, RMSNorm, RopeInputs, apply_rotary, linear, stack_views, take_quantized
 from strata.models.moe import MoE, moe_decode_works
 from strata.models.transformer import CausalLM
 
@@ -56,6 +57,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    QUANTIZABLE = ("in_proj_qkvz", "in_proj_ba", "out_proj")  # may stay quantized (`pack`)
+
     def __init__(self, cfg: ModelConfig, linear_idx: int):
         super().__init__()
         self.linear_idx = linear_idx  # index among the linear layers: its state in `attn.states`
@@ -76,22 +79,34 @@ class GatedDeltaNet(nn.Module):
         # `pack`: q | k | v | z | b | a rows in one tensor (in_proj_qkvz's rows regrouped), each
         # projection's weight a view of it. Non-persistent, as Attention.qkv_weight.
         self.register_buffer("in_proj_weight", None, persistent=False)
+        self.in_proj_q: QWeight | None = None  # the same rows kept quantized, instead of in_proj_weight
+        self.out_q: QWeight | None = None
         self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
 
+    def _qkvz_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """in_proj_qkvz's rows (floats, or a quantized file's rows of blocks) from the checkpoint's order
+        (per key head: q, k, then the v and z of its `ratio` value heads) to q | k | v | z, each head-major."""
+        rv = self.ratio * self.dv
+        parts = rows.view(self.hk, 2 * self.dk + 2 * rv, -1).split([self.dk, self.dk, rv, rv], dim=1)
+        return torch.cat([p.reshape(-1, rows.shape[1]) for p in parts])
+
     @torch.no_grad()
-    def pack(self) -> None:
+    def pack(self, dtype: torch.dtype | None = None) -> None:
         """One projection GEMM instead of two, laid out so that the conv input, z, b and a are views of
         its output, with no copies or concatenation per step: in_proj_qkvz's rows regrouped in place
-        from the checkpoint's order (per key head: q, k, then the v and z of its `ratio` value heads)
-        to q | k | v | z, each head-major, then in_proj_ba's rows below them."""
-        w = self.in_proj_qkvz.weight
+        (`_qkvz_order`), then in_proj_ba's rows below them. Weights the loader kept quantized become
+        `QWeight`s of the same rows (`dtype`: the model's, for a mixed stack)."""
         projs = (self.in_proj_qkvz, self.in_proj_ba)
-        if self.in_proj_weight is not None or any(p.weight.is_meta or p.weight.requires_grad or "quant_raw" in p.__dict__
-                                                  for p in projs):
+        if "quant_raw" in self.in_proj_qkvz.__dict__:
+            fmt, raw = self.in_proj_qkvz.quant_raw
+            self.in_proj_qkvz.quant_raw = (fmt, self._qkvz_order(raw))
+        self.out_q = take_quantized([self.out_proj], dtype)
+        self.in_proj_q = take_quantized(list(projs), dtype)
+        if self.in_proj_q is not None or self.in_proj_weight is not None \
+                or any(p.weight.is_meta or p.weight.requires_grad for p in projs):
             return
-        rv = self.ratio * self.dv
-        parts = w.view(self.hk, 2 * self.dk + 2 * rv, -1).split([self.dk, self.dk, rv, rv], dim=1)
-        w.copy_(torch.cat([p.reshape(-1, w.shape[1]) for p in parts]))
+        w = self.in_proj_qkvz.weight
+        w.copy_(self._qkvz_order(w))
         self.in_proj_weight = stack_views([self.in_proj_qkvz, self.in_proj_ba], "weight")
 
     def gemv_weights(self) -> tuple[torch.Tensor | None, ...]:
@@ -103,8 +118,9 @@ class GatedDeltaNet(nn.Module):
         views of the one projection after `pack`; before it, q|k|v is gathered from the checkpoint's
         order."""
         n, r = x.shape[0], self.ratio
-        if self.in_proj_weight is not None:
-            out = linear(x, self.in_proj_weight, None, self.gemv_ws)
+        packed = self.in_proj_q if self.in_proj_q is not None else self.in_proj_weight
+        if packed is not None:
+            out = linear(x, packed, None, self.gemv_ws)
             z_end = self.conv_dim + self.hv * self.dv
             b, a = out[:, z_end:].view(n, self.hk, 2 * r).split([r, r], dim=-1)
             return out[:, : self.conv_dim], out[:, self.conv_dim : z_end].view(n, self.hv, self.dv), b, a
@@ -139,7 +155,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o = self._reads(states, mixed.contiguous(), a, b, weight)
         o = self.norm(o.reshape(x.shape[0], self.hv, self.dv).contiguous(), z).reshape(x.shape[0], -1)
-        return linear(o, self.out_proj.weight, None, self.gemv_ws)
+        return linear(o, self.out_q if self.out_q is not None else self.out_proj.weight, None, self.gemv_ws)
 
     def _reads(self, states: RecurrentStates, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                weight: torch.Tensor) -> torch.Tensor:
@@ -198,6 +214,8 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
+    QUANTIZABLE = ("q_proj", "k_proj", "v_proj", "o_proj")  # may stay quantized (`pack`)
+
     def __init__(self, cfg: ModelConfig, kv_idx: int):
         super().__init__()
         self.kv_idx = kv_idx  # index among the K/V-cached layers
@@ -212,20 +230,33 @@ class GatedAttention(nn.Module):
         # `pack`: gate | q | k | v rows in one tensor (q_proj's rows regrouped, gates first), each
         # projection's weight a view of it. Non-persistent, as Attention.qkv_weight.
         self.register_buffer("gqkv_weight", None, persistent=False)
+        self.gqkv_q: QWeight | None = None  # the same rows kept quantized, instead of gqkv_weight
+        self.o_q: QWeight | None = None
         self.gemv_ws: torch.Tensor | None = None  # shared GEMV workspace (CausalLM.pack, on CUDA)
 
+    def _gates_first(self, rows: torch.Tensor) -> torch.Tensor:
+        """q_proj's rows (floats, or a quantized file's rows of blocks), per head its q then its gate,
+        as all gates, then all q."""
+        per_head = rows.view(self.n_heads, 2, self.head_dim, rows.shape[1])
+        return torch.cat([per_head[:, 1].reshape(-1, rows.shape[1]), per_head[:, 0].reshape(-1, rows.shape[1])])
+
     @torch.no_grad()
-    def pack(self) -> None:
+    def pack(self, dtype: torch.dtype | None = None) -> None:
         """One projection GEMM instead of three, its output laid out for the fused q/k norm + RoPE
-        kernel (q | k | v contiguous after the gates). q_proj's rows (per head: q, then its gate) are
-        regrouped in place as all gates, then all q."""
+        kernel (q | k | v contiguous after the gates): q_proj's rows regrouped in place (`_gates_first`).
+        Weights the loader kept quantized become `QWeight`s of the same rows (`dtype`: the model's, for a
+        mixed stack)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self.gqkv_weight is not None or any(p.bias is not None or p.weight.is_meta or p.weight.requires_grad
-                                                 or "quant_raw" in p.__dict__ for p in projs):
+        if "quant_raw" in self.q_proj.__dict__:
+            fmt, raw = self.q_proj.quant_raw
+            self.q_proj.quant_raw = (fmt, self._gates_first(raw))
+        self.o_q = take_quantized([self.o_proj], dtype)
+        self.gqkv_q = take_quantized(list(projs), dtype)
+        if self.gqkv_q is not None or self.gqkv_weight is not None or any(
+                p.bias is not None or p.weight.is_meta or p.weight.requires_grad for p in projs):
             return
         w = self.q_proj.weight
-        per_head = w.view(self.n_heads, 2, self.head_dim, w.shape[1])
-        w.copy_(torch.cat([per_head[:, 1].reshape(-1, w.shape[1]), per_head[:, 0].reshape(-1, w.shape[1])]))
+        w.copy_(self._gates_first(w))
         self.gqkv_weight = stack_views(list(projs), "weight")
 
     def gemv_weights(self) -> tuple[torch.Tensor | None, ...]:
@@ -234,8 +265,16 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, attn: AttentionBackend) -> torch.Tensor:
         n, d, hd = x.shape[0], self.head_dim, self.n_heads * self.head_dim
-        if self.gqkv_weight is not None and use_triton(x):
-            out = linear(x, self.gqkv_weight, None, self.gemv_ws)
+        if self.gqkv_q is not None and not use_triton(x):  # gate | q | k | v from the quantized stack
+            out = linear(x, self.gqkv_q)
+            gate, q, k, v = out.split([hd, hd, self.n_kv * d, self.n_kv * d], dim=-1)
+            q, k, v = q.reshape(n, self.n_heads, d), k.reshape(n, self.n_kv, d), v.reshape(n, self.n_kv, d)
+            cos, sin = rope.cos_sin()
+            q = apply_rotary(self.q_norm(q), cos, sin).to(v.dtype)
+            k = apply_rotary(self.k_norm(k), cos, sin).to(v.dtype)
+        elif (self.gqkv_q is not None or self.gqkv_weight is not None) and use_triton(x):
+            packed = self.gqkv_q if self.gqkv_q is not None else self.gqkv_weight
+            out = linear(x, packed, None, self.gemv_ws)
             gate = out[:, :hd]
             q, k, v = k_rope.qk_norm_rope_triton(
                 out[:, hd:], rope.positions, rope.rotary.inv_freq, rope.rotary.scale, self.q_norm.weight,
@@ -254,7 +293,8 @@ class GatedAttention(nn.Module):
             q = apply_rotary(self.q_norm(q), cos, sin).to(v.dtype)
             k = apply_rotary(self.k_norm(k), cos, sin).to(v.dtype)
         o = attn.attend(self.kv_idx, q, k, v).reshape(n, hd)
-        return linear(o * torch.sigmoid(gate), self.o_proj.weight, self.o_proj.bias, self.gemv_ws)
+        w_o = self.o_q if self.o_q is not None else self.o_proj.weight
+        return linear(o * torch.sigmoid(gate), w_o, self.o_proj.bias, self.gemv_ws)
 
 
 class SharedGatedMoE(MoE):
@@ -361,9 +401,10 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @torch.no_grad()
     def pack(self) -> None:
+        dtype = self.model.embed_tokens.weight.dtype
         for m in self.modules():  # first: the shared GEMV workspace is sized from the packed shapes
             if isinstance(m, (GatedDeltaNet, GatedAttention)):
-                m.pack()
+                m.pack(dtype)
         super().pack()
 
     @property

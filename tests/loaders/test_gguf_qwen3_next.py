@@ -112,10 +112,11 @@ def _converted(c: dict, tensors: dict[str, torch.Tensor], legacy: bool) -> dict[
 def write_next_gguf(path, c: dict, tensors: dict[str, torch.Tensor], *, legacy: bool = False,
                     layer_flags: bool = False, tok_dir: str | None = None, drop_tensors: tuple[str, ...] = (),
                     drop_keys: tuple[str, ...] = (), nextn: int = 0,
-                    extra_tensors: dict[str, torch.Tensor] | None = None) -> str:
+                    extra_tensors: dict[str, torch.Tensor] | None = None, q8_0: tuple[str, ...] = ()) -> str:
     """`layer_flags`: state the layer kinds as `attention.recurrent_layers` instead of the interval.
     `nextn`: the MTP layers the metadata counts (their `mtp.*` tensors, if in `tensors`, are written).
-    `extra_tensors`: GGUF-named tensors written as they are."""
+    `extra_tensors`: GGUF-named tensors written as they are. `q8_0`: suffixes of the GGUF names of 2-D
+    weights stored as Q8_0 blocks (those with rows of whole blocks)."""
     path = str(path)
     w = GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCH])
     arch = w.arch
@@ -155,7 +156,12 @@ def write_next_gguf(path, c: dict, tensors: dict[str, torch.Tensor], *, legacy: 
     if tok_dir:
         gguf_tokenizer_fields(w, tok_dir)
     for g, t in {**_converted(c, tensors, legacy), **(extra_tensors or {})}.items():
-        if g not in drop_tensors:
+        if g in drop_tensors:
+            continue
+        if t.dim() == 2 and g.endswith(q8_0) and t.shape[1] % 32 == 0:
+            q = gguf.quants.quantize(t.numpy().astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(g, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
             w.add_tensor(g, t.numpy().astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -220,6 +226,32 @@ def test_qwen3next_gguf_matches_hf(legacy, layer_flags, next_parts, tmp_path):
     err = rel_err(_logits(lm, ids), ref)
     print(f"qwen3next ({'legacy' if legacy else 'current'} layout): GGUF vs HF max relative logit error {err:.2e}")
     assert err < REL_TOL
+
+
+# Every projection of the Gated DeltaNet and gated attention layers and of the shared experts.
+PROJECTIONS = ("attn_qkv.weight", "attn_gate.weight", "ssm_in.weight", "ssm_ba.weight", "ssm_out.weight",
+               "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "_shexp.weight")
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["current", "legacy"])
+def test_qwen3next_projections_stay_quantized(legacy, next_parts, tmp_path):
+    """A Q8_0 file's Gated DeltaNet projections (q|k|v + z regrouped as the float path regroups them,
+    b|a below) and gated attention projections (gates first) stay quantized: the same logits as the
+    file's blocks expanded to floats."""
+    src, _, c, tensors = next_parts
+    path = write_next_gguf(tmp_path / "q.gguf", c, tensors, legacy=legacy, layer_flags=legacy, q8_0=PROJECTIONS)
+    kept, expanded = load_model(path, keep_quantized=True), load_model(path)
+    layers = kept.model.model.layers
+    linear = [m for m in kept.model.modules() if hasattr(m, "in_proj_q")]
+    gated = [m for m in kept.model.modules() if hasattr(m, "gqkv_q")]
+    assert linear and gated
+    assert all(m.in_proj_q is not None and m.out_q is not None and m.in_proj_weight is None for m in linear)
+    assert all(m.gqkv_q is not None and m.o_q is not None and m.gqkv_weight is None for m in gated)
+    assert len(layers) == c["num_hidden_layers"]
+    torch.manual_seed(2)
+    ids = torch.randint(0, c["vocab_size"], (2, 24))
+    err = rel_err(_logits(kept, ids), _logits(expanded, ids))
+    assert err < REL_TOL, err
 
 
 @pytest.mark.parametrize(
