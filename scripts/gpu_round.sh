@@ -122,7 +122,8 @@ step() {  # name, seconds, command...
       # background beside peer-build; offload waits for both, then times llama.cpp and Strata on it, alone.
       offload-gguf)
         mkdir -p /tmp/peer; V=/tmp/llama/models/ggml-vocab-qwen2.gguf; [ -f $V ] || V=.cache/llama-cpp-vocab-0.3.16/ggml-vocab-qwen2.gguf
-        setsid nohup bash -c "python3 scripts/quant_gguf.py /tmp/moe_Q8_0.gguf Q8_0 --shape qwen3-30b-a3b \
+        # On the CPU: tests beside it size their KV pools from the GPU's free memory.
+        setsid nohup bash -c "CUDA_VISIBLE_DEVICES= python3 scripts/quant_gguf.py /tmp/moe_Q8_0.gguf Q8_0 --shape qwen3-30b-a3b \
           --layers ${OFFLOAD_LAYERS:-48} --vocab $V; touch /tmp/peer/moe_gguf" \
           >/tmp/peer/moe_gguf.log 2>&1 </dev/null &
         echo "MoE GGUF write started" ;;
