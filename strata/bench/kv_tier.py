@@ -24,13 +24,16 @@ from strata.engine.types import EngineRequest
 from strata.params import SamplingParams
 
 
+SLACK = 64  # positions past the prompt and its decode: the pool, sized in whole blocks, holds the context
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 def _engine(args, **kw) -> LLMEngine:
-    base = dict(device=args.device, dtype=args.dtype, kv=args.kv, ctx=args.context + args.decode, parallel=1,
+    base = dict(device=args.device, dtype=args.dtype, kv=args.kv, ctx=args.context + args.decode + SLACK, parallel=1,
                 chunk_size=args.chunk, prefix_cache=True)
     cfg = EngineConfig(**{**base, **kw})
     if args.shape:
@@ -84,16 +87,16 @@ def run(args) -> dict:
         from strata.bench.random_model import shape_config
 
         most = shape_config(args.shape).max_position_embeddings
-        if args.context + args.decode > most:
+        if args.context + args.decode + SLACK > most:
             raise SystemExit(f"--shape {args.shape} holds {most} positions: --context {args.context} + --decode "
-                             f"{args.decode} do not fit (a -128k shape holds 131072)")
+                             f"{args.decode} + {SLACK} do not fit (a -128k shape holds 131072)")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()
     all_device = _arm(args, ids, prefix_cache=False)
     tier = _arm(args, ids, kv_resident=args.resident)
     nkvo = json.load(open(args.llamacpp)) if args.llamacpp else None
     reread = args.context / all_device["read_tok_s"]
-    tag = f"{round(args.context / 1024)}k"  # 130,944 tokens and their decode fill a 131,072-position model: "128k"
+    tag = f"{round(args.context / 1024)}k"  # 130,944 tokens, their decode and SLACK fill 131,072 positions: "128k"
     summary = {
         f"decode_{tag}_over_all_gpu": tier["decode_tok_s"] / all_device["decode_tok_s"],
         f"decode_{tag}_over_llamacpp_nkvo": tier["decode_tok_s"] / nkvo["decode_tok_s"] if nkvo else None,

@@ -119,3 +119,19 @@ def test_bench_quant_kl_orders_formats(tmp_path):
     assert rows["Q8_0"]["same_top"] > 0.9 and rows["Q8_0"]["tokens"] == 256
     # FP8 (weights and activations) touches the embedded model's attention and dense MLP only.
     assert 0 < rows["FP8"]["kld"] < 0.05 and 0 < rows["FP8"]["quantized_share"] < 1
+
+
+def test_bench_kv_tier_moves_blocks_and_hits_the_host_prefix(tmp_path):
+    out = tmp_path / "kv_tier.json"
+    assert main(["bench", "kv-tier", "--device", "cpu", "--context", "1200", "--resident", "256", "--decode", "8",
+                 "--out", str(out)]) == 0
+    info = json.loads(out.read_text())
+    assert info["tier"]["blocks_moved"] > 0
+    # The second request finds all but the last block of the prompt, from the host tier.
+    assert info["tier"]["host_prefix_cached_tokens"] >= 1200 - 16
+    assert set(info["summary"]) >= {"decode_1k_over_all_gpu", "host_prefix_ttft_over_reread", "alloc_growth_bytes"}
+
+
+def test_bench_kv_tier_refuses_a_context_past_the_shape():
+    with pytest.raises(SystemExit, match="holds 40960 positions"):
+        main(["bench", "kv-tier", "--device", "cpu", "--shape", "qwen3-8b", "--context", "131072"])
