@@ -24,13 +24,12 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.bench.throughput import (_decode_once, _free, _prompts, add_kernel_choice_flags, build_engine,
                                      engine_config, install_kernel_choices)
 from strata.engine.types import EngineRequest
-from strata.kernels.quant import FORMATS, QWeight, QWeightStack
+from strata.kernels.quant import FORMATS
 from strata.kernels.quant.mixes import MIXES
 from strata.kernels.quant.moe_q import QExpertStack
-from strata.models.quantize import quantize_fp8
+from strata.models.layers import QuantizedEmbedding
+from strata.models.quantize import qweights_of, quantize_fp8
 from strata.params import SamplingParams
-
-QUANT_ATTRS = ("qkv_q", "o_q", "gate_up_q", "down_q", "lm_head_q")
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -42,17 +41,14 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
             continue
         seen.add(t.untyped_storage().data_ptr())
         total += t.untyped_storage().nbytes()
+    total += sum(q.nbytes for q in qweights_of(model))
     for m in model.modules():
-        for attr in QUANT_ATTRS:
-            q = getattr(m, attr, None)
-            if isinstance(q, (QWeight, QWeightStack)):
-                total += q.nbytes
         for t in getattr(m, "fp8", None) or ():  # MoE experts in e4m3 (`quantize_fp8`)
             total += t.numel() * t.element_size()
         for stack in getattr(m, "quant", None) or ():  # MoE experts kept quantized (`moe_q.QExpertStack`)
             total += stack.nbytes if isinstance(stack, QExpertStack) else 0
-    emb = model.model.embed_tokens.weight
-    return total, emb.numel() * emb.element_size()
+    emb = model.model.embed_tokens
+    return total, emb.q.nbytes if isinstance(emb, QuantizedEmbedding) else emb.weight.numel() * emb.weight.element_size()
 
 
 def _arm(args, fmt: str, device: torch.device, dtype: torch.dtype, copy_bps: float | None) -> dict:

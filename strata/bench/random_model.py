@@ -155,13 +155,13 @@ def random_model(shape: str, device: str | torch.device, dtype: torch.dtype, see
         model.get_submodule(module_name).register_buffer(attr, value, persistent=name in persistent)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    _post_load(model, device)
+    _post_load(model, device, dtype)
     model.eval()
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, path=f"random:{shape}", has_mtp=False)
 
 
-def _post_load(model: nn.Module, device: torch.device) -> None:
-    loaders._pack(model, device)  # what `load_model` does after assigning weights
+def _post_load(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    loaders._pack(model, device, dtype)  # what `load_model` does after assigning weights
 
 
 def with_tokenizer(loaded: LoadedModel, tokenizer: Tokenizer | None) -> LoadedModel:

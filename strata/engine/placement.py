@@ -29,9 +29,10 @@ log = logging.getLogger("strata")
 
 _ROUTED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
 _SHARED = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_experts?\.")
-# The weights a load keeps quantized (`strata.loaders._quantizable_linears`: Gated DeltaNet's projections too).
-_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.(in_proj_qkvz|in_proj_ba|out_proj)\.weight$"
-                     r"|^lm_head\.weight$")
+# The weights a load keeps quantized (`strata.loaders._quantizable_linears`: Gated DeltaNet's projections
+# and the embedding table too).
+_KEPT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.(in_proj_qkvz|in_proj_ba|out_proj)\.weight$"
+                   r"|^lm_head\.weight$|^model\.embed_tokens\.weight$")
 # The CUDA context, cuBLAS and Triton workspaces and the graphs' pools, beside the activations.
 CONTEXT_BYTES = 768 * MiB
 
@@ -53,7 +54,7 @@ def tensor_bytes(ckpt: Checkpoint, name: str, dtype: torch.dtype, keep_quantized
     """What one tensor takes once loaded: its file bytes where it stays quantized, else the model dtype
     (the routing bias stays fp32)."""
     stored = ckpt.types.get(name)
-    if keep_quantized and stored in KEPT_FORMATS and _LINEAR.search(name) and name in ckpt.nbytes:
+    if keep_quantized and stored in KEPT_FORMATS and _KEPT.search(name) and name in ckpt.nbytes:
         return ckpt.nbytes[name]
     numel = 1
     for d in ckpt.shapes.get(name, ()):

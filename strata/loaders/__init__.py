@@ -142,7 +142,7 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
 
         number_kv_layers(model)
     if pack_experts:
-        _pack(model, torch.device(device))
+        _pack(model, torch.device(device), dtype)
     if quantize == "fp8":
         if ckpt.raw is not None and keep_quantized:
             raise LoadError(path, "--quantize fp8 makes FP8 from float weights: not with --keep-quantized")
@@ -204,9 +204,16 @@ def _log_expanded(ckpt: Checkpoint, names: set[str], dtype: torch.dtype) -> None
                     ", ".join(f"{t} ({c} tensors, {b / 2**20:.1f} MiB)" for t, (c, b) in sorted(expanded.items())))
 
 
-def _pack(model: CausalLM, device: torch.device) -> None:
+def _pack(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
     """Stack projections and MoE experts (MTP layers' too): fewer GEMMs, and the sync-free grouped
-    expert path."""
+    expert path. An embedding table kept quantized becomes a `QuantizedEmbedding` first."""
+    if "quant_raw" in vars(model.model.embed_tokens):
+        from strata.models.layers import QuantizedEmbedding
+
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        model.model.embed_tokens = QuantizedEmbedding.take(model.model.embed_tokens, dtype)
+        if tied:
+            model.tie_weights()  # to the empty parameter: the head reads the same blocks (`CausalLM.pack`)
     model.pack()
     if device.type == "cuda":
         # The unstacked tensors just freed sit in PyTorch's cache; the engine sizes the KV pool from
@@ -243,6 +250,7 @@ def _quantizable_linears(model: CausalLM) -> set[str]:
             out |= {f"{name}.{p}.weight" for p in getattr(m, "QUANTIZABLE", ())}
     if not model.config.tie_word_embeddings:
         out.add("lm_head.weight")
+    out.add("model.embed_tokens.weight")  # `QuantizedEmbedding`
     return out
 
 

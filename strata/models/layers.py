@@ -328,6 +328,30 @@ def take_quantized(modules: list[nn.Module], dtype: torch.dtype | None) -> QWeig
     return QWeight.from_raw(raws[0][0], rows, rows.shape[0], k)
 
 
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept quantized (a GGUF file's token_embd, as llama.cpp keeps it): a step's rows
+    are gathered from the blocks and dequantized in the model's dtype, the values the table expanded at
+    load would give. `weight` is an empty parameter on the device in the model's dtype (what packing and
+    the runner read; the LM head ties to it where the model ties them)."""
+
+    def __init__(self, q: QWeight, dtype: torch.dtype):
+        super().__init__()
+        self.q = q
+        self.weight = nn.Parameter(torch.zeros(0, q.k, dtype=dtype, device=q.device), requires_grad=False)
+
+    @classmethod
+    def take(cls, module: nn.Embedding, dtype: torch.dtype) -> "QuantizedEmbedding":
+        """The table the loader parked on `module` as `quant_raw`."""
+        fmt, raw = module.__dict__.pop("quant_raw")
+        return cls(QWeight.from_raw(fmt, raw, raw.shape[0], module.embedding_dim), dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = {name: p.index_select(0, flat) for name, p in self.q.planes.items()}
+        out = self.q.module.dequantize(rows, flat.numel(), self.q.k).to(self.weight.dtype)
+        return out.view(*ids.shape, self.q.k)
+
+
 def stack_views(modules: list[nn.Module], attr: str) -> torch.Tensor:
     """Concatenate `attr` of each module along dim 0 and re-point each module's parameter at its
     slice of the result, so checkpoint names keep working and the weights exist once."""

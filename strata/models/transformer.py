@@ -24,7 +24,7 @@ from strata.kernels.quant import QWeight
 from strata.kernels.quant.invariant import invariant_q_workspace_parts
 from strata.kernels.quant.invariant import supports as supports_invariant_q
 from strata.models.decoder import CPU_PLAN_ROWS, DecoderLayer, cpu_kernels, cpu_product
-from strata.models.layers import RMSNorm, RopeInputs, Rotary, linear, take_quantized
+from strata.models.layers import QuantizedEmbedding, RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
 from strata.models.quantize import qweights_of
 
@@ -94,6 +94,9 @@ class CausalLM(nn.Module):
         expert_mlps = {id(e) for m in self.modules() if isinstance(m, MoE) for e in m.experts}
         dtype = self.model.embed_tokens.weight.dtype
         self.lm_head_q = take_quantized([self.lm_head], dtype)
+        embed = self.model.embed_tokens
+        if self.lm_head_q is None and isinstance(embed, QuantizedEmbedding) and self.lm_head.weight is embed.weight:
+            self.lm_head_q = embed.q  # tied to a table kept quantized: one copy of the blocks serves both
         packed = []
         for m in self.modules():
             if isinstance(m, Attention) or (isinstance(m, MLP) and id(m) not in expert_mlps):

@@ -344,6 +344,33 @@ def test_quantized_weights_kept_quantized(tmp_path):
         assert err < 1e-4, (t, err)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_embedding_table_kept_quantized(tied, tmp_path):
+    """A Q8_0 token_embd stays in its blocks (`QuantizedEmbedding`): a step's rows are dequantized from
+    them, a tied LM head reads the same blocks, and the logits are the file's expanded to floats."""
+    from strata.models.layers import QuantizedEmbedding
+
+    src = str(tmp_path / "hf")
+    save_tiny_model("qwen3", src, tie_word_embeddings=tied)
+    c = _hf_config(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    qtypes = {"token_embd.weight": QT.Q8_0} if tied else {"token_embd.weight": QT.Q8_0, "output.weight": QT.Q8_0}
+    path = write_gguf(tmp_path / "e.gguf", c, tensors, qtypes=qtypes)
+
+    floats, kept = load_model(path), load_model(path, keep_quantized=True)
+    emb = kept.model.model.embed_tokens
+    assert isinstance(emb, QuantizedEmbedding) and emb.q.ggml_type == "Q8_0" and emb.weight.numel() == 0
+    assert kept.model.lm_head_q is not None and (kept.model.lm_head_q is emb.q) == tied
+    ids = torch.randint(0, c["vocab_size"], (2, 7))
+    assert torch.equal(emb(ids), floats.model.model.embed_tokens(ids))
+    for t in (24, 5):  # a prompt-sized step and a decode-sized one
+        ids = torch.randint(0, c["vocab_size"], (1, t))
+        err = rel_err(_logits(kept, ids), _logits(floats, ids))
+        assert err < 1e-4, (t, err)
+
+
 def test_iq4_xs_and_q3_k_weights_kept_quantized(tmp_path):
     """`keep_quantized` on a file with IQ4_XS q, k and v projections and a Q3_K ffn_down and output head
     (random valid blocks: gguf writes neither type): QWeights of the file's own blocks, their float
