@@ -214,6 +214,8 @@ def _pack(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
         model.model.embed_tokens = QuantizedEmbedding.take(model.model.embed_tokens, dtype)
         if tied:
             model.tie_weights()  # to the empty parameter: the head reads the same blocks (`CausalLM.pack`)
+        else:
+            model.model.embed_tokens.q.workspace = None  # looked up, never multiplied by
     model.pack()
     if device.type == "cuda":
         # The unstacked tensors just freed sit in PyTorch's cache; the engine sizes the KV pool from

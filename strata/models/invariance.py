@@ -9,7 +9,7 @@ import torch
 from strata.config import EngineConfig, ModelConfig
 from strata.kernels.quant import invariant as k_quant_invariant
 from strata.models.moe import MoE
-from strata.models.quantize import qweights_of
+from strata.models.quantize import matmul_qweights_of
 
 
 def check_batch_invariant(cfg: EngineConfig, mc: ModelConfig, device: torch.device, model: torch.nn.Module) -> None:
@@ -20,7 +20,7 @@ def check_batch_invariant(cfg: EngineConfig, mc: ModelConfig, device: torch.devi
     no other format and no MoE experts kept quantized (their grouped kernels are not row-invariant)."""
     if not cfg.batch_invariant:
         return
-    formats = sorted({q.ggml_type for q in qweights_of(model) if not k_quant_invariant.supports(q)})
+    formats = sorted({q.ggml_type for q in matmul_qweights_of(model) if not k_quant_invariant.supports(q)})
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     quantized_experts = any(m.fp8 is not None or m.quant is not None for m in moes)
     # On CUDA the invariant MoE runs on the stacked experts (`MoE._grouped_invariant`).

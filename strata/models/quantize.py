@@ -9,7 +9,7 @@ import torch
 from strata.kernels.quant import QWeight, QWeightStack
 from strata.kernels.quant import fp8 as fp8_format
 from strata.kernels.quant import moe_decode_q
-from strata.models.layers import MLP, Attention
+from strata.models.layers import MLP, Attention, QuantizedEmbedding
 from strata.models.moe import MoE
 
 
@@ -22,6 +22,14 @@ def qweights_of(model: torch.nn.Module) -> list[QWeight]:
                 if isinstance(q, QWeight):
                     found[id(q)] = q
     return list(found.values())
+
+
+def matmul_qweights_of(model: torch.nn.Module) -> list[QWeight]:
+    """`qweights_of` less the embedding tables kept quantized (`QuantizedEmbedding`: looked up, never
+    multiplied by) that no LM head reads: what the matmul kernels' shared scratch and modes concern."""
+    head = getattr(model, "lm_head_q", None)
+    tables = {id(m.q) for m in model.modules() if isinstance(m, QuantizedEmbedding) and m.q is not head}
+    return [q for q in qweights_of(model) if id(q) not in tables]
 
 
 def model_scratch(model: torch.nn.Module) -> list[object]:

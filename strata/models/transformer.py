@@ -26,7 +26,7 @@ from strata.kernels.quant.invariant import supports as supports_invariant_q
 from strata.models.decoder import CPU_PLAN_ROWS, DecoderLayer, cpu_kernels, cpu_product
 from strata.models.layers import QuantizedEmbedding, RMSNorm, RopeInputs, Rotary, linear, take_quantized
 from strata.models.mtp import MTPLayer
-from strata.models.quantize import qweights_of
+from strata.models.quantize import matmul_qweights_of
 
 
 class DecoderModel(nn.Module):
@@ -132,7 +132,7 @@ class CausalLM(nn.Module):
                 parts = [gemv_workspace_parts(n, k) for n, k in shapes if gemv_supported(1, n, k, dtype)]
                 parts += [invariant_workspace_parts(n, k) for n, k in shapes]
                 # Kept-quantized projections (and a stack's parts) launch with shapes `shapes` does not list.
-                parts += [invariant_q_workspace_parts(q) for q in qweights_of(self) if supports_invariant_q(q)]
+                parts += [invariant_q_workspace_parts(q) for q in matmul_qweights_of(self) if supports_invariant_q(q)]
             numel = shared_split_k_numel(parts)
             self.gemv_ws = torch.zeros(max(numel, 1), dtype=torch.int32, device=self.model.embed_tokens.weight.device)
             for m in packed:
@@ -148,7 +148,7 @@ class CausalLM(nn.Module):
 
         # Not the LM head: it sees sampling rows only, never a read's, and would make the buffer six
         # times larger (152K x 4096 at the 8B shape).
-        weights = [q for q in qweights_of(self) if q.ggml_type in DEQUANT_READ_FORMATS and q is not self.lm_head_q]
+        weights = [q for q in matmul_qweights_of(self) if q.ggml_type in DEQUANT_READ_FORMATS and q is not self.lm_head_q]
         if not weights or dtype not in (torch.bfloat16, torch.float16):
             return
         buf = torch.empty(max(q.n * q.k for q in weights), dtype=dtype, device=weights[0].device)
@@ -162,7 +162,7 @@ class CausalLM(nn.Module):
         (`strata.kernels.splitk`); twice the largest weight's own size leaves every weight's partials
         clear of every weight's counters, which each launch leaves at zero. Launches run one after
         another on a stream, as the model's bf16 GEMVs share `gemv_ws`."""
-        weights = [q for q in qweights_of(self) if q.workspace is not None]
+        weights = [q for q in matmul_qweights_of(self) if q.workspace is not None]
         if len(weights) < 2:
             return
         shared = torch.zeros(2 * max(q.workspace.numel() for q in weights), dtype=torch.int32,
@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
         no read allocates (`QMatmulContext.reserve_fixup`)."""
         from strata.kernels.quant.streamk import QMatmulContext
 
-        weights = [q for q in qweights_of(self) if q.ggml_type == "Q8_0"]
+        weights = [q for q in matmul_qweights_of(self) if q.ggml_type == "Q8_0"]
         if not weights:
             return
         device = weights[0].device

@@ -349,6 +349,7 @@ def test_embedding_table_kept_quantized(tied, tmp_path):
     """A Q8_0 token_embd stays in its blocks (`QuantizedEmbedding`): a step's rows are dequantized from
     them, a tied LM head reads the same blocks, and the logits are the file's expanded to floats."""
     from strata.models.layers import QuantizedEmbedding
+    from strata.models.quantize import matmul_qweights_of
 
     src = str(tmp_path / "hf")
     save_tiny_model("qwen3", src, tie_word_embeddings=tied)
@@ -363,6 +364,8 @@ def test_embedding_table_kept_quantized(tied, tmp_path):
     emb = kept.model.model.embed_tokens
     assert isinstance(emb, QuantizedEmbedding) and emb.q.ggml_type == "Q8_0" and emb.weight.numel() == 0
     assert kept.model.lm_head_q is not None and (kept.model.lm_head_q is emb.q) == tied
+    # Looked up, never multiplied by unless it is the head too: no kernel scratch, no --batch-invariant check.
+    assert any(q is emb.q for q in matmul_qweights_of(kept.model)) == tied
     ids = torch.randint(0, c["vocab_size"], (2, 7))
     assert torch.equal(emb(ids), floats.model.model.embed_tokens(ids))
     for t in (24, 5):  # a prompt-sized step and a decode-sized one

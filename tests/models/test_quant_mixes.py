@@ -44,11 +44,14 @@ def test_a_q4_k_m_random_model_keeps_its_mixed_stacks_quantized_and_decodes():
 
 def test_the_dequant_buffer_fits_the_largest_projection_not_the_lm_head():
     """`CausalLM._share_dequant_buffer` (CUDA's pack calls it): one buffer, the size of the largest
-    weight a read multiplies, shared by every projection; the LM head (sampling rows only) gets none."""
+    weight a read multiplies, shared by every projection; the LM head (sampling rows only) and the
+    embedding table kept quantized (looked up) get none."""
     model = random_model("tiny-256", "cpu", torch.float32, quant="Q8_0").model
     model._share_dequant_buffer(torch.bfloat16)
-    projections = [q for q in qweights_of(model) if q is not model.lm_head_q]
+    table = model.model.embed_tokens.q
+    projections = [q for q in qweights_of(model) if q is not model.lm_head_q and q is not table]
     buf = projections[0].dequant_buf
     assert buf is not None and buf.dtype == torch.bfloat16
     assert all(q.dequant_buf is buf for q in projections) and model.lm_head_q.dequant_buf is None
+    assert table.dequant_buf is None and table.workspace is None
     assert buf.numel() == max(q.n * q.k for q in projections)
