@@ -71,3 +71,31 @@ def test_cuda_bf16_within_measured_tolerance(arch, tiny_model_dirs):
     prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), 32)
     print(f"{arch} cuda bf16 greedy: first {prefix}/32 tokens equal HF fp32")
     assert prefix / 32 >= BF16_MIN_PREFIX_AGREEMENT
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_embedding_rows_in_a_cuda_graph(dtype):
+    """`QuantizedEmbedding` on CUDA for every kept format: a step's rows (its index_select and the
+    format's dequantization) captured in a CUDA graph and replayed over new ids give the rows of the
+    table dequantized whole."""
+    from strata.kernels.quant import FORMATS, QWeight, random_blocks
+    from strata.models.layers import QuantizedEmbedding
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    for fmt in FORMATS:
+        n, k = 1000, 512
+        emb = QuantizedEmbedding(QWeight.from_raw(fmt, random_blocks(fmt, n, k, gen, "cuda"), n, k), dtype)
+        table = emb.q.dequantize().to(dtype)
+        ids = torch.randint(0, n, (24,), device="cuda", generator=gen)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            emb(ids)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = emb(ids)
+        ids.copy_(torch.randint(0, n, (24,), device="cuda", generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, table[ids]), fmt

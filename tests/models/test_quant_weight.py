@@ -1,5 +1,5 @@
-"""`QWeight` and the stacking of weights the loader kept quantized (the per-format kernels have their
-own tests in tests/kernels/test_quant_*.py)."""
+"""`QWeight`, the stacking of weights the loader kept quantized and the embedding table kept quantized
+(the per-format kernels have their own tests in tests/kernels/test_quant_*.py)."""
 
 from __future__ import annotations
 
@@ -144,3 +144,20 @@ def test_long_reads_dequantize_into_the_shared_buffer(monkeypatch, fmt):
         if expect:
             assert torch.equal(got, x @ want_w.t())  # the dequantized weight, then one product
             assert torch.equal(w.dequant_buf[n * k :], torch.full((7,), 7.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_embedding_rows_of_every_format(dtype):
+    """`QuantizedEmbedding`: a batch of ids (repeats included) gives the rows of the table dequantized
+    whole, in the model's dtype, for every format a table can be kept in."""
+    from strata.models.layers import QuantizedEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    for fmt in FORMATS:
+        n, k = 100, 512
+        emb = QuantizedEmbedding(QWeight.from_raw(fmt, random_blocks(fmt, n, k, gen, "cpu"), n, k), dtype)
+        ids = torch.randint(0, n, (2, 12), generator=gen)
+        ids[1, 3] = ids[0, 0]
+        got = emb(ids)
+        assert got.dtype == dtype and got.shape == (2, 12, k)
+        assert torch.equal(got, emb.q.dequantize().to(dtype)[ids]), fmt

@@ -46,6 +46,13 @@ def grid_table(device: torch.device) -> torch.Tensor:
     return GRID_WORDS.to(device)
 
 
+@lru_cache(maxsize=16)
+def sign_bits(device: torch.device) -> torch.Tensor:
+    """`SIGN_BIT` on `device`, made once: no copy from the host in a step, so the dequantization can be
+    captured in a CUDA graph (a step that embeds tokens from a table kept quantized)."""
+    return SIGN_BIT.to(device)
+
+
 def signed_quants(planes: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(grid magnitude times sign, ±{1, 3, ..., 15} as fp32 [N, K/32, 32]; d · (1 + 2 · scale) fp32
     [N, K/32]): the two exact factors of every weight."""
@@ -53,10 +60,10 @@ def signed_quants(planes: dict[str, torch.Tensor], n: int, k: int) -> tuple[torc
     device = qs.device
     high = ((qh.view(n, k // 32, 1) >> torch.arange(8, device=device)) & 1).view(n, k // 4)
     mags = (grid_table(device)[qs | (high << 8)].unsqueeze(-1) >> torch.arange(0, 32, 8, device=device)) & 0xFF
-    negative = (signs.view(n, k // 32, 1) >> SIGN_BIT.to(device)) & 1
+    negative = (signs.view(n, k // 32, 1) >> sign_bits(device)) & 1
     # The sign is a multiplication, as gguf's, so a zero d keeps gguf's sign of zero.
     values = mags.float().view(n, k // 32, 32) * (1.0 - 2.0 * negative.float())
-    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.tensor([0, 4], device=device)) & 15).view(n, k // 32)
+    scale = ((planes["scales"].view(n, k // 64, 1).int() >> torch.arange(0, 8, 4, device=device)) & 15).view(n, k // 32)
     return values, planes["d"].float().repeat_interleave(8, dim=1) * (1 + 2 * scale).float()
 
 

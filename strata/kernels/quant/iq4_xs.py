@@ -114,7 +114,7 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     device = raw.device
     high = blocks[:, :, 2:3].int() | (blocks[:, :, 3:4].int() << 8)  # scales_h, [N, nb, 1]
     high = (high >> torch.arange(0, 16, 2, device=device, dtype=torch.int32)) & 3  # [N, nb, 8]
-    low = (blocks[:, :, 4:8, None].int() >> torch.tensor([0, 4], device=device, dtype=torch.int32)) & 15
+    low = (blocks[:, :, 4:8, None].int() >> torch.arange(0, 8, 4, device=device, dtype=torch.int32)) & 15
     scales = (low.view(n, nb, 8) | (high << 4)) - 32
     kvalues_table(device)
     return {"qs": blocks[:, :, 8:].reshape(n, nb * 128).contiguous(),

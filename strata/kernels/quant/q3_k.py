@@ -101,7 +101,7 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     device = raw.device
     packed = blocks[:, :, 96:108].int()
     # Scale i: low nibble of byte i mod 8 (shifted by 4 for i ≥ 8), top bits of byte 8 + i mod 4 at 2(i/4).
-    low = (packed[:, :, None, 0:8] >> torch.tensor([0, 4], device=device, dtype=torch.int32)[:, None]) & 15
+    low = (packed[:, :, None, 0:8] >> torch.arange(0, 8, 4, device=device, dtype=torch.int32)[:, None]) & 15
     high = (packed[:, :, None, 8:12] >> torch.arange(0, 8, 2, device=device, dtype=torch.int32)[:, None]) & 3
     scales = (low.reshape(n, nb, 16) | (high.reshape(n, nb, 16) << 4)) - 32
     return {"qs": blocks[:, :, 32:96].reshape(n, nb * 64).contiguous(),
