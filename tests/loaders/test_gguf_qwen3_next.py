@@ -173,7 +173,7 @@ def write_next_gguf(path, c: dict, tensors: dict[str, torch.Tensor], *, legacy: 
 def _logits(lm, ids: torch.Tensor) -> torch.Tensor:
     b, t = ids.shape
     with torch.no_grad():
-        hidden = lm.model(ids.flatten(), torch.arange(t).repeat(b), CausalBatch(b, t))
+        hidden = lm.model(ids.flatten(), torch.arange(t, device=ids.device).repeat(b), CausalBatch(b, t))
         return lm.model.compute_logits(hidden).view(b, t, -1)
 
 
@@ -252,6 +252,35 @@ def test_qwen3next_projections_stay_quantized(legacy, next_parts, tmp_path):
     ids = torch.randint(0, c["vocab_size"], (2, 24))
     err = rel_err(_logits(kept, ids), _logits(expanded, ids))
     assert err < REL_TOL, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qwen3next_kept_quantized_on_cuda(next_parts, tmp_path):
+    """On CUDA, where the kept projections run their Triton kernels and the gated attention's stack
+    feeds the fused q/k norm + RoPE: fp32 logits of the Q8_0 file kept quantized (its embedding table
+    too) against the same file expanded; and an engine on the kept file captures its decode graphs
+    (the table's lookup included) and decodes."""
+    import time
+
+    from strata.engine.engine import LLMEngine
+    from strata.engine.types import EngineRequest
+    from strata.models.layers import QuantizedEmbedding
+    from strata.params import SamplingParams
+
+    _, _, c, tensors = next_parts
+    path = write_next_gguf(tmp_path / "q.gguf", c, tensors, q8_0=PROJECTIONS + ("token_embd.weight",))
+    kept = load_model(path, device="cuda", keep_quantized=True)
+    expanded = load_model(path, device="cuda", keep_quantized=False)
+    assert isinstance(kept.model.model.embed_tokens, QuantizedEmbedding)
+    ids = torch.randint(0, c["vocab_size"], (2, 24), device="cuda")
+    err = rel_err(_logits(kept, ids), _logits(expanded, ids))
+    assert err < 1e-3, err
+    e = LLMEngine(EngineConfig(model=path, device="cuda", dtype="float32", parallel=2), progress=False)
+    assert e.runner.graphs and isinstance(e.model.model.embed_tokens, QuantizedEmbedding)
+    e.add_request(EngineRequest("r", tuple(range(5, 30)), SamplingParams(max_tokens=12, ignore_eos=True),
+                                time.monotonic()))
+    assert len([t for ev in e.run_to_completion()["r"] for t in ev.token_ids]) == 12
 
 
 @pytest.mark.parametrize(
