@@ -223,8 +223,7 @@ class LLMEngine:
         if self.stages is not None:  # every stage's pool has the blocks of rank 0's allocator
             tokens = self.stages.kv_tokens(tokens)
         if cfg.kv_resident is not None and not cfg.kv_size and self.memory_plan is None:  # the plan counts the window
-            tokens = min(tokens, cfg.parallel * tier_tokens(cfg.kv_resident, cfg.chunk_size or cfg.max_num_batched_tokens or 2048,
-                                                          cfg.spec, cfg.block_size))
+            tokens = min(tokens, cfg.parallel * tier_tokens(cfg.kv_resident, cfg.chunk_size, cfg.spec, cfg.block_size))
         # --kv-size is what the pool holds at least (the context is capped to it); a size from memory is a ceiling.
         blocks = -(-tokens // cfg.block_size) if cfg.kv_size else tokens // cfg.block_size
         num_blocks = max(blocks, 2) + 1  # +1: block 0 is the padding block
