@@ -275,7 +275,7 @@ def read_gguf(path: str) -> Checkpoint:
         ref = where[name]
         group = [tensors[g] for g in (ref.gguf_name, *ref.more)]
         dims = 2 if ref.expert is None else 3  # a 2-D weight, or one expert of a stack
-        kept = ref.undo is None or (ref.undo in ROW_ORDER_UNDO and ref.expert is None)
+        kept = (ref.undo is None and not ref.more) or (ref.undo in ROW_ORDER_UNDO and ref.expert is None)
         if not kept or len({t.tensor_type for t in group}) != 1 or group[0].tensor_type.name not in FORMATS \
                 or any(len(shapes[t.name]) != dims or _np_shape(t) != shapes[t.name] for t in group):
             return None
