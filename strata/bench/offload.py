@@ -162,17 +162,26 @@ def run(args) -> int:
                         n_cpu_moe=args.n_cpu_moe, gpu_memory=args.gpu_memory, spec=args.spec,
                         max_num_batched_tokens=args.read, chunk_size=args.read,
                         expert_stream_tokens=args.expert_stream_tokens)
-    rows = []
+    rows, failures = [], []
     for label in args.formats:
         fmt, _, more = label.partition("+")
         if more not in ("", "graphs"):
             raise SystemExit(f"--formats {label}: the only addition to a format is +graphs")
         cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs=more == "graphs")
-        row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
+        try:
+            row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
+        except Exception as e:  # noqa: BLE001 - one arm's failure is its row; the other arms still run
+            failures.append({"host_experts": label, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(json.dumps(failures[-1]), flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         if "cpu_expert_read_gb_s" in row:
             row["cpu_expert_bandwidth_fraction"] = row["cpu_expert_read_gb_s"] * 1e9 / bandwidth
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if not rows:
+        raise SystemExit(f"every arm failed: {json.dumps(failures)}")
     peer = llamacpp_figures([args.llamacpp, *args.llamacpp_more], args.read) if args.llamacpp else {}
     best = max(rows, key=lambda r: r["decode_tok_s"])
     cap = int(args.gpu_memory * 2**30) if args.gpu_memory else None
@@ -189,7 +198,7 @@ def run(args) -> int:
     info = {"bench": "offload", "model": args.model, "placement": "cpu-moe" if args.cpu_moe else
             f"n-cpu-moe {args.n_cpu_moe}" if args.n_cpu_moe is not None else "memory plan",
             "gpu": torch.cuda.get_device_name(), "read_tokens": args.read, "decode_tokens": args.tokens,
-            "spec": args.spec, "rows": rows, "llamacpp": peer, "summary": summary}
+            "spec": args.spec, "rows": rows, "failed": failures, "llamacpp": peer, "summary": summary}
     out = args.out or f"bench/results/offload_{args.name}_cuda.json"
 
     save(info, out, draw)
