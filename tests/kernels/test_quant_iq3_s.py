@@ -356,3 +356,18 @@ def test_gpu_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expect)
+
+
+def test_interleave_signs_moves_bit_v_to_its_sign_bit():
+    """Every bit v of a sign word lands at `SIGN_BIT[v]` (8 (v % 4) + v // 4), the sign bit included:
+    random words and the edge words 0, -1 and -2^31, against the definition bit by bit."""
+    from strata.kernels.quant.iq3_s import interleave_signs
+    from strata.kernels.quant.iq3_s_planes import SIGN_BIT
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.cat([torch.randint(-2**31, 2**31, (4096,), dtype=torch.int64, generator=g),
+                       torch.tensor([0, -1, -2**31, 2**31 - 1, 1])]).to(torch.int32)
+    bits = (words.long()[:, None] >> torch.arange(32)) & 1
+    want = (bits << SIGN_BIT.long()).sum(dim=1)
+    want = torch.where(want >= 1 << 31, want - (1 << 32), want).to(torch.int32)
+    assert torch.equal(interleave_signs(words.view(-1, 3)), want.view(-1, 3))

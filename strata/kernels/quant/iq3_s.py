@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from strata.kernels.quant.dp4a import decode_kernel, shared_workspace_numel
 from strata.kernels.quant.iq3_s_dp4a import gemv_config as dp4a_gemv_config
-from strata.kernels.quant.iq3_s_planes import SIGN_BIT, grid_table, grid_table_words, grid_words, signed_quants
+from strata.kernels.quant.iq3_s_planes import grid_table, grid_table_words, grid_words, signed_quants
 from strata.kernels import device as devices
 from strata.kernels import kernels_run, use_pdl
 from strata.kernels.device import DeviceSpec
@@ -67,12 +67,6 @@ WORKSPACE_MAX_FRACTION = 0.08  # split-K only where its workspace stays this sma
 # next_power_of_2(M) rows, so M = 5-7 cost what M = 8 does; at 3-4 rows (interpolated, not measured)
 # it is ahead.
 DP4A_MAX_ROWS = 4
-
-
-# _SPREAD_BYTE[x]: a byte x of the file's sign word (groups 2b, 2b + 1) spread to their interleaved bits
-# (`SIGN_BIT`, `interleave_signs`) for b = 0.
-_SPREAD_BYTE = torch.tensor([sum(((x >> v) & 1) << int(SIGN_BIT[v]) for v in range(8)) for x in range(256)],
-                            dtype=torch.int64)
 
 
 def _decode_kernel(rows: int) -> str:
@@ -110,13 +104,21 @@ def repack(raw: torch.Tensor) -> dict[str, torch.Tensor]:
 def interleave_signs(signs: torch.Tensor) -> torch.Tensor:
     """Sub-blocks' sign words (bit v: value v) with bit 4t + j moved to 8j + t: a group's four signs then
     come out in byte lanes with one shift and one mask (`(word >> t) & 0x01010101`), as the dp4a GEMV
-    applies them, instead of a shift and a spread of four bits. Byte b of a word holds groups 2b and
-    2b + 1, so a 256-entry table spreads each byte and a shift by 2b places it."""
-    table = _SPREAD_BYTE.to(signs.device)
-    out = torch.zeros(signs.shape, dtype=torch.int64, device=signs.device)
-    for b in range(4):
-        out |= table[((signs >> (8 * b)) & 0xFF).long()] << (2 * b)
-    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+    applies them, instead of a shift and a spread of four bits. For each j the eight bits 4t + j are
+    gathered to the low byte by three shift-or-mask folds and placed at byte j, in int32 throughout
+    (an 80B-A3B expert stack's signs are 33.5M words); bit 31 (t = 7, j = 3) stays where it is, so no
+    shift carries into the sign."""
+    out = signs & -(1 << 31)
+    for j in range(4):
+        y = (signs >> j) & (0x11111111 if j < 3 else 0x01111111)  # bits 4t + j at 4t (t = 7 of j = 3 kept above)
+        y |= y >> 3
+        y &= 0x03030303
+        y |= y >> 6
+        y &= 0x000F000F
+        y |= y >> 12
+        y &= 0xFF
+        out |= y << (8 * j)
+    return out
 
 
 def decode_workspace_numel(n: int, k: int, spec: DeviceSpec | None = None) -> int:
