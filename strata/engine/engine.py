@@ -1,7 +1,8 @@
 """The serving engine: scheduler + model runner + per-request text state, stepped synchronously.
 
-Start-up reads like a table of contents: load the model (built on meta, weights assigned) → measure
-memory → size the KV pool → build allocator, scheduler and runner (static buffers). `step()` runs
+Start-up reads like a table of contents (its steps in `strata.engine.startup`): place and load the model
+(built on meta, weights assigned; the memory plan on CUDA) → size the KV pool → build allocator,
+scheduler and runner (static buffers) → capture graphs; the phases' seconds are logged. `step()` runs
 one scheduled step and returns the events it produced; `AsyncEngine` runs steps in a thread.
 
 With batch groups (`--batch-groups G`, G > 1, and `overlap` on) steps are pipelined: `step()` schedules
@@ -24,8 +25,6 @@ chunks of one prompt fill the pipeline (the scheduler's read-ahead).
 from __future__ import annotations
 
 import dataclasses
-
-import gc
 from collections import deque
 import logging
 import time
@@ -33,20 +32,21 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.config import EngineConfig, ModelConfig
+from strata.config import EngineConfig
 from strata.engine.concurrent import ConcurrentReadSetup
 from strata.engine.types import (MAX_TOP_LOGPROBS, RATE_WINDOW_S, TTFT_BUCKETS, EngineEvent, EngineRequest,
                                  EngineStats, RateWindow, SlotSnapshot)
-from strata.grammar import GrammarCompiler, GrammarError
+from strata.grammar import GrammarError
 from strata.kernels import choices as kernel_choices
 from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.kvcache.tier import tier_tokens
-from strata.kvcache.state_pool import StatePool
 from strata.engine import placement
+from strata.engine.startup import (StartupClock, grammar_compiler, hybrid_limits, kv_capacity_tokens, load_placed,
+                                   tier_limits)
 from strata.dist.draft import StageDrafter
 from strata.dist.launch import join as join_stages
-from strata.loaders import LoadedModel, default_model_path, load_model, read_model
+from strata.loaders import LoadedModel
 from strata.memory_plan import Plan
 from strata.runner.host_offload import set_up_host_experts
 from strata.engine.kv_tiering import HostKVTier
@@ -80,18 +80,6 @@ def check_prompt(num_tokens: int, max_model_len: int, sizes: str = "") -> None:
         raise RequestError(f"the prompt has {num_tokens} tokens; the context is {max_model_len}{sizes}")
 
 
-def _tier_limits(cfg: EngineConfig) -> EngineConfig:
-    """With the host KV tier, a request's blocks move to the host between its steps, which a step
-    queued ahead of its inputs would never leave room for. (CUDA graphs stay: a step with a host part,
-    whose attention reads it through the CPU, runs eagerly.)"""
-    changes = {}
-    if cfg.async_scheduling:
-        changes["async_scheduling"] = False
-    if changes:
-        log.info("host KV tier: %s off", " and ".join(k.replace("_", " ") for k in changes))
-    return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
 @dataclass
 class _Launched:
     out: SchedulerOutput
@@ -106,62 +94,12 @@ class _TextState:
     logprobs: bool = False
 
 
-def _kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, device: torch.device, reserved: int,
-                        plan: Plan | None = None, sharing: int = 1) -> int:
-    if cfg.kv_size:
-        return cfg.kv_size
-    if device.type == "cuda":
-        # An engine built before this one (a benchmark's previous arm) may linger in a reference cycle
-        # with its pool, or as blocks in PyTorch's cache: neither counts as free unless released.
-        gc.collect()
-        torch.cuda.empty_cache()
-        if cfg.gpu_memory is not None:
-            # Within the cap: what the plan left for K/V, less what loading took beyond its estimate. A model
-            # built before the engine (a benchmark's random weights) has no plan: the cap less one step's scratch.
-            budget, scratch, most = ((plan.gpu_budget, plan.scratch_bytes, plan.kv_tokens) if plan is not None else
-                                     (placement.gpu_budget(cfg, device), placement.scratch_bytes(cfg, mc), 1 << 62))
-            left = budget - scratch - torch.cuda.memory_reserved(device) - reserved
-            return max(min(most, int(left) // per_token), 0)
-        # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
-        # the rest of the margin is for one step's activations.
-        return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved, 0) // per_token
-    return cfg.ctx * cfg.parallel
-
-
-def _hybrid_limits(cfg: EngineConfig, mc) -> EngineConfig:
-    """What a hybrid (linear-attention) model runs without yet, each with the reason logged: a cached
-    prefix has K/V but no saved linear state to resume from; verification steps keep every row's state
-    token by token, which the decode graphs (one row per sequence) do not."""
-    changes = {}
-    if cfg.prefix_cache:
-        log.info("prefix cache off: %s keeps linear-attention state per sequence, not per block", mc.model_type)
-        changes["prefix_cache"] = False
-    if cfg.spec and cfg.cuda_graph and torch.device(cfg.resolved_device).type == "cuda":
-        log.info("CUDA graphs off with --spec: verification rows of %s keep their states eagerly", mc.model_type)
-        changes["cuda_graph"] = False
-    return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-def _grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler | None:
-    """The compiler of this model's grammars (structured output), or None without a tokenizer."""
-    if tokenizer is None:
-        return None
-    try:
-        t0 = time.perf_counter()
-        compiler = GrammarCompiler(tokenizer, vocab_size)
-    except Exception as e:  # a tokenizer the grammar engine cannot read: serve without structured output
-        log.warning("structured output is off: the grammar engine cannot use this tokenizer (%s)", e)
-        return None
-    log.info("grammar compiler ready (%d tokens) in %.1fs", compiler.vocab_size, time.perf_counter() - t0)
-    return compiler
-
-
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, progress: bool = True, loaded: LoadedModel | None = None):
         """`loaded`: a model already on the device (benchmarks build random weights in place); else
         `cfg.model` is loaded."""
         cfg = cfg.resolved()
-        clock = [("", time.perf_counter())]  # start-up's phases, each ended by a mark
+        clock = StartupClock()
         # Pipeline stages (--split-mode layer): ranks other than 0 run their stage inside `join` and exit.
         self.stages = join_stages(cfg) if cfg.split_mode == "layer" else None
         if self.stages is not None:
@@ -170,16 +108,16 @@ class LLMEngine:
             cfg = self.stages.engine_config(cfg)
         self.tiered = cfg.kv_resident is not None or cfg.kv_host_memory is not None
         if self.tiered:
-            cfg = _tier_limits(cfg)
+            cfg = tier_limits(cfg)
         self.cfg = cfg
         kernel_choices.set_choices(cfg.kernel_choices())  # before the model is loaded and packed
         self.device = torch.device(cfg.resolved_device)
         dtype = cfg.torch_dtype
         self.memory_plan: Plan | None = None
         if loaded is None:
-            loaded = self._load_placed(cfg, dtype, progress)
-            cfg = self.cfg
-            clock.append(("load", time.perf_counter()))
+            loaded, cfg, self.memory_plan = load_placed(cfg, self.device, dtype, progress, self.stages)
+            self.cfg = cfg
+            clock.mark("load")
         elif self.device.type == "cuda":
             # Its builder placed a model built before the engine; the cap bounds everything that follows.
             placement.cap_allocator(cfg, self.device)
@@ -194,11 +132,11 @@ class LLMEngine:
         self.host_staging: HostStagingPool | None
         self.host_staging, self.expert_streamer = set_up_host_experts(self.model, mc, cfg, self.device)
         if self.host_staging is not None:
-            clock.append(("host experts' staging and stream threshold", time.perf_counter()))
+            clock.mark("host experts' staging and stream threshold")
         check_batch_invariant(cfg, mc, self.device, self.model)
         self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:
-            cfg = self.cfg = _hybrid_limits(cfg, mc)
+            cfg = self.cfg = hybrid_limits(cfg, mc)
         layers = self.model.num_attention_layers
         per_token = kv_bytes_per_token(layers, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
         # With a resident window a read's blocks leave the device before the read ends, so the prompt's MTP
@@ -219,7 +157,7 @@ class LLMEngine:
             self.concurrent = dataclasses.replace(self.concurrent, split_mtp_batch=True, smb=True)
         self.concurrent.log_decision()
         sharing = self.stages.plan.sharing if self.stages is not None else 1
-        tokens = _kv_capacity_tokens(cfg, mc, per_token, self.device, drafter_bytes, self.memory_plan, sharing)
+        tokens = kv_capacity_tokens(cfg, mc, per_token, self.device, drafter_bytes, self.memory_plan, sharing)
         if self.stages is not None:  # every stage's pool has the blocks of rank 0's allocator
             tokens = self.stages.kv_tokens(tokens)
         if cfg.kv_resident is not None and not cfg.kv_size and self.memory_plan is None:  # the plan counts the window
@@ -261,7 +199,7 @@ class LLMEngine:
             self.allocator,
         )
         self.scheduler.tier = self.kv_tier.tier if self.kv_tier else None
-        self.grammar_compiler = _grammar_compiler(self.tokenizer, mc.vocab_size)
+        self.grammar_compiler = grammar_compiler(self.tokenizer, mc.vocab_size)
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
                                   seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
@@ -297,7 +235,7 @@ class LLMEngine:
         if self.stages is not None:
             self.stages.attach(self.runner, num_blocks, self.max_model_len,
                                max(cfg.parallel * (1 + cfg.spec), PROMPT_GRAPH_ROWS[0]), cfg.spec, split_drafts)
-        clock.append(("pools and buffers", time.perf_counter()))
+        clock.mark("pools and buffers")
         # Every buffer a graph reads exists now.
         self.graph_seconds = self.runner.capture_graphs()
         if self.drafter:
@@ -309,9 +247,8 @@ class LLMEngine:
                 self.read_stage.warm_up()
             log.info("read stage: %.1f MiB of region and scratch twins, %d B upload ring",
                      self.read_stage.region_bytes / 2**20, self.read_stage.up_ring.nbytes)
-        clock.append(("graphs and warm-up", time.perf_counter()))
-        log.info("start-up in %.1f s: %s", clock[-1][1] - clock[0][1],
-                 ", ".join(f"{name} {t - before:.1f} s" for (_, before), (name, t) in zip(clock, clock[1:])))
+        clock.mark("graphs and warm-up")
+        clock.log()
         self.text: dict[str, _TextState] = {}
         self.requests: dict[str, Request] = {}
         self.progress_ids: set[str] = set()  # requests that asked for an event per chunk of their prompt read
@@ -398,49 +335,6 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.pending_events)
-
-    def _load_placed(self, cfg: EngineConfig, dtype: torch.dtype, progress: bool) -> LoadedModel:
-        """Start-up's first steps: read the checkpoint's index, decide where its parts go (on CUDA the
-        memory plan, printed; elsewhere --cpu-moe / --n-cpu-moe), then load them there."""
-        path = cfg.model or default_model_path()
-        ckpt, mc = read_model(path)
-        host = placement.flagged_host_layers(cfg, mc)
-        stage_budgets = self.stages.budgets() if self.stages is not None else []
-        plans = None
-        if self.device.type == "cuda":
-            placement.cap_allocator(cfg, self.device)
-            kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
-            # Hybrids: the slots' recurrent states (+1, a graph's padding rows), each with its copies after
-            # every verification row under speculation, as the engine allocates them after the load.
-            states = ((cfg.parallel + 1) * (1 + (1 + cfg.spec if cfg.spec else 0)) * StatePool.bytes_per_state(mc, dtype)
-                      if mc.is_hybrid else 0)
-            budget = placement.gpu_budget(cfg, self.device, self.stages.plan.sharing if self.stages else 1)
-            if self.stages is not None:  # every stage's own layers within its own budget
-                ranges = self.stages.plan.ranges
-                plans = placement.plan_stages(cfg, mc, ckpt, dtype, ranges, [budget] + stage_budgets,
-                                              MTPDrafter.split_mode())
-                for r, ((a, b), plan) in enumerate(zip(ranges, plans)):
-                    log.info("pipeline stage %d, layers %d-%d: %s", r, a, b - 1, plan.table())
-                self.memory_plan = plans[0]
-            else:
-                self.memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers,
-                                                            kv_tokens_max=1 << 40, state_bytes=states)
-                log.info("%s", self.memory_plan.table())
-            host = list(self.memory_plan.cpu_moe_layers)
-        if self.stages is not None:
-            self.stages.place(placement.stage_placements(cfg, mc, self.stages.plan.ranges, plans), mc.num_hidden_layers)
-            host = [i for i in host or () if i < self.stages.plan.layers[1]]
-        if host and (cfg.cuda_graph or cfg.async_scheduling) and self.device.type == "cuda":
-            # The CPU's experts sit between a layer's router and its output: the host waits for each router,
-            # and a step's graph is captured in pieces around them (`strata.runner.graph_pieces`), or not at all.
-            graphs = cfg.cuda_graph and cfg.host_expert_graphs and self.stages is None
-            log.info("%s: %d MoE layers compute their routed experts on the CPU",
-                     "async scheduling off, CUDA graphs in pieces around them" if graphs
-                     else "CUDA graphs and async scheduling off", len(host))
-            self.cfg = dataclasses.replace(self.cfg, cuda_graph=graphs, async_scheduling=False)
-        return load_model(path, device=self.device, dtype=dtype, progress=progress, keep_quantized=cfg.keep_quantized,
-                          quantize=cfg.quantize, host_moe_layers=host or (), host_experts=cfg.host_experts,
-                          checkpoint=ckpt, layers=self.stages.plan.layers if self.stages is not None else None)
 
     def _written(self, req: Request) -> int:
         """Positions of `req` whose K/V are final in every layer and may move: computed, registered in the

@@ -1,0 +1,150 @@
+"""How an engine is built, step by step (`LLMEngine.__init__` calls them in order): the model placed and
+loaded (`load_placed`: the memory plan on CUDA), what the host KV tier and hybrid models run without
+(`tier_limits`, `hybrid_limits`), the KV pool's tokens (`kv_capacity_tokens`), the grammar compiler,
+and the phases' seconds (`StartupClock`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+
+import torch
+
+from strata.config import EngineConfig, ModelConfig
+from strata.dist.link import Link
+from strata.engine import placement
+from strata.grammar import GrammarCompiler
+from strata.kvcache.state_pool import StatePool
+from strata.loaders import LoadedModel, default_model_path, load_model, read_model
+from strata.memory_plan import Plan
+from strata.speculative.drafter import MTPDrafter
+
+log = logging.getLogger("strata")
+
+
+class StartupClock:
+    """Start-up's phases, each ended by `mark(name)`; `log()` gives their seconds in one line."""
+
+    def __init__(self) -> None:
+        self.marks = [("", time.perf_counter())]
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def log(self) -> None:
+        log.info("start-up in %.1f s: %s", self.marks[-1][1] - self.marks[0][1],
+                 ", ".join(f"{name} {t - before:.1f} s" for (_, before), (name, t) in zip(self.marks, self.marks[1:])))
+
+
+def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, progress: bool, stages: Link | None
+                ) -> tuple[LoadedModel, EngineConfig, Plan | None]:
+    """Start-up's first steps: read the checkpoint's index, decide where its parts go (on CUDA the
+    memory plan, printed; elsewhere --cpu-moe / --n-cpu-moe), then load them there. Returns the model,
+    the config as placing it left it (graphs and async scheduling around experts in RAM) and the plan
+    (rank 0's, with pipeline stages; None off CUDA)."""
+    path = cfg.model or default_model_path()
+    ckpt, mc = read_model(path)
+    host = placement.flagged_host_layers(cfg, mc)
+    stage_budgets = stages.budgets() if stages is not None else []
+    plans, memory_plan = None, None
+    if device.type == "cuda":
+        placement.cap_allocator(cfg, device)
+        kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
+        # Hybrids: the slots' recurrent states (+1, a graph's padding rows), each with its copies after
+        # every verification row under speculation, as the engine allocates them after the load.
+        states = ((cfg.parallel + 1) * (1 + (1 + cfg.spec if cfg.spec else 0)) * StatePool.bytes_per_state(mc, dtype)
+                  if mc.is_hybrid else 0)
+        budget = placement.gpu_budget(cfg, device, stages.plan.sharing if stages else 1)
+        if stages is not None:  # every stage's own layers within its own budget
+            ranges = stages.plan.ranges
+            plans = placement.plan_stages(cfg, mc, ckpt, dtype, ranges, [budget] + stage_budgets,
+                                          MTPDrafter.split_mode())
+            for r, ((a, b), plan) in enumerate(zip(ranges, plans)):
+                log.info("pipeline stage %d, layers %d-%d: %s", r, a, b - 1, plan.table())
+            memory_plan = plans[0]
+        else:
+            memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers,
+                                                   kv_tokens_max=1 << 40, state_bytes=states)
+            log.info("%s", memory_plan.table())
+        host = list(memory_plan.cpu_moe_layers)
+    if stages is not None:
+        stages.place(placement.stage_placements(cfg, mc, stages.plan.ranges, plans), mc.num_hidden_layers)
+        host = [i for i in host or () if i < stages.plan.layers[1]]
+    if host and (cfg.cuda_graph or cfg.async_scheduling) and device.type == "cuda":
+        # The CPU's experts sit between a layer's router and its output: the host waits for each router,
+        # and a step's graph is captured in pieces around them (`strata.runner.graph_pieces`), or not at all.
+        graphs = cfg.cuda_graph and cfg.host_expert_graphs and stages is None
+        log.info("%s: %d MoE layers compute their routed experts on the CPU",
+                 "async scheduling off, CUDA graphs in pieces around them" if graphs
+                 else "CUDA graphs and async scheduling off", len(host))
+        cfg = dataclasses.replace(cfg, cuda_graph=graphs, async_scheduling=False)
+    loaded = load_model(path, device=device, dtype=dtype, progress=progress, keep_quantized=cfg.keep_quantized,
+                        quantize=cfg.quantize, host_moe_layers=host or (), host_experts=cfg.host_experts,
+                        checkpoint=ckpt, layers=stages.plan.layers if stages is not None else None)
+    return loaded, cfg, memory_plan
+
+
+def tier_limits(cfg: EngineConfig) -> EngineConfig:
+    """With the host KV tier, a request's blocks move to the host between its steps, which a step
+    queued ahead of its inputs would never leave room for. (CUDA graphs stay: a step with a host part,
+    whose attention reads it through the CPU, runs eagerly.)"""
+    changes = {}
+    if cfg.async_scheduling:
+        changes["async_scheduling"] = False
+    if changes:
+        log.info("host KV tier: %s off", " and ".join(k.replace("_", " ") for k in changes))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def hybrid_limits(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
+    """What a hybrid (linear-attention) model runs without yet, each with the reason logged: a cached
+    prefix has K/V but no saved linear state to resume from; verification steps keep every row's state
+    token by token, which the decode graphs (one row per sequence) do not."""
+    changes = {}
+    if cfg.prefix_cache:
+        log.info("prefix cache off: %s keeps linear-attention state per sequence, not per block", mc.model_type)
+        changes["prefix_cache"] = False
+    if cfg.spec and cfg.cuda_graph and torch.device(cfg.resolved_device).type == "cuda":
+        log.info("CUDA graphs off with --spec: verification rows of %s keep their states eagerly", mc.model_type)
+        changes["cuda_graph"] = False
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, device: torch.device, reserved: int,
+                       plan: Plan | None = None, sharing: int = 1) -> int:
+    """The KV pool's tokens: --kv-size; on CUDA what the cap (or the card's free share) leaves beside the
+    weights, `reserved` bytes still to come; on the CPU every slot's context."""
+    if cfg.kv_size:
+        return cfg.kv_size
+    if device.type == "cuda":
+        # An engine built before this one (a benchmark's previous arm) may linger in a reference cycle
+        # with its pool, or as blocks in PyTorch's cache: neither counts as free unless released.
+        gc.collect()
+        torch.cuda.empty_cache()
+        if cfg.gpu_memory is not None:
+            # Within the cap: what the plan left for K/V, less what loading took beyond its estimate. A model
+            # built before the engine (a benchmark's random weights) has no plan: the cap less one step's scratch.
+            budget, scratch, most = ((plan.gpu_budget, plan.scratch_bytes, plan.kv_tokens) if plan is not None else
+                                     (placement.gpu_budget(cfg, device), placement.scratch_bytes(cfg, mc), 1 << 62))
+            left = budget - scratch - torch.cuda.memory_reserved(device) - reserved
+            return max(min(most, int(left) // per_token), 0)
+        # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
+        # the rest of the margin is for one step's activations.
+        return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved, 0) // per_token
+    return cfg.ctx * cfg.parallel
+
+
+def grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler | None:
+    """The compiler of this model's grammars (structured output), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    try:
+        t0 = time.perf_counter()
+        compiler = GrammarCompiler(tokenizer, vocab_size)
+    except Exception as e:  # a tokenizer the grammar engine cannot read: serve without structured output
+        log.warning("structured output is off: the grammar engine cannot use this tokenizer (%s)", e)
+        return None
+    log.info("grammar compiler ready (%d tokens) in %.1fs", compiler.vocab_size, time.perf_counter() - t0)
+    return compiler
