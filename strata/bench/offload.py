@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import time
+import traceback
 
 import torch
 
@@ -172,6 +173,9 @@ def run(args) -> int:
             row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
         except Exception as e:  # noqa: BLE001 - one arm's failure is its row; the other arms still run
             failures.append({"host_experts": label, "error": f"{type(e).__name__}: {e}"[:2000]})
+            traceback.print_exc()
+            if isinstance(e, torch.OutOfMemoryError):
+                print(torch.cuda.memory_summary(abbreviated=True), flush=True)
             print(json.dumps(failures[-1]), flush=True)
             gc.collect()
             torch.cuda.empty_cache()
