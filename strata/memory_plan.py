@@ -14,12 +14,18 @@ engine measures the sizes (`ModelSizes`), asks for a plan before any weight reac
    the smallest that fits. `--cpu-moe` and `--n-cpu-moe N` fix the split instead;
 6. whatever is left grows the KV pool up to `kv_tokens_max` (room for the prefix cache).
 
+After the load the engine measures what the weights hold on the GPU. Where that is more than the plan's
+estimate (`Plan.weight_bytes`), the plan is made again with the difference as one more fixed row
+(`beyond_estimate`): a split the planner chose moves more layers' experts to RAM, and one given by
+flag that no longer fits says which would.
+
 When even 1-4 do not fit, `PlanError` says so in one line, with what would fit: a shorter context,
 an int8 KV cache, more layers' experts in RAM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 GiB = 1 << 30
@@ -76,6 +82,7 @@ class Plan:
     auto: bool = True  # the split was chosen by the planner (not --cpu-moe / --n-cpu-moe)
     scratch_bytes: int = 0  # the scratch estimate inside gpu_bytes
     notes: tuple[str, ...] = field(default_factory=tuple)
+    weight_bytes: int = 0  # the weights inside gpu_bytes (fixed, shared and routed experts), what a load holds
 
     @property
     def gpu_bytes(self) -> int:
@@ -160,7 +167,22 @@ def plan_memory(req: PlanRequest) -> Plan:
     notes = ()
     if auto and n_cpu:
         notes = (f"{n_cpu} of {n_moe} MoE layers keep their routed experts in host RAM (as --n-cpu-moe {n_cpu})",)
-    return Plan(tuple(rows), tuple(cpu_layers), kv_tokens, req.gpu_budget, auto, req.scratch_bytes, notes)
+    weights = sum(b for _, b in s.fixed) + s.shared_experts + gpu_experts
+    return Plan(tuple(rows), tuple(cpu_layers), kv_tokens, req.gpu_budget, auto, req.scratch_bytes, notes, weights)
+
+
+BEYOND = "weights beyond the estimate (measured at load)"
+
+
+def beyond_estimate(sizes: ModelSizes, plan: Plan, measured: int) -> ModelSizes | None:
+    """The sizes to plan again with when a load made by `plan` holds `measured` bytes of weights on the
+    GPU: what it holds beyond the estimate as one more fixed row; None when the estimate held."""
+    beyond = measured - plan.weight_bytes
+    if beyond <= 0:
+        return None
+    fixed = tuple((name, b) for name, b in sizes.fixed if name != BEYOND)
+    earlier = sum(b for name, b in sizes.fixed if name == BEYOND)
+    return dataclasses.replace(sizes, fixed=fixed + ((BEYOND, earlier + beyond),))
 
 
 def _stream_bytes(req: PlanRequest, n_cpu: int) -> int:

@@ -95,7 +95,8 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     row: dict = {"host_experts": cfg.host_experts, "load_s": load_s, "host_layers": len(moes),
                  "host_format": ",".join(sorted({m.host.fmt for m in moes})) or None,
                  "host_bytes": sum(m.host.nbytes for m in moes),
-                 "stream_min_tokens": moes[0].stream_min_tokens if moes and engine.expert_streamer else None}
+                 "stream_min_tokens": moes[0].stream_min_tokens if moes and engine.expert_streamer else None,
+                 "memory_plan": engine.memory_plan.table() if engine.memory_plan is not None else None}
     # The prompt read: once to compile, then timed.
     for attempt in range(2):
         prompt = _ids(read_tokens, vocab, seed + attempt)

@@ -29,6 +29,7 @@ log = logging.getLogger("strata")
 
 _ROUTED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
 _SHARED = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_experts?\.")
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
 # The weights a load keeps quantized (`strata.loaders._quantizable_linears`: Gated DeltaNet's projections
 # and the embedding table too).
 _KEPT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.(in_proj_qkvz|in_proj_ba|out_proj)\.weight$"
@@ -86,6 +87,8 @@ def model_sizes(ckpt: Checkpoint, mc: ModelConfig, cfg: EngineConfig, dtype: tor
             embed += b
         else:
             dense += b
+            if _ROUTER.match(name) and dtype != torch.float32:
+                dense += b // torch.empty(0, dtype=dtype).element_size() * 4  # the router's fp32 copy (`MoE.gate`)
     per_token = kv_bytes_per_token(num_kv_layers, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
     int8 = kv_bytes_per_token(num_kv_layers, mc.num_key_value_heads, mc.head_dim, "int8", dtype)
     return ModelSizes(fixed=(("embeddings + LM head", embed), ("attention, dense layers, routers, norms", dense)),

@@ -17,8 +17,8 @@ from strata.dist.link import Link
 from strata.engine import placement
 from strata.grammar import GrammarCompiler
 from strata.kvcache.state_pool import StatePool
-from strata.loaders import LoadedModel, default_model_path, load_model, read_model
-from strata.memory_plan import Plan
+from strata.loaders import LoadedModel, default_model_path, load_model, move_experts_to_ram, read_model
+from strata.memory_plan import Plan, PlanError, beyond_estimate
 from strata.speculative.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
@@ -48,7 +48,7 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
     ckpt, mc = read_model(path)
     host = placement.flagged_host_layers(cfg, mc)
     stage_budgets = stages.budgets() if stages is not None else []
-    plans, memory_plan = None, None
+    plans, memory_plan, sizes = None, None, None
     if device.type == "cuda":
         placement.cap_allocator(cfg, device)
         kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
@@ -65,25 +65,62 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
                 log.info("pipeline stage %d, layers %d-%d: %s", r, a, b - 1, plan.table())
             memory_plan = plans[0]
         else:
-            memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers,
-                                                   kv_tokens_max=1 << 40, state_bytes=states)
+            sizes = placement.model_sizes(ckpt, mc, cfg, dtype, kv_layers, states)
+            memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers, kv_tokens_max=1 << 40,
+                                                   state_bytes=states, sizes=sizes)
             log.info("%s", memory_plan.table())
         host = list(memory_plan.cpu_moe_layers)
     if stages is not None:
         stages.place(placement.stage_placements(cfg, mc, stages.plan.ranges, plans), mc.num_hidden_layers)
         host = [i for i in host or () if i < stages.plan.layers[1]]
-    if host and (cfg.cuda_graph or cfg.async_scheduling) and device.type == "cuda":
-        # The CPU's experts sit between a layer's router and its output: the host waits for each router,
-        # and a step's graph is captured in pieces around them (`strata.runner.graph_pieces`), or not at all.
-        graphs = cfg.cuda_graph and cfg.host_expert_graphs and stages is None
-        log.info("%s: %d MoE layers compute their routed experts on the CPU",
-                 "async scheduling off, CUDA graphs in pieces around them" if graphs
-                 else "CUDA graphs and async scheduling off", len(host))
-        cfg = dataclasses.replace(cfg, cuda_graph=graphs, async_scheduling=False)
+    held = torch.cuda.memory_reserved(device) if sizes is not None else 0
     loaded = load_model(path, device=device, dtype=dtype, progress=progress, keep_quantized=cfg.keep_quantized,
                         quantize=cfg.quantize, host_moe_layers=host or (), host_experts=cfg.host_experts,
                         checkpoint=ckpt, layers=stages.plan.layers if stages is not None else None)
-    return loaded, cfg, memory_plan
+    if sizes is not None:
+        memory_plan = refit_after_load(cfg, mc, ckpt, loaded, dtype, sizes, memory_plan, held, device)
+        host = list(memory_plan.cpu_moe_layers)
+    return loaded, host_limits(cfg, host or (), device, stages is not None), memory_plan
+
+
+def refit_after_load(cfg: EngineConfig, mc: ModelConfig, ckpt, loaded: LoadedModel, dtype: torch.dtype, sizes,
+                     plan: Plan, held: int, device: torch.device) -> Plan:
+    """The plan checked against what the load holds on the GPU (beyond the `held` bytes before it): where
+    that is more than the plan estimated, the plan made again with the difference
+    (`strata.memory_plan.beyond_estimate`) and the layers it now keeps in RAM moved there."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    measured = torch.cuda.memory_reserved(device) - held
+    log.info("the load holds %.2f GiB on the GPU; the plan estimated %.2f GiB of weights", measured / 2**30,
+             plan.weight_bytes / 2**30)
+    again = beyond_estimate(sizes, plan, measured)
+    if again is None:
+        return plan
+    kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
+    refit = placement.plan_placement(cfg, mc, ckpt, dtype, plan.gpu_budget, kv_layers, kv_tokens_max=1 << 40,
+                                     state_bytes=again.state_bytes, sizes=again)
+    moved = [i for i in refit.cpu_moe_layers if i not in plan.cpu_moe_layers]
+    if moved:
+        t0 = time.perf_counter()
+        move_experts_to_ram(loaded.model, ckpt, moved, cfg.host_experts, dtype)
+        gc.collect()
+        torch.cuda.empty_cache()
+        log.info("the routed experts of %d more MoE layers moved to RAM in %.1f s", len(moved), time.perf_counter() - t0)
+    log.info("%s", refit.table())
+    return refit
+
+
+def host_limits(cfg: EngineConfig, host: list[int] | tuple[int, ...], device: torch.device, staged: bool) -> EngineConfig:
+    """What a CUDA run with MoE layers whose experts the CPU computes runs without: the host waits for each
+    such layer's router, so no step is queued ahead, and a step's graph is captured in pieces around them
+    (`strata.runner.graph_pieces`, --host-expert-graphs) or not at all."""
+    if not host or device.type != "cuda" or not (cfg.cuda_graph or cfg.async_scheduling):
+        return cfg
+    graphs = cfg.cuda_graph and cfg.host_expert_graphs and not staged
+    log.info("%s: %d MoE layers compute their routed experts on the CPU",
+             "async scheduling off, CUDA graphs in pieces around them" if graphs
+             else "CUDA graphs and async scheduling off", len(host))
+    return dataclasses.replace(cfg, cuda_graph=graphs, async_scheduling=False)
 
 
 def tier_limits(cfg: EngineConfig) -> EngineConfig:
@@ -129,7 +166,15 @@ def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, devic
             budget, scratch, most = ((plan.gpu_budget, plan.scratch_bytes, plan.kv_tokens) if plan is not None else
                                      (placement.gpu_budget(cfg, device), placement.scratch_bytes(cfg, mc), 1 << 62))
             left = budget - scratch - torch.cuda.memory_reserved(device) - reserved
-            return max(min(most, int(left) // per_token), 0)
+            tokens = max(min(most, int(left) // per_token), 0)
+            if plan is not None and tokens < min(most, cfg.ctx):
+                # The plan promised one full context at least: a pool short of it means the estimate failed.
+                short = (min(most, cfg.ctx) - tokens) * per_token
+                raise PlanError(f"after loading, --gpu-memory {cfg.gpu_memory:g} leaves K/V for {tokens} tokens where the "
+                                f"plan counted {most}: the model and its buffers took {short / 2**20:.0f} MiB more than "
+                                f"estimated; keep more layers' experts in RAM (--n-cpu-moe "
+                                f"{len(plan.cpu_moe_layers) + 1} or more) or give a shorter --ctx")
+            return tokens
         # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
         # the rest of the margin is for one step's activations.
         return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved, 0) // per_token

@@ -325,7 +325,6 @@ class _HostLayers:
     conversion takes minutes)."""
 
     _NAME = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-    CHUNK = 8  # experts converted at once: ~0.4 GiB of fp32 temporaries at 80B-A3B's expert shape
 
     def __init__(self, model: CausalLM, ckpt: Checkpoint, names: set[str], dtype: torch.dtype, device: torch.device):
         from strata.models.moe import MoE
@@ -356,43 +355,23 @@ class _HostLayers:
 
     def _build(self, moe, got: dict) -> None:
         from strata.kernels.quant.moe_q import QExpertStack
-        from strata.models.host_experts import HostExperts, StreamStack
 
         n = moe.num_experts
-        inter, hidden = moe.experts[0].gate_proj.weight.shape
         trios = [(got[(e, "gate")], got[(e, "up")], got[(e, "down")]) for e in range(n)]
         raws = all(isinstance(v, tuple) for t in trios for v in t)
         types13 = {v[0] for t in trios for v in t[:2]} if raws else set()
         types2 = {t[2][0] for t in trios} if raws else set()
-        float_dtype = self.dtype if moe.host_format == "float" else torch.float32
-        host = HostExperts(moe.host_format, n, inter, hidden, float_dtype)
         if raws and len(types13) == 1 and len(types2) == 1:
-            q13 = QExpertStack.from_raw(types13.pop(), torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in trios]))
-            q2 = QExpertStack.from_raw(types2.pop(), torch.stack([d[1] for _, _, d in trios]))
-            del trios, got
-            for a in range(0, n, self.CHUNK):
-                b = min(a + self.CHUNK, n)
-                host.set(a, torch.stack([q13.dequantize_expert(e, self.work) for e in range(a, b)]),
-                         torch.stack([q2.dequantize_expert(e, self.work) for e in range(a, b)]))
-            if self.stream:
-                host.stream = StreamStack.of_quant(q13, q2)
+            w13 = QExpertStack.from_raw(types13.pop(), torch.stack([torch.cat([g[1], u[1]]) for g, u, _ in trios]))
+            w2 = QExpertStack.from_raw(types2.pop(), torch.stack([d[1] for _, _, d in trios]))
         else:
             floats = [[self._float(v) for v in t] for t in trios]
-            del trios, got
-            w13 = torch.stack([torch.cat([g, u]) for g, u, _ in floats]).to(float_dtype)
-            w2 = torch.stack([d for _, _, d in floats]).to(float_dtype)
+            w13 = torch.stack([torch.cat([g, u]) for g, u, _ in floats])
+            w2 = torch.stack([d for _, _, d in floats])
             del floats
-            if self.stream:
-                host.stream = StreamStack.of_float(w13.to(self.dtype), w2.to(self.dtype))
-                if moe.host_format == "float" and float_dtype == self.dtype:
-                    # The CPU computes from the pinned stack itself: one copy in RAM, not two.
-                    host.gate_up.w, host.down.w = host.stream.stacks(host.stream.region)
-            if host.stream is None or host.gate_up.w.data_ptr() != host.stream.region.data_ptr():
-                host.set(0, w13, w2)
-        moe.host = host
-        for m in moe.experts:
-            for lin in (m.gate_proj, m.up_proj, m.down_proj):
-                lin.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+        del trios, got
+        moe.host = host_experts_of(moe.host_format, w13, w2, self.dtype, self.work, self.stream)
+        _empty_experts(moe, self.dtype)
 
     def _float(self, v) -> torch.Tensor:
         if not isinstance(v, tuple):
@@ -407,6 +386,76 @@ class _HostLayers:
             raise LoadError(self.ckpt.path, f"{len(self.pending)} MoE layers placed in RAM lack some of their experts")
         log.info("routed experts of %d MoE layers made ready for RAM in %.1f s (converted on the %s)", self.built,
                  self.seconds, "GPU" if self.stream else "CPU")
+
+
+CHUNK = 8  # experts converted at once: ~0.4 GiB of fp32 temporaries at 80B-A3B's expert shape
+
+
+def host_experts_of(fmt: str, w13, w2, dtype: torch.dtype, work: torch.device, stream: bool):
+    """One MoE layer's routed experts as `HostExperts` in the CPU format `fmt`, from (w13, w2): the file's
+    blocks as `QExpertStack`s, or float stacks [E, 2I, H] and [E, H, I], on any device. Quantized blocks
+    are converted on `work` a few experts at a time; `stream`: also kept in the GPU's format (the blocks,
+    else the float stack in `dtype`), pinned, for the streamer."""
+    from strata.models.host_experts import HostExperts, StreamStack
+
+    quant = not isinstance(w13, torch.Tensor)
+    n, rows, hidden = (w13.num_experts, w13.n, w13.k) if quant else tuple(w13.shape)
+    float_dtype = dtype if fmt == "float" else torch.float32
+    host = HostExperts(fmt, n, rows // 2, hidden, float_dtype)
+    if quant:
+        for a in range(0, n, CHUNK):
+            b = min(a + CHUNK, n)
+            host.set(a, torch.stack([w13.dequantize_expert(e, work) for e in range(a, b)]),
+                     torch.stack([w2.dequantize_expert(e, work) for e in range(a, b)]))
+        if stream:
+            host.stream = StreamStack.of_quant(w13, w2)
+        return host
+    w13, w2 = w13.to("cpu", float_dtype), w2.to("cpu", float_dtype)
+    if stream:
+        host.stream = StreamStack.of_float(w13.to(dtype), w2.to(dtype))
+        if fmt == "float" and float_dtype == dtype:
+            # The CPU computes from the pinned stack itself: one copy in RAM, not two.
+            host.gate_up.w, host.down.w = host.stream.stacks(host.stream.region)
+    if host.stream is None or host.gate_up.w.data_ptr() != host.stream.region.data_ptr():
+        host.set(0, w13, w2)
+    return host
+
+
+def _empty_experts(moe, dtype: torch.dtype) -> None:
+    """The experts' own parameters emptied once `moe.host` holds them."""
+    for m in moe.experts:
+        for lin in (m.gate_proj, m.up_proj, m.down_proj):
+            lin.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+
+def move_experts_to_ram(model: CausalLM, ckpt: Checkpoint, layers: Collection[int], fmt: str,
+                        dtype: torch.dtype) -> None:
+    """MoE layers `layers`, loaded with their routed experts on the GPU, keep them in host RAM instead, in
+    the format a load would have placed them in (`fmt`, "auto": `host_format`): a memory plan made again
+    after the load held more than the plan estimated (`strata.memory_plan.beyond_estimate`)."""
+    from strata.models.moe import MoE
+
+    _place_host_experts(model, ckpt, layers, fmt)
+    for i in sorted(set(layers)):
+        layer = model.model.layers[i]
+        moe = next((m for m in layer.modules() if isinstance(m, MoE)), None)
+        if moe is None or moe.host is not None:
+            continue
+        if moe.quant is not None:
+            w13, w2 = moe.quant
+        elif moe.w13 is not None and moe.w13_ext is None and moe.fp8 is None:
+            w13, w2 = moe.w13, moe.w2
+        else:
+            raise LoadError(ckpt.path, f"layer {i}'s routed experts cannot move to RAM after the load")
+        device = w13.device
+        moe.host = host_experts_of(moe.host_format, w13, w2, dtype, device, device.type == "cuda")
+        moe.quant = moe.qdecode = None
+        moe.w13 = moe.w2 = None
+        del w13, w2
+        _empty_experts(moe, dtype)
+        moe.pack_experts()  # the host path: routing workspaces, `path`
+        if getattr(layer, "cpu_plan", None) is not None:
+            layer.plan_cpu(None)  # a CPU plan made with the experts in place covers the layer no more
 
 
 def _assign_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, progress: bool,

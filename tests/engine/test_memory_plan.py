@@ -3,7 +3,9 @@ the automatic expert split, the flags that fix it, the KV pool's growth, and the
 
 import pytest
 
-from strata.memory_plan import GiB, MiB, ModelSizes, PlanError, PlanRequest, plan_memory
+import math
+
+from strata.memory_plan import BEYOND, GiB, MiB, ModelSizes, PlanError, PlanRequest, beyond_estimate, plan_memory
 
 # A 48-layer MoE shaped like an 80B-A3B model in a 3-bit format: ~0.63 GiB of routed experts a layer.
 SIZES = ModelSizes(
@@ -108,3 +110,30 @@ def test_streaming_buffers_that_cannot_fit_say_how_to_do_without():
     with pytest.raises(PlanError, match="--expert-stream-tokens 0"):
         plan_memory(_req(gpu_budget=fixed + 100 * MiB, cpu_moe=True, stream_experts=True))
     assert plan_memory(_req(gpu_budget=fixed + 100 * MiB, cpu_moe=True)).cpu_moe_layers == tuple(range(48))
+
+
+def test_a_load_beyond_the_estimate_moves_more_layers_experts_to_ram():
+    plan = plan_memory(_req())
+    n = len(plan.cpu_moe_layers)
+    assert plan.weight_bytes == (600 + 1400 + 200 + 300) * MiB + (48 - n) * 640 * MiB
+    assert beyond_estimate(SIZES, plan, plan.weight_bytes) is None  # the estimate held
+    slack = 16 * GiB - plan.gpu_bytes
+    over = slack + 700 * MiB
+    again = beyond_estimate(SIZES, plan, plan.weight_bytes + over)
+    assert dict(again.fixed)[BEYOND] == over
+    refit = plan_memory(_req(sizes=again))
+    assert refit.cpu_moe_layers == tuple(range(n + math.ceil(700 / 640)))  # the slack took the rest
+    assert refit.gpu_bytes <= 16 * GiB and BEYOND in refit.table()
+    # Measured again after the refit: the row grows by what is still beyond it.
+    twice = beyond_estimate(again, refit, refit.weight_bytes + 100 * MiB)
+    assert dict(twice.fixed)[BEYOND] == over + 100 * MiB and len(twice.fixed) == len(again.fixed)
+    # Within the slack the split stays.
+    small = beyond_estimate(SIZES, plan, plan.weight_bytes + slack // 2)
+    assert plan_memory(_req(sizes=small)).cpu_moe_layers == plan.cpu_moe_layers
+
+
+def test_a_split_given_by_flag_that_the_load_overran_says_which_would_fit():
+    plan = plan_memory(_req(n_cpu_moe=32))
+    again = beyond_estimate(SIZES, plan, plan.weight_bytes + 16 * GiB - plan.gpu_bytes + 1300 * MiB)
+    with pytest.raises(PlanError, match=r"use --n-cpu-moe 35 or more"):
+        plan_memory(_req(sizes=again, n_cpu_moe=32))

@@ -91,9 +91,11 @@ def test_the_plan_of_the_embedded_checkpoint():
     kv_layers = mc.num_full_attention_layers
     sizes = placement.model_sizes(ckpt, mc, cfg, torch.bfloat16, kv_layers)
     assert len(sizes.routed_experts) == len(placement.moe_layers(mc)) and all(sizes.routed_experts)
-    # Everything the file holds is counted once, at 2 bytes a value (bf16 file, bf16 model).
+    # Everything the file holds is counted once, at 2 bytes a value (bf16 file, bf16 model), and each
+    # router's fp32 copy beside it.
     total = sum(b for _, b in sizes.fixed) + sizes.shared_experts + sum(sizes.routed_experts)
-    assert total == sum(ckpt.nbytes.values())
+    routers = [n for n in ckpt.names if n.endswith(".mlp.gate.weight")]
+    assert routers and total == sum(ckpt.nbytes.values()) + 2 * sum(ckpt.nbytes[n] for n in routers)
     big = placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 2 << 30, kv_layers)
     assert big.cpu_moe_layers == () and "memory plan (GPU budget 2.00 GiB)" in big.table()
     # A budget that holds everything but the routed experts of the first MoE layer (no streaming buffers:

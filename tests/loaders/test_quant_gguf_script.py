@@ -56,3 +56,63 @@ def test_experts_in_ram_as_float_give_the_same_logits(moe_file):
     torch.testing.assert_close(logits(host_moe_layers=[0, 1], host_experts="float"), placed, rtol=1e-5, atol=1e-5)
     int8 = logits(host_moe_layers=[0, 1], host_experts="int8")
     assert float((int8 - placed).norm() / placed.norm()) < 0.05
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8"])
+def test_experts_moved_to_ram_after_the_load_give_the_logits_of_a_load_that_placed_them_there(moe_file, fmt):
+    """A memory plan made again after the load (`strata.engine.startup.refit_after_load`) moves layers'
+    experts, loaded in place (the file's blocks kept quantized, or expanded), to RAM: the same logits as a
+    load that put them there from the start."""
+    from strata.loaders import move_experts_to_ram, read_checkpoint
+    from strata.models.moe import MoE
+
+    ids = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(1))
+
+    def logits(model):
+        with torch.no_grad():
+            return model.compute_logits(model(ids, torch.arange(16), CausalBatch(1, 16)))
+
+    for keep in (True, False):
+        placed = load_model(moe_file, progress=False, keep_quantized=keep, host_moe_layers=[1], host_experts=fmt).model
+        moved = load_model(moe_file, progress=False, keep_quantized=keep).model
+        moes = [m for m in moved.modules() if isinstance(m, MoE)]
+        assert (moes[1].quant is not None) == keep and moes[1].host is None
+        move_experts_to_ram(moved, read_checkpoint(moe_file), [1], fmt, torch.float32)
+        assert moes[0].host is None and moes[1].host is not None and moes[1].host.fmt == fmt
+        assert moes[1].path == "host" and moes[1].quant is None and moes[1].w13 is None
+        assert all(p.numel() == 0 for e in moes[1].experts for p in e.parameters())
+        torch.testing.assert_close(logits(moved), logits(placed), rtol=0, atol=0)
+
+
+def test_a_load_beyond_the_plan_moves_the_next_layers_experts_to_ram(moe_file, monkeypatch):
+    """`refit_after_load` with the load measured at the plan's weights and 1.5 expert layers more: the plan
+    made again keeps the first two MoE layers' experts in RAM, and the model's layers follow it."""
+    import dataclasses
+
+    from strata.config import EngineConfig, ModelConfig
+    from strata.engine import placement
+    from strata.engine.startup import refit_after_load
+    from strata.loaders import read_checkpoint
+    from strata.memory_plan import BEYOND
+    from strata.models.moe import MoE
+
+    ckpt = read_checkpoint(moe_file)
+    mc = ModelConfig.from_hf(ckpt.config)
+    cfg = dataclasses.replace(EngineConfig(model=moe_file, ctx=256, parallel=1, gpu_memory=1.0, keep_quantized=True,
+                                           expert_stream_tokens=0), device="cpu")
+    sizes = placement.model_sizes(ckpt, mc, cfg, torch.float32, mc.num_full_attention_layers)
+    layer = sizes.routed_experts[0]
+    budget = (sum(b for _, b in sizes.fixed) + sizes.shared_experts + placement.scratch_bytes(cfg, mc)
+              + 256 * sizes.kv_bytes_per_token + sum(sizes.routed_experts) + layer // 4)
+    plan = placement.plan_placement(cfg, mc, ckpt, torch.float32, budget, mc.num_full_attention_layers, sizes=sizes)
+    assert plan.cpu_moe_layers == ()
+    loaded = load_model(moe_file, progress=False, keep_quantized=True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: plan.weight_bytes + 3 * layer // 2)
+    refit = refit_after_load(cfg, mc, ckpt, loaded, torch.float32, sizes, plan, 0, torch.device("cpu"))
+    moes = [m for m in loaded.model.modules() if isinstance(m, MoE)]
+    assert refit.cpu_moe_layers == tuple(placement.moe_layers(mc)[:2]) and BEYOND in refit.table()
+    assert [m.host is not None for m in moes] == [True, True]
+    # Within the estimate nothing moves.
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: refit.weight_bytes)
+    assert refit_after_load(cfg, mc, ckpt, loaded, torch.float32, sizes, refit, 0, torch.device("cpu")) is refit
