@@ -27,6 +27,7 @@ else
   export PYTHONPATH=$PWD
 fi
 B="python3 -m strata.cli bench"
+BI="env STRATA_LOG_LEVEL=INFO $B"  # the memory plan, start-up phases and placement lines in the log
 T="python3 -m pytest -q -s -m gpu -p no:cacheprovider"
 FLA="env PYTHONPATH=/tmp/fla:$PYTHONPATH setsid -w"  # fla-core on the path, in a session of its own
 step() {  # name, seconds, command...
@@ -35,8 +36,13 @@ step() {  # name, seconds, command...
   local t0=$SECONDS
   # The whole output goes into results.tgz (logs/): the tail below is what a call shows.
   mkdir -p "$R/logs"
-  timeout "$secs" "$@" 2>&1 | tee "$R/logs/$name.txt" | grep -v "^\s*$" | tail -${TAIL:-40}
-  echo "--- $name: rc ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+  # Into a file, not a pipe: a process the command leaves behind (a pipeline stage's worker) holds no
+  # pipe open, and is ended after the step so the next one has the card.
+  timeout "$secs" "$@" >"$R/logs/$name.txt" 2>&1
+  local rc=$?
+  pkill -f "strata[.]dist[.]worker"
+  grep -v "^\s*$" "$R/logs/$name.txt" | tail -${TAIL:-40}
+  echo "--- $name: rc $rc in $((SECONDS - t0)) s"
   tar czf "$OUT/results.tgz" -C "$R" .  # after every step: a call cut short still brings back what ran
 }
 {
@@ -138,7 +144,7 @@ step() {  # name, seconds, command...
           python3 -c 'import json,sys; [print(r[\"n_prompt\"], r[\"n_gen\"], r[\"n_ubatch\"], round(r[\"avg_ts\"], 1)) for f in sys.argv[1:] for r in json.load(open(f))]' \
           $R/llamacpp_offload.json $R/llamacpp_offload_ub4096.json"
         N=qwen3-30b-a3b-q8_0-${OFFLOAD_LAYERS:-48}l
-        step offload-strata 900 $B offload --model /tmp/moe_Q8_0.gguf --name $N --cpu-moe \
+        step offload-strata 900 $BI offload --model /tmp/moe_Q8_0.gguf --name $N --cpu-moe \
           --formats ${OFFLOAD_FORMATS:-fbgemm,fbgemm+graphs,w8a8,w8a8+graphs} --crossover 2,4,8,16,32,64 $PEER_ARGS --out $R/offload_${N}_cuda.json ;;
       # Qwen3-Next-80B-A3B, all 48 layers, IQ3_S, under a 16 GiB cap: Strata's memory plan against llama.cpp's
       # automatic fit to 16 GiB (-fitt: all but 16 GiB of the card left free) and the same explicit --n-cpu-moe.
@@ -156,7 +162,7 @@ step() {  # name, seconds, command...
           -fitt $FITT -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload_next_fit.json; \
           /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 -ncmoe ${NEXT_NCMOE:-36} -p 4096 -n 64 -r 2 \
           -o json > $R/llamacpp_offload_next_ncmoe.json; cat $R/llamacpp_offload_next_*.json | grep -E 'n_cpu_moe|avg_ts|n_prompt|n_gen'"
-        step offload-next-strata 900 $B offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
+        step offload-next-strata 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
           --gpu-memory 16 --formats auto --llamacpp $R/llamacpp_offload_next_fit.json \
           --llamacpp-more $R/llamacpp_offload_next_ncmoe.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ;;
       # The same 80B file with its MTP layer (llama.cpp refuses such a file, and the disk holds one of
@@ -166,7 +172,7 @@ step() {  # name, seconds, command...
         rm -f /tmp/next_IQ3_S.gguf /tmp/moe_Q8_0.gguf
         step next-mtp-gguf 300 python3 scripts/next_gguf.py /tmp/next_mtp_IQ3_S.gguf --shape qwen3-next-80b-a3b \
           --type IQ3_S --mtp --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf
-        step offload-next-mtp 900 $B offload --model /tmp/next_mtp_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-mtp-16g \
+        step offload-next-mtp 900 $BI offload --model /tmp/next_mtp_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-mtp-16g \
           --gpu-memory 16 --formats auto --spec 3 --out $R/offload_qwen3-next-80b-a3b-iq3_s-mtp-16g_cuda.json ;;
       host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
