@@ -28,7 +28,8 @@ else
 fi
 B="python3 -m strata.cli bench"
 BI="env STRATA_LOG_LEVEL=INFO $B"  # the memory plan, start-up phases and placement lines in the log
-T="python3 -m pytest -q -s -m gpu -p no:cacheprovider"
+# A test running past faulthandler_timeout has every thread's stack printed (a hang shows where it waits).
+T="python3 -m pytest -q -s -m gpu -p no:cacheprovider -o faulthandler_timeout=${FAULT_S:-150}"
 FLA="env PYTHONPATH=/tmp/fla:$PYTHONPATH setsid -w"  # fla-core on the path, in a session of its own
 step() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
@@ -158,13 +159,21 @@ step() {  # name, seconds, command...
           [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
         tail -n 3 /tmp/peer/next_gguf.log; ls -la /tmp/next_IQ3_S.gguf; free -g | head -2
         FITT=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) - 16384 ))
-        step offload-next-llamacpp 500 bash -c "/tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 \
-          -fitt $FITT -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload_next_fit.json; \
+        # The card's memory in use every half second while the fitted run goes: its peak is llama.cpp's VRAM use.
+        step offload-next-llamacpp 500 bash -c "(while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; \
+          sleep 0.5; done) > $R/llamacpp_offload_next_fit_vram.txt & W=\$!; \
+          /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 \
+          -fitt $FITT -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload_next_fit.json; kill \$W; \
+          echo fitted run: peak VRAM \$(sort -n $R/llamacpp_offload_next_fit_vram.txt | tail -1) MiB; \
           /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 -ncmoe ${NEXT_NCMOE:-36} -p 4096 -n 64 -r 2 \
           -o json > $R/llamacpp_offload_next_ncmoe.json; cat $R/llamacpp_offload_next_*.json | grep -E 'n_cpu_moe|avg_ts|n_prompt|n_gen'"
         step offload-next-strata 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
           --gpu-memory 16 --formats auto --llamacpp $R/llamacpp_offload_next_fit.json \
-          --llamacpp-more $R/llamacpp_offload_next_ncmoe.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ;;
+          --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
+        # The same placement in both engines: llama.cpp's -ncmoe and Strata's --n-cpu-moe.
+        step offload-next-ncmoe 600 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36} \
+          --gpu-memory 16 --n-cpu-moe ${NEXT_NCMOE:-36} --formats auto --llamacpp $R/llamacpp_offload_next_ncmoe.json \
+          --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36}_cuda.json ;;
       # The same 80B file with its MTP layer (llama.cpp refuses such a file, and the disk holds one of
       # them): Strata alone under the same cap, with --spec 3 (random weights: it shows the seed's
       # configuration starting and serving, not what speculation buys).
