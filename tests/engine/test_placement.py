@@ -132,3 +132,23 @@ def test_with_a_resident_window_the_plan_counts_the_window_not_the_context():
         placement.plan_placement(whole, mc, ckpt, torch.bfloat16, budget, kv_layers)
     plan = placement.plan_placement(tiered, mc, ckpt, torch.bfloat16, budget, kv_layers)
     assert plan.cpu_moe_layers == () and plan.kv_tokens == window and plan.scratch_bytes == scratch
+
+
+def test_a_capped_pool_short_of_one_context_is_a_start_up_error(monkeypatch):
+    """Under --gpu-memory the plan promises one full context of K/V at least: when what the load and the
+    buffers hold leaves less, start-up says so in one line instead of serving a context of a few tokens."""
+    from strata.engine.startup import kv_capacity_tokens
+    from strata.memory_plan import Plan
+
+    mc = ModelConfig.from_hf(read_checkpoint(default_model_path()).config)
+    cfg = EngineConfig(device="cpu", ctx=4096, parallel=1, gpu_memory=2.0)
+    per_token = 1024
+    plan = Plan(rows=(), cpu_moe_layers=(3, 4), kv_tokens=4096, gpu_budget=2 << 30, scratch_bytes=256 * MiB)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    held = {"bytes": (2 << 30) - 256 * MiB - 4096 * per_token}  # the weights as planned: the pool fits exactly
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: held["bytes"])
+    cuda = torch.device("cuda")
+    assert kv_capacity_tokens(cfg, mc, per_token, cuda, 0, plan) == 4096
+    held["bytes"] += 4000 * per_token  # 4 MiB more than planned: 96 tokens left
+    with pytest.raises(PlanError, match=r"leaves K/V for 96 tokens where the plan counted 4096.*--n-cpu-moe 3 or more"):
+        kv_capacity_tokens(cfg, mc, per_token, cuda, 0, plan)
