@@ -1,4 +1,4 @@
-"""`strata generate|chat|serve|tui|bench` — command-line entry points.
+"""`strata generate|chat|plan|serve|tui|bench` — command-line entry points.
 
 Generated text goes to stdout and nothing else does; loading progress, speed figures and errors go
 to stderr, so `strata generate ... > out.txt` captures exactly the completion.
@@ -165,6 +165,41 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    """The memory plan start-up would print on a GPU for this model and these flags, from the file's index
+    alone (no weight is read), as llama.cpp's --fit-print shows its estimate: one table, or each pipeline
+    stage's, or the one line that says what would fit."""
+    import torch
+
+    from strata.dist.plan import layer_ranges, parse_devices, parse_shares, stage_count
+    from strata.engine import placement
+    from strata.engine.startup import plan_one_device
+    from strata.loaders import read_model
+    from strata.memory_plan import GiB
+    from strata.speculative.drafter import MTPDrafter
+
+    cfg = resolve_engine(a)
+    if cfg.device is not None and not cfg.device.startswith("cuda"):
+        raise ValueError("strata plan places a model on a GPU: no --device other than cuda")
+    cfg = dataclasses.replace(cfg, device=cfg.device or "cuda").resolved()
+    if cfg.gpu_memory is not None:
+        budget = int(cfg.gpu_memory * GiB)
+    elif torch.cuda.is_available():
+        budget = placement.gpu_budget(cfg, torch.device(cfg.device))
+    else:
+        raise ValueError("strata plan: no GPU here to measure; give the budget with --gpu-memory GIB")
+    ckpt, mc = read_model(cfg.model)
+    if cfg.split_mode == "layer":
+        world = stage_count(cfg.tensor_split, parse_devices(cfg.devices), cfg.nnodes, torch.cuda.device_count(), True)
+        ranges = tuple(layer_ranges(mc.num_hidden_layers, parse_shares(cfg.tensor_split, world)))
+        plans = placement.plan_stages(cfg, mc, ckpt, cfg.torch_dtype, ranges, [budget] * world, MTPDrafter.split_mode())
+        for r, ((first, end), plan) in enumerate(zip(ranges, plans)):
+            print(f"pipeline stage {r}, layers {first}-{end - 1}: {plan.table()}")
+        return 0
+    print(plan_one_device(cfg, mc, ckpt, cfg.torch_dtype, budget)[0].table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser, sub = strata_parser()
     g = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
@@ -178,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    pl = sub.add_parser("plan", help="print the memory plan start-up would make on a GPU (what goes on the GPU, "
+                                     "what stays in RAM), without loading the model")
+    _add_engine_args(pl)
+    pl.set_defaults(func=cmd_plan)
     try:
         from strata.server.serve import add_serve_parser
     except ImportError:  # the server's dependencies (fastapi, uvicorn) are not installed

@@ -18,7 +18,7 @@ from strata.engine import placement
 from strata.grammar import GrammarCompiler
 from strata.kvcache.state_pool import StatePool
 from strata.loaders import LoadedModel, default_model_path, load_model, move_experts_to_ram, read_model
-from strata.memory_plan import Plan, PlanError, beyond_estimate
+from strata.memory_plan import ModelSizes, Plan, PlanError, beyond_estimate
 from strata.speculative.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
@@ -51,11 +51,6 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
     plans, memory_plan, sizes = None, None, None
     if device.type == "cuda":
         placement.cap_allocator(cfg, device)
-        kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
-        # Hybrids: the slots' recurrent states (+1, a graph's padding rows), each with its copies after
-        # every verification row under speculation, as the engine allocates them after the load.
-        states = ((cfg.parallel + 1) * (1 + (1 + cfg.spec if cfg.spec else 0)) * StatePool.bytes_per_state(mc, dtype)
-                  if mc.is_hybrid else 0)
         budget = placement.gpu_budget(cfg, device, stages.plan.sharing if stages else 1)
         if stages is not None:  # every stage's own layers within its own budget
             ranges = stages.plan.ranges
@@ -65,9 +60,7 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
                 log.info("pipeline stage %d, layers %d-%d: %s", r, a, b - 1, plan.table())
             memory_plan = plans[0]
         else:
-            sizes = placement.model_sizes(ckpt, mc, cfg, dtype, kv_layers, states)
-            memory_plan = placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers, kv_tokens_max=1 << 40,
-                                                   state_bytes=states, sizes=sizes)
+            memory_plan, sizes = plan_one_device(cfg, mc, ckpt, dtype, budget)
             log.info("%s", memory_plan.table())
         host = list(memory_plan.cpu_moe_layers)
     if stages is not None:
@@ -81,6 +74,19 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
         memory_plan = refit_after_load(cfg, mc, ckpt, loaded, dtype, sizes, memory_plan, held, device)
         host = list(memory_plan.cpu_moe_layers)
     return loaded, host_limits(cfg, host or (), device, stages is not None), memory_plan
+
+
+def plan_one_device(cfg: EngineConfig, mc: ModelConfig, ckpt, dtype: torch.dtype, budget: int) -> tuple[Plan, ModelSizes]:
+    """The memory plan of this run on one GPU budget of `budget` bytes, from the checkpoint's index alone,
+    and the sizes it weighed (raises `PlanError` when even the minimum does not fit)."""
+    kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
+    # Hybrids: the slots' recurrent states (+1, a graph's padding rows), each with its copies after
+    # every verification row under speculation, as the engine allocates them after the load.
+    states = ((cfg.parallel + 1) * (1 + (1 + cfg.spec if cfg.spec else 0)) * StatePool.bytes_per_state(mc, dtype)
+              if mc.is_hybrid else 0)
+    sizes = placement.model_sizes(ckpt, mc, cfg, dtype, kv_layers, states)
+    return placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers, kv_tokens_max=1 << 40,
+                                    state_bytes=states, sizes=sizes), sizes
 
 
 def refit_after_load(cfg: EngineConfig, mc: ModelConfig, ckpt, loaded: LoadedModel, dtype: torch.dtype, sizes,

@@ -152,3 +152,23 @@ def test_a_capped_pool_short_of_one_context_is_a_start_up_error(monkeypatch):
     held["bytes"] += 4000 * per_token  # 4 MiB more than planned: 96 tokens left
     with pytest.raises(PlanError, match=r"leaves K/V for 96 tokens where the plan counted 4096.*--n-cpu-moe 3 or more"):
         kv_capacity_tokens(cfg, mc, per_token, cuda, 0, plan)
+
+
+def test_strata_plan_prints_the_plan_start_up_would_make(capsys):
+    from strata.cli import main
+    from strata.engine.startup import plan_one_device
+
+    assert main(["plan", "--gpu-memory", "1", "--ctx", "4096", "--parallel", "2"]) == 0
+    ckpt = read_checkpoint(default_model_path())
+    cfg = EngineConfig(device="cuda", ctx=4096, parallel=2, gpu_memory=1.0).resolved()
+    plan, _ = plan_one_device(cfg, ModelConfig.from_hf(ckpt.config), ckpt, torch.bfloat16, 1 << 30)
+    assert capsys.readouterr().out.strip() == plan.table() and "KV pool" in plan.table()
+    # Each pipeline stage's plan on its own budget.
+    assert main(["plan", "--gpu-memory", "1", "--split-mode", "layer", "--tensor-split", "1,1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("pipeline stage") == 2 and out.count("memory plan (GPU budget 1.00 GiB)") == 2
+    # A budget the minimum does not fit: the one line that says so, status 2.
+    assert main(["plan", "--gpu-memory", "0.5", "--ctx", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not fit the GPU budget of 512.0 MiB" in err
+    assert main(["plan", "--device", "cpu", "--gpu-memory", "1"]) == 2
