@@ -183,6 +183,20 @@ step() {  # name, seconds, command...
           --type IQ3_S --mtp --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf
         step offload-next-mtp 900 $BI offload --model /tmp/next_mtp_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-mtp-16g \
           --gpu-memory 16 --formats auto --spec 3 --out $R/offload_qwen3-next-80b-a3b-iq3_s-mtp-16g_cuda.json ;;
+      # The host KV tier on the seed's model and placement (needs peer-build and offload-next-gguf before it):
+      # llama-server with every K/V in RAM (-nkvo) timing one KV_NEXT_CONTEXT-token prompt and its decode, then
+      # Strata's resident window on the same file and ids; then a 262,144-token context read and decoded.
+      kv-tier-next)
+        t0=$SECONDS; while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/next_gguf ]; do
+          [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
+        C=${KV_NEXT_CONTEXT:-130944}; NKVO=$R/llamacpp_nkvo_next.json
+        step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
+          -- /tmp/llama/build/bin/llama-server -m /tmp/next_IQ3_S.gguf -ngl 99 -fa on -nkvo -ncmoe ${NEXT_NCMOE:-36} -c $((C + 256))
+        TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 --n-cpu-moe ${NEXT_NCMOE:-36} --parallel 2 \
+          --ctx 262144 --kv int8 --resident 32768"
+        step kv-tier-next-strata 900 $TIER --context $C --decode 32 $([ -f $NKVO ] && echo --llamacpp $NKVO) \
+          --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
+        step kv-tier-next-262k 900 $TIER --context 262000 --decode 16 --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g-262k_cuda.json ;;
       host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       *) echo "unknown step $s" ;;

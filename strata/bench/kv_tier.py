@@ -1,13 +1,15 @@
 """`strata bench kv-tier`: the host KV tier (--kv-resident) against every block on the device.
 
-Arms, each its own engine on one model (`--shape`: random weights at that shape, else the embedded
-model): decode speed of one sequence at `--context` tokens with all K/V on the device and with a
-resident window of `--resident` tokens (`--kv int8` by default, as the tier is meant to run); the
-read of that context in both; a second request on a prefix that went to the host tier (its first
-token against reading the prefix again); and the growth of torch's allocator across a second long
-read with the tier on (CUDA). llama.cpp's `-nkvo` figures are not run here: their summary keys are
-null unless `--llamacpp FILE` names a JSON with `decode_tok_s` and `read_tok_s` measured on the same
-machine. JSON (+ PNG) under bench/results/.
+Arms, each its own engine on one model (`--model FILE`, else `--shape`: random weights at that shape,
+else the embedded model): decode speed of one sequence at `--context` tokens with all K/V on the device
+(`--arms all`) and with a resident window of `--resident` tokens (`tier`; `--kv int8` by default, as the
+tier is meant to run); the read of that context in both; a second request on a prefix that went to the
+host tier (its first token against reading the prefix again, or against the tier arm's own read when
+the all-device arm is not run); and the growth of torch's allocator across a second long read with the
+tier on (CUDA). `--gpu-memory`, `--n-cpu-moe`, `--parallel` and `--ctx` are the engine's (the seed's deployment: a 16 GiB
+cap, two slots, 262,144 tokens each). llama.cpp's `-nkvo` figures are read from `--llamacpp FILE`:
+llama-server's /completion response (its `timings`) or a JSON with `decode_tok_s` and `read_tok_s`, at
+the same context on the same machine. JSON (+ PNG) under bench/results/.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _engine(args, **kw) -> LLMEngine:
-    base = dict(device=args.device, dtype=args.dtype, kv=args.kv, ctx=args.context + args.decode + SLACK, parallel=1,
-                chunk_size=args.chunk, prefix_cache=True)
+    base = dict(model=args.model, device=args.device, dtype=args.dtype, kv=args.kv,
+                ctx=args.ctx or args.context + args.decode + SLACK, parallel=args.parallel, chunk_size=args.chunk,
+                prefix_cache=True, gpu_memory=args.gpu_memory, n_cpu_moe=args.n_cpu_moe)
     cfg = EngineConfig(**{**base, **kw})
     if args.shape:
         from strata.bench.random_model import random_model
@@ -42,6 +45,16 @@ def _engine(args, **kw) -> LLMEngine:
         r = cfg.resolved()
         return LLMEngine(cfg, progress=False, loaded=random_model(args.shape, r.resolved_device, r.torch_dtype))
     return LLMEngine(cfg, progress=False)
+
+
+def _vocab_size(args) -> int:
+    if args.shape:
+        from strata.bench.random_model import shape_config
+
+        return shape_config(args.shape).vocab_size
+    from strata.loaders import read_model
+
+    return read_model(args.model)[1].vocab_size
 
 
 def _arm(args, ids: list[int], **kw) -> dict:
@@ -62,15 +75,16 @@ def _arm(args, ids: list[int], **kw) -> dict:
     res = {"read_tok_s": len(ids) / (first - t0), "decode_tok_s": (args.decode - 1) / (end - first)}
     if kw.get("kv_resident") is not None:
         res["blocks_moved"] = e.stats().kv_blocks_moved_total
-        # A second request on the same prefix: its blocks come from the host tier.
-        _sync(e.device)
-        t1 = time.perf_counter()
-        e.add_request(EngineRequest("again", tuple(ids), SamplingParams(max_tokens=1, ignore_eos=True),
-                                    time.monotonic()))
-        evs = e.run_to_completion()["again"]
-        _sync(e.device)
-        res["host_prefix_ttft_s"] = time.perf_counter() - t1
-        res["host_prefix_cached_tokens"] = evs[-1].cached_tokens
+        if e.cfg.prefix_cache:  # a hybrid model runs without it: no prefix to find
+            # A second request on the same prefix: its blocks come from the host tier.
+            _sync(e.device)
+            t1 = time.perf_counter()
+            e.add_request(EngineRequest("again", tuple(ids), SamplingParams(max_tokens=1, ignore_eos=True),
+                                        time.monotonic()))
+            evs = e.run_to_completion()["again"]
+            _sync(e.device)
+            res["host_prefix_ttft_s"] = time.perf_counter() - t1
+            res["host_prefix_cached_tokens"] = evs[-1].cached_tokens
         if e.device.type == "cuda":
             before = torch.cuda.memory_stats(e.device)["reserved_bytes.all.current"]
             e.add_request(EngineRequest("third", tuple(ids[::-1]), SamplingParams(max_tokens=4, ignore_eos=True),
@@ -81,6 +95,8 @@ def _arm(args, ids: list[int], **kw) -> dict:
 
 
 def run(args) -> dict:
+    if args.model and args.shape:
+        raise SystemExit("kv-tier: --model or --shape, not both")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.device = device
     if args.shape:
@@ -91,25 +107,42 @@ def run(args) -> dict:
             raise SystemExit(f"--shape {args.shape} holds {most} positions: --context {args.context} + --decode "
                              f"{args.decode} + {SLACK} do not fit (a -128k shape holds 131072)")
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()
-    all_device = _arm(args, ids, prefix_cache=False)
+    ids = torch.randint(10, min(1000, _vocab_size(args)), (args.context,), generator=g).tolist()
+    arms = set(args.arms.split(","))
+    if not arms <= {"all", "tier"} or "tier" not in arms:
+        raise SystemExit(f"--arms {args.arms}: tier, or all,tier")
+    all_device = _arm(args, ids, prefix_cache=False) if "all" in arms else None
     tier = _arm(args, ids, kv_resident=args.resident)
-    nkvo = json.load(open(args.llamacpp)) if args.llamacpp else None
-    reread = args.context / all_device["read_tok_s"]
-    tag = f"{round(args.context / 1024)}k"  # 130,944 tokens, their decode and SLACK fill 131,072 positions: "128k"
+    nkvo = llamacpp_figures(args.llamacpp) if args.llamacpp else None
+    # Reading the prefix again: at the all-device arm's rate, else the tier arm's own.
+    reread = args.context / (all_device or tier)["read_tok_s"]
+    tag = f"{max(1, round(args.context / 1024))}k"  # 130,944 tokens, their decode and SLACK fill 131,072 positions: "128k"
     summary = {
-        f"decode_{tag}_over_all_gpu": tier["decode_tok_s"] / all_device["decode_tok_s"],
+        f"decode_{tag}_over_all_gpu": tier["decode_tok_s"] / all_device["decode_tok_s"] if all_device else None,
         f"decode_{tag}_over_llamacpp_nkvo": tier["decode_tok_s"] / nkvo["decode_tok_s"] if nkvo else None,
         f"read_{tag}_over_llamacpp_nkvo": tier["read_tok_s"] / nkvo["read_tok_s"] if nkvo else None,
-        "host_prefix_ttft_over_reread": tier["host_prefix_ttft_s"] / reread,
+        "host_prefix_ttft_over_reread": tier["host_prefix_ttft_s"] / reread if "host_prefix_ttft_s" in tier else None,
         "alloc_growth_bytes": tier.get("alloc_growth_bytes"),
     }
-    return {"device": device, "shape": args.shape or "embedded", "context": args.context, "resident": args.resident,
-            "kv": args.kv, "all_device": all_device, "tier": tier, "llamacpp_nkvo": nkvo, "summary": summary}
+    return {"device": device, "model": args.model, "shape": args.shape or ("file" if args.model else "embedded"),
+            "context": args.context, "resident": args.resident, "kv": args.kv, "gpu_memory": args.gpu_memory,
+            "parallel": args.parallel, "all_device": all_device, "tier": tier, "llamacpp_nkvo": nkvo,
+            "summary": summary}
+
+
+def llamacpp_figures(path: str) -> dict:
+    """llama.cpp's read and decode rates from `path`: llama-server's /completion response (its `timings`:
+    the prompt's tokens per second and the generated ones'), or a JSON that names them already."""
+    data = json.load(open(path))
+    t = data.get("timings")
+    if t is not None:
+        return {"read_tok_s": t["prompt_per_second"], "decode_tok_s": t["predicted_per_second"],
+                "prompt_tokens": t.get("prompt_n"), "decode_tokens": t.get("predicted_n")}
+    return {"read_tok_s": data["read_tok_s"], "decode_tok_s": data["decode_tok_s"]}
 
 
 def _draw(plt, info) -> None:
-    arms = ["all_device", "tier"]
+    arms = [a for a in ("all_device", "tier") if info[a] is not None]
     fig, ax = plt.subplots(1, 2, figsize=(8, 3))
     for i, key in enumerate(("decode_tok_s", "read_tok_s")):
         ax[i].bar(arms, [info[a][key] for a in arms])
@@ -118,7 +151,7 @@ def _draw(plt, info) -> None:
 
 def main(args) -> int:
     info = run(args)
-    out = args.out or f"bench/results/kv_tier_{args.shape or 'embedded'}_{info['device']}.json"
+    out = args.out or f"bench/results/kv_tier_{info['shape']}_{info['device']}.json"
     save(info, out, _draw)
     print(json.dumps(info["summary"], indent=1))
     return 0
@@ -127,7 +160,14 @@ def main(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("kv-tier", help="host KV tier (--kv-resident): decode, read and a host-prefix hit")
     p.add_argument("--device", default=None)
+    p.add_argument("--model", default=None, help="a model file or directory (else --shape, else the embedded model)")
     p.add_argument("--shape", default=None, help="random weights at this shape (strata.bench.random_model)")
+    p.add_argument("--arms", default="all,tier", help="all (every block on the device) and tier, or tier alone")
+    p.add_argument("--gpu-memory", type=float, default=None, help="the engine's --gpu-memory cap, GiB")
+    p.add_argument("--n-cpu-moe", type=int, default=None, help="the first N MoE layers' experts in RAM (else the plan)")
+    p.add_argument("--parallel", type=int, default=1, help="the engine's slots (one request runs at a time)")
+    p.add_argument("--ctx", type=int, default=None, help="the engine's context per slot (default: the read, "
+                                                         "its decode and a block of slack)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--kv", default="int8", choices=["auto", "bf16", "int8"])
     p.add_argument("--context", type=int, default=4096, help="tokens read before decoding (131072 on the device)")

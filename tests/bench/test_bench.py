@@ -135,3 +135,30 @@ def test_bench_kv_tier_moves_blocks_and_hits_the_host_prefix(tmp_path):
 def test_bench_kv_tier_refuses_a_context_past_the_shape():
     with pytest.raises(SystemExit, match="holds 40960 positions"):
         main(["bench", "kv-tier", "--device", "cpu", "--shape", "qwen3-8b", "--context", "131072"])
+
+
+def test_bench_kv_tier_on_a_model_file_with_the_tier_arm_alone(tmp_path):
+    """The seed's run: a model file, two slots, the tier arm only, llama-server's timings beside it; a
+    hybrid model (no prefix cache) leaves the host-prefix figures out instead of timing a re-read."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+    from tiny_models import save_tiny_model
+
+    model = tmp_path / "next"
+    save_tiny_model("qwen3_next", str(model))
+    peer = tmp_path / "llama_server.json"
+    peer.write_text(json.dumps({"content": "", "timings": {"prompt_n": 440, "prompt_per_second": 50.0,
+                                                            "predicted_n": 8, "predicted_per_second": 4.0}}))
+    out = tmp_path / "kv_tier.json"
+    assert main(["bench", "kv-tier", "--device", "cpu", "--model", str(model), "--arms", "tier", "--parallel", "2",
+                 "--context", "440", "--resident", "64", "--decode", "8", "--llamacpp", str(peer),
+                 "--out", str(out)]) == 0
+    info = json.loads(out.read_text())
+    assert info["all_device"] is None and info["parallel"] == 2 and info["tier"]["blocks_moved"] > 0
+    s = info["summary"]
+    assert s["decode_1k_over_all_gpu"] is None and s["host_prefix_ttft_over_reread"] is None
+    assert s["decode_1k_over_llamacpp_nkvo"] == pytest.approx(info["tier"]["decode_tok_s"] / 4.0)
+    assert s["read_1k_over_llamacpp_nkvo"] == pytest.approx(info["tier"]["read_tok_s"] / 50.0)
+    with pytest.raises(SystemExit, match="--model or --shape"):
+        main(["bench", "kv-tier", "--device", "cpu", "--model", str(model), "--shape", "tiny-moe"])

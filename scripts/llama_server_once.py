@@ -1,0 +1,83 @@
+"""Times one long prompt through llama-server: starts it with the flags given after `--`, waits for its
+/health (giving up, with the server's log, as soon as the server exits), sends one /completion of
+`--tokens` token ids (the ids `strata bench kv-tier` reads: seed 0, 10..999) with `--decode` tokens to
+generate, writes the response (its `timings`: prompt and generated tokens per second) to `--out`, and
+stops the server. `strata bench kv-tier --llamacpp OUT` reads those timings.
+
+    python scripts/llama_server_once.py --tokens 130944 --decode 32 --out nkvo.json -- \\
+        /tmp/llama/build/bin/llama-server -m F.gguf -ngl 99 -fa on -nkvo -ncmoe 36 -c 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+
+def prompt_ids(tokens: int, vocab: int = 1000) -> list[int]:
+    """The ids `strata bench kv-tier` reads at `--context tokens` on a model of at least 1000 tokens."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, min(1000, vocab), (tokens,), generator=g).tolist()
+
+
+def _get(url: str, timeout: float) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--port", type=int, default=8091)
+    p.add_argument("--out", required=True)
+    p.add_argument("--log", default="/tmp/llama_server_once.log")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("server", nargs=argparse.REMAINDER, help="-- llama-server and its flags")
+    a = p.parse_args()
+    cmd = [x for x in a.server if x != "--"] + ["--port", str(a.port), "-np", "1"]
+    base = f"http://127.0.0.1:{a.port}"
+    with open(a.log, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        while _get(base + "/health", 5) != 200:
+            if server.poll() is not None or time.monotonic() - t0 > a.start_timeout:
+                print(f"llama-server {'exited' if server.poll() is not None else 'did not start'}; its log:",
+                      file=sys.stderr)
+                print(open(a.log).read()[-6000:], file=sys.stderr)
+                return 1
+            time.sleep(2)
+        print(f"llama-server up in {time.monotonic() - t0:.0f} s", flush=True)
+        body = json.dumps({"prompt": prompt_ids(a.tokens), "n_predict": a.decode, "ignore_eos": True,
+                           "cache_prompt": False, "temperature": 0}).encode()
+        req = urllib.request.Request(base + "/completion", body, {"Content-Type": "application/json"})
+        t1 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=None) as r:
+            resp = json.load(r)
+        resp.pop("content", None)
+        resp["wall_s"] = time.monotonic() - t1
+        with open(a.out, "w") as f:
+            json.dump(resp, f, indent=1)
+        print(json.dumps(resp.get("timings"), indent=1))
+        return 0
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
