@@ -170,8 +170,8 @@ step() {  # name, seconds, command...
         step offload-next-strata 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
           --gpu-memory 16 --formats auto --llamacpp $R/llamacpp_offload_next_fit.json \
           --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
-        # The same placement in both engines: llama.cpp's -ncmoe and Strata's --n-cpu-moe.
-        step offload-next-ncmoe 600 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36} \
+        # The same placement in both engines: llama.cpp's -ncmoe and Strata's --n-cpu-moe (NEXT_SKIP_NCMOE=1: not run).
+        [ -n "${NEXT_SKIP_NCMOE:-}" ] || step offload-next-ncmoe 600 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36} \
           --gpu-memory 16 --n-cpu-moe ${NEXT_NCMOE:-36} --formats auto --llamacpp $R/llamacpp_offload_next_ncmoe.json \
           --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36}_cuda.json ;;
       # The same 80B file with its MTP layer (llama.cpp refuses such a file, and the disk holds one of
