@@ -79,18 +79,22 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
 def plan_one_device(cfg: EngineConfig, mc: ModelConfig, ckpt, dtype: torch.dtype, budget: int) -> tuple[Plan, ModelSizes]:
     """The memory plan of this run on one GPU budget of `budget` bytes, from the checkpoint's index alone,
     and the sizes it weighed (raises `PlanError` when even the minimum does not fit)."""
-    kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
     # Hybrids: the slots' recurrent states (+1, a graph's padding rows), each with its copies after
     # every verification row under speculation, as the engine allocates them after the load.
     states = ((cfg.parallel + 1) * (1 + (1 + cfg.spec if cfg.spec else 0)) * StatePool.bytes_per_state(mc, dtype)
               if mc.is_hybrid else 0)
-    sizes = placement.model_sizes(ckpt, mc, cfg, dtype, kv_layers, states)
-    return placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers, kv_tokens_max=1 << 40,
+    sizes = placement.model_sizes(ckpt, mc, cfg, dtype, kv_layers(mc), states)
+    return placement.plan_placement(cfg, mc, ckpt, dtype, budget, kv_layers(mc), kv_tokens_max=1 << 40,
                                     state_bytes=states, sizes=sizes), sizes
 
 
-def refit_after_load(cfg: EngineConfig, mc: ModelConfig, ckpt, loaded: LoadedModel, dtype: torch.dtype, sizes,
-                     plan: Plan, held: int, device: torch.device) -> Plan:
+def kv_layers(mc: ModelConfig) -> int:
+    """The layers with K/V in the pool: the full-attention ones and the MTP head's."""
+    return mc.num_full_attention_layers + mc.num_nextn_predict_layers
+
+
+def refit_after_load(cfg: EngineConfig, mc: ModelConfig, ckpt, loaded: LoadedModel, dtype: torch.dtype,
+                     sizes: ModelSizes, plan: Plan, held: int, device: torch.device) -> Plan:
     """The plan checked against what the load holds on the GPU (beyond the `held` bytes before it): where
     that is more than the plan estimated, the plan made again with the difference
     (`strata.memory_plan.beyond_estimate`) and the layers it now keeps in RAM moved there."""
@@ -102,8 +106,7 @@ def refit_after_load(cfg: EngineConfig, mc: ModelConfig, ckpt, loaded: LoadedMod
     again = beyond_estimate(sizes, plan, measured)
     if again is None:
         return plan
-    kv_layers = mc.num_full_attention_layers + mc.num_nextn_predict_layers
-    refit = placement.plan_placement(cfg, mc, ckpt, dtype, plan.gpu_budget, kv_layers, kv_tokens_max=1 << 40,
+    refit = placement.plan_placement(cfg, mc, ckpt, dtype, plan.gpu_budget, kv_layers(mc), kv_tokens_max=1 << 40,
                                      state_bytes=again.state_bytes, sizes=again)
     moved = [i for i in refit.cpu_moe_layers if i not in plan.cpu_moe_layers]
     if moved:
