@@ -18,13 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
-import torch
-
-
-def prompt_ids(tokens: int, vocab: int = 1000) -> list[int]:
-    """The ids `strata bench kv-tier` reads at `--context tokens` on a model of at least 1000 tokens."""
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(10, min(1000, vocab), (tokens,), generator=g).tolist()
+from strata.bench.kv_tier import prompt_ids
 
 
 def _get(url: str, timeout: float) -> int:
@@ -39,6 +33,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=151936, help="the model's vocabulary (the prompt's ids stay below it)")
     p.add_argument("--port", type=int, default=8091)
     p.add_argument("--out", required=True)
     p.add_argument("--log", default="/tmp/llama_server_once.log")
@@ -59,7 +54,7 @@ def main() -> int:
                 return 1
             time.sleep(2)
         print(f"llama-server up in {time.monotonic() - t0:.0f} s", flush=True)
-        body = json.dumps({"prompt": prompt_ids(a.tokens), "n_predict": a.decode, "ignore_eos": True,
+        body = json.dumps({"prompt": prompt_ids(a.tokens, a.vocab), "n_predict": a.decode, "ignore_eos": True,
                            "cache_prompt": False, "temperature": 0}).encode()
         req = urllib.request.Request(base + "/completion", body, {"Content-Type": "application/json"})
         t1 = time.monotonic()

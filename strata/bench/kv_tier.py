@@ -47,6 +47,13 @@ def _engine(args, **kw) -> LLMEngine:
     return LLMEngine(cfg, progress=False)
 
 
+def prompt_ids(tokens: int, vocab: int) -> list[int]:
+    """The prompt every arm reads (and `scripts/llama_server_once.py` sends llama-server): `tokens` ids
+    drawn from 10..999 (fewer on a smaller vocabulary), seed 0."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, min(1000, vocab), (tokens,), generator=g).tolist()
+
+
 def _vocab_size(args) -> int:
     if args.shape:
         from strata.bench.random_model import shape_config
@@ -106,8 +113,7 @@ def run(args) -> dict:
         if args.context + args.decode + SLACK > most:
             raise SystemExit(f"--shape {args.shape} holds {most} positions: --context {args.context} + --decode "
                              f"{args.decode} + {SLACK} do not fit (a -128k shape holds 131072)")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, min(1000, _vocab_size(args)), (args.context,), generator=g).tolist()
+    ids = prompt_ids(args.context, _vocab_size(args))
     arms = set(args.arms.split(","))
     if not arms <= {"all", "tier"} or "tier" not in arms:
         raise SystemExit(f"--arms {args.arms}: tier, or all,tier")

@@ -53,7 +53,7 @@ def test_one_prompt_of_the_benchs_ids_and_its_timings(tmp_path):
     assert proc.returncode == 0, proc.stderr
     sent = json.loads(dump.read_text())
     g = torch.Generator().manual_seed(0)
-    assert sent["prompt"] == torch.randint(10, 1000, (300,), generator=g).tolist()
+    assert sent["prompt"] == torch.randint(10, 1000, (300,), generator=g).tolist() == kv_tier.prompt_ids(300, 151936)
     assert sent["n_predict"] == 5 and sent["ignore_eos"] and not sent["cache_prompt"]
     assert kv_tier.llamacpp_figures(str(out)) == {"read_tok_s": 123.0, "decode_tok_s": 7.0, "prompt_tokens": 300,
                                                   "decode_tokens": 5}
