@@ -266,19 +266,25 @@ def test_gguf_tokenizer_matches_hf_dir(tiny_model_dirs, tmp_path):
     assert ref.token_to_id("<|im_end|>") in ours.stop_ids and not ours.add_bos
 
 
-def test_quantized_weights(tmp_path):
-    """Q8_0 and Q4_K weights dequantize to exactly what gguf.quants gives for the stored bytes; F16
-    and BF16 keep their dtype; the model's logits stay close to the fp32 model's but differ."""
+def write_q8_0_q4_k_gguf(tmp_path, output: QT):
+    """A tiny qwen3 written as a GGUF of Q8_0 projections, Q4_K ffn_down (rows of 256), an F16 embedding and
+    an `output` head: (path, HF model, its config, its tensors, each GGUF tensor's type)."""
     src = str(tmp_path / "hf")
-    hf = save_tiny_model("qwen3", src, intermediate_size=256)  # Q4_K needs rows of 256
+    hf = save_tiny_model("qwen3", src, intermediate_size=256)
     c = _hf_config(src)
     tensors = load_file(os.path.join(src, "model.safetensors"))
-    qtypes = {"token_embd.weight": QT.F16, "output.weight": QT.BF16}
+    qtypes = {"token_embd.weight": QT.F16, "output.weight": output}
     for i in range(c["num_hidden_layers"]):
         for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):
             qtypes[f"blk.{i}.{t}.weight"] = QT.Q8_0
         qtypes[f"blk.{i}.ffn_down.weight"] = QT.Q4_K
-    path = write_gguf(tmp_path / "q.gguf", c, tensors, qtypes=qtypes)
+    return write_gguf(tmp_path / "q.gguf", c, tensors, qtypes=qtypes), hf, c, tensors, qtypes
+
+
+def test_quantized_weights(tmp_path):
+    """Q8_0 and Q4_K weights dequantize to exactly what gguf.quants gives for the stored bytes; F16
+    and BF16 keep their dtype; the model's logits stay close to the fp32 model's but differ."""
+    path, hf, c, tensors, qtypes = write_q8_0_q4_k_gguf(tmp_path, QT.BF16)
 
     from gguf import GGUFReader
 

@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from strata.loaders import load_model
-from test_gguf import _hf_config, _logits, _write_with_raw, rel_err, write_gguf
+from test_gguf import _hf_config, _logits, _write_with_raw, rel_err, write_gguf, write_q8_0_q4_k_gguf
 from tiny_models import save_tiny_model
 
 
@@ -27,16 +27,7 @@ def test_quantized_weights_kept_quantized(tmp_path):
     dequantized model's (fp32 activations: the kernels against dequantize-then-matmul)."""
     from strata.kernels.quant import QWeight
 
-    src = str(tmp_path / "hf")
-    save_tiny_model("qwen3", src, intermediate_size=256)
-    c = _hf_config(src)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    qtypes = {"token_embd.weight": QT.F16, "output.weight": QT.Q8_0}
-    for i in range(c["num_hidden_layers"]):
-        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):
-            qtypes[f"blk.{i}.{t}.weight"] = QT.Q8_0
-        qtypes[f"blk.{i}.ffn_down.weight"] = QT.Q4_K
-    path = write_gguf(tmp_path / "q.gguf", c, tensors, qtypes=qtypes)
+    path, _, c, _, _ = write_q8_0_q4_k_gguf(tmp_path, QT.Q8_0)
 
     floats = load_model(path)
     kept = load_model(path, keep_quantized=True)
