@@ -60,6 +60,7 @@ step() {  # name, seconds, command...
       # One step per file of FILES, FILES_S seconds each: a file cut short still leaves the others' tracebacks.
       files-each) for f in $FILES; do step "$(basename "$f" .py)" ${FILES_S:-300} $T "$f" -rf --tb=short; done ;;
       # The benchmarks the docs quote (bench/results/README.md names each file's command).
+      host-layers) step host-layers 300 python3 benchmarks/kernels/host_expert_kernels.py --layers-only ;;
       host-kernels) step host-kernels 400 bash -c "python3 benchmarks/kernels/host_expert_kernels.py | tee $R/host_expert_kernels_cuda.txt" ;;
       decode) step decode 300 $B decode --batch 1,8,32 --tokens 64 --repeats 1 --http --out $R/decode_qwen3-8b_cuda.json ;;
       decode-quick) step decode-quick 150 $B decode --batch 1,8 --no-hf --tokens 64 --repeats 1 --out $R/decode_quick_cuda.json ;;
@@ -107,13 +108,21 @@ step() {  # name, seconds, command...
       # built in the background; peer-quant waits for both and runs llama-bench on the same files.
       peer-build)
         mkdir -p /tmp/llama /tmp/peer && tar xJf .peer/llama.tar.xz -C /tmp/llama
-        if [ -x .peerbin/llama-bench ]; then  # built off the device (scripts/peer_build_local.sh): no build here
-          mkdir -p /tmp/llama/build && cp -r .peerbin /tmp/llama/build/bin && touch /tmp/peer/built
-          echo "prebuilt llama.cpp from .peerbin"; /tmp/llama/build/bin/llama-bench --help 2>&1 | head -2; continue
+        if [ -f .peerbin/parts ]; then
+          # Built off the device (scripts/peer_build_local.sh), in parts that may come over several calls
+          # (a call carries 64 MiB): each call copies the parts it carries into /tmp/peerparts; the build
+          # counts as done once they are all there and their sum checks.
+          mkdir -p /tmp/peerparts /tmp/llama/build/bin && cp .peerbin/parts .peerbin/bin.tar.xz.* /tmp/peerparts/ 2>/dev/null
+          setsid nohup bash -c "cd /tmp/peerparts; until [ \$(tail -n +2 parts | while read f; do [ -f \$f ] && echo; done | wc -l) \
+            = \$(tail -n +2 parts | wc -l) ]; do sleep 5; done; cat \$(tail -n +2 parts) > bin.tar.xz; \
+            [ \$(sha256sum bin.tar.xz | cut -d' ' -f1) = \$(head -1 parts | cut -d' ' -f1) ] && tar xJf bin.tar.xz -C /tmp/llama/build/bin \
+            && /tmp/llama/build/bin/llama-bench --help | head -2; touch /tmp/peer/built" >/tmp/peer/build.log 2>&1 </dev/null &
+          echo "prebuilt llama.cpp: $(ls /tmp/peerparts | grep -c tar.xz) of $(($(wc -l < .peerbin/parts) - 1)) parts here"
+        else
+          setsid nohup bash -c "cd /tmp/llama && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF >/tmp/peer/cmake.log 2>&1 \
+            && cmake --build build -j${PEER_JOBS:-12} --target llama-bench llama-server llama-quantize >/tmp/peer/build.log 2>&1; touch /tmp/peer/built" >/dev/null 2>&1 </dev/null &
         fi
-        setsid nohup bash -c "cd /tmp/llama && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
-          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF >/tmp/peer/cmake.log 2>&1 \
-          && cmake --build build -j${PEER_JOBS:-12} --target llama-bench llama-server llama-quantize >/tmp/peer/build.log 2>&1; touch /tmp/peer/built" >/dev/null 2>&1 </dev/null &
         setsid nohup bash -c "for f in ${PEER_QUANTS-Q8_0 Q4_K IQ3_S}; do python3 scripts/quant_gguf.py /tmp/peer_\$f.gguf \$f \
           --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf; done; touch /tmp/peer/ggufs" >/tmp/peer/gguf.log 2>&1 </dev/null &
         echo "peer build and GGUF writes started" ;;
@@ -165,11 +174,18 @@ step() {  # name, seconds, command...
           /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 \
           -fitt $FITT -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload_next_fit.json; kill \$W; \
           echo fitted run: peak VRAM \$(sort -n $R/llamacpp_offload_next_fit_vram.txt | tail -1) MiB; \
-          /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 -ncmoe ${NEXT_NCMOE:-36} -p 4096 -n 64 -r 2 \
+          [ -n \"${NEXT_SKIP_NCMOE:-}\" ] || /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 -ncmoe ${NEXT_NCMOE:-36} -p 4096 -n 64 -r 2 \
           -o json > $R/llamacpp_offload_next_ncmoe.json; cat $R/llamacpp_offload_next_*.json | grep -E 'n_cpu_moe|avg_ts|n_prompt|n_gen'"
+        # NEXT_FORMATS (auto+graphs: decode graphs in pieces) and NEXT_WORKERS (the decode also timed with
+        # that many expert threads, on the same engine).
         step offload-next-strata 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
-          --gpu-memory 16 --formats auto --llamacpp $R/llamacpp_offload_next_fit.json \
+          --gpu-memory 16 --formats ${NEXT_FORMATS:-auto} --workers ${NEXT_WORKERS:-0} --llamacpp $R/llamacpp_offload_next_fit.json \
           --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
+        # Where every +graphs arm failed (no file written), the same arms without graphs.
+        [ -f $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ] || [ "${NEXT_FORMATS:-auto}" = "${NEXT_FORMATS//+graphs/}" ] \
+          || step offload-next-strata-eager 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
+          --gpu-memory 16 --formats ${NEXT_FORMATS//+graphs/} --workers ${NEXT_WORKERS:-0} \
+          --llamacpp $R/llamacpp_offload_next_fit.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
         # The same placement in both engines: llama.cpp's -ncmoe and Strata's --n-cpu-moe (NEXT_SKIP_NCMOE=1: not run).
         [ -n "${NEXT_SKIP_NCMOE:-}" ] || step offload-next-ncmoe 600 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36} \
           --gpu-memory 16 --n-cpu-moe ${NEXT_NCMOE:-36} --formats auto --llamacpp $R/llamacpp_offload_next_ncmoe.json \
@@ -190,13 +206,18 @@ step() {  # name, seconds, command...
         t0=$SECONDS; while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/next_gguf ]; do
           [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
         C=${KV_NEXT_CONTEXT:-130944}; NKVO=$R/llamacpp_nkvo_next.json
-        step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
-          -- /tmp/llama/build/bin/llama-server -m /tmp/next_IQ3_S.gguf -ngl 99 -fa on -nkvo -ncmoe ${NEXT_NCMOE:-36} -c $((C + 256))
-        TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 --n-cpu-moe ${NEXT_NCMOE:-36} --parallel 2 \
+        # KV_NEXT_ONLY_262K=1: the 262,144-token context alone, no llama.cpp (its -nkvo read of 128K runs
+        # 15-30 minutes). The placement is the memory plan's where the offload-next step's plan served.
+        PLACE="--n-cpu-moe ${NEXT_NCMOE:-36}"; [ -f $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ] && PLACE=""
+        TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 $PLACE --parallel 2 \
           --ctx 262144 --kv int8 --resident 32768"
-        step kv-tier-next-strata 900 $TIER --context $C --decode 32 $([ -f $NKVO ] && echo --llamacpp $NKVO) \
-          --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
-        step kv-tier-next-262k 900 $TIER --context 262000 --decode 16 --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g-262k_cuda.json ;;
+        if [ -z "${KV_NEXT_ONLY_262K:-}" ]; then
+          step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
+            -- /tmp/llama/build/bin/llama-server -m /tmp/next_IQ3_S.gguf -ngl 99 -fa on -nkvo -ncmoe ${NEXT_NCMOE:-36} -c $((C + 256))
+          step kv-tier-next-strata 900 $TIER --context $C --decode 32 $([ -f $NKVO ] && echo --llamacpp $NKVO) \
+            --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
+        fi
+        step kv-tier-next-262k 900 $TIER --context 262000 --decode 16 --no-alloc-check --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g-262k_cuda.json ;;
       host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       *) echo "unknown step $s" ;;

@@ -1,7 +1,8 @@
 """`strata bench offload`: a model whose routed experts live in host RAM (`--cpu-moe`, `--n-cpu-moe N`,
 or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
 read, for each CPU format of the experts asked for (`F+graphs`: decode steps replaying CUDA graph pieces,
-`--host-expert-graphs`), beside llama.cpp's figures on the same file
+`--host-expert-graphs`; the same engine's decode is also timed with its graphs off, and with `--workers N`
+expert threads), beside llama.cpp's figures on the same file
 (`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
 CPU expert computation reached during decode, and the peak GPU memory against the cap.
 
@@ -24,6 +25,7 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
+from strata.models.host_experts import ExpertWorkers
 from strata.models.moe import MoE
 from strata.params import SamplingParams
 
@@ -85,7 +87,8 @@ def crossover(engine: LLMEngine, moes: list[MoE], sizes: list[int], seed: int) -
     return rows
 
 
-def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, sweep: list[int] = ()) -> dict:
+def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, sweep: list[int] = (),
+            workers: int = 0) -> dict:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, progress=False)
@@ -104,22 +107,12 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
         _generate(engine, prompt, 1)
         row["read_s"] = time.perf_counter() - t0
     row["read_tok_s"] = read_tokens / row["read_s"]
-    _generate(engine, _ids(32, vocab, seed + 7), 8)  # decode warm-up
-    for m in moes:
-        m.host.seconds, m.host.bytes_read = 0.0, 0
-    stamps = _generate(engine, _ids(32, vocab, seed + 8), decode_tokens + 1)
-    steps = len(stamps) - 1
-    row["decode_tok_s"] = steps / (stamps[-1] - stamps[0])
-    cpu_s = sum(m.host.seconds for m in moes)
-    if moes and cpu_s:
-        row["cpu_expert_s_per_token"] = cpu_s / (decode_tokens + 1)
-        row["cpu_expert_bytes_per_token"] = sum(m.host.bytes_read for m in moes) / (decode_tokens + 1)
-        row["cpu_expert_read_gb_s"] = sum(m.host.bytes_read for m in moes) / cpu_s / 1e9
-        row["cpu_expert_share_of_step"] = row["cpu_expert_s_per_token"] * row["decode_tok_s"]
+    row.update(decode_figures(engine, moes, decode_tokens, seed))
     if engine.expert_streamer is not None:
         row["streamed_bytes"] = engine.expert_streamer.bytes_copied
     if sweep:
         row["crossover"] = crossover(engine, moes, sweep, seed)
+    row["variants"] = decode_variants(engine, moes, decode_tokens, seed, workers) if moes else []
     row["peak_gpu_bytes"] = torch.cuda.max_memory_reserved()
     free, total = torch.cuda.mem_get_info()
     row["driver_used_bytes"] = total - free
@@ -127,6 +120,47 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def decode_figures(engine: LLMEngine, moes: list[MoE], decode_tokens: int, seed: int) -> dict:
+    """Batch-1 decode of `decode_tokens` tokens after a warm-up: its rate, and the CPU experts' share."""
+    _generate(engine, _ids(32, engine.model_config.vocab_size, seed + 7), 8)
+    for m in moes:
+        m.host.seconds, m.host.bytes_read = 0.0, 0
+    stamps = _generate(engine, _ids(32, engine.model_config.vocab_size, seed + 8), decode_tokens + 1)
+    out = {"decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+    cpu_s = sum(m.host.seconds for m in moes)
+    if moes and cpu_s:
+        out["cpu_expert_s_per_token"] = cpu_s / (decode_tokens + 1)
+        out["cpu_expert_bytes_per_token"] = sum(m.host.bytes_read for m in moes) / (decode_tokens + 1)
+        out["cpu_expert_read_gb_s"] = sum(m.host.bytes_read for m in moes) / cpu_s / 1e9
+        out["cpu_expert_share_of_step"] = out["cpu_expert_s_per_token"] * out["decode_tok_s"]
+    return out
+
+
+def decode_variants(engine: LLMEngine, moes: list[MoE], decode_tokens: int, seed: int, workers: int) -> list[dict]:
+    """The decode again on the same engine (no second load) in each other combination of its decode
+    graphs (when it captured any: replayed, or every step eager) and `workers` expert threads (when
+    given: `--host-expert-workers`, or the experts one after another)."""
+    graphs, own = engine.runner.graphs, moes[0].host.workers
+    ways = [(g, w) for g in ([True, False] if graphs else [False]) for w in ([own, "workers"] if workers else [own])]
+    made = ExpertWorkers(workers) if workers and own is None else own
+    out = []
+    try:
+        for g, w in ways[1:]:
+            engine.runner.graphs = graphs if g else {}
+            for m in moes:
+                m.host.workers = made if w == "workers" else w
+            out.append({"graphs": g, "workers": made.threads if w == "workers" else own.threads if own else 0,
+                        **decode_figures(engine, moes, decode_tokens, seed)})
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        engine.runner.graphs = graphs
+        for m in moes:
+            m.host.workers = own
+        if made is not own:
+            made.shutdown()
+    return out
 
 
 def llamacpp_figures(paths: list[str], read_tokens: int) -> dict:
@@ -171,7 +205,7 @@ def run(args) -> int:
             raise SystemExit(f"--formats {label}: the only addition to a format is +graphs")
         cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs=more == "graphs")
         try:
-            row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
+            row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover, args.workers), "host_experts": label}
         except Exception as e:  # noqa: BLE001 - one arm's failure is its row; the other arms still run
             failures.append({"host_experts": label, "error": f"{type(e).__name__}: {e}"[:2000]})
             traceback.print_exc()
@@ -181,10 +215,16 @@ def run(args) -> int:
             gc.collect()
             torch.cuda.empty_cache()
             continue
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        # The other decode ways on the same engine, each a row of its own with the arm's load and read.
+        kept = {k: v for k, v in row.items() if k not in ("variants", "crossover") and not k.startswith(("decode", "cpu_expert"))}
+        rows += [{**kept, **{k: v for k, v in var.items() if k not in ("graphs", "workers")},
+                  "host_experts": fmt + "+graphs" * var["graphs"] + "+workers" * bool(var["workers"]),
+                  "same_engine_as": label} for var in row.pop("variants")]
+    for row in rows:
         if "cpu_expert_read_gb_s" in row:
             row["cpu_expert_bandwidth_fraction"] = row["cpu_expert_read_gb_s"] * 1e9 / bandwidth
-        rows.append(row)
-        print(json.dumps(row), flush=True)
     if not rows:
         raise SystemExit(f"every arm failed: {json.dumps(failures)}")
     peer = llamacpp_figures([args.llamacpp, *args.llamacpp_more], args.read) if args.llamacpp else {}
@@ -231,6 +271,9 @@ def _add_args(p) -> None:
     p.add_argument("--expert-stream-tokens", type=int, default=EngineConfig.expert_stream_tokens,
                    help="steps of this many tokens or more stream the experts (0: never; default: measured)")
     p.add_argument("--spec", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0,
+                   help="also time each arm's decode with this many expert threads (--host-expert-workers) "
+                        "on the same engine")
     p.add_argument("--read", type=int, default=4096, help="prompt tokens of the read")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens timed")
     p.add_argument("--llamacpp", default=None, help="llama-bench -o json output on the same file and placement")
