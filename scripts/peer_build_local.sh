@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp (CUDA, sm_90: llama-bench, llama-server, llama-quantize) on a machine without a GPU,
-# so the device's time goes to measuring: writes .peerbin/bin.tar.xz, which scripts/gpu_round.sh's
-# peer-build step unpacks instead of building (carry ".peerbin"). Needs nvcc 13 (the device's torch is
+# so the device's time goes to measuring: writes .peerbin/ (bin.tar.xz in parts, and `parts`), which
+# scripts/gpu_round.sh's peer-build step unpacks instead of building (carry the parts: see the step). Needs nvcc 13 (the device's torch is
 # cu130) and .peer/llama.tar.xz (../shared/tools/llamacpp/pack.sh). cuBLAS comes from NVIDIA's wheel;
 # the driver's libcuda is only linked against here (its real one is on the device), so a stub of
 # cuda.h's functions stands in for it. About 15 minutes on 2 cores.
@@ -30,13 +30,19 @@ if [ ! -f "$TK/lib64/stubs/libcuda.so" ]; then
   gcc -E -I"$CUDA/include" -x c stub.c.in | grep -oE '\bcu[A-Z][A-Za-z0-9_]*\s*\(' | sed 's/\s*(//' | sort -u \
     | awk '{print "int " $1 "(void){return 999;}"}' > stub.c
   gcc -shared -fPIC -o "$TK/lib64/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 stub.c
+  cp "$TK/lib64/stubs/libcuda.so" "$TK/lib64/stubs/libcuda.so.1"
 fi
 
 rm -rf src && mkdir src && tar xJf "$ROOT/.peer/llama.tar.xz" -C src
 cd src
+# rpath-link: the executables' link resolves libggml-cuda's cuBLAS and (stub) driver here.
 CUDACXX=$TK/bin/nvcc cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DCUDAToolkit_ROOT="$TK" >cmake.log
+  -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DCUDAToolkit_ROOT="$TK" \
+  -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$TK/lib64 -Wl,-rpath-link,$TK/lib64/stubs" >cmake.log
 cmake --build build -j"$(nproc)" --target llama-bench llama-server llama-quantize >build.log
-mkdir -p "$ROOT/.peerbin"
-(cd build/bin && tar cJf "$ROOT/.peerbin/bin.tar.xz" --exclude='*.a' .)
-ls -la "$ROOT/.peerbin/bin.tar.xz"
+# In parts of 20 MB, with the whole's sum first in `parts`: a device call carries 64 MiB with the tree.
+rm -rf "$ROOT/.peerbin" && mkdir -p "$ROOT/.peerbin" && cd "$ROOT/.peerbin"
+(cd "$W/src/build/bin" && tar cJf - --exclude='*.a' .) > bin.tar.xz
+split -b 20000000 -d bin.tar.xz bin.tar.xz.
+{ sha256sum bin.tar.xz | sed 's/bin.tar.xz$/whole/'; ls bin.tar.xz.*; } > parts
+ls -la
