@@ -74,6 +74,8 @@ def _arm(args, ids: list[int], **kw) -> dict:
     first = None
     while e.has_work():
         for ev in e.step():
+            if ev.error is not None:
+                raise RuntimeError(f"the engine failed the read: {ev.error}")
             if first is None and ev.token_ids:
                 _sync(e.device)
                 first = time.perf_counter()

@@ -58,6 +58,8 @@ def _generate(engine: LLMEngine, prompt: tuple[int, ...], tokens: int) -> list[f
     stamps = []
     while engine.has_work():
         for ev in engine.step():
+            if ev.error is not None:  # a failed step (out of memory, say) is the arm's failure, not a fast read
+                raise RuntimeError(f"the engine failed a request: {ev.error}")
             stamps += [time.perf_counter()] * len(ev.token_ids)
     return stamps
 

@@ -12,6 +12,7 @@ GPUs use NCCL for the hidden states and a gloo group for the metadata; the CPU u
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import subprocess
@@ -86,6 +87,11 @@ def join(cfg: EngineConfig) -> Link | None:
         raise ValueError(f"{world} stages do not divide over {cfg.nnodes} machines")
     per_node = world // cfg.nnodes
     cuda = cfg.resolved_device.startswith("cuda")
+    if cuda:
+        # What an engine this process ran before (a test's, a benchmark's arm) left in torch's cache or in
+        # a reference cycle is released before the stages on this card measure what they may take of it.
+        gc.collect()
+        torch.cuda.empty_cache()
     children: list = []
     if dist.is_torchelastic_launched():
         ctrl, data = init_group(cfg, None, None, cuda)

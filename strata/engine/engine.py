@@ -102,6 +102,15 @@ class LLMEngine:
         clock = StartupClock()
         # Pipeline stages (--split-mode layer): ranks other than 0 run their stage inside `join` and exit.
         self.stages = join_stages(cfg) if cfg.split_mode == "layer" else None
+        try:
+            self._start(cfg, clock, progress, loaded)
+        except BaseException:
+            if self.stages is not None:  # the other stages wait for sizes that will never come
+                self.stages.stop()
+            raise
+
+    def _start(self, cfg: EngineConfig, clock: StartupClock, progress: bool, loaded: LoadedModel | None) -> None:
+        """Everything after the stages joined: place and load, size the pools, reserve, capture."""
         if self.stages is not None:
             if loaded is not None:
                 raise ValueError("--split-mode layer loads the model in every stage: not with a model already built")

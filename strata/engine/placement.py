@@ -34,8 +34,11 @@ _ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
 # and the embedding table too).
 _KEPT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.(in_proj_qkvz|in_proj_ba|out_proj)\.weight$"
                    r"|^lm_head\.weight$|^model\.embed_tokens\.weight$")
-# The CUDA context, cuBLAS and Triton workspaces and the graphs' pools, beside the activations.
+# The CUDA context and what the libraries hold outside torch's allocator (the allocator's cap leaves it out).
 CONTEXT_BYTES = 768 * MiB
+# The runner's static buffers (inputs, tables, sampling state) and the decode graphs' private pool,
+# beside a step's activations: tens of MiB on the GPU tests' small models, whatever their width.
+BUFFER_BYTES = 128 * MiB
 
 
 def moe_layers(mc: ModelConfig) -> list[int]:
@@ -98,14 +101,20 @@ def model_sizes(ckpt: Checkpoint, mc: ModelConfig, cfg: EngineConfig, dtype: tor
 
 
 def scratch_bytes(cfg: EngineConfig, mc: ModelConfig, logits: bool = True) -> int:
-    """Activations of the largest step (fp32 upper bound on its widest tensors) and the logits of its
-    sampling rows (`logits`: a pipeline stage that applies the LM head); under --gpu-memory also
-    CONTEXT_BYTES, which a budget taken from the card's free memory has already lost."""
+    """Activations of the largest step (fp32 upper bound on its widest tensors), the logits of its
+    sampling rows (`logits`: a pipeline stage that applies the LM head), and BUFFER_BYTES of the
+    runner's static buffers and graph pools; under --gpu-memory also CONTEXT_BYTES, which a budget taken
+    from the card's free memory has already lost."""
     tokens = cfg.max_num_batched_tokens or 2048
-    width = max(mc.intermediate_size, 2 * mc.moe_intermediate_size * max(mc.num_experts_per_tok, 1), mc.hidden_size)
+    width = 2 * max(mc.intermediate_size, mc.hidden_size)
+    k = mc.num_experts_per_tok
+    if k:
+        # A MoE layer's rows, one per (token, expert): gathered in, gate|up, the activation and down out.
+        width = max(width, k * (2 * mc.hidden_size + 3 * mc.moe_intermediate_size))
     rows = cfg.parallel * (1 + cfg.spec)
     context = CONTEXT_BYTES if cfg.gpu_memory is not None else 0
-    return context + tokens * (6 * mc.hidden_size + 2 * width) * 4 + logits * rows * mc.vocab_size * 4 * 3
+    return (context + BUFFER_BYTES + tokens * (6 * mc.hidden_size + width) * 4
+            + logits * rows * mc.vocab_size * 4 * 3)
 
 
 def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype, budget: int,

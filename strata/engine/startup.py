@@ -184,9 +184,10 @@ def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, devic
                                 f"estimated; keep more layers' experts in RAM (--n-cpu-moe "
                                 f"{len(plan.cpu_moe_layers) + 1} or more) or give a shorter --ctx")
             return tokens
-        # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers);
-        # the rest of the margin is for one step's activations.
-        return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved, 0) // per_token
+        # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers), and
+        # one step's scratch. A plan (every model start-up loads) counted both already.
+        scratch = placement.scratch_bytes(cfg, mc) if plan is None else 0
+        return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved - scratch, 0) // per_token
     return cfg.ctx * cfg.parallel
 
 

@@ -20,3 +20,28 @@ def test_decode_variants_time_the_expert_threads_on_the_same_engine_and_put_it_b
     assert rows[0]["decode_tok_s"] > 0 and rows[0]["cpu_expert_bytes_per_token"] > 0 and calls
     assert all(m.host.workers is None for m in moes) and e.runner.graphs == {}
     assert decode_variants(e, moes, 6, 0, workers=0) == []
+
+
+def test_a_failed_request_fails_the_arm_instead_of_timing_a_fast_read():
+    """An out-of-memory step ends its requests with an error event at once: the bench must not time
+    that as a read."""
+    import pytest
+
+    from strata.bench.offload import _generate
+    from strata.engine.types import EngineEvent
+
+    class Failing:
+        def __init__(self):
+            self.events = [[EngineEvent("r", (), "", finish_reason="abort", error="OutOfMemoryError: CUDA out of memory")]]
+
+        def add_request(self, req):
+            pass
+
+        def has_work(self):
+            return bool(self.events)
+
+        def step(self):
+            return self.events.pop()
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _generate(Failing(), (1, 2, 3), 1)

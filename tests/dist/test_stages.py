@@ -478,3 +478,26 @@ def test_what_does_not_run_across_stages_is_refused_before_any_stage_starts(monk
     with pytest.raises(ValueError, match="STRATA_PIPED_CONCURRENT_SMB"):
         LLMEngine(EngineConfig(device="cpu", split_mode="layer", tensor_split="1,1"), progress=False)
     assert not _children(os.getpid())
+
+
+def test_a_start_that_fails_after_the_stages_joined_leaves_no_stage_and_no_group(monkeypatch):
+    """A refusal once the stages run (a memory plan that does not fit, say) stops them and leaves the
+    process group, so the process can start another pipeline: a test after it, a server started again."""
+    import torch.distributed as dist
+
+    from strata.engine import engine as engine_module
+    from strata.memory_plan import PlanError
+
+    def refused(*args, **kw):
+        raise PlanError("the model does not fit")
+
+    monkeypatch.setattr(engine_module, "load_placed", refused)
+    with pytest.raises(PlanError):
+        LLMEngine(EngineConfig(device="cpu", split_mode="layer", tensor_split="1,1"), progress=False)
+    assert not dist.is_initialized() and not _children(os.getpid())
+    monkeypatch.undo()
+    e = LLMEngine(EngineConfig(device="cpu", split_mode="layer", tensor_split="1,1"), progress=False)
+    try:
+        assert e.stages.plan.world == 2
+    finally:
+        e.close()

@@ -154,6 +154,24 @@ def test_a_capped_pool_short_of_one_context_is_a_start_up_error(monkeypatch):
         kv_capacity_tokens(cfg, mc, per_token, cuda, 0, plan)
 
 
+def test_a_capped_pool_beside_a_model_built_before_the_engine_stays_within_the_allocators_cap(monkeypatch):
+    """No plan (a benchmark's random weights): the pool gets what the allocator's cap (--gpu-memory less
+    the CUDA context) leaves beside the weights already held, one step's activations and the runner's
+    buffers and graphs."""
+    from strata.engine.startup import kv_capacity_tokens
+
+    mc = ModelConfig.from_hf(read_checkpoint(default_model_path()).config)
+    cfg = EngineConfig(device="cpu", ctx=4096, parallel=2, gpu_memory=1.0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * MiB)
+    per_token = 4096
+    tokens = kv_capacity_tokens(cfg, mc, per_token, torch.device("cuda"), 0)
+    cap = (1 << 30) - placement.CONTEXT_BYTES
+    beside = placement.scratch_bytes(cfg, mc) - placement.CONTEXT_BYTES
+    assert beside >= placement.BUFFER_BYTES
+    assert 0 < tokens * per_token <= cap - 10 * MiB - beside
+
+
 def test_strata_plan_prints_the_plan_start_up_would_make(capsys):
     from strata.cli import main
     from strata.engine.startup import plan_one_device
