@@ -176,15 +176,14 @@ step() {  # name, seconds, command...
           echo fitted run: peak VRAM \$(sort -n $R/llamacpp_offload_next_fit_vram.txt | tail -1) MiB; \
           [ -n \"${NEXT_SKIP_NCMOE:-}\" ] || /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 -ncmoe ${NEXT_NCMOE:-36} -p 4096 -n 64 -r 2 \
           -o json > $R/llamacpp_offload_next_ncmoe.json; cat $R/llamacpp_offload_next_*.json | grep -E 'n_cpu_moe|avg_ts|n_prompt|n_gen'"
-        # NEXT_FORMATS (auto+graphs: decode graphs in pieces) and NEXT_WORKERS (the decode also timed with
-        # that many expert threads, on the same engine).
+        # NEXT_FORMATS: auto+graphs for decode graphs in pieces (the same engine's eager decode is timed too).
         step offload-next-strata 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
-          --gpu-memory 16 --formats ${NEXT_FORMATS:-auto} --workers ${NEXT_WORKERS:-0} --llamacpp $R/llamacpp_offload_next_fit.json \
+          --gpu-memory 16 --formats ${NEXT_FORMATS:-auto} --llamacpp $R/llamacpp_offload_next_fit.json \
           --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
         # Where every +graphs arm failed (no file written), the same arms without graphs.
         [ -f $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ] || [ "${NEXT_FORMATS:-auto}" = "${NEXT_FORMATS//+graphs/}" ] \
           || step offload-next-strata-eager 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
-          --gpu-memory 16 --formats ${NEXT_FORMATS//+graphs/} --workers ${NEXT_WORKERS:-0} \
+          --gpu-memory 16 --formats ${NEXT_FORMATS//+graphs/} \
           --llamacpp $R/llamacpp_offload_next_fit.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
         # The same placement in both engines: llama.cpp's -ncmoe and Strata's --n-cpu-moe (NEXT_SKIP_NCMOE=1: not run).
         [ -n "${NEXT_SKIP_NCMOE:-}" ] || step offload-next-ncmoe 600 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36} \

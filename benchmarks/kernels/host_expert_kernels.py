@@ -10,8 +10,7 @@ expert and the expert bytes read per second.
 
 Then whole layers as a decode step computes them (`HostExperts.forward`: T tokens, each routed to k
 distinct experts, the grouping and the weighted sum included) at the 30B-A3B and 80B-A3B expert shapes,
-for the int8 formats (fbgemm also with its experts side by side on one-thread workers, `ExpertWorkers`):
-milliseconds per layer and the distinct experts' bytes read per second.
+for the int8 formats: milliseconds per layer and the distinct experts' bytes read per second.
 
     python benchmarks/kernels/host_expert_kernels.py [--layers-only]
 """
@@ -26,7 +25,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from strata.models.host_experts import ExpertWorkers, HostExperts, HostProjection, int8_tokens, int8_rows
+from strata.models.host_experts import HostExperts, HostProjection, int8_tokens, int8_rows
 
 H, I = 2048, 768
 EXPERTS = 24  # more than the caches hold: each call reads its weights from memory
@@ -49,10 +48,8 @@ def layers() -> None:
     for name, e, k, h, inter in LAYERS:
         w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.02
         w2 = torch.randn(e, h, inter, generator=g) * 0.02
-        for fmt, workers in (("w8a8", None), ("fbgemm", None), ("fbgemm", ExpertWorkers(torch.get_num_threads()))):
+        for fmt in ("w8a8", "fbgemm"):
             host = HostExperts.from_stacks(w13, w2, fmt)
-            host.workers = workers
-            label = fmt + ("+workers" if workers else "")
             per_expert = 3 * inter * h
             for t in (1, 4, 16):
                 x = torch.randn(t, h, generator=g)
@@ -60,7 +57,7 @@ def layers() -> None:
                 w = torch.rand(t, k, generator=g)
                 sec = bench(lambda: host.forward(x, ids, w), 20)
                 read = len(ids.unique()) * per_expert
-                print(f"layer {name} {label:14s} T={t:2d}: {sec * 1e3:6.2f} ms, {read / sec / 1e9:6.1f} GB/s of experts",
+                print(f"layer {name} {fmt:6s} T={t:2d}: {sec * 1e3:6.2f} ms, {read / sec / 1e9:6.1f} GB/s of experts",
                       flush=True)
             del host
 

@@ -119,7 +119,9 @@ def run(args) -> dict:
     arms = set(args.arms.split(","))
     if not arms <= {"all", "tier"} or "tier" not in arms:
         raise SystemExit(f"--arms {args.arms}: tier, or all,tier")
-    all_device = _arm(args, ids, prefix_cache=False) if "all" in arms else None
+    # The all-device arm's pool holds its one context (the card's free memory beside it stays free).
+    all_device = (_arm(args, ids, prefix_cache=False, kv_size=args.context + args.decode + SLACK)
+                  if "all" in arms else None)
     tier = _arm(args, ids, kv_resident=args.resident)
     nkvo = llamacpp_figures(args.llamacpp) if args.llamacpp else None
     # Reading the prefix again: at the all-device arm's rate, else the tier arm's own.

@@ -1,8 +1,8 @@
 """`strata bench offload`: a model whose routed experts live in host RAM (`--cpu-moe`, `--n-cpu-moe N`,
 or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
 read, for each CPU format of the experts asked for (`F+graphs`: decode steps replaying CUDA graph pieces,
-`--host-expert-graphs`; the same engine's decode is also timed with its graphs off, and with `--workers N`
-expert threads), beside llama.cpp's figures on the same file
+`--host-expert-graphs`; the same engine's decode is also timed with its graphs off), beside llama.cpp's
+figures on the same file
 (`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
 CPU expert computation reached during decode, and the peak GPU memory against the cap.
 
@@ -25,7 +25,6 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
-from strata.models.host_experts import ExpertWorkers
 from strata.models.moe import MoE
 from strata.params import SamplingParams
 
@@ -89,8 +88,7 @@ def crossover(engine: LLMEngine, moes: list[MoE], sizes: list[int], seed: int) -
     return rows
 
 
-def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, sweep: list[int] = (),
-            workers: int = 0) -> dict:
+def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, sweep: list[int] = ()) -> dict:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, progress=False)
@@ -114,7 +112,7 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
         row["streamed_bytes"] = engine.expert_streamer.bytes_copied
     if sweep:
         row["crossover"] = crossover(engine, moes, sweep, seed)
-    row["variants"] = decode_variants(engine, moes, decode_tokens, seed, workers) if moes else []
+    row["eager"] = decode_eager(engine, moes, decode_tokens, seed)
     row["peak_gpu_bytes"] = torch.cuda.max_memory_reserved()
     free, total = torch.cuda.mem_get_info()
     row["driver_used_bytes"] = total - free
@@ -140,29 +138,17 @@ def decode_figures(engine: LLMEngine, moes: list[MoE], decode_tokens: int, seed:
     return out
 
 
-def decode_variants(engine: LLMEngine, moes: list[MoE], decode_tokens: int, seed: int, workers: int) -> list[dict]:
-    """The decode again on the same engine (no second load) in each other combination of its decode
-    graphs (when it captured any: replayed, or every step eager) and `workers` expert threads (when
-    given: `--host-expert-workers`, or the experts one after another)."""
-    graphs, own = engine.runner.graphs, moes[0].host.workers
-    ways = [(g, w) for g in ([True, False] if graphs else [False]) for w in ([own, "workers"] if workers else [own])]
-    made = ExpertWorkers(workers) if workers and own is None else own
-    out = []
+def decode_eager(engine: LLMEngine, moes: list[MoE], decode_tokens: int, seed: int) -> dict | None:
+    """The decode again on the same engine (no second load) with every step launched eagerly, where
+    the engine replays decode graphs (in pieces around the CPU's experts): what the graphs buy."""
+    graphs = engine.runner.graphs
+    if not graphs:
+        return None
+    engine.runner.graphs = {}
     try:
-        for g, w in ways[1:]:
-            engine.runner.graphs = graphs if g else {}
-            for m in moes:
-                m.host.workers = made if w == "workers" else w
-            out.append({"graphs": g, "workers": made.threads if w == "workers" else own.threads if own else 0,
-                        **decode_figures(engine, moes, decode_tokens, seed)})
-            print(json.dumps(out[-1]), flush=True)
+        return decode_figures(engine, moes, decode_tokens, seed)
     finally:
         engine.runner.graphs = graphs
-        for m in moes:
-            m.host.workers = own
-        if made is not own:
-            made.shutdown()
-    return out
 
 
 def llamacpp_figures(paths: list[str], read_tokens: int) -> dict:
@@ -207,7 +193,7 @@ def run(args) -> int:
             raise SystemExit(f"--formats {label}: the only addition to a format is +graphs")
         cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs=more == "graphs")
         try:
-            row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover, args.workers), "host_experts": label}
+            row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
         except Exception as e:  # noqa: BLE001 - one arm's failure is its row; the other arms still run
             failures.append({"host_experts": label, "error": f"{type(e).__name__}: {e}"[:2000]})
             traceback.print_exc()
@@ -219,11 +205,10 @@ def run(args) -> int:
             continue
         print(json.dumps(row), flush=True)
         rows.append(row)
-        # The other decode ways on the same engine, each a row of its own with the arm's load and read.
-        kept = {k: v for k, v in row.items() if k not in ("variants", "crossover") and not k.startswith(("decode", "cpu_expert"))}
-        rows += [{**kept, **{k: v for k, v in var.items() if k not in ("graphs", "workers")},
-                  "host_experts": fmt + "+graphs" * var["graphs"] + "+workers" * bool(var["workers"]),
-                  "same_engine_as": label} for var in row.pop("variants")]
+        eager = row.pop("eager")
+        if eager is not None:  # the same engine's decode without its graphs: a row of its own
+            kept = {k: v for k, v in row.items() if k != "crossover" and not k.startswith(("decode", "cpu_expert"))}
+            rows.append({**kept, **eager, "host_experts": fmt, "same_engine_as": label})
     for row in rows:
         if "cpu_expert_read_gb_s" in row:
             row["cpu_expert_bandwidth_fraction"] = row["cpu_expert_read_gb_s"] * 1e9 / bandwidth
@@ -273,9 +258,6 @@ def _add_args(p) -> None:
     p.add_argument("--expert-stream-tokens", type=int, default=EngineConfig.expert_stream_tokens,
                    help="steps of this many tokens or more stream the experts (0: never; default: measured)")
     p.add_argument("--spec", type=int, default=0)
-    p.add_argument("--workers", type=int, default=0,
-                   help="also time each arm's decode with this many expert threads (--host-expert-workers) "
-                        "on the same engine")
     p.add_argument("--read", type=int, default=4096, help="prompt tokens of the read")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens timed")
     p.add_argument("--llamacpp", default=None, help="llama-bench -o json output on the same file and placement")

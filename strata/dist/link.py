@@ -501,6 +501,7 @@ class Link:
                     p.kill()
                 p.wait()
             self._leave_group()
+            atexit.unregister(self.stop)
             return
         header = torch.zeros(HEADER + INLINE, dtype=torch.int64)
         header[0] = OP_STOP
@@ -520,6 +521,10 @@ class Link:
             except subprocess.TimeoutExpired:
                 p.kill()
         self._leave_group()
+        # Nothing outlives the pipeline: the exit hook held this link, and through its runner the engine's
+        # K/V pool, for as long as the process ran (a later engine in it found the card taken).
+        atexit.unregister(self.stop)
+        self.runner = None
 
     @staticmethod
     def _leave_group() -> None:

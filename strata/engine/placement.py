@@ -113,7 +113,11 @@ def scratch_bytes(cfg: EngineConfig, mc: ModelConfig, logits: bool = True) -> in
         width = max(width, k * (2 * mc.hidden_size + 3 * mc.moe_intermediate_size))
     rows = cfg.parallel * (1 + cfg.spec)
     context = CONTEXT_BYTES if cfg.gpu_memory is not None else 0
-    return (context + BUFFER_BYTES + tokens * (6 * mc.hidden_size + width) * 4
+    # An int8 pool's prompt steps attend over a dense copy of their context's K and V in the model's
+    # dtype (the Triton backend's, two contexts long; the batch-invariant kernels read int8).
+    dense_copy = (2 * 2 * cfg.ctx * mc.num_key_value_heads * mc.head_dim * cfg.torch_dtype.itemsize
+                  if cfg.kv == "int8" and not cfg.batch_invariant and cfg.resolved_device.startswith("cuda") else 0)
+    return (context + BUFFER_BYTES + dense_copy + tokens * (6 * mc.hidden_size + width) * 4
             + logits * rows * mc.vocab_size * 4 * 3)
 
 

@@ -126,38 +126,6 @@ def _packers() -> ThreadPoolExecutor:
     return _PACKERS[0]
 
 
-class ExpertWorkers:
-    """Threads that compute a CPU step's experts side by side, each expert's whole chain (gate|up, the
-    activation, down) on one thread that runs torch single-threaded. A decode step's experts are small
-    (a few MB each): spread across every core one after another, each pays a fork and join of the
-    whole thread team twice; side by side, each core streams its own expert.
-
-    Each worker sets its own thread count to 1 as it starts; torch keeps that count per thread, but also
-    keeps it as the count threads made later start with, so every worker is started here and the
-    caller's count put back (a thread made after, like the read stage's, gets the caller's)."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-        caller = torch.get_num_threads()
-        started = threading.Barrier(threads + 1)
-
-        def one_thread() -> None:
-            torch.get_num_threads()  # torch's first look in a thread sets its count from the shared one: done here
-            torch.set_num_threads(1)
-
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="strata-experts", initializer=one_thread)
-        for _ in range(threads):
-            self.pool.submit(started.wait)
-        started.wait()
-        torch.set_num_threads(caller)
-
-    def map(self, fn, items) -> list:
-        return list(self.pool.map(fn, items))
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False)
-
-
 def fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`int8_rows`' (q [N, K], scale [N]) on the CPU -> FBGEMM's packed linear weight."""
     with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; FBGEMM's kernels are not
@@ -326,7 +294,6 @@ class HostExperts:
         self.gate_up = HostProjection(fmt, num_experts, 2 * inter, hidden, dtype)
         self.down = HostProjection(fmt, num_experts, hidden, inter, dtype)
         self.stream: StreamStack | None = None
-        self.workers: ExpertWorkers | None = None  # set: each step's experts side by side on these threads
         # What `forward` has done: seconds on the CPU, expert weight bytes read (`strata bench offload`).
         self.seconds = 0.0
         self.bytes_read = 0
@@ -385,28 +352,16 @@ class HostExperts:
             rows_of = [s for _, s in groups]
             weight_of = weights.reshape(-1).float()[order, None]
         self.bytes_read += len(groups) * (self.gate_up.nbytes + self.down.nbytes) // self.num_experts
-        if self.workers is not None and len(groups) > 1:
-            def chain(i: int) -> torch.Tensor:
-                e, r = groups[i][0], rows_of[i]
-                gate, up = self.gate_up.mm(e, xs, r).chunk(2, dim=-1)
-                return self.down.mm(e, self.down.prepare(F.silu(gate) * up))
-
-            y = torch.cat(self.workers.map(chain, range(len(groups)))) * weight_of
-        else:
-            y = self._one_after_another(groups, xs, rows_of) * weight_of
+        h = torch.cat([self.gate_up.mm(e, xs, r) for (e, _), r in zip(groups, rows_of)])
+        gate, up = h.chunk(2, dim=-1)
+        act = self.down.prepare(F.silu(gate) * up)
+        y = torch.cat([self.down.mm(e, act, s) for e, s in groups]) * weight_of
         if out is None:
             out = torch.empty(t, y.shape[1], dtype=torch.float32)
         if t == 1:
             return torch.sum(y, dim=0, keepdim=True, out=out)
         out.zero_()
         return out.index_add_(0, token_of, y)
-
-    def _one_after_another(self, groups, xs, rows_of) -> torch.Tensor:
-        """Every group's gate|up, one activation over all their rows, then every group's down."""
-        h = torch.cat([self.gate_up.mm(e, xs, r) for (e, _), r in zip(groups, rows_of)])
-        gate, up = h.chunk(2, dim=-1)
-        act = self.down.prepare(F.silu(gate) * up)
-        return torch.cat([self.down.mm(e, act, s) for e, s in groups])
 
 
 NEVER = 1 << 30  # a step size no step reaches: the CPU computes every step

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from strata.config import EngineConfig, ModelConfig
-from strata.models.host_experts import ExpertStreamer, ExpertWorkers, HostStagingPool, host_step_seconds, stream_crossover
+from strata.models.host_experts import ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
 from strata.models.moe import MoE, grouped_mm_works
 
 log = logging.getLogger("strata")
@@ -23,10 +23,6 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
     if not moes or device.type != "cuda":
         return None, None
     chunk = cfg.max_num_batched_tokens or 2048
-    if cfg.host_expert_workers:
-        workers = ExpertWorkers(cfg.host_expert_workers)
-        for m in moes:
-            m.host.workers = workers
     streams = cfg.expert_stream_tokens != 0 and all(m.host.stream is not None for m in moes)
     streamer = ExpertStreamer(moes, device) if streams else None
     threshold = cfg.expert_stream_tokens or 0
@@ -45,9 +41,8 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
         m.host_staging, m.streamer = pool, streamer
         m.stream_min_tokens = threshold if streamer else 0
     fmt = ", ".join(sorted({m.host.fmt for m in moes}))
-    log.info("routed experts of %d MoE layers in host RAM (%s, %.2f GiB): steps of fewer than %s tokens on the CPU%s%s",
+    log.info("routed experts of %d MoE layers in host RAM (%s, %.2f GiB): steps of fewer than %s tokens on the CPU%s",
              len(moes), fmt, sum(m.host.nbytes for m in moes) / 2**30, threshold if streamer else "any number of",
-             f" ({cfg.host_expert_workers} threads, an expert each)" if cfg.host_expert_workers else "",
              f", larger ones streamed to the GPU through 2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else "")
     return pool, streamer
 

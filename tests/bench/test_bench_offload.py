@@ -1,25 +1,23 @@
-"""`strata bench offload`'s decode variants on one engine (the experts in RAM of a CPU engine stand in
-for a GPU engine's: the bench itself needs CUDA)."""
+"""`strata bench offload` pieces that run without CUDA: the eager decode on the same engine (a CPU
+engine's experts in RAM stand in for a GPU engine's) and a failed request failing its arm."""
 
-from strata.bench.offload import _host_moes, decode_variants
+from strata.bench.offload import _host_moes, decode_eager
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
-from strata.models.host_experts import ExpertWorkers
 
 
-def test_decode_variants_time_the_expert_threads_on_the_same_engine_and_put_it_back(monkeypatch):
+def test_the_eager_decode_is_timed_on_the_same_engine_and_its_graphs_put_back(monkeypatch):
     e = LLMEngine(EngineConfig(device="cpu", cpu_moe=True, host_experts="int8"), progress=False)
     moes = _host_moes(e)
-    assert moes and all(m.host.workers is None for m in moes)
-    calls = []
-    real = ExpertWorkers.map
-    monkeypatch.setattr(ExpertWorkers, "map", lambda self, fn, items: calls.append(1) or real(self, fn, items))
-    rows = decode_variants(e, moes, 6, 0, workers=2)
-    # No graphs on the CPU: one other way, the experts side by side on 2 threads, and it ran through them.
-    assert [(r["graphs"], r["workers"]) for r in rows] == [(False, 2)]
-    assert rows[0]["decode_tok_s"] > 0 and rows[0]["cpu_expert_bytes_per_token"] > 0 and calls
-    assert all(m.host.workers is None for m in moes) and e.runner.graphs == {}
-    assert decode_variants(e, moes, 6, 0, workers=0) == []
+    assert moes and decode_eager(e, moes, 6, 0) is None  # no graphs on the CPU: nothing to compare
+    marker = {1: "graphs"}
+    e.runner.graphs = marker  # stands in for captured graphs; the timed decode must run without them
+    seen = []
+    launch = e.runner.launch
+    monkeypatch.setattr(e.runner, "launch", lambda *a, **kw: seen.append(e.runner.graphs) or launch(*a, **kw))
+    row = decode_eager(e, moes, 6, 0)
+    assert row["decode_tok_s"] > 0 and row["cpu_expert_bytes_per_token"] > 0
+    assert seen and all(g == {} for g in seen) and e.runner.graphs is marker
 
 
 def test_a_failed_request_fails_the_arm_instead_of_timing_a_fast_read():

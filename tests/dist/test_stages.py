@@ -501,3 +501,19 @@ def test_a_start_that_fails_after_the_stages_joined_leaves_no_stage_and_no_group
         assert e.stages.plan.world == 2
     finally:
         e.close()
+
+
+def test_a_closed_pipeline_leaves_nothing_holding_the_engine():
+    """Once closed, nothing of a split engine outlives it (an exit hook held the stages' link, and through
+    it the engine's runner and K/V pool, for the life of the process)."""
+    import gc
+    import weakref
+
+    e = LLMEngine(EngineConfig(device="cpu", split_mode="layer", tensor_split="1,1"), progress=False)
+    e.add_request(EngineRequest("r", tuple(e.tokenizer.encode(SHORT)), SamplingParams(max_tokens=4), time.monotonic()))
+    e.run_to_completion()
+    e.close()
+    pool, link = weakref.ref(e.pool), weakref.ref(e.stages)
+    del e
+    gc.collect()
+    assert pool() is None and link() is None

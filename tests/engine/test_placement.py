@@ -190,3 +190,14 @@ def test_strata_plan_prints_the_plan_start_up_would_make(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not fit the GPU budget of 512.0 MiB" in err
     assert main(["plan", "--device", "cpu", "--gpu-memory", "1"]) == 2
+
+
+def test_scratch_counts_the_dense_copy_an_int8_pool_reads_prompts_through():
+    """On CUDA an int8 pool's prompt steps attend over a bf16 copy two contexts long (K and V): part of
+    the plan's scratch, as it is of the card."""
+    mc = ModelConfig.from_hf(read_checkpoint(default_model_path()).config)
+    base = EngineConfig(device="cuda", dtype="bfloat16", ctx=65536, parallel=2)
+    copy = 2 * 2 * 65536 * mc.num_key_value_heads * mc.head_dim * 2
+    assert placement.scratch_bytes(dataclasses.replace(base, kv="int8"), mc) - placement.scratch_bytes(base, mc) == copy
+    invariant = dataclasses.replace(base, kv="int8", batch_invariant=True)  # its kernels read the int8 blocks
+    assert placement.scratch_bytes(invariant, mc) == placement.scratch_bytes(dataclasses.replace(base, batch_invariant=True), mc)

@@ -43,13 +43,6 @@ def test_fp32_greedy_identical_with_experts_on_the_gpu_on_the_cpu_and_streamed()
     assert streamed == on_gpu
 
 
-def test_fp32_greedy_identical_with_the_experts_side_by_side_on_threads():
-    on_gpu, _ = _greedy()
-    threads, e = _greedy(cpu_moe=True, host_experts="float", expert_stream_tokens=0, host_expert_workers=4)
-    assert all(m.host.workers is not None and m.host.workers.threads == 4 for m in _host_moes(e))
-    assert threads == on_gpu
-
-
 def test_decoding_with_experts_in_ram_allocates_nothing_new():
     e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, cpu_moe=True), progress=False)
     for i, p in enumerate(PROMPTS[:2]):

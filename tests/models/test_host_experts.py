@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.models.host_experts import (FBGEMM_REDUCE_RANGE, NEVER, ExpertWorkers, HostExperts, HostProjection,
-                                        StreamStack,
+from strata.models.host_experts import (FBGEMM_REDUCE_RANGE, NEVER, HostExperts, HostProjection, StreamStack,
                                         dequantize_int4, dequantize_int8, format_fits, has_fbgemm, host_step_seconds,
                                         int4_groups, int8_rows, int8_tokens, stream_crossover)
 
@@ -107,45 +106,6 @@ def test_grouped_forward_matches_a_loop_over_tokens(fmt, tol, t):
             want[i] += wts[i, j] * ((F.silu(gate) * up) @ host.down.dequantize(ex).t())
     assert got.dtype == torch.float32
     assert float((got - want).norm() / want.norm()) <= tol
-
-
-@pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("fmt", ["float", "int8", "w8a8", "fbgemm", "int4"])
-def test_experts_side_by_side_give_the_experts_one_after_another(fmt, t):
-    """`ExpertWorkers`: each group's chain on a one-thread worker gives what the experts one after
-    another across the caller's threads give, to the last bit (each product is the same kernel on
-    the same rows; the weighted sum keeps its order)."""
-    if fmt == "fbgemm" and not has_fbgemm():
-        pytest.skip("torch has no FBGEMM here")
-    e, h, inter, k = 8, 64, 32, 3
-    host = HostExperts.from_stacks(torch.randn(e, 2 * inter, h, generator=_gen(40)) / h**0.5,
-                                   torch.randn(e, h, inter, generator=_gen(41)) / inter**0.5, fmt)
-    x = torch.randn(t, h, generator=_gen(42))
-    ids = torch.stack([torch.randperm(e, generator=_gen(43 + i))[:k] for i in range(t)])
-    wts = torch.rand(t, k, generator=_gen(50))
-    alone = host.forward(x, ids, wts)
-    host.workers = ExpertWorkers(3)
-    try:
-        assert torch.equal(host.forward(x, ids, wts), alone)
-    finally:
-        host.workers.shutdown()
-
-
-def test_expert_workers_run_one_thread_each_and_leave_the_callers_count():
-    import threading
-
-    before = torch.get_num_threads()
-    workers = ExpertWorkers(2)
-    try:
-        assert torch.get_num_threads() == before
-        assert workers.map(lambda _: torch.get_num_threads(), range(4)) == [1] * 4
-        seen = []
-        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-        later.start()
-        later.join()
-        assert seen == [before]  # a thread made after the workers starts with the caller's count
-    finally:
-        workers.shutdown()
 
 
 def test_unknown_format_is_refused():
