@@ -36,9 +36,10 @@ _KEPT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.(in_proj_qkvz|in_p
                    r"|^lm_head\.weight$|^model\.embed_tokens\.weight$")
 # The CUDA context and what the libraries hold outside torch's allocator (the allocator's cap leaves it out).
 CONTEXT_BYTES = 768 * MiB
-# The runner's static buffers (inputs, tables, sampling state) and the decode graphs' private pool,
-# beside a step's activations: tens of MiB on the GPU tests' small models, whatever their width.
-BUFFER_BYTES = 128 * MiB
+# Beside a step's activations, whatever the model's width: the runner's static buffers (inputs, tables,
+# sampling state), the decode graphs' private pool, and cuBLAS's workspace on each stream that runs a
+# GEMM (32 MiB on Hopper; the decode stream, the graphs' capture stream, the read stage's).
+BUFFER_BYTES = 256 * MiB
 
 
 def moe_layers(mc: ModelConfig) -> list[int]:

@@ -161,12 +161,12 @@ def test_a_capped_pool_beside_a_model_built_before_the_engine_stays_within_the_a
     from strata.engine.startup import kv_capacity_tokens
 
     mc = ModelConfig.from_hf(read_checkpoint(default_model_path()).config)
-    cfg = EngineConfig(device="cpu", ctx=4096, parallel=2, gpu_memory=1.0)
+    cfg = EngineConfig(device="cpu", ctx=4096, parallel=2, gpu_memory=1.5)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * MiB)
     per_token = 4096
     tokens = kv_capacity_tokens(cfg, mc, per_token, torch.device("cuda"), 0)
-    cap = (1 << 30) - placement.CONTEXT_BYTES
+    cap = (3 << 29) - placement.CONTEXT_BYTES
     beside = placement.scratch_bytes(cfg, mc) - placement.CONTEXT_BYTES
     assert beside >= placement.BUFFER_BYTES
     assert 0 < tokens * per_token <= cap - 10 * MiB - beside
@@ -176,15 +176,15 @@ def test_strata_plan_prints_the_plan_start_up_would_make(capsys):
     from strata.cli import main
     from strata.engine.startup import plan_one_device
 
-    assert main(["plan", "--gpu-memory", "1", "--ctx", "4096", "--parallel", "2"]) == 0
+    assert main(["plan", "--gpu-memory", "1.5", "--ctx", "4096", "--parallel", "2"]) == 0
     ckpt = read_checkpoint(default_model_path())
-    cfg = EngineConfig(device="cuda", ctx=4096, parallel=2, gpu_memory=1.0).resolved()
-    plan, _ = plan_one_device(cfg, ModelConfig.from_hf(ckpt.config), ckpt, torch.bfloat16, 1 << 30)
+    cfg = EngineConfig(device="cuda", ctx=4096, parallel=2, gpu_memory=1.5).resolved()
+    plan, _ = plan_one_device(cfg, ModelConfig.from_hf(ckpt.config), ckpt, torch.bfloat16, 3 << 29)
     assert capsys.readouterr().out.strip() == plan.table() and "KV pool" in plan.table()
     # Each pipeline stage's plan on its own budget.
-    assert main(["plan", "--gpu-memory", "1", "--split-mode", "layer", "--tensor-split", "1,1"]) == 0
+    assert main(["plan", "--gpu-memory", "1.5", "--split-mode", "layer", "--tensor-split", "1,1"]) == 0
     out = capsys.readouterr().out
-    assert out.count("pipeline stage") == 2 and out.count("memory plan (GPU budget 1.00 GiB)") == 2
+    assert out.count("pipeline stage") == 2 and out.count("memory plan (GPU budget 1.50 GiB)") == 2
     # A budget the minimum does not fit: the one line that says so, status 2.
     assert main(["plan", "--gpu-memory", "0.5", "--ctx", "4096"]) == 2
     err = capsys.readouterr().err.strip()

@@ -163,12 +163,13 @@ def test_the_cap_holds_for_a_model_built_before_the_engine():
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     loaded = random_model("tiny", "cuda", torch.bfloat16)
-    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, gpu_memory=1.0), progress=False,
+    # 1.5 GiB: 768 MiB of it is the CUDA context's, which the allocator's cap leaves out.
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, gpu_memory=1.5), progress=False,
                   loaded=loaded)
     e.add_request(EngineRequest("r", tuple(range(10, 200)), SamplingParams(max_tokens=16, ignore_eos=True),
                                 time.monotonic()))
     assert len(e.run_to_completion()["r"]) > 0
-    assert torch.cuda.max_memory_reserved() <= 2**30
+    assert torch.cuda.max_memory_reserved() <= 1.5 * 2**30
     del e
     gc.collect()
     torch.cuda.empty_cache()
