@@ -521,8 +521,8 @@ class Link:
             except subprocess.TimeoutExpired:
                 p.kill()
         self._leave_group()
-        # Nothing outlives the pipeline: the exit hook held this link, and through its runner the engine's
-        # K/V pool, for as long as the process ran (a later engine in it found the card taken).
+        # Nothing outlives the pipeline: the exit hook would hold this link, and through its runner the
+        # engine's K/V pool, for the life of the process.
         atexit.unregister(self.stop)
         self.runner = None
 

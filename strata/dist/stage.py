@@ -85,8 +85,8 @@ def _cap(device: torch.device, cap: int) -> None:
 def kv_capacity(cfg: EngineConfig, place: StagePlacement, device: torch.device, per_token: int, reserved: int,
                 sharing: int = 1) -> int:
     """The K/V tokens this stage can hold beside its weights (rank 0 takes the smallest of all stages'):
-    within its plan under --gpu-memory, else of the card's free memory; `reserved`: bytes still to come
-    (the last stage's drafter buffers)."""
+    within its plan under --gpu-memory, else of the card's free memory less its plan's scratch;
+    `reserved`: bytes still to come (the last stage's drafter buffers)."""
     if cfg.kv_size or device.type != "cuda" or not per_token:
         return UNLIMITED
     gc.collect()
@@ -94,7 +94,7 @@ def kv_capacity(cfg: EngineConfig, place: StagePlacement, device: torch.device, 
     if place.kv_tokens >= 0:
         left = place.budget - place.scratch - torch.cuda.memory_reserved(device) - reserved
         return max(min(place.kv_tokens, left // per_token), 0)
-    return max(free_share(device, cfg.gpu_memory_utilization, sharing) - reserved, 0) // per_token
+    return max(free_share(device, cfg.gpu_memory_utilization, sharing) - reserved - max(place.scratch, 0), 0) // per_token
 
 
 @torch.inference_mode()

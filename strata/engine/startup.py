@@ -184,9 +184,9 @@ def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, devic
                                 f"estimated; keep more layers' experts in RAM (--n-cpu-moe "
                                 f"{len(plan.cpu_moe_layers) + 1} or more) or give a shorter --ctx")
             return tokens
-        # Weights are already resident; `reserved` bytes are still to come (the drafter's buffers), and
-        # one step's scratch. A plan (every model start-up loads) counted both already.
-        scratch = placement.scratch_bytes(cfg, mc) if plan is None else 0
+        # Weights are already resident; still to come are `reserved` bytes (the drafter's buffers) and the
+        # scratch (a step's activations, the runner's buffers and graphs, an int8 pool's dense copy).
+        scratch = placement.scratch_bytes(cfg, mc)
         return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved - scratch, 0) // per_token
     return cfg.ctx * cfg.parallel
 
