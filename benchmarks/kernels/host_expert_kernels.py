@@ -10,8 +10,9 @@ expert and the expert bytes read per second.
 
 Then whole layers as a decode step computes them (`HostExperts.forward`: T tokens, each routed to k
 distinct experts, the grouping and the weighted sum included) at the 30B-A3B and 80B-A3B expert shapes,
-for the int8 formats (fbgemm's one-token step also with a quarter, half, three quarters and all of
-torch's threads): milliseconds per layer and the distinct experts' bytes read per second.
+for the int8 formats (fbgemm's calls from Python and, as the engine makes them, from TorchScript, "(ts)";
+its one-token step also with a quarter, half, three quarters and all of torch's threads): milliseconds
+per layer and the distinct experts' bytes read per second.
 
     python benchmarks/kernels/host_expert_kernels.py [--layers-only]
 """
@@ -49,8 +50,10 @@ def layers() -> None:
     for name, e, k, h, inter in LAYERS:
         w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.02
         w2 = torch.randn(e, h, inter, generator=g) * 0.02
-        for fmt in ("w8a8", "fbgemm"):
+        for fmt, scripted in (("w8a8", False), ("fbgemm", False), ("fbgemm", True)):
             host = HostExperts.from_stacks(w13, w2, fmt)
+            host.scripted = scripted
+            label = fmt + " (ts)" * scripted
             per_expert = 3 * inter * h
             for t in (1, 4, 16):
                 x = torch.randn(t, h, generator=g)
@@ -58,9 +61,9 @@ def layers() -> None:
                 w = torch.rand(t, k, generator=g)
                 sec = bench(lambda: host.forward(x, ids, w), 20)
                 read = len(ids.unique()) * per_expert
-                print(f"layer {name} {fmt:6s} T={t:2d}: {sec * 1e3:6.2f} ms, {read / sec / 1e9:6.1f} GB/s of experts",
+                print(f"layer {name} {label:11s} T={t:2d}: {sec * 1e3:6.2f} ms, {read / sec / 1e9:6.1f} GB/s of experts",
                       flush=True)
-            if fmt == "fbgemm":  # a decode step's few small GEMMs: does a smaller thread team pay?
+            if scripted:  # a decode step's few small GEMMs: does a smaller thread team pay?
                 everyone = torch.get_num_threads()
                 x = torch.randn(1, h, generator=g)
                 ids = torch.randperm(e, generator=g)[:k][None]
@@ -68,7 +71,7 @@ def layers() -> None:
                 for threads in sorted({max(1, everyone // 4), max(1, everyone // 2), everyone * 3 // 4, everyone}):
                     torch.set_num_threads(threads)
                     sec = bench(lambda: host.forward(x, ids, w), 20)
-                    print(f"layer {name} {fmt:6s} T= 1, {threads:2d} threads: {sec * 1e3:6.2f} ms, "
+                    print(f"layer {name} {label:11s} T= 1, {threads:2d} threads: {sec * 1e3:6.2f} ms, "
                           f"{k * per_expert / sec / 1e9:6.1f} GB/s of experts", flush=True)
                 torch.set_num_threads(everyone)
             del host

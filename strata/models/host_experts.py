@@ -36,6 +36,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,43 @@ def _packers() -> ThreadPoolExecutor:
     if not _PACKERS:
         _PACKERS.append(ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="strata-pack"))
     return _PACKERS[0]
+
+
+def fbgemm_chains(xs: torch.Tensor, starts: List[int], counts: List[int], experts: List[int],
+                  gate_up: List[torch.classes.quantized.LinearPackedParamsBase],
+                  down: List[torch.classes.quantized.LinearPackedParamsBase], reduce_range: bool) -> torch.Tensor:
+    """A step's groups through FBGEMM: each group's rows of `xs` through its expert's gate|up, one
+    activation over all rows, then each group's rows through its down. Run as TorchScript
+    (`fbgemm_chains_scripted`): from Python each call of a custom op costs tens of microseconds of
+    argument handling, and a decode step makes two for each expert of each layer in RAM."""
+    hs: List[torch.Tensor] = []
+    for i in range(len(experts)):
+        hs.append(torch.ops.quantized.linear_dynamic(xs.narrow(0, starts[i], counts[i]), gate_up[experts[i]],
+                                                     reduce_range))
+    gate, up = torch.cat(hs).chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    ys: List[torch.Tensor] = []
+    row = 0
+    for i in range(len(experts)):
+        ys.append(torch.ops.quantized.linear_dynamic(act.narrow(0, row, counts[i]), down[experts[i]], reduce_range))
+        row += counts[i]
+    return torch.cat(ys)
+
+
+_SCRIPTED: list = []
+
+
+def fbgemm_chains_scripted():
+    """`fbgemm_chains` compiled by TorchScript once (deprecated in torch, still shipped); where it cannot
+    be, the function itself."""
+    if not _SCRIPTED:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _SCRIPTED.append(torch.jit.script(fbgemm_chains))
+        except Exception:  # noqa: BLE001 - no TorchScript here: the same calls from Python
+            _SCRIPTED.append(fbgemm_chains)
+    return _SCRIPTED[0]
 
 
 def fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -294,6 +332,7 @@ class HostExperts:
         self.gate_up = HostProjection(fmt, num_experts, 2 * inter, hidden, dtype)
         self.down = HostProjection(fmt, num_experts, hidden, inter, dtype)
         self.stream: StreamStack | None = None
+        self.scripted = True  # fbgemm: the step's calls from TorchScript (False: from Python, as a benchmark compares)
         # What `forward` has done: seconds on the CPU, expert weight bytes read (`strata bench offload`).
         self.seconds = 0.0
         self.bytes_read = 0
@@ -352,10 +391,15 @@ class HostExperts:
             rows_of = [s for _, s in groups]
             weight_of = weights.reshape(-1).float()[order, None]
         self.bytes_read += len(groups) * (self.gate_up.nbytes + self.down.nbytes) // self.num_experts
-        h = torch.cat([self.gate_up.mm(e, xs, r) for (e, _), r in zip(groups, rows_of)])
-        gate, up = h.chunk(2, dim=-1)
-        act = self.down.prepare(F.silu(gate) * up)
-        y = torch.cat([self.down.mm(e, act, s) for e, s in groups]) * weight_of
+        if self.fmt == "fbgemm" and self.scripted:
+            chains = fbgemm_chains_scripted()
+            y = chains(xs, [r.start for r in rows_of], [r.stop - r.start for r in rows_of], [e for e, _ in groups],
+                       self.gate_up.packed, self.down.packed, FBGEMM_REDUCE_RANGE) * weight_of
+        else:
+            h = torch.cat([self.gate_up.mm(e, xs, r) for (e, _), r in zip(groups, rows_of)])
+            gate, up = h.chunk(2, dim=-1)
+            act = self.down.prepare(F.silu(gate) * up)
+            y = torch.cat([self.down.mm(e, act, s) for e, s in groups]) * weight_of
         if out is None:
             out = torch.empty(t, y.shape[1], dtype=torch.float32)
         if t == 1:

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from strata.models.host_experts import (FBGEMM_REDUCE_RANGE, NEVER, HostExperts, HostProjection, StreamStack,
-                                        dequantize_int4, dequantize_int8, format_fits, has_fbgemm, host_step_seconds,
-                                        int4_groups, int8_rows, int8_tokens, stream_crossover)
+                                        dequantize_int4, dequantize_int8, fbgemm_chains_scripted, format_fits,
+                                        has_fbgemm, host_step_seconds, int4_groups, int8_rows, int8_tokens,
+                                        stream_crossover)
 
 
 def _gen(seed):
@@ -106,6 +107,24 @@ def test_grouped_forward_matches_a_loop_over_tokens(fmt, tol, t):
             want[i] += wts[i, j] * ((F.silu(gate) * up) @ host.down.dequantize(ex).t())
     assert got.dtype == torch.float32
     assert float((got - want).norm() / want.norm()) <= tol
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_fbgemm_steps_from_torchscript_give_the_calls_from_python_to_the_bit(t):
+    """fbgemm's groups run as one TorchScript function (`fbgemm_chains`): the same FBGEMM calls on the
+    same rows in the same order as the Python path, so the same bits."""
+    if not has_fbgemm():
+        pytest.skip("torch has no FBGEMM here")
+    e, h, inter, k = 12, 64, 32, 4
+    host = HostExperts.from_stacks(torch.randn(e, 2 * inter, h, generator=_gen(60)) / h**0.5,
+                                   torch.randn(e, h, inter, generator=_gen(61)) / inter**0.5, "fbgemm")
+    x = torch.randn(t, h, generator=_gen(62))
+    ids = torch.stack([torch.randperm(e, generator=_gen(63 + i))[:k] for i in range(t)])
+    wts = torch.rand(t, k, generator=_gen(80))
+    assert host.scripted and isinstance(fbgemm_chains_scripted(), torch.jit.ScriptFunction)
+    scripted = host.forward(x, ids, wts)
+    host.scripted = False
+    assert torch.equal(host.forward(x, ids, wts), scripted)
 
 
 def test_unknown_format_is_refused():
