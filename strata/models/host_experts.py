@@ -127,23 +127,23 @@ def _packers() -> ThreadPoolExecutor:
     return _PACKERS[0]
 
 
-def fbgemm_chains(xs: torch.Tensor, starts: List[int], counts: List[int], experts: List[int],
+def fbgemm_chains(xs: torch.Tensor, starts: List[int], counts: List[int],
                   gate_up: List[torch.classes.quantized.LinearPackedParamsBase],
                   down: List[torch.classes.quantized.LinearPackedParamsBase], reduce_range: bool) -> torch.Tensor:
-    """A step's groups through FBGEMM: each group's rows of `xs` through its expert's gate|up, one
-    activation over all rows, then each group's rows through its down. Run as TorchScript
-    (`fbgemm_chains_scripted`): from Python each call of a custom op costs tens of microseconds of
-    argument handling, and a decode step makes two for each expert of each layer in RAM."""
+    """A step's groups through FBGEMM, group i's expert being `gate_up[i]` and `down[i]`: each group's
+    rows of `xs` through its gate|up, one activation over all rows, then each group's rows through its
+    down. Run as TorchScript (`fbgemm_chains_scripted`): from Python each call of a custom op costs tens
+    of microseconds of argument handling, and a decode step makes two for each expert of each layer in
+    RAM."""
     hs: List[torch.Tensor] = []
-    for i in range(len(experts)):
-        hs.append(torch.ops.quantized.linear_dynamic(xs.narrow(0, starts[i], counts[i]), gate_up[experts[i]],
-                                                     reduce_range))
+    for i in range(len(gate_up)):
+        hs.append(torch.ops.quantized.linear_dynamic(xs.narrow(0, starts[i], counts[i]), gate_up[i], reduce_range))
     gate, up = torch.cat(hs).chunk(2, dim=-1)
     act = F.silu(gate) * up
     ys: List[torch.Tensor] = []
     row = 0
-    for i in range(len(experts)):
-        ys.append(torch.ops.quantized.linear_dynamic(act.narrow(0, row, counts[i]), down[experts[i]], reduce_range))
+    for i in range(len(down)):
+        ys.append(torch.ops.quantized.linear_dynamic(act.narrow(0, row, counts[i]), down[i], reduce_range))
         row += counts[i]
     return torch.cat(ys)
 
@@ -393,8 +393,9 @@ class HostExperts:
         self.bytes_read += len(groups) * (self.gate_up.nbytes + self.down.nbytes) // self.num_experts
         if self.fmt == "fbgemm" and self.scripted:
             chains = fbgemm_chains_scripted()
-            y = chains(xs, [r.start for r in rows_of], [r.stop - r.start for r in rows_of], [e for e, _ in groups],
-                       self.gate_up.packed, self.down.packed, FBGEMM_REDUCE_RANGE) * weight_of
+            y = chains(xs, [r.start for r in rows_of], [r.stop - r.start for r in rows_of],
+                       [self.gate_up.packed[e] for e, _ in groups], [self.down.packed[e] for e, _ in groups],
+                       FBGEMM_REDUCE_RANGE) * weight_of
         else:
             h = torch.cat([self.gate_up.mm(e, xs, r) for (e, _), r in zip(groups, rows_of)])
             gate, up = h.chunk(2, dim=-1)
