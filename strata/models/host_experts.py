@@ -30,6 +30,7 @@ GPU buffers while the current layer computes from the other.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -148,20 +149,16 @@ def fbgemm_chains(xs: torch.Tensor, starts: List[int], counts: List[int],
     return torch.cat(ys)
 
 
-_SCRIPTED: list = []
-
-
+@functools.cache
 def fbgemm_chains_scripted():
     """`fbgemm_chains` compiled by TorchScript once (deprecated in torch, still shipped); where it cannot
     be, the function itself."""
-    if not _SCRIPTED:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _SCRIPTED.append(torch.jit.script(fbgemm_chains))
-        except Exception:  # noqa: BLE001 - no TorchScript here: the same calls from Python
-            _SCRIPTED.append(fbgemm_chains)
-    return _SCRIPTED[0]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.jit.script(fbgemm_chains)
+    except Exception:  # noqa: BLE001 - no TorchScript here: the same calls from Python
+        return fbgemm_chains
 
 
 def fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
