@@ -206,17 +206,19 @@ step() {  # name, seconds, command...
           [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
         C=${KV_NEXT_CONTEXT:-130944}; NKVO=$R/llamacpp_nkvo_next.json
         # KV_NEXT_ONLY_262K=1: the 262,144-token context alone, no llama.cpp (its -nkvo read of 128K runs
-        # 15-30 minutes). The placement is the memory plan's where the offload-next step's plan served.
-        PLACE="--n-cpu-moe ${NEXT_NCMOE:-36}"; [ -f $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ] && PLACE=""
-        TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 $PLACE --parallel 2 \
-          --ctx 262144 --kv int8 --resident 32768"
+        # 15-30 minutes). Beside llama.cpp both engines keep the first NEXT_NCMOE layers' experts in RAM;
+        # alone, the memory plan places them where the offload-next step's plan served.
+        TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 --parallel 2 --ctx 262144 --kv int8 \
+          --resident 32768"
         if [ -z "${KV_NEXT_ONLY_262K:-}" ]; then
           step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
             -- /tmp/llama/build/bin/llama-server -m /tmp/next_IQ3_S.gguf -ngl 99 -fa on -nkvo -ncmoe ${NEXT_NCMOE:-36} -c $((C + 256))
-          step kv-tier-next-strata 900 $TIER --context $C --decode 32 $([ -f $NKVO ] && echo --llamacpp $NKVO) \
-            --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
+          step kv-tier-next-strata 900 $TIER --n-cpu-moe ${NEXT_NCMOE:-36} --context $C --decode 32 \
+            $([ -f $NKVO ] && echo --llamacpp $NKVO) --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
         fi
-        step kv-tier-next-262k 900 $TIER --context 262000 --decode 16 --no-alloc-check --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g-262k_cuda.json ;;
+        PLACE="--n-cpu-moe ${NEXT_NCMOE:-36}"; [ -f $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ] && PLACE=""
+        step kv-tier-next-262k 900 $TIER $PLACE --context 262000 --decode 16 --no-alloc-check \
+          --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g-262k_cuda.json ;;
       host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       *) echo "unknown step $s" ;;
