@@ -495,13 +495,15 @@ class Link:
         if self.stopping:
             return
         self.stopping = True
+        # Nothing outlives the pipeline: the exit hook would hold this link, and through its runner the
+        # engine's K/V pool, for the life of the process.
+        atexit.unregister(self.stop)
         if self.runner is None:  # stopped before the stages were given their sizes: nothing to wind down
             for _, p in self.children:
                 if p.poll() is None:
                     p.kill()
                 p.wait()
             self._leave_group()
-            atexit.unregister(self.stop)
             return
         header = torch.zeros(HEADER + INLINE, dtype=torch.int64)
         header[0] = OP_STOP
@@ -521,9 +523,6 @@ class Link:
             except subprocess.TimeoutExpired:
                 p.kill()
         self._leave_group()
-        # Nothing outlives the pipeline: the exit hook would hold this link, and through its runner the
-        # engine's K/V pool, for the life of the process.
-        atexit.unregister(self.stop)
         self.runner = None
 
     @staticmethod

@@ -185,8 +185,9 @@ def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, devic
                                 f"{len(plan.cpu_moe_layers) + 1} or more) or give a shorter --ctx")
             return tokens
         # Weights are already resident; still to come are `reserved` bytes (the drafter's buffers) and the
-        # scratch (a step's activations, the runner's buffers and graphs, an int8 pool's dense copy).
-        scratch = placement.scratch_bytes(cfg, mc)
+        # scratch (a step's activations, the runner's buffers and graphs, an int8 pool's dense copy, and
+        # in the plan's, the tier's streaming buffers).
+        scratch = plan.scratch_bytes if plan is not None else placement.scratch_bytes(cfg, mc)
         return max(placement.free_share(device, cfg.gpu_memory_utilization, sharing) - reserved - scratch, 0) // per_token
     return cfg.ctx * cfg.parallel
 
