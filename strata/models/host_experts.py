@@ -15,6 +15,9 @@ of torch's maintained CPU kernels reads (no hand-written SIMD):
   dynamic-quantized linear: the rows one expert takes are rounded to uint8 with one scale and zero
   point (a decode step's single token: per token), inside the kernel. Twice oneDNN's rate for a row
   on the hosts measured, so quantized files take it by default where torch has FBGEMM;
+- "compiled": the same int8 rows as w8a8; a step of one token runs the layer (every chosen expert's
+  gate|up, the activation, down and the weighted sum) as one kernel that torch.compile generates
+  (`strata.kernels.host_moe`), steps of more tokens take w8a8's path;
 - "int4": int4 in groups of 32 values with a scale and an offset per group, through
   `torch._weight_int4pack_mm_for_cpu`: half the RAM of int8, the default only where RAM cannot hold int8.
 
@@ -42,7 +45,10 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("float", "int8", "w8a8", "fbgemm", "int4")
+from strata.kernels.host_moe import one_token_moe
+
+FORMATS = ("float", "int8", "w8a8", "fbgemm", "compiled", "int4")
+INT8_ROWS = ("int8", "w8a8", "compiled")  # formats held as int8 [E, N, K] with a scale per row
 INT4_GROUP = 32
 # The int4 CPU kernel packs rows in tiles of 16 and groups of INT4_GROUP values: shapes it can take.
 INT4_ROW_TILE = 16
@@ -180,7 +186,7 @@ class HostProjection:
         self.fmt, self.num_experts, self.n, self.k = fmt, num_experts, n, k
         if fmt == "float":
             self.w = torch.empty(num_experts, n, k, dtype=dtype)
-        elif fmt in ("int8", "w8a8"):
+        elif fmt in INT8_ROWS:
             self.w = torch.empty(num_experts, n, k, dtype=torch.int8)
             self.scale = torch.empty(num_experts, n)
         else:
@@ -193,7 +199,7 @@ class HostProjection:
         last = first + w.shape[0]
         if self.fmt == "float":
             self.w[first:last].copy_(w)
-        elif self.fmt in ("int8", "w8a8"):
+        elif self.fmt in INT8_ROWS:
             q, scale = int8_rows(w)
             self.w[first:last].copy_(q)
             self.scale[first:last].copy_(scale)
@@ -210,7 +216,7 @@ class HostProjection:
     def nbytes(self) -> int:
         if self.fmt == "float":
             return self.w.numel() * self.w.element_size()
-        if self.fmt in ("int8", "w8a8"):
+        if self.fmt in INT8_ROWS:
             return self.w.numel() + self.scale.numel() * 4
         if self.fmt == "fbgemm":  # the int8 rows, their scales, zero points and column offsets
             return self.num_experts * self.n * (self.k + 16)
@@ -220,15 +226,15 @@ class HostProjection:
         """fp32 [N, K]: what `mm` multiplies by (int4: through the kernel, on the identity)."""
         if self.fmt == "float":
             return self.w[e].float()
-        if self.fmt in ("int8", "w8a8"):
+        if self.fmt in INT8_ROWS:
             return dequantize_int8(self.w[e], self.scale[e])
         if self.fmt == "fbgemm":
             return torch.ops.quantized.linear_unpack(self.packed[e])[0].dequantize()
         return self.mm(e, torch.eye(self.k)).t().contiguous()
 
     def prepare(self, x: torch.Tensor):
-        """The rows of every pair of a step, once: w8a8 rounds them to int8 here."""
-        if self.fmt == "w8a8":
+        """The rows of every pair of a step, once: w8a8 (and compiled) rounds them to int8 here."""
+        if self.fmt in ("w8a8", "compiled"):
             return int8_tokens(x)
         return x.to(self.w.dtype) if self.fmt == "float" else x.float()
 
@@ -237,8 +243,8 @@ class HostProjection:
         indexing the stacks anew costs more than a decode step's small GEMMs on a fast host."""
         if getattr(self, "_views_of", None) is not self.w:
             w = list(self.w.unbind(0))
-            self._views = ([v.t() for v in w] if self.fmt == "w8a8" else w,
-                           list(self.scale.unbind(0)) if self.fmt in ("int8", "w8a8") else [])
+            self._views = ([v.t() for v in w] if self.fmt in ("w8a8", "compiled") else w,
+                           list(self.scale.unbind(0)) if self.fmt in INT8_ROWS else [])
             self._views_of = self.w
         return self._views
 
@@ -251,7 +257,7 @@ class HostProjection:
             x = x if rows is None else x[rows]
             return torch.ops.quantized.linear_dynamic(x.float(), self.packed[e], FBGEMM_REDUCE_RANGE)
         w, scale = self._expert_views()
-        if self.fmt == "w8a8":
+        if self.fmt in ("w8a8", "compiled"):
             q, s = x if isinstance(x, tuple) else int8_tokens(x)
             if rows is not None:
                 q, s = q[rows], s[rows]
@@ -371,6 +377,12 @@ class HostExperts:
                  ) -> torch.Tensor:
         t, k = ids.shape
         flat = ids.reshape(-1)
+        if t == 1 and self.fmt == "compiled" and (layer := one_token_moe()) is not None:
+            self.bytes_read += k * (self.gate_up.nbytes + self.down.nbytes) // self.num_experts
+            g, d = self.gate_up, self.down
+            y = layer(x.float(), flat, weights.reshape(-1).float(), g.w.view(-1, g.k), g.scale.view(-1),
+                      d.w.view(-1, d.k), d.scale.view(-1))
+            return y if out is None else out.copy_(y)
         if t == 1:  # one token: its k experts, no sort
             groups = [(e, slice(j, j + 1)) for j, e in enumerate(flat.tolist())]
             xs = self.gate_up.prepare(x)

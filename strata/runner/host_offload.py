@@ -5,6 +5,7 @@ GPU for steps of `--expert-stream-tokens` tokens or more (measured here when not
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -22,6 +23,7 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
     moes = [m for m in model.modules() if isinstance(m, MoE) and m.host is not None]
     if not moes or device.type != "cuda":
         return None, None
+    warm_one_token_steps(moes, mc.num_experts_per_tok)
     chunk = cfg.max_num_batched_tokens or 2048
     streams = cfg.expert_stream_tokens != 0 and all(m.host.stream is not None for m in moes)
     streamer = ExpertStreamer(moes, device) if streams else None
@@ -45,6 +47,24 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
              len(moes), fmt, sum(m.host.nbytes for m in moes) / 2**30, threshold if streamer else "any number of",
              f", larger ones streamed to the GPU through 2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else "")
     return pool, streamer
+
+
+def warm_one_token_steps(moes: list[MoE], k: int) -> None:
+    """A one-token step through each distinct layer shape of the compiled format, so its kernel is
+    generated at start-up, not in the first request."""
+    seen = set()
+    for m in moes:
+        host = m.host
+        shape = (host.num_experts, host.down.k, host.gate_up.k)
+        if host.fmt != "compiled" or shape in seen:
+            continue
+        seen.add(shape)
+        t0 = time.perf_counter()
+        seconds, read = host.seconds, host.bytes_read
+        host.forward(torch.zeros(1, host.gate_up.k), torch.arange(k)[None], torch.ones(1, k))
+        host.seconds, host.bytes_read = seconds, read
+        log.info("one-token expert kernel for %d experts of %d x %d generated in %.1f s", *shape,
+                 time.perf_counter() - t0)
 
 
 def measure_stream_crossover(moes: list[MoE], streamer: ExpertStreamer, k: int, act: torch.dtype, chunk: int) -> int:
