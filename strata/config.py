@@ -288,9 +288,9 @@ class EngineConfig:
     n_cpu_moe: int | None = None  # the first N MoE layers' routed experts in host RAM; None: as the memory plan fits
     # The CPU format of routed experts in RAM: float (the model dtype, exact) | int8 (a scale per row) | w8a8
     # (int8 weights and activations, a scale per token, oneDNN) | fbgemm (int8 weights, uint8 activations,
-    # FBGEMM) | compiled (w8a8's rows; a one-token step's layer in one kernel torch.compile generates)
-    # | int4 (groups of 32) | auto (float for float weights, else fbgemm where torch
-    # has it, else w8a8; int4 when host RAM cannot hold an int8 copy)
+    # FBGEMM) | compiled (int8 rows; a step's layer in one kernel torch.compile generates)
+    # | int4 (groups of 32) | auto (float for float weights, else compiled where there is a C++ compiler,
+    # else fbgemm where torch has it, else w8a8; int4 when host RAM cannot hold an int8 copy)
     host_experts: str = "auto"
     # Steps of this many tokens or more bring the routed experts held in RAM to the GPU (pinned, two layers
     # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. None: measured

@@ -12,7 +12,7 @@ Then whole layers as a decode step computes them (`HostExperts.forward`: T token
 distinct experts, the grouping and the weighted sum included) at the 30B-A3B and 80B-A3B expert shapes,
 for the int8 formats (fbgemm's calls from Python and, as the engine makes them, from TorchScript, "(ts)";
 compiled: a one-token step as one kernel torch.compile generates, more tokens as w8a8; the one-token
-step of fbgemm (ts) and compiled also with a quarter, half, three quarters and all of torch's threads):
+step of fbgemm (ts) also with a quarter, half, three quarters and all of torch's threads):
 milliseconds per layer and the distinct experts' bytes read per second.
 
     python benchmarks/kernels/host_expert_kernels.py [--layers-only]
@@ -64,7 +64,7 @@ def layers() -> None:
                 read = len(ids.unique()) * per_expert
                 print(f"layer {name} {label:11s} T={t:2d}: {sec * 1e3:6.2f} ms, {read / sec / 1e9:6.1f} GB/s of experts",
                       flush=True)
-            if scripted and fmt == "fbgemm" or fmt == "compiled":  # one token: does a smaller thread team pay?
+            if scripted and fmt == "fbgemm":  # a decode step's few small GEMMs: does a smaller thread team pay?
                 everyone = torch.get_num_threads()
                 x = torch.randn(1, h, generator=g)
                 ids = torch.randperm(e, generator=g)[:k][None]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import time
 import traceback
@@ -25,6 +24,7 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
+from strata.kernels.device import release_unused_memory
 from strata.models.moe import MoE
 from strata.params import SamplingParams
 
@@ -117,8 +117,7 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     free, total = torch.cuda.mem_get_info()
     row["driver_used_bytes"] = total - free
     del engine, moes
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_unused_memory()
     return row
 
 
@@ -167,6 +166,40 @@ def llamacpp_figures(paths: list[str], read_tokens: int) -> dict:
     return out
 
 
+def write(args, rows: list[dict], failures: list[dict], peer: dict, bandwidth: float, quiet: bool) -> None:
+    """The results file of the arms timed so far (and, unless `quiet`, their table)."""
+    if not rows:
+        return
+    best = max(rows, key=lambda r: r["decode_tok_s"])
+    cap = int(args.gpu_memory * 2**30) if args.gpu_memory else None
+    summary = {
+        "decode_tok_s": best["decode_tok_s"], "read_4096_tok_s": best["read_tok_s"], "host_experts": best["host_experts"],
+        "decode_over_llamacpp": best["decode_tok_s"] / peer["decode_tok_s"] if peer.get("decode_tok_s") else None,
+        "read_4096_over_llamacpp": best["read_tok_s"] / peer["read_tok_s"] if peer.get("read_tok_s") else None,
+        "peak_gpu_bytes": max(r["peak_gpu_bytes"] for r in rows), "gpu_memory_cap_bytes": cap,
+        "cap_held": None if cap is None else all(r["peak_gpu_bytes"] <= cap for r in rows),
+        "cpu_expert_bandwidth_fraction": best.get("cpu_expert_bandwidth_fraction"),
+        "stream_min_tokens": best.get("stream_min_tokens"),
+        "host_read_bandwidth_gb_s": bandwidth / 1e9,
+    }
+    info = {"bench": "offload", "model": args.model, "placement": "cpu-moe" if args.cpu_moe else
+            f"n-cpu-moe {args.n_cpu_moe}" if args.n_cpu_moe is not None else "memory plan",
+            "gpu": torch.cuda.get_device_name(), "read_tokens": args.read, "decode_tokens": args.tokens,
+            "spec": args.spec, "rows": rows, "failed": failures, "llamacpp": peer, "summary": summary}
+    save(info, args.out or f"bench/results/offload_{args.name}_cuda.json", draw)
+    if quiet:
+        return
+    print_tables([summary_table(f"experts in host RAM: {args.name} ({info['placement']})",
+                                [("CPU format", "host_experts", ""), ("decode tok/s", "decode_tok_s", ".1f"),
+                                 ("read tok/s", "read_tok_s", ".0f"),
+                                 ("CPU expert GB/s", "cpu_expert_read_gb_s", ".1f"),
+                                 ("of host BW", "cpu_expert_bandwidth_fraction", ".2f"),
+                                 ("peak GPU GiB", "peak_gpu_gib", ".2f")],
+                                [{**r, "peak_gpu_gib": r["peak_gpu_bytes"] / 2**30} for r in rows]
+                                + ([{"host_experts": "llama.cpp", **{k: v for k, v in peer.items() if k != "runs"}}]
+                                   if peer else []))])
+
+
 def draw(plt, info):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     labels = [r["host_experts"] for r in info["rows"]] + (["llama.cpp"] if info["llamacpp"] else [])
@@ -187,6 +220,7 @@ def run(args) -> int:
                         max_num_batched_tokens=args.read, chunk_size=args.read,
                         expert_stream_tokens=args.expert_stream_tokens)
     rows, failures = [], []
+    peer = llamacpp_figures([args.llamacpp, *args.llamacpp_more], args.read) if args.llamacpp else {}
     for label in args.formats:
         fmt, _, more = label.partition("+")
         if more not in ("", "graphs"):
@@ -200,8 +234,7 @@ def run(args) -> int:
             if isinstance(e, torch.OutOfMemoryError):
                 print(torch.cuda.memory_summary(abbreviated=True), flush=True)
             print(json.dumps(failures[-1]), flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_unused_memory()
             continue
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -209,40 +242,14 @@ def run(args) -> int:
         if eager is not None:  # the same engine's decode without its graphs: a row of its own
             kept = {k: v for k, v in row.items() if k != "crossover" and not k.startswith(("decode", "cpu_expert"))}
             rows.append({**kept, **eager, "host_experts": fmt, "same_engine_as": label})
-    for row in rows:
-        if "cpu_expert_read_gb_s" in row:
-            row["cpu_expert_bandwidth_fraction"] = row["cpu_expert_read_gb_s"] * 1e9 / bandwidth
+        for r in rows:
+            if "cpu_expert_read_gb_s" in r:
+                r["cpu_expert_bandwidth_fraction"] = r["cpu_expert_read_gb_s"] * 1e9 / bandwidth
+        # After every arm: a run cut short (a device call's limit) keeps the arms it finished.
+        write(args, rows, failures, peer, bandwidth, quiet=True)
     if not rows:
         raise SystemExit(f"every arm failed: {json.dumps(failures)}")
-    peer = llamacpp_figures([args.llamacpp, *args.llamacpp_more], args.read) if args.llamacpp else {}
-    best = max(rows, key=lambda r: r["decode_tok_s"])
-    cap = int(args.gpu_memory * 2**30) if args.gpu_memory else None
-    summary = {
-        "decode_tok_s": best["decode_tok_s"], "read_4096_tok_s": best["read_tok_s"], "host_experts": best["host_experts"],
-        "decode_over_llamacpp": best["decode_tok_s"] / peer["decode_tok_s"] if peer.get("decode_tok_s") else None,
-        "read_4096_over_llamacpp": best["read_tok_s"] / peer["read_tok_s"] if peer.get("read_tok_s") else None,
-        "peak_gpu_bytes": max(r["peak_gpu_bytes"] for r in rows), "gpu_memory_cap_bytes": cap,
-        "cap_held": None if cap is None else all(r["peak_gpu_bytes"] <= cap for r in rows),
-        "cpu_expert_bandwidth_fraction": best.get("cpu_expert_bandwidth_fraction"),
-        "stream_min_tokens": best.get("stream_min_tokens"),
-        "host_read_bandwidth_gb_s": bandwidth / 1e9,
-    }
-    info = {"bench": "offload", "model": args.model, "placement": "cpu-moe" if args.cpu_moe else
-            f"n-cpu-moe {args.n_cpu_moe}" if args.n_cpu_moe is not None else "memory plan",
-            "gpu": torch.cuda.get_device_name(), "read_tokens": args.read, "decode_tokens": args.tokens,
-            "spec": args.spec, "rows": rows, "failed": failures, "llamacpp": peer, "summary": summary}
-    out = args.out or f"bench/results/offload_{args.name}_cuda.json"
-
-    save(info, out, draw)
-    print_tables([summary_table(f"experts in host RAM: {args.name} ({info['placement']})",
-                                [("CPU format", "host_experts", ""), ("decode tok/s", "decode_tok_s", ".1f"),
-                                 ("read tok/s", "read_tok_s", ".0f"),
-                                 ("CPU expert GB/s", "cpu_expert_read_gb_s", ".1f"),
-                                 ("of host BW", "cpu_expert_bandwidth_fraction", ".2f"),
-                                 ("peak GPU GiB", "peak_gpu_gib", ".2f")],
-                                [{**r, "peak_gpu_gib": r["peak_gpu_bytes"] / 2**30} for r in rows]
-                                + ([{"host_experts": "llama.cpp", **{k: v for k, v in peer.items() if k != "runs"}}]
-                                   if peer else []))])
+    write(args, rows, failures, peer, bandwidth, quiet=False)
     return 0
 
 

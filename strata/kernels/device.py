@@ -14,6 +14,7 @@ to what fits the device's shared memory (`fit_stages`).
 
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -118,3 +119,20 @@ def using(spec_or_device) -> Iterator[DeviceSpec]:
         yield spec
     finally:
         _chosen.reset(token)
+
+
+def release_unused_memory() -> None:
+    """What this process holds on its GPU and no longer uses, given back: objects in reference cycles
+    (an engine built before), blocks in torch's cache, and cuBLAS's workspaces. Torch keeps one
+    workspace for each stream cuBLAS ran on (32 MiB on Hopper) until they are cleared, so a process that
+    built engines one after another, each with streams of its own, holds a gigabyte of them. Only where
+    no CUDA graph of this process lives on: a captured graph keeps the address of the workspace it ran
+    with (benchmark arms and tests call it between engines)."""
+    gc.collect()
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()

@@ -15,9 +15,9 @@ of torch's maintained CPU kernels reads (no hand-written SIMD):
   dynamic-quantized linear: the rows one expert takes are rounded to uint8 with one scale and zero
   point (a decode step's single token: per token), inside the kernel. Twice oneDNN's rate for a row
   on the hosts measured, so quantized files take it by default where torch has FBGEMM;
-- "compiled": the same int8 rows as w8a8; a step of one token runs the layer (every chosen expert's
-  gate|up, the activation, down and the weighted sum) as one kernel that torch.compile generates
-  (`strata.kernels.host_moe`), steps of more tokens take w8a8's path;
+- "compiled": the same int8 rows as w8a8, activations in fp32; a step runs the layer (every (token,
+  expert) pair's gate|up, the activation, down and the weighted sum) as one kernel that torch.compile
+  generates (`strata.kernels.host_moe`); where it cannot be built (no C++ compiler), w8a8's path;
 - "int4": int4 in groups of 32 values with a scale and an offset per group, through
   `torch._weight_int4pack_mm_for_cpu`: half the RAM of int8, the default only where RAM cannot hold int8.
 
@@ -45,7 +45,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.host_moe import one_token_moe
+from strata.kernels.host_moe import one_token_moe, pairs_moe
 
 FORMATS = ("float", "int8", "w8a8", "fbgemm", "compiled", "int4")
 INT8_ROWS = ("int8", "w8a8", "compiled")  # formats held as int8 [E, N, K] with a scale per row
@@ -377,12 +377,8 @@ class HostExperts:
                  ) -> torch.Tensor:
         t, k = ids.shape
         flat = ids.reshape(-1)
-        if t == 1 and self.fmt == "compiled" and (layer := one_token_moe()) is not None:
-            self.bytes_read += k * (self.gate_up.nbytes + self.down.nbytes) // self.num_experts
-            g, d = self.gate_up, self.down
-            y = layer(x.float(), flat, weights.reshape(-1).float(), g.w.view(-1, g.k), g.scale.view(-1),
-                      d.w.view(-1, d.k), d.scale.view(-1))
-            return y if out is None else out.copy_(y)
+        if self.fmt == "compiled" and (y := self._compiled(x, flat, weights, out)) is not None:
+            return y
         if t == 1:  # one token: its k experts, no sort
             groups = [(e, slice(j, j + 1)) for j, e in enumerate(flat.tolist())]
             xs = self.gate_up.prepare(x)
@@ -416,6 +412,28 @@ class HostExperts:
             return torch.sum(y, dim=0, keepdim=True, out=out)
         out.zero_()
         return out.index_add_(0, token_of, y)
+
+    def _compiled(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
+                  ) -> torch.Tensor | None:
+        """The compiled format's step: one generated kernel for the layer (`strata.kernels.host_moe`), or
+        None where it cannot be built here."""
+        t, k = x.shape[0], flat.shape[0] // x.shape[0]
+        g, d = self.gate_up, self.down
+        planes = (g.w.view(-1, g.k), g.scale.view(-1), d.w.view(-1, d.k), d.scale.view(-1))
+        if t == 1:
+            if (kernel := one_token_moe()) is None:
+                return None
+            y = kernel(x.float(), flat, weights.reshape(-1).float(), *planes)
+            self.bytes_read += k * (g.nbytes + d.nbytes) // self.num_experts
+            return y if out is None else out.copy_(y)
+        token_of = torch.arange(t).repeat_interleave(k)
+        y = pairs_moe(x.float().index_select(0, token_of), flat, weights.reshape(-1).float(), *planes)
+        if y is None:
+            return None
+        self.bytes_read += len(flat.unique()) * (g.nbytes + d.nbytes) // self.num_experts
+        if out is None:
+            out = torch.empty(t, y.shape[1], dtype=torch.float32)
+        return out.zero_().index_add_(0, token_of, y)
 
 
 NEVER = 1 << 30  # a step size no step reaches: the CPU computes every step

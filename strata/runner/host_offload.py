@@ -23,7 +23,7 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
     moes = [m for m in model.modules() if isinstance(m, MoE) and m.host is not None]
     if not moes or device.type != "cuda":
         return None, None
-    warm_one_token_steps(moes, mc.num_experts_per_tok)
+    warm_compiled_steps(moes, mc.num_experts_per_tok)
     chunk = cfg.max_num_batched_tokens or 2048
     streams = cfg.expert_stream_tokens != 0 and all(m.host.stream is not None for m in moes)
     streamer = ExpertStreamer(moes, device) if streams else None
@@ -49,9 +49,9 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
     return pool, streamer
 
 
-def warm_one_token_steps(moes: list[MoE], k: int) -> None:
-    """A one-token step through each distinct layer shape of the compiled format, so its kernel is
-    generated at start-up, not in the first request."""
+def warm_compiled_steps(moes: list[MoE], k: int) -> None:
+    """A step of one token and one of two through each distinct layer shape of the compiled format, so
+    its kernels are generated at start-up, not in the first requests."""
     seen = set()
     for m in moes:
         host = m.host
@@ -61,9 +61,10 @@ def warm_one_token_steps(moes: list[MoE], k: int) -> None:
         seen.add(shape)
         t0 = time.perf_counter()
         seconds, read = host.seconds, host.bytes_read
-        host.forward(torch.zeros(1, host.gate_up.k), torch.arange(k)[None], torch.ones(1, k))
+        for t in (1, 2):
+            host.forward(torch.zeros(t, host.gate_up.k), torch.arange(k).repeat(t, 1), torch.ones(t, k))
         host.seconds, host.bytes_read = seconds, read
-        log.info("one-token expert kernel for %d experts of %d x %d generated in %.1f s", *shape,
+        log.info("compiled expert kernels for %d experts of %d x %d generated in %.1f s", *shape,
                  time.perf_counter() - t0)
 
 

@@ -14,6 +14,7 @@ from strata.kvcache.pool import kv_bytes_per_token
 from strata.kvcache.tier import tier_tokens
 from strata.engine.types import EngineRequest
 from strata.loaders import default_model_path, host_format, read_checkpoint
+from strata.kernels.host_moe import has_cpp_compiler
 from strata.models.host_experts import has_fbgemm
 from strata.memory_plan import MiB, PlanError
 from strata.models.moe import MoE
@@ -56,7 +57,7 @@ def test_n_cpu_moe_places_the_first_layers(plain):
     assert out == plain
 
 
-@pytest.mark.parametrize("fmt", ["int8", "w8a8", "fbgemm"])
+@pytest.mark.parametrize("fmt", ["int8", "w8a8", "fbgemm", "compiled"])
 def test_int8_experts_stay_close(plain, fmt):
     if fmt == "fbgemm" and not has_fbgemm():
         pytest.skip("torch has no FBGEMM here")
@@ -68,7 +69,7 @@ def test_int8_experts_stay_close(plain, fmt):
 
 def test_auto_format_follows_the_stored_type_and_the_room():
     assert host_format("BF16", [(64, 32)]) == "float"
-    int8 = "fbgemm" if has_fbgemm() else "w8a8"
+    int8 = "compiled" if has_cpp_compiler() else "fbgemm" if has_fbgemm() else "w8a8"
     assert host_format("Q8_0", [(64, 32)]) == int8 and host_format("IQ3_S", [(64, 64), (64, 32)]) == int8
     assert host_format("IQ3_S", [(64, 64), (64, 32)], int8_fits=False) == "int4"
     assert host_format("Q4_K", [(24, 64)], int8_fits=False) == int8  # rows not in tiles of 16: no int4

@@ -1,11 +1,11 @@
-"""The one-token expert kernel torch.compile generates (strata/kernels/host_moe.py) against its eager
-definition and against the dequantized float math, on fresh random int8 rows."""
+"""The expert kernels torch.compile generates (strata/kernels/host_moe.py) against their eager
+definitions and against the dequantized float math, on fresh random int8 rows."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.host_moe import one_token_moe, one_token_moe_ref
+from strata.kernels.host_moe import one_token_moe, one_token_moe_ref, pairs_moe, pairs_moe_ref
 
 
 def _layer(seed, e, h, inter):
@@ -36,3 +36,21 @@ def test_compiled_kernel_is_its_definition(e, h, inter, k):
         down_rows = slice(ex * h, (ex + 1) * h)
         want += wts[j] * ((F.silu(gate) * up) @ (w2[down_rows].float() * s2[down_rows, None]).t())
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_pairs_kernel_serves_every_pair_count():
+    """Steps of different sizes through one kernel (the pair count is a size of it, not a constant),
+    each pair's rows weighted by its own weight, pairs of one expert side by side or apart."""
+    if one_token_moe() is None:
+        pytest.skip("torch.compile cannot build for this host")
+    e, h, inter = 6, 48, 32
+    g, w13, s13, w2, s2 = _layer(11, e, h, inter)
+    for p in (3, 8, 13):
+        xs = torch.randn(p, h, generator=g)
+        ids = torch.randint(0, e, (p,), generator=g)
+        wts = torch.rand(p, generator=g)
+        got = pairs_moe(xs, ids, wts, w13, s13, w2, s2)
+        torch.testing.assert_close(got, pairs_moe_ref(xs, ids, wts, w13, s13, w2, s2), rtol=1e-5, atol=1e-6)
+        for q in range(p):
+            alone = one_token_moe_ref(xs[q:q + 1], ids[q:q + 1], wts[q:q + 1], w13, s13, w2, s2)
+            torch.testing.assert_close(got[q:q + 1], alone, rtol=1e-5, atol=1e-6)

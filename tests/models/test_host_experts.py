@@ -87,11 +87,10 @@ def test_int4_needs_row_tiles_and_groups():
 
 @pytest.mark.parametrize("t", [1, 7])
 @pytest.mark.parametrize("fmt,tol", [("float", 1e-5), ("int8", 1e-5), ("w8a8", 3e-2), ("fbgemm", 3e-2), ("int4", 1e-5),
-                                     ("compiled", 3e-2)])
+                                     ("compiled", 1e-5)])
 def test_grouped_forward_matches_a_loop_over_tokens(fmt, tol, t):
     """Each format against a per-(token, expert) loop over the weights it holds (w8a8 and fbgemm also
-    round the activations, hence their tolerance; compiled rounds them where a step has more than one
-    token, and its one-token kernel is held to fp32 rounding below)."""
+    round the activations, hence their tolerance)."""
     if fmt == "fbgemm" and not has_fbgemm():
         pytest.skip("torch has no FBGEMM here")
     e, h, inter, k = 6, 64, 32, 2
@@ -130,23 +129,26 @@ def test_fbgemm_steps_from_torchscript_give_the_calls_from_python_to_the_bit(t):
     assert torch.equal(host.forward(x, ids, wts), scripted)
 
 
-def test_compiled_one_token_step_is_the_int8_rows_in_fp32():
-    """A one-token step of the compiled format runs its layer as one generated kernel with float
-    activations: the int8 format's result (the same rows and scales) to fp32 rounding, into `out`."""
+@pytest.mark.parametrize("t", [1, 3, 6])
+def test_compiled_steps_are_the_int8_rows_in_fp32(t):
+    """A step of the compiled format runs its layer as one generated kernel with float activations: the
+    int8 format's result (the same rows and scales) to fp32 rounding, into `out`."""
     if one_token_moe() is None:
         pytest.skip("torch.compile cannot build for this host")
     e, h, inter, k = 9, 96, 48, 3
     w13 = torch.randn(e, 2 * inter, h, generator=_gen(90)) / h**0.5
     w2 = torch.randn(e, h, inter, generator=_gen(91)) / inter**0.5
     compiled, int8 = HostExperts.from_stacks(w13, w2, "compiled"), HostExperts.from_stacks(w13, w2, "int8")
-    x, wts = torch.randn(1, h, generator=_gen(92)), torch.rand(1, k, generator=_gen(93))
+    x, wts = torch.randn(t, h, generator=_gen(92)), torch.rand(t, k, generator=_gen(93))
+    experts = 0
     for seed in range(3):  # fresh experts each step: one compiled kernel serves every choice
-        ids = torch.randperm(e, generator=_gen(94 + seed))[:k][None]
-        buf = torch.full((2, h), float("nan"))
-        got = compiled.forward(x, ids, wts, out=buf[:1])
+        ids = torch.stack([torch.randperm(e, generator=_gen(94 + 7 * seed + i))[:k] for i in range(t)])
+        buf = torch.full((t + 1, h), float("nan"))
+        got = compiled.forward(x, ids, wts, out=buf[:t])
         assert got.data_ptr() == buf.data_ptr()
         torch.testing.assert_close(got, int8.forward(x, ids, wts), rtol=1e-5, atol=1e-5)
-    assert compiled.bytes_read == 3 * k * (compiled.gate_up.nbytes + compiled.down.nbytes) // e
+        experts += len(ids.unique())
+    assert compiled.bytes_read == experts * (compiled.gate_up.nbytes + compiled.down.nbytes) // e
 
 
 def test_unknown_format_is_refused():
