@@ -155,7 +155,7 @@ step() {  # name, seconds, command...
           $R/llamacpp_offload.json $R/llamacpp_offload_ub4096.json"
         N=qwen3-30b-a3b-q8_0-${OFFLOAD_LAYERS:-48}l
         step offload-strata 900 $BI offload --model /tmp/moe_Q8_0.gguf --name $N --cpu-moe \
-          --formats ${OFFLOAD_FORMATS:-fbgemm,fbgemm+graphs,w8a8,w8a8+graphs} --crossover 2,4,8,16,32,64 $PEER_ARGS --out $R/offload_${N}_cuda.json ;;
+          --formats ${OFFLOAD_FORMATS:-compiled+graphs,fbgemm+graphs} --crossover 2,4,8,16,32,64 $PEER_ARGS --out $R/offload_${N}_cuda.json ;;
       # Qwen3-Next-80B-A3B, all 48 layers, IQ3_S, under a 16 GiB cap: Strata's memory plan against llama.cpp's
       # automatic fit to 16 GiB (-fitt: all but 16 GiB of the card left free) and the same explicit --n-cpu-moe.
       offload-next-gguf)
