@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import shutil
 
 import torch
@@ -30,8 +29,8 @@ log = logging.getLogger("strata")
 
 
 def has_cpp_compiler() -> bool:
-    """Whether torch.compile's C++ backend finds a compiler here (its $CXX, else g++ or clang++)."""
-    return any((os.environ.get("CXX"), shutil.which("g++"), shutil.which("clang++"), shutil.which("c++")))
+    """Whether a C++ compiler torch.compile's C++ backend can use is on the PATH."""
+    return any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++"))
 
 
 def pairs_moe_ref(xs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,

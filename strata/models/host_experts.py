@@ -426,8 +426,9 @@ class HostExperts:
             y = kernel(x.float(), flat, weights.reshape(-1).float(), *planes)
             self.bytes_read += k * (g.nbytes + d.nbytes) // self.num_experts
             return y if out is None else out.copy_(y)
-        token_of = torch.arange(t).repeat_interleave(k)
-        y = pairs_moe(x.float().index_select(0, token_of), flat, weights.reshape(-1).float(), *planes)
+        order = torch.argsort(flat, stable=True)  # pairs of one expert side by side: its rows stay in cache
+        token_of = order // k
+        y = pairs_moe(x.float().index_select(0, token_of), flat[order], weights.reshape(-1).float()[order], *planes)
         if y is None:
             return None
         self.bytes_read += len(flat.unique()) * (g.nbytes + d.nbytes) // self.num_experts
