@@ -14,10 +14,12 @@ of torch's maintained CPU kernels reads (no hand-written SIMD):
 - "fbgemm": the same int8 weights packed for FBGEMM (torch's x86 quantized backend), through its
   dynamic-quantized linear: the rows one expert takes are rounded to uint8 with one scale and zero
   point (a decode step's single token: per token), inside the kernel. Twice oneDNN's rate for a row
-  on the hosts measured, so quantized files take it by default where torch has FBGEMM;
+  on the hosts measured: quantized files take it by default where there is no C++ compiler;
 - "compiled": the same int8 rows as w8a8, activations in fp32; a step runs the layer (every (token,
   expert) pair's gate|up, the activation, down and the weighted sum) as one kernel that torch.compile
-  generates (`strata.kernels.host_moe`); where it cannot be built (no C++ compiler), w8a8's path;
+  generates (`strata.kernels.host_moe`): a decode step's layer in three quarters of FBGEMM's time on
+  the H100's host, so quantized files take it by default where a C++ compiler is found; where the
+  kernel cannot be built, w8a8's path;
 - "int4": int4 in groups of 32 values with a scale and an offset per group, through
   `torch._weight_int4pack_mm_for_cpu`: half the RAM of int8, the default only where RAM cannot hold int8.
 
