@@ -11,7 +11,7 @@ expert and the expert bytes read per second.
 Then whole layers as a decode step computes them (`HostExperts.forward`: T tokens, each routed to k
 distinct experts, the grouping and the weighted sum included) at the 30B-A3B and 80B-A3B expert shapes,
 for the int8 formats (fbgemm's calls from Python and, as the engine makes them, from TorchScript, "(ts)";
-compiled: a one-token step as one kernel torch.compile generates, more tokens as w8a8; the one-token
+compiled: a step's layer as one kernel torch.compile generates, for one token or many; the one-token
 step of fbgemm (ts) also with a quarter, half, three quarters and all of torch's threads):
 milliseconds per layer and the distinct experts' bytes read per second.
 

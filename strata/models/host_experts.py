@@ -51,6 +51,9 @@ from strata.kernels.host_moe import one_token_moe, pairs_moe
 
 FORMATS = ("float", "int8", "w8a8", "fbgemm", "compiled", "int4")
 INT8_ROWS = ("int8", "w8a8", "compiled")  # formats held as int8 [E, N, K] with a scale per row
+# Of those, the ones whose per-expert path rounds each token's activations to int8 (`torch._int_mm`);
+# compiled takes it only where its generated kernels cannot be built.
+INT8_TOKENS = ("w8a8", "compiled")
 INT4_GROUP = 32
 # The int4 CPU kernel packs rows in tiles of 16 and groups of INT4_GROUP values: shapes it can take.
 INT4_ROW_TILE = 16
@@ -235,8 +238,8 @@ class HostProjection:
         return self.mm(e, torch.eye(self.k)).t().contiguous()
 
     def prepare(self, x: torch.Tensor):
-        """The rows of every pair of a step, once: w8a8 (and compiled) rounds them to int8 here."""
-        if self.fmt in ("w8a8", "compiled"):
+        """The rows of every pair of a step, once: w8a8's path rounds them to int8 here."""
+        if self.fmt in INT8_TOKENS:
             return int8_tokens(x)
         return x.to(self.w.dtype) if self.fmt == "float" else x.float()
 
@@ -245,7 +248,7 @@ class HostProjection:
         indexing the stacks anew costs more than a decode step's small GEMMs on a fast host."""
         if getattr(self, "_views_of", None) is not self.w:
             w = list(self.w.unbind(0))
-            self._views = ([v.t() for v in w] if self.fmt in ("w8a8", "compiled") else w,
+            self._views = ([v.t() for v in w] if self.fmt in INT8_TOKENS else w,
                            list(self.scale.unbind(0)) if self.fmt in INT8_ROWS else [])
             self._views_of = self.w
         return self._views
@@ -259,7 +262,7 @@ class HostProjection:
             x = x if rows is None else x[rows]
             return torch.ops.quantized.linear_dynamic(x.float(), self.packed[e], FBGEMM_REDUCE_RANGE)
         w, scale = self._expert_views()
-        if self.fmt in ("w8a8", "compiled"):
+        if self.fmt in INT8_TOKENS:
             q, s = x if isinstance(x, tuple) else int8_tokens(x)
             if rows is not None:
                 q, s = q[rows], s[rows]
