@@ -46,6 +46,11 @@ step() {  # name, seconds, command...
   echo "--- $name: rc $rc in $((SECONDS - t0)) s"
   tar czf "$OUT/results.tgz" -C "$R" .  # after every step: a call cut short still brings back what ran
 }
+wait_next_gguf() {  # llama.cpp built and the 80B file written (offload-next-gguf), at most 15 minutes
+  local t0=$SECONDS
+  while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/next_gguf ]; do [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
+  tail -n 3 /tmp/peer/next_gguf.log; ls -la /tmp/next_IQ3_S.gguf; free -g | head -2
+}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
@@ -158,15 +163,13 @@ step() {  # name, seconds, command...
           --formats ${OFFLOAD_FORMATS:-compiled+graphs,fbgemm+graphs} --crossover 2,4,8,16,32,64 $PEER_ARGS --out $R/offload_${N}_cuda.json ;;
       # Qwen3-Next-80B-A3B, all 48 layers, IQ3_S, under a 16 GiB cap: Strata's memory plan against llama.cpp's
       # automatic fit to 16 GiB (-fitt: all but 16 GiB of the card left free) and the same explicit --n-cpu-moe.
-      offload-next-gguf)
-        mkdir -p /tmp/peer
+      offload-next-gguf)  # the disk holds the 80B file or the 30B one: this step removes the 30B one
+        mkdir -p /tmp/peer; rm -f /tmp/moe_Q8_0.gguf
         setsid nohup bash -c "python3 scripts/next_gguf.py /tmp/next_IQ3_S.gguf --shape qwen3-next-80b-a3b --type IQ3_S \
           --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf; touch /tmp/peer/next_gguf" >/tmp/peer/next_gguf.log 2>&1 </dev/null &
         echo "80B IQ3_S GGUF write started" ;;
       offload-next)
-        t0=$SECONDS; while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/next_gguf ]; do
-          [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
-        tail -n 3 /tmp/peer/next_gguf.log; ls -la /tmp/next_IQ3_S.gguf; free -g | head -2
+        wait_next_gguf
         FITT=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) - 16384 ))
         # The card's memory in use every half second while the fitted run goes: its peak is llama.cpp's VRAM use.
         step offload-next-llamacpp 500 bash -c "(while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; \
@@ -174,9 +177,8 @@ step() {  # name, seconds, command...
           /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 \
           -fitt $FITT -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload_next_fit.json; kill \$W; \
           echo fitted run: peak VRAM \$(sort -n $R/llamacpp_offload_next_fit_vram.txt | tail -1) MiB; \
-          [ -n \"${NEXT_SKIP_NCMOE:-}\" ] || /tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 -ncmoe ${NEXT_NCMOE:-36} -p 4096 -n 64 -r 2 \
-          -o json > $R/llamacpp_offload_next_ncmoe.json; cat $R/llamacpp_offload_next_*.json | grep -E 'n_cpu_moe|avg_ts|n_prompt|n_gen'"
-        # NEXT_FORMATS: auto+graphs for decode graphs in pieces (the same engine's eager decode is timed too).
+          grep -E 'avg_ts|n_prompt|n_gen' $R/llamacpp_offload_next_fit.json"
+        # NEXT_FORMATS: compiled+graphs for decode graphs in pieces (the same engine's eager decode is timed too).
         step offload-next-strata 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
           --gpu-memory 16 --formats ${NEXT_FORMATS:-auto} --llamacpp $R/llamacpp_offload_next_fit.json \
           --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
@@ -184,11 +186,17 @@ step() {  # name, seconds, command...
         [ -f $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ] || [ "${NEXT_FORMATS:-auto}" = "${NEXT_FORMATS//+graphs/}" ] \
           || step offload-next-strata-eager 900 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g \
           --gpu-memory 16 --formats ${NEXT_FORMATS//+graphs/} \
-          --llamacpp $R/llamacpp_offload_next_fit.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
-        # The same placement in both engines: llama.cpp's -ncmoe and Strata's --n-cpu-moe (NEXT_SKIP_NCMOE=1: not run).
-        [ -n "${NEXT_SKIP_NCMOE:-}" ] || step offload-next-ncmoe 600 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36} \
-          --gpu-memory 16 --n-cpu-moe ${NEXT_NCMOE:-36} --formats auto --llamacpp $R/llamacpp_offload_next_ncmoe.json \
-          --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g-ncmoe${NEXT_NCMOE:-36}_cuda.json ;;
+          --llamacpp $R/llamacpp_offload_next_fit.json --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ;;
+      # The same placement in both engines: llama.cpp's -ncmoe and Strata's --n-cpu-moe, NEXT_NCMOE layers.
+      offload-next-ncmoe)
+        wait_next_gguf
+        K=${NEXT_NCMOE:-36}
+        step offload-next-llamacpp-ncmoe 300 bash -c "/tmp/llama/build/bin/llama-bench -m /tmp/next_IQ3_S.gguf -ngl 99 -fa 1 \
+          -ncmoe $K -p 4096 -n 64 -r 2 -o json > $R/llamacpp_offload_next_ncmoe.json; \
+          grep -E 'n_cpu_moe|avg_ts|n_prompt|n_gen' $R/llamacpp_offload_next_ncmoe.json"
+        step offload-next-strata-ncmoe 600 $BI offload --model /tmp/next_IQ3_S.gguf --name qwen3-next-80b-a3b-iq3_s-16g-ncmoe$K \
+          --gpu-memory 16 --n-cpu-moe $K --formats ${NEXT_FORMATS:-auto} --llamacpp $R/llamacpp_offload_next_ncmoe.json \
+          --out $R/offload_qwen3-next-80b-a3b-iq3_s-16g-ncmoe${K}_cuda.json ;;
       # The same 80B file with its MTP layer (llama.cpp refuses such a file, and the disk holds one of
       # them): Strata alone under the same cap, with --spec 3 (random weights: it shows the seed's
       # configuration starting and serving, not what speculation buys).
@@ -202,8 +210,7 @@ step() {  # name, seconds, command...
       # llama-server with every K/V in RAM (-nkvo) timing one KV_NEXT_CONTEXT-token prompt and its decode, then
       # Strata's resident window on the same file and ids; then a 262,144-token context read and decoded.
       kv-tier-next)
-        t0=$SECONDS; while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/next_gguf ]; do
-          [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
+        wait_next_gguf
         C=${KV_NEXT_CONTEXT:-130944}; NKVO=$R/llamacpp_nkvo_next.json
         # KV_NEXT_ONLY_262K=1: the 262,144-token context alone, no llama.cpp (its -nkvo read of 128K runs
         # 15-30 minutes). Beside llama.cpp both engines keep the first NEXT_NCMOE layers' experts in RAM;

@@ -23,6 +23,7 @@ from strata.bench.results import save
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
+from strata.kernels.device import release_unused_memory
 from strata.params import SamplingParams
 
 
@@ -100,6 +101,10 @@ def _arm(args, ids: list[int], **kw) -> dict:
                                         time.monotonic()))
             e.run_to_completion()
             res["alloc_growth_bytes"] = torch.cuda.memory_stats(e.device)["reserved_bytes.all.current"] - before
+    # The next arm's engine sizes its pool from the memory this one leaves free: give it all back.
+    e.close()
+    del e
+    release_unused_memory()
     return res
 
 
