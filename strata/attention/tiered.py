@@ -27,6 +27,7 @@ real positions: the same keys, values and arithmetic as without the tier, so the
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -126,6 +127,8 @@ class TieredAttention(AttentionBackend):
         self.streamed: list[int] = []  # indices into spans of those streamed
         self.tables: torch.Tensor | None = None  # the step's device block tables (shifted), as the inner's
         self.host_rows_total = 0
+        # Wall time of the host parts attended on the CPU, the wait for their rows included.
+        self.host_seconds_total = 0.0
         self.invariant = bool(getattr(inner, "batch_invariant", False))
         self.whole_pool = self.whole = None
         self.whole_sequences_total = 0
@@ -203,6 +206,13 @@ class TieredAttention(AttentionBackend):
         return o
 
     def _on_host(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
+        t0 = time.perf_counter()
+        try:
+            return self._host_part(layer, q, blocks, tokens)
+        finally:
+            self.host_seconds_total += time.perf_counter() - t0
+
+    def _host_part(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
         if self.cpu_kernels is not None:
             o, lse = self._span_parts(layer, q.to(self.host_pool.device, torch.float32).contiguous(), blocks, tokens)
         else:

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from strata.attention.tiered import TieredAttention
 from strata.bench.results import save
 from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
@@ -68,6 +69,8 @@ def _vocab_size(args) -> int:
 def _arm(args, ids: list[int], **kw) -> dict:
     """Read `ids`, then decode `--decode` tokens: read and decode tok/s."""
     e = _engine(args, **kw)
+    tiered = e.runner.attn if isinstance(e.runner.attn, TieredAttention) else None
+    host_at_first = None
     _sync(e.device)
     t0 = time.perf_counter()
     e.add_request(EngineRequest("read", tuple(ids), SamplingParams(max_tokens=args.decode, ignore_eos=True),
@@ -80,9 +83,14 @@ def _arm(args, ids: list[int], **kw) -> dict:
             if first is None and ev.token_ids:
                 _sync(e.device)
                 first = time.perf_counter()
+        if first is not None and host_at_first is None:
+            host_at_first = tiered.host_seconds_total if tiered is not None else 0.0
     _sync(e.device)
     end = time.perf_counter()
     res = {"read_tok_s": len(ids) / (first - t0), "decode_tok_s": (args.decode - 1) / (end - first)}
+    if tiered is not None:
+        # The decode's time in the host part on the CPU (each step's wait for its rows included).
+        res["decode_host_attention_s_per_token"] = (tiered.host_seconds_total - host_at_first) / (args.decode - 1)
     if kw.get("kv_resident") is not None:
         res["blocks_moved"] = e.stats().kv_blocks_moved_total
         if e.cfg.prefix_cache:  # a hybrid model runs without it: no prefix to find

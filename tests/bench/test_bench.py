@@ -129,6 +129,8 @@ def test_bench_kv_tier_moves_blocks_and_hits_the_host_prefix(tmp_path):
     assert info["tier"]["blocks_moved"] > 0
     # The second request finds all but the last block of the prompt, from the host tier.
     assert info["tier"]["host_prefix_cached_tokens"] >= 1200 - 16
+    # Every decode step attends a host part: its time on the CPU is counted, and is part of the step's.
+    assert 0 < info["tier"]["decode_host_attention_s_per_token"] < 1 / info["tier"]["decode_tok_s"]
     assert set(info["summary"]) >= {"decode_1k_over_all_gpu", "host_prefix_ttft_over_reread", "alloc_growth_bytes"}
 
 
