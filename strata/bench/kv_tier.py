@@ -14,7 +14,9 @@ the same context on the same machine. JSON (+ PNG) under bench/results/.
 
 from __future__ import annotations
 
+import cProfile
 import json
+import pstats
 import time
 
 import torch
@@ -71,6 +73,7 @@ def _arm(args, ids: list[int], **kw) -> dict:
     e = _engine(args, **kw)
     tiered = e.runner.attn if isinstance(e.runner.attn, TieredAttention) else None
     host_at_first = None
+    profiler = cProfile.Profile() if args.profile else None
     _sync(e.device)
     t0 = time.perf_counter()
     e.add_request(EngineRequest("read", tuple(ids), SamplingParams(max_tokens=args.decode, ignore_eos=True),
@@ -85,8 +88,14 @@ def _arm(args, ids: list[int], **kw) -> dict:
                 first = time.perf_counter()
         if first is not None and host_at_first is None:
             host_at_first = tiered.host_seconds_total if tiered is not None else 0.0
+            if profiler is not None:
+                profiler.enable()
     _sync(e.device)
     end = time.perf_counter()
+    if profiler is not None:
+        profiler.disable()
+        print(f"the {'tier' if tiered is not None else 'all-device'} arm's decode, by cumulative time:", flush=True)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     res = {"read_tok_s": len(ids) / (first - t0), "decode_tok_s": (args.decode - 1) / (end - first)}
     if tiered is not None:
         # The decode's time in the host part on the CPU (each step's wait for its rows included).
@@ -197,6 +206,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resident", type=int, default=1024, help="--kv-resident of the tier arm")
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--chunk", type=int, default=None)
+    p.add_argument("--profile", action="store_true", help="print where each arm's decode spends its time (cProfile)")
     p.add_argument("--llamacpp", default=None, help="JSON of llama.cpp -nkvo figures on the same machine")
     p.add_argument("--no-alloc-check", dest="alloc_check", action="store_false",
                    help="leave out the allocator check (a second read of the whole context, reversed)")
