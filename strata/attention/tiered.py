@@ -18,6 +18,12 @@ is unchanged), and names its host part with `set_host`. Each layer:
 On the CPU both ways run the same code with the "device" being the CPU. Nothing here allocates device
 memory per step beyond the torch reference's temporaries: the streaming buffers are made at start-up.
 
+Decode steps with a host part can still replay CUDA graphs, in pieces (`strata.runner.graph_pieces`):
+captured with a `graph_cut`, each layer queues its device part and the copy of its rows down to pinned
+memory, and cuts the graph there; at replay the host part attends the step's spans on the CPU into
+pinned outputs (rows without a host part get lse -inf, which the merge gives no weight), and the next
+piece starts with their copy up and the merge of every row.
+
 With a batch-invariant inner backend (`--batch-invariant`) a merge would make a row's bits depend on
 where its sequence's host part ends, which follows the schedule. So each tiered sequence is instead
 assembled whole, per layer, into a one-layer pool of the device pool's storage (host blocks first,
@@ -57,11 +63,12 @@ def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
     """Attention over two disjoint key sets from each's normalised output and log-sum-exp ([Q, H, D],
-    [Q, H]); fp32. Either part may be empty (lse -inf)."""
+    [Q, H]); fp32. Either part may be empty (lse -inf), or both (zeros)."""
     m = torch.maximum(lse1, lse2)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    return (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+    # Both empty (a graph's padding row): 0, not 0 / 0.
+    return (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2).clamp_min(1e-30)[..., None]
 
 
 class _Stage:
@@ -127,8 +134,12 @@ class TieredAttention(AttentionBackend):
         self.streamed: list[int] = []  # indices into spans of those streamed
         self.tables: torch.Tensor | None = None  # the step's device block tables (shifted), as the inner's
         self.host_rows_total = 0
-        # Wall time of the host parts attended on the CPU, the wait for their rows included.
+        # Wall time of the host parts attended on the CPU (in eager steps the wait for their rows too).
         self.host_seconds_total = 0.0
+        # Set by the runner while it captures graphs in pieces (`GraphCutter`); the pinned rows of those
+        # pieces' host parts (`reserve_graph_rows`).
+        self.graph_cut = None
+        self.cut_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.invariant = bool(getattr(inner, "batch_invariant", False))
         self.whole_pool = self.whole = None
         self.whole_sequences_total = 0
@@ -191,6 +202,8 @@ class TieredAttention(AttentionBackend):
             self._step += 1
 
     def attend(self, layer, q, k, v):
+        if self.graph_cut is not None and self.graph_cut.capturing:
+            return self._attend_cut(layer, q, k, v)
         if not self.spans:
             return self.inner.attend(layer, q, k, v)
         if self.invariant:
@@ -208,17 +221,48 @@ class TieredAttention(AttentionBackend):
     def _on_host(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
         t0 = time.perf_counter()
         try:
-            return self._host_part(layer, q, blocks, tokens)
+            o, lse = self._rows_on_host(layer, q.to(self.host_pool.device, torch.float32).contiguous(), blocks, tokens)
+            return o.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
         finally:
             self.host_seconds_total += time.perf_counter() - t0
 
-    def _host_part(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
+    def _rows_on_host(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
+        """Rows q (fp32, contiguous, in host memory) over a host part: (o, lse) in host memory."""
         if self.cpu_kernels is not None:
-            o, lse = self._span_parts(layer, q.to(self.host_pool.device, torch.float32).contiguous(), blocks, tokens)
-        else:
-            k, v = self.host_pool.gather_blocks(layer, blocks[None], tokens, torch.float32)
-            o, lse = attend_all(q.to(self.host_pool.device), k[0], v[0], self.scale)
-        return o.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
+            return self._span_parts(layer, q, blocks, tokens)
+        k, v = self.host_pool.gather_blocks(layer, blocks[None], tokens, torch.float32)
+        return attend_all(q, k[0], v[0], self.scale)
+
+    # ---- graphs in pieces ----------------------------------------------------------------------------
+    def reserve_graph_rows(self, rows: int, num_q_heads: int) -> None:
+        """The pinned rows (q down; o and lse up) of graph pieces' host parts, for steps of up to `rows`
+        rows. Made before any capture: no host memory is pinned while a graph is captured."""
+        pin, d = self.device.type == "cuda", self.host_pool.head_dim
+        self.cut_bufs = (torch.zeros(rows, num_q_heads, d, pin_memory=pin), torch.zeros(rows, num_q_heads, d, pin_memory=pin),
+                         torch.full((rows, num_q_heads), float("-inf"), pin_memory=pin))
+
+    def _attend_cut(self, layer, q, k, v):
+        """Under a graph capture: the device part and the rows' copy down end the piece; the host part
+        attends the replayed step's spans; the next piece merges every row with what came back up."""
+        if self.cut_bufs is None or q.shape[0] > self.cut_bufs[0].shape[0]:
+            raise RuntimeError("a tiered graph captured with more rows than reserve_graph_rows made room for")
+        o, lse = self.inner.attend_lse(layer, q, k, v)
+        t = q.shape[0]
+        q_h, o_h, lse_h = (b[:t] for b in self.cut_bufs)
+        q_h.copy_(q.float(), non_blocking=True)
+
+        def host_part(rows: int | None) -> None:
+            t0 = time.perf_counter()
+            o_h.zero_()
+            lse_h.fill_(float("-inf"))
+            for r0, n, blocks, tokens, _, _ in self.spans:
+                o_h[r0:r0 + n], lse_h[r0:r0 + n] = self._rows_on_host(layer, q_h[r0:r0 + n], blocks, tokens)
+                self.host_rows_total += n
+            self.host_seconds_total += time.perf_counter() - t0
+
+        self.graph_cut.cut(host_part)
+        o_up, lse_up = o_h.to(q.device, non_blocking=True), lse_h.to(q.device, non_blocking=True)
+        return merge(o_up, lse_up, o, lse).to(o.dtype)
 
     def _span_parts(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
         """The host part through the C kernel, its keys split over the threads, merged by log-sum-exp."""

@@ -168,7 +168,8 @@ class ModelRunner:
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
         # the pinned outputs) because the next replay overwrites the graph's own.
         self.graphs: dict[int, BucketGraphs] = {}
-        # With the host KV tier too: a step with a host part runs eagerly (`_graph_for`).
+        # With the host KV tier, the same buckets cut at each attention layer, for steps with a host part.
+        self.tier_graphs: dict[int, BucketGraphs] = {}
         self.use_graphs = cuda and cuda_graph
         self.hidden_out: list[torch.Tensor] = []
         self.prompt_graphs = PromptGraphs(self, max_num_batched_tokens)  # one sequence's short prompt chunk
@@ -299,7 +300,9 @@ class ModelRunner:
         if not graphs or len(chunks) > self.max_seqs:
             return None
         if self.tiered and self.attn.has_host:
-            return None  # the host part's attention goes through the CPU each layer: no graph holds it
+            graphs = self.tier_graphs  # its layers' host parts go through the CPU: graphs in pieces
+            if not graphs:
+                return None
         for ch in chunks:
             if not ch.sample or ch.num_tokens != len(ch.drafts) + 1 or ch.num_tokens > self.rows_per_seq:
                 return None
@@ -352,9 +355,16 @@ class ModelRunner:
                 m.graph_cut = cutter
         try:
             self.graphs = self._capture_buckets(buckets, pool, stream, cutter)
+            if self.tiered and not self.attn.invariant:
+                # (A batch-invariant tier assembles each sequence whole, eagerly.)
+                self.attn.reserve_graph_rows(buckets[0] * q if buckets else 0, self.model.config.num_attention_heads)
+                self.attn.graph_cut = cutter = cutter or GraphCutter(pool, stream)
+                self.tier_graphs = self._capture_buckets(buckets, pool, stream, cutter)
         finally:
             for m in hosts:
                 m.graph_cut = None
+            if self.tiered:
+                self.attn.graph_cut = None
         # A prompt chunk's graphs are left out with experts in RAM: such chunks may stream them.
         prompt = self.prompt_graphs.capture(pool, stream) if self.pipeline is None and not hosts else 0
         torch.cuda.synchronize(self.device)
@@ -362,9 +372,12 @@ class ModelRunner:
             self.pipeline.capturing = False
         took = time.perf_counter() - t0
         pieces = sum(len(g.graph.pieces) for g in self.graphs.values() if isinstance(g.graph, GraphPieces))
+        tier = f"; {len(self.tier_graphs)} more cut at each attention layer for steps with a host KV part" \
+            if self.tier_graphs else ""
         log.info("captured %d CUDA graphs (up to %d sequences x %d rows; %d for one prompt chunk of up to %d "
-                 "tokens%s) in %.1fs", len(buckets) + prompt, max(buckets, default=0), q, prompt,
-                 self.prompt_graphs.max_rows, f"; {pieces} pieces around the CPU's experts" if pieces else "", took)
+                 "tokens%s%s) in %.1fs", len(buckets) + prompt, max(buckets, default=0), q, prompt,
+                 self.prompt_graphs.max_rows, f"; {pieces} pieces around the CPU's experts" if pieces else "", tier,
+                 took)
         return took
 
     def _capture_buckets(self, buckets: list[int], pool, stream, cutter: GraphCutter | None = None

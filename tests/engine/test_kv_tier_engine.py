@@ -3,9 +3,9 @@ prompt, greedy output is identical to a run with every block in the device pool:
 reads with a give-way, speculation (MTP, a prompt longer than the device pool), preemption (with the
 prefix cache and speculation too), the concurrent read (a long read beside a decode, giving way to a
 short one), a hybrid model (the tiny Qwen3-Next: only its full-attention layer tiers), and under
---batch-invariant bitwise, logprobs included; the prefix cache's host tier serves a hit; steps with a
-host part never take a CUDA graph (the decisions, with stand-in graphs); a context that does not fit
-both tiers is refused naming the sizes."""
+--batch-invariant bitwise, logprobs included; the prefix cache's host tier serves a hit; a decode step
+with a host part takes the graphs cut at each attention layer, never another graph (the decisions, with
+stand-in graphs); a context that does not fit both tiers is refused naming the sizes."""
 
 from __future__ import annotations
 
@@ -169,24 +169,29 @@ def test_hybrid_model_tiers_only_its_full_attention_layers(hybrid, monkeypatch):
     assert got == want and e.read_stage.runner.attn.host_rows_total > 0
 
 
-def test_steps_with_a_host_part_take_no_graph(prompts, monkeypatch):
-    """CUDA graphs stay on with the tier, but a step in which some sequence has host blocks runs eagerly
-    (its attention reads the host pool through the CPU each layer): the decode/verify graphs, the
-    prompt-chunk graphs and the MTP call graphs. Checked on the CPU by asking each chooser with stand-in
-    graphs, then running the step eagerly."""
+def test_steps_with_a_host_part_take_the_graphs_cut_for_it(prompts, monkeypatch):
+    """CUDA graphs stay on with the tier. A decode/verify step in which some sequence has host blocks
+    takes the family of graphs cut at each attention layer (its host parts go through the CPU between the
+    pieces), a step without one the plain family; prompt-chunk graphs and the MTP call graphs are never
+    taken with a host part (those steps run eagerly). Checked on the CPU by asking each chooser with
+    stand-in graphs, then running the step eagerly."""
     from strata.runner.model_runner import ModelRunner
     from strata.runner.prompt_graphs import PromptGraphs
     from strata.speculative.mtp_step import MTPStep
 
     seen = {"decode": [], "prompt": [], "mtp": []}
 
-    def asking(kind, choose, stand_in, host_of):
+    def asking(kind, choose, stand_in, host_of, tier_stand_in=None):
         def ask(self, *args):
             graphs, self.graphs = self.graphs, stand_in
+            if tier_stand_in is not None:
+                tier, self.tier_graphs = self.tier_graphs, tier_stand_in
             try:
-                picked = choose(self, *args) is not None
+                picked = choose(self, *args)
             finally:
                 self.graphs = graphs
+                if tier_stand_in is not None:
+                    self.tier_graphs = tier
             seen[kind].append((host_of(self, *args), picked))
             return None
         return ask
@@ -194,7 +199,8 @@ def test_steps_with_a_host_part_take_no_graph(prompts, monkeypatch):
     def host_of_chunks(_, chunks):
         return any(ch.request.host_blocks for ch in chunks)
 
-    monkeypatch.setattr(ModelRunner, "_graph_for", asking("decode", ModelRunner._graph_for, {4: "g"}, host_of_chunks))
+    monkeypatch.setattr(ModelRunner, "_graph_for", asking("decode", ModelRunner._graph_for, {4: "plain"},
+                                                          host_of_chunks, {4: "cut"}))
     monkeypatch.setattr(PromptGraphs, "graph_for", asking("prompt", PromptGraphs.graph_for, {64: "g"}, host_of_chunks))
     mtp_host: list[bool] = []
     run_mtp = MTPStep.run
@@ -209,10 +215,12 @@ def test_steps_with_a_host_part_take_no_graph(prompts, monkeypatch):
     short = prompts[2][:30]  # within the window: never tiered
     out, e = run([short, prompts[0]], kv_resident=64, spec=2, arrive={1: 12})
     assert out == run([short, prompts[0]], spec=2, arrive={1: 12})[0]
-    for kind, decisions in seen.items():
-        assert not any(host and picked for host, picked in decisions), kind
-        assert any(picked for _, picked in decisions), kind  # a step without a host part may replay
-    assert any(host for _, host in seen["decode"])
+    decode = seen["decode"]
+    assert all(picked in (None, "cut" if host else "plain") for host, picked in decode)
+    assert ("cut" in [p for _, p in decode]) and ("plain" in [p for _, p in decode])
+    for kind in ("prompt", "mtp"):
+        assert not any(host and picked is not None for host, picked in seen[kind]), kind
+        assert any(picked is not None for _, picked in seen[kind]), kind  # a step without a host part may replay
     assert True in mtp_host and len(seen["mtp"]) == mtp_host.count(False)  # never even asked with a host part
 
 

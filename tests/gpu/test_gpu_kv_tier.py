@@ -2,8 +2,8 @@
 block moves go through the copier's side stream and events, the host part of decode rows is attended
 on the CPU and prompt chunks stream theirs, the device part by the Triton kernels with their LSE output;
 fp32 greedy output is identical with a resident window smaller than the prompt (CUDA graphs on: steps
-with a host part run eagerly; speculation, preemption, the concurrent read on its own stream, a hybrid
-model), bf16 under --batch-invariant is bitwise the run without the tier, and a steady second pass adds
+with a host part replay graphs cut at each attention layer; speculation, preemption, the concurrent read
+on its own stream, a hybrid model, experts in RAM), bf16 under --batch-invariant is bitwise the run without the tier, and a steady second pass adds
 no allocator segment."""
 
 from __future__ import annotations
@@ -50,17 +50,19 @@ def prompts(e_or_none=None):
 
 @pytest.fixture
 def replays(monkeypatch):
-    """Counts decode-graph replays and fails on one for a step with a host part."""
+    """Counts decode-graph replays: "plain" ones, and "cut" ones (steps with a host part, which must
+    replay the graphs cut at each attention layer)."""
     from strata.runner.model_runner import ModelRunner
 
-    n = {"replays": 0}
+    n = {"plain": 0, "cut": 0}
     launch = ModelRunner._launch_graph
 
-    def counted(self, *a, **kw):
+    def counted(self, g, *a, **kw):
         # The reference runs have no tier: their backend has no host part to ask about.
-        assert not getattr(self.attn, "has_host", False), "a step with a host part replayed a graph"
-        n["replays"] += 1
-        return launch(self, *a, **kw)
+        host = getattr(self.attn, "has_host", False)
+        assert (g in self.tier_graphs.values()) == host, "a step replayed the wrong family of graphs"
+        n["cut" if host else "plain"] += 1
+        return launch(self, g, *a, **kw)
 
     monkeypatch.setattr(ModelRunner, "_launch_graph", counted)
     return n
@@ -123,16 +125,29 @@ def test_cuda_fp32_tier_with_speculation_identical():
     assert out == want and e.scheduler.preemptions_total > 0
 
 
-def test_cuda_graphs_replay_only_steps_without_a_host_part(replays):
-    """Graphs on with the tier: a request within its window decodes by replays (the MTP calls too), the
-    steps of requests with host blocks run eagerly; output identical to graphs without the tier."""
+def test_cuda_graphs_replay_steps_with_and_without_a_host_part(replays):
+    """Graphs on with the tier: a request within its window decodes by plain replays (the MTP calls too),
+    the steps of requests with host blocks replay the graphs cut at each attention layer, their host
+    parts on the CPU between the pieces; output identical to graphs without the tier."""
     ps = prompts()
     ps.append(ps[1][:40])  # within the window: never tiered
     want, _ = run(ps, spec=2)
-    replays["replays"] = 0
+    replays.update(plain=0, cut=0)
     out, e = run(ps, kv_resident=128, spec=2)
-    assert out == want and e.runner.graphs and e.runner.attn.host_rows_total > 0
-    assert replays["replays"] > 0 and e.drafter.step.graph_replays > 0
+    assert out == want and e.runner.graphs and e.runner.tier_graphs and e.runner.attn.host_rows_total > 0
+    assert replays["plain"] > 0 and replays["cut"] > 0 and e.drafter.step.graph_replays > 0
+
+
+def test_cuda_tier_graphs_beside_experts_in_ram(replays):
+    """The seed's mix, routed experts in RAM and a host KV part: one decode graph cut at each layer whose
+    experts the CPU computes and at each attention layer; fp32 tokens identical to the same placement
+    without the tier."""
+    ps = prompts()
+    kw = dict(cpu_moe=True, host_experts="float", expert_stream_tokens=0)
+    want, _ = run(ps, **kw)
+    replays.update(plain=0, cut=0)
+    out, e = run(ps, kv_resident=128, **kw)
+    assert out == want and replays["cut"] > 0 and e.runner.attn.host_rows_total > 0
 
 
 def test_cuda_tier_beside_the_concurrent_read(monkeypatch):
@@ -160,15 +175,15 @@ def test_cuda_bf16_batch_invariant_tier_is_bitwise(tiny_model_dirs, kv):
 
 def test_cuda_hybrid_tier_identical(tiny_model_dirs, replays):
     """The tiny Qwen3-Next in fp32: the full-attention layer tiers, the linear-attention states stay on
-    the device; decode graphs (which update the slots' states) replay where no host part is."""
+    the device; decode graphs (which update the slots' states) replay, cut where a host part is."""
     path, hf = tiny_model_dirs["qwen3_next"]
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (300, 130, 20)]
     kw = dict(model=path, ctx=512, chunk_size=32, max_num_batched_tokens=64)
     want, _ = run(ps, **kw)
-    replays["replays"] = 0
+    replays.update(plain=0, cut=0)
     out, e = run(ps, kv_resident=64, **kw)
-    assert out == want and e.runner.attn.host_rows_total > 0 and replays["replays"] > 0
+    assert out == want and e.runner.attn.host_rows_total > 0 and replays["plain"] + replays["cut"] > 0
 
 
 def test_cuda_tier_second_pass_adds_no_segment():

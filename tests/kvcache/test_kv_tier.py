@@ -115,6 +115,50 @@ def test_tiered_attention_reads_the_host_part_in_place_through_the_c_kernel(kind
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 if kind != "bf16" else 1e-2)
 
 
+class _RunAtCut:
+    """A stand-in for a graph capture on the CPU: each cut's host part runs at once, which is what a replay
+    of the pieces does between them (the CPU has no graphs; the data path is the same)."""
+
+    capturing = True
+
+    def __init__(self):
+        self.cuts = 0
+
+    def cut(self, host_part):
+        self.cuts += 1
+        host_part(None)
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_tiered_attention_cut_for_graph_pieces_gives_the_eager_rows(kind):
+    """Captured in pieces, the backend hands every span's rows to the host part through its pinned rows and
+    merges every row after the cut: a sequence without a host part keeps its device rows (lse -inf gives
+    the host side no weight), one with a host part gets the eager step's output."""
+    full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
+    ref = PagedAttention(full)
+    ref.prepare(*full_layout)
+    want = ref.attend(0, *qkv)
+    tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=20, max_host_tokens=64, num_layers=1)
+    tiered.prepare(*tiered_layout)
+    tiered.reserve_graph_rows(24, qkv[0].shape[1])
+    for step_spans in (spans, spans[:1]):
+        tiered.set_host([sp[:3] for sp in step_spans])
+        eager = tiered.attend(0, *qkv)
+        tiered.graph_cut = cutter = _RunAtCut()
+        try:
+            got = tiered.attend(0, *qkv)
+        finally:
+            tiered.graph_cut = None
+        assert cutter.cuts == 1
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+        if len(step_spans) == 2:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # A replayed step without any host part: every row is the device part's.
+    tiered.set_host([])
+    tiered.graph_cut = _RunAtCut()
+    torch.testing.assert_close(tiered.attend(0, *qkv), tiered.inner.attend(0, *qkv))
+
+
 def _invariant_backend(kind: str, pool):
     if kind == "reference":
         return PagedAttention(pool, batch_invariant=True)
