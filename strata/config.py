@@ -243,6 +243,9 @@ class EngineConfig:
     # GiB of host RAM for the host KV pool (allocated at start-up): the tier's blocks and the prefix cache's
     # blocks kept in RAM. None: with --kv-resident, the contexts that do not fit the window (ctx x parallel).
     kv_host_memory: float | None = None
+    # With --kv-resident on CUDA, decode steps with a host part replay CUDA graphs cut at each attention
+    # layer, the host part attended on the CPU between the pieces (off: those steps launch eagerly)
+    kv_tier_graphs: bool = False
     block_size: int = 16  # tokens per KV block
     chunk_size: int | None = None  # most prompt tokens one request reads per step; None: 2048 on CUDA, 512 on CPU
     max_num_batched_tokens: int | None = None  # per-step token budget (reads + decodes); None: chunk + every slot's decode rows, at least 2048

@@ -213,7 +213,8 @@ class LLMEngine:
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
                                   seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
                                   grammar=self.grammar_compiler, states=self.states,
-                                  batch_invariant=cfg.batch_invariant, host_pool=self.host_pool)
+                                  batch_invariant=cfg.batch_invariant, host_pool=self.host_pool,
+                                  tier_graphs=cfg.kv_tier_graphs)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:

@@ -72,10 +72,11 @@ class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
                  max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
                  cuda_graph: bool = True, grammar: GrammarCompiler | None = None, states: RecurrentStates | None = None,
-                 batch_invariant: bool = False, host_pool: KVPool | None = None):
+                 batch_invariant: bool = False, host_pool: KVPool | None = None, tier_graphs: bool = False):
         """`states`: the linear-attention state pool of a hybrid model, indexed by request slot.
         `batch_invariant`: the attention backend computes each row alone. `host_pool`: the host KV tier's
-        pool (`strata.attention.tiered`): requests' leading blocks may live there."""
+        pool (`strata.attention.tiered`): requests' leading blocks may live there. `tier_graphs`: decode
+        steps with a host part replay graphs cut at each attention layer (else they run eagerly)."""
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
@@ -94,6 +95,8 @@ class ModelRunner:
             self.attn.cpu_kernels = cpu_kernels()  # decode attention in one call (strata.kernels.cpu_decode)
         self.cpu_threads = None if cuda else torch.get_num_threads()  # a long CPU step's threads
         self.tiered = host_pool is not None
+        # (A batch-invariant tier assembles each tiered sequence whole, eagerly.)
+        self.tier_cuts = self.tiered and tier_graphs and not batch_invariant
         self.attn_device = self.attn  # the backend of the device's own kernels
         if self.tiered:
             # The inner backend also gives each row's log-sum-exp (`attend_lse`): the Triton kernels' (the
@@ -355,8 +358,7 @@ class ModelRunner:
                 m.graph_cut = cutter
         try:
             self.graphs = self._capture_buckets(buckets, pool, stream, cutter)
-            if self.tiered and not self.attn.invariant:
-                # (A batch-invariant tier assembles each sequence whole, eagerly.)
+            if self.tier_cuts:
                 self.attn.reserve_graph_rows(buckets[0] * q if buckets else 0, self.model.config.num_attention_heads)
                 self.attn.graph_cut = cutter = cutter or GraphCutter(pool, stream)
                 self.tier_graphs = self._capture_buckets(buckets, pool, stream, cutter)

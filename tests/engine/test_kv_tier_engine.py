@@ -171,8 +171,9 @@ def test_hybrid_model_tiers_only_its_full_attention_layers(hybrid, monkeypatch):
 
 def test_steps_with_a_host_part_take_the_graphs_cut_for_it(prompts, monkeypatch):
     """CUDA graphs stay on with the tier. A decode/verify step in which some sequence has host blocks
-    takes the family of graphs cut at each attention layer (its host parts go through the CPU between the
-    pieces), a step without one the plain family; prompt-chunk graphs and the MTP call graphs are never
+    takes the family of graphs cut at each attention layer, where --kv-tier-graphs captured one (its host
+    parts go through the CPU between the pieces; without it the family is empty and the step runs
+    eagerly), a step without one the plain family; prompt-chunk graphs and the MTP call graphs are never
     taken with a host part (those steps run eagerly). Checked on the CPU by asking each chooser with
     stand-in graphs, then running the step eagerly."""
     from strata.runner.model_runner import ModelRunner
