@@ -98,7 +98,7 @@ wait_next_gguf() {  # llama.cpp built and the 80B file written (offload-next-ggu
         echo "soak started" ;;
       soak-wait) step soak-wait 900 bash -c "while [ ! -f /tmp/soak_done ]; do sleep 5; done; tail -60 /tmp/soak.log" ;;
       kv-tier) step kv-tier 600 $B kv-tier --device cuda --shape qwen3-8b-128k --context ${KV_CONTEXT:-130944} \
-        --decode 64 --resident 16384 --profile --out $R/kv_tier_qwen3-8b_cuda.json ;;
+        --decode 64 --resident 16384 --profile ${KV_TIER_GRAPHS:+--kv-tier-graphs} --out $R/kv_tier_qwen3-8b_cuda.json ;;
       next-read) step next-read 300 $FLA $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_fla_cuda.json ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
@@ -216,7 +216,7 @@ wait_next_gguf() {  # llama.cpp built and the 80B file written (offload-next-ggu
         # 15-30 minutes). Beside llama.cpp both engines keep the first NEXT_NCMOE layers' experts in RAM;
         # alone, the memory plan places them where the offload-next step's plan served.
         TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 --parallel 2 --ctx 262144 --kv int8 \
-          --resident 32768"
+          --resident 32768 --profile ${KV_TIER_GRAPHS:+--kv-tier-graphs}"
         if [ -z "${KV_NEXT_ONLY_262K:-}" ]; then
           step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
             -- /tmp/llama/build/bin/llama-server -m /tmp/next_IQ3_S.gguf -ngl 99 -fa on -nkvo -ncmoe ${NEXT_NCMOE:-36} -c $((C + 256))

@@ -41,7 +41,8 @@ def _sync(device: torch.device) -> None:
 def _engine(args, **kw) -> LLMEngine:
     base = dict(model=args.model, device=args.device, dtype=args.dtype, kv=args.kv,
                 ctx=args.ctx or args.context + args.decode + SLACK, parallel=args.parallel, chunk_size=args.chunk,
-                prefix_cache=True, gpu_memory=args.gpu_memory, n_cpu_moe=args.n_cpu_moe)
+                prefix_cache=True, gpu_memory=args.gpu_memory, n_cpu_moe=args.n_cpu_moe,
+                kv_tier_graphs=args.kv_tier_graphs)
     cfg = EngineConfig(**{**base, **kw})
     if args.shape:
         from strata.bench.random_model import random_model
@@ -206,6 +207,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resident", type=int, default=1024, help="--kv-resident of the tier arm")
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--chunk", type=int, default=None)
+    p.add_argument("--kv-tier-graphs", action="store_true",
+                   help="the engine's --kv-tier-graphs: decode steps with a host part replay graphs in pieces")
     p.add_argument("--profile", action="store_true", help="print where each arm's decode spends its time (cProfile)")
     p.add_argument("--llamacpp", default=None, help="JSON of llama.cpp -nkvo figures on the same machine")
     p.add_argument("--no-alloc-check", dest="alloc_check", action="store_false",

@@ -124,7 +124,7 @@ def test_bench_quant_kl_orders_formats(tmp_path):
 def test_bench_kv_tier_moves_blocks_and_hits_the_host_prefix(tmp_path):
     out = tmp_path / "kv_tier.json"
     assert main(["bench", "kv-tier", "--device", "cpu", "--context", "1200", "--resident", "256", "--decode", "8",
-                 "--profile", "--out", str(out)]) == 0
+                 "--profile", "--kv-tier-graphs", "--out", str(out)]) == 0
     info = json.loads(out.read_text())
     assert info["tier"]["blocks_moved"] > 0
     # The second request finds all but the last block of the prompt, from the host tier.
