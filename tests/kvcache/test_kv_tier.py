@@ -72,15 +72,20 @@ def _two_tiers(kind: str, host_counts=(3, 5), seed: int = 5):
     return full, dev, host, full_layout, tiered_layout, spans, (q, k, v)
 
 
+def _over_everything(full, full_layout, qkv) -> torch.Tensor:
+    """The plain backend's attention over the pool that holds every key (what the tiers must give)."""
+    ref = PagedAttention(full)
+    ref.prepare(*full_layout)
+    return ref.attend(0, *qkv)
+
+
 @pytest.mark.parametrize("kind", ["auto", "int8"])
 def test_tiered_attention_matches_one_pool(kind, monkeypatch):
     """The tiered backend over the shifted device layout gives what the plain backend gives over
     everything; the streamed chunk's host part in key tiles of one block, merged in order."""
     monkeypatch.setattr(tiered_mod, "STREAM_SCORE_BYTES", 4 * 20 * 4 * 4)  # 20 rows x 4 heads: tiles of 4 keys
     full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
-    ref = PagedAttention(full)
-    ref.prepare(*full_layout)
-    want = ref.attend(0, *qkv)
+    want = _over_everything(full, full_layout, qkv)
 
     tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1)
     tiered.prepare(*tiered_layout)
@@ -102,9 +107,7 @@ def test_tiered_attention_reads_the_host_part_in_place_through_the_c_kernel(kind
     monkeypatch.setattr(tiered_mod, "SPAN_PART_KEYS", part_keys)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
-    ref = PagedAttention(full)
-    ref.prepare(*full_layout)
-    want = ref.attend(0, *qkv)
+    want = _over_everything(full, full_layout, qkv)
     tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1,
                              cpu_kernels=kernels)
     assert tiered.cpu_kernels is kernels and (tiered.executor is not None)
@@ -135,9 +138,7 @@ def test_tiered_attention_cut_for_graph_pieces_gives_the_eager_rows(kind):
     merges every row after the cut: a sequence without a host part keeps its device rows (lse -inf gives
     the host side no weight), one with a host part gets the eager step's output."""
     full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
-    ref = PagedAttention(full)
-    ref.prepare(*full_layout)
-    want = ref.attend(0, *qkv)
+    want = _over_everything(full, full_layout, qkv)
     tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=20, max_host_tokens=64, num_layers=1)
     tiered.prepare(*tiered_layout)
     tiered.reserve_graph_rows(24, qkv[0].shape[1])
