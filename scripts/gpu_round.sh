@@ -46,9 +46,10 @@ step() {  # name, seconds, command...
   echo "--- $name: rc $rc in $((SECONDS - t0)) s"
   tar czf "$OUT/results.tgz" -C "$R" .  # after every step: a call cut short still brings back what ran
 }
-wait_next_gguf() {  # llama.cpp built and the 80B file written (offload-next-gguf), at most 15 minutes
+wait_next_gguf() {  # llama.cpp built (unless NO_PEER) and the 80B file written (offload-next-gguf), at most 15 minutes
   local t0=$SECONDS
-  while [ ! -f /tmp/peer/built ] || [ ! -f /tmp/peer/next_gguf ]; do [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
+  while { [ -z "${NO_PEER:-}" ] && [ ! -f /tmp/peer/built ]; } || [ ! -f /tmp/peer/next_gguf ]; do
+    [ $((SECONDS - t0)) -gt 900 ] && break; sleep 5; done
   tail -n 3 /tmp/peer/next_gguf.log; ls -la /tmp/next_IQ3_S.gguf; free -g | head -2
 }
 {
@@ -98,7 +99,7 @@ wait_next_gguf() {  # llama.cpp built and the 80B file written (offload-next-ggu
         echo "soak started" ;;
       soak-wait) step soak-wait 900 bash -c "while [ ! -f /tmp/soak_done ]; do sleep 5; done; tail -60 /tmp/soak.log" ;;
       kv-tier) step kv-tier 600 $B kv-tier --device cuda --shape qwen3-8b-128k --context ${KV_CONTEXT:-130944} \
-        --decode 64 --resident 16384 --profile ${KV_TIER_GRAPHS:+--kv-tier-graphs} --out $R/kv_tier_qwen3-8b_cuda.json ;;
+        --decode 64 --resident 16384 ${KV_PROFILE:+--profile} ${KV_TIER_GRAPHS:+--kv-tier-graphs} --out $R/kv_tier_qwen3-8b_cuda.json ;;
       next-read) step next-read 300 $FLA $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_fla_cuda.json ;;
       next-decode) step next-decode 300 $B decode --shape qwen3-next-80b-a3b-36l --batch 1,8 --no-hf --repeats 1 \
@@ -164,7 +165,9 @@ wait_next_gguf() {  # llama.cpp built and the 80B file written (offload-next-ggu
       # Qwen3-Next-80B-A3B, all 48 layers, IQ3_S, under a 16 GiB cap: Strata's memory plan against llama.cpp's
       # automatic fit to 16 GiB (-fitt: all but 16 GiB of the card left free) and the same explicit --n-cpu-moe.
       offload-next-gguf)  # the disk holds the 80B file or the 30B one: this step removes the 30B one
-        mkdir -p /tmp/peer; rm -f /tmp/moe_Q8_0.gguf
+        mkdir -p /tmp/peer /tmp/llama; rm -f /tmp/moe_Q8_0.gguf
+        # The vocabulary alone when peer-build has not unpacked llama.cpp (NO_PEER rounds).
+        [ -f /tmp/llama/models/ggml-vocab-qwen2.gguf ] || tar xJf .peer/llama.tar.xz -C /tmp/llama models/ggml-vocab-qwen2.gguf
         setsid nohup bash -c "python3 scripts/next_gguf.py /tmp/next_IQ3_S.gguf --shape qwen3-next-80b-a3b --type IQ3_S \
           --vocab /tmp/llama/models/ggml-vocab-qwen2.gguf; touch /tmp/peer/next_gguf" >/tmp/peer/next_gguf.log 2>&1 </dev/null &
         echo "80B IQ3_S GGUF write started" ;;
@@ -216,7 +219,7 @@ wait_next_gguf() {  # llama.cpp built and the 80B file written (offload-next-ggu
         # 15-30 minutes). Beside llama.cpp both engines keep the first NEXT_NCMOE layers' experts in RAM;
         # alone, the memory plan places them where the offload-next step's plan served.
         TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 --parallel 2 --ctx 262144 --kv int8 \
-          --resident 32768 --profile ${KV_TIER_GRAPHS:+--kv-tier-graphs}"
+          --resident 32768 ${KV_PROFILE:+--profile} ${KV_TIER_GRAPHS:+--kv-tier-graphs}"
         if [ -z "${KV_NEXT_ONLY_262K:-}" ]; then
           step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
             -- /tmp/llama/build/bin/llama-server -m /tmp/next_IQ3_S.gguf -ngl 99 -fa on -nkvo -ncmoe ${NEXT_NCMOE:-36} -c $((C + 256))
