@@ -216,12 +216,14 @@ wait_next_gguf() {  # llama.cpp built (unless NO_PEER) and the 80B file written 
         wait_next_gguf
         C=${KV_NEXT_CONTEXT:-130944}; NKVO=$R/llamacpp_nkvo_next.json
         # KV_NEXT_ONLY_262K=1: the 262,144-token context alone, no llama.cpp (its -nkvo read of 128K runs
-        # 15-30 minutes). Beside llama.cpp both engines keep the first NEXT_NCMOE layers' experts in RAM;
-        # alone, the memory plan places them where the offload-next step's plan served.
+        # 15-30 minutes); NKVO_READ_S=S: llama.cpp's read given up after S seconds, its rate so far kept.
+        # Beside llama.cpp both engines keep the first NEXT_NCMOE layers' experts in RAM; alone, the memory
+        # plan places them where the offload-next step's plan served.
         TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 --parallel 2 --ctx 262144 --kv int8 \
           --resident 32768 ${KV_PROFILE:+--profile} ${KV_TIER_GRAPHS:+--kv-tier-graphs}"
         if [ -z "${KV_NEXT_ONLY_262K:-}" ]; then
           step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
+            ${NKVO_READ_S:+--read-timeout $NKVO_READ_S} \
             -- /tmp/llama/build/bin/llama-server -m /tmp/next_IQ3_S.gguf -ngl 99 -fa on -nkvo -ncmoe ${NEXT_NCMOE:-36} -c $((C + 256))
           step kv-tier-next-strata 900 $TIER --n-cpu-moe ${NEXT_NCMOE:-36} --context $C --decode 32 \
             $([ -f $NKVO ] && echo --llamacpp $NKVO) --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g_cuda.json

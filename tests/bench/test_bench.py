@@ -162,5 +162,16 @@ def test_bench_kv_tier_on_a_model_file_with_the_tier_arm_alone(tmp_path):
     assert s["decode_1k_over_all_gpu"] is None and s["host_prefix_ttft_over_reread"] is None
     assert s["decode_1k_over_llamacpp_nkvo"] == pytest.approx(info["tier"]["decode_tok_s"] / 4.0)
     assert s["read_1k_over_llamacpp_nkvo"] == pytest.approx(info["tier"]["read_tok_s"] / 50.0)
+    assert not s["read_1k_over_llamacpp_nkvo_is_lower_bound"]
+    # llama-server's read given up part way: its rate so far bounds the read ratio; no decode ratio.
+    peer.write_text(json.dumps({"partial": True, "prompt_tokens": 440, "prompt_tokens_read": 256, "read_s": 8.0,
+                                "read_tok_s": 32.0, "progress": 0.58, "decode_tok_s": None}))
+    assert main(["bench", "kv-tier", "--device", "cpu", "--model", str(model), "--arms", "tier", "--context", "440",
+                 "--resident", "64", "--decode", "4", "--llamacpp", str(peer), "--out", str(out)]) == 0
+    info = json.loads(out.read_text())
+    s = info["summary"]
+    assert s["decode_1k_over_llamacpp_nkvo"] is None and s["read_1k_over_llamacpp_nkvo_is_lower_bound"]
+    assert s["read_1k_over_llamacpp_nkvo"] == pytest.approx(info["tier"]["read_tok_s"] / 32.0)
+    assert info["llamacpp_nkvo"]["prompt_tokens_read"] == 256
     with pytest.raises(SystemExit, match="--model or --shape"):
         main(["bench", "kv-tier", "--device", "cpu", "--model", str(model), "--shape", "tiny-moe"])
