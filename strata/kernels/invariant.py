@@ -6,14 +6,15 @@ picks its kernels and K blocking from the problem's shape: a matrix of 1-3 rows 
 than one of 8 (a different summation order, so other low bits), and a product over 320 keys is
 blocked differently from one over 384. So every product here has a shape that leaves a row's order
 alone:
-- rows are padded to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): measured with torch's MKL on
-  an AVX2 machine (this project's CPU and CI class), a row's fp32 result is then the same at any row
-  count; `tests/engine/test_batch_invariance.py` checks it end to end, so a BLAS for which it fails shows there;
+- rows are padded to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): measured with torch's MKL, a
+  row's fp32 result is then the same at any row count, from 8 rows up on an AVX2 machine and from 16 up
+  with AVX-512 (where 8 rows take another kernel than 16); `tests/engine/test_batch_invariance.py`
+  checks it end to end, so a BLAS for which it fails shows there;
 - attention's keys are cut at absolute multiples of KEY_BLOCK, and the blocks' P·V products (each over
   exactly KEY_BLOCK keys) are added in key order: a query's sum has the same grouping whatever the
   step's longest context. Masked keys carry probability 0 and add exact zeros.
 
-The padding costs compute, not memory traffic: a CPU decode step multiplies 8 rows where it had 1.
+The padding costs compute, not memory traffic: a CPU decode step multiplies 16 rows where it had 1.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 8
+ROW_MULTIPLE = 16
 KEY_BLOCK = 256
 
 
