@@ -206,7 +206,7 @@ class StageDrafter:
 
     def _seed(self, req) -> int:
         """The request's sampling seed as a signed 64-bit word (torch seeds are unsigned)."""
-        seed = self.link.runner.sampler(req).seed if not req.params.greedy else 0
+        seed = self.link.runner.sampling.sampler(req).seed if not req.params.greedy else 0
         return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 

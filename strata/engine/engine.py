@@ -54,6 +54,7 @@ from strata.models.host_experts import HostStagingPool
 from strata.models.invariance import check_batch_invariant
 from strata.runner.generator import Detokenizer, StopChecker
 from strata.runner.model_runner import ModelRunner
+from strata.runner.picks import SamplingRequests
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, prompt_graph_sizes
 from strata.runner.steps import LaunchedStep
 from strata.runner.read_stage import AllocationGrowth, AllocationGuard, ReadStage
@@ -211,7 +212,7 @@ class LLMEngine:
         self.grammar_compiler = grammar_compiler(self.tokenizer, mc.vocab_size)
         self.runner = ModelRunner(self.model, self.pool, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_seqs=cfg.parallel, max_model_len=self.max_model_len, device=self.device,
-                                  seed=cfg.seed, max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
+                                  sampling=SamplingRequests(cfg.seed), max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
                                   grammar=self.grammar_compiler, states=self.states,
                                   batch_invariant=cfg.batch_invariant, host_pool=self.host_pool,
                                   tier_graphs=cfg.kv_tier_graphs)
@@ -228,7 +229,7 @@ class LLMEngine:
                                       batch_mtp=cfg.batch_mtp, adaptive=cfg.spec_adaptive,
                                       max_model_len=self.max_model_len, max_seqs=cfg.parallel,
                                       chunk_size=cfg.chunk_size, device=self.device, dtype=dtype,
-                                      seed_of=lambda req: self.runner.sampler(req).seed,
+                                      seed_of=lambda req: self.runner.sampling.sampler(req).seed,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens, cuda_graph=cfg.cuda_graph,
                                       host_pool=self.host_pool, split=split_drafts)
         self.read_stage = None
@@ -304,9 +305,9 @@ class LLMEngine:
             # Without a tokenizer (token-id-only checkpoints, benchmarks) events carry ids and no text.
             detok = Detokenizer(self.tokenizer, list(req.prompt_ids[-4:])) if self.tokenizer else None
             self.text[req.request_id] = _TextState(detok, StopChecker(req.params.stop), logprobs=logprobs)
-            self.runner.sampler(r)  # its seed, in arrival order, whichever stage samples it first
+            self.runner.sampling.sampler(r)  # its seed, in arrival order, whichever stage samples it first
             if req.top_logprobs:
-                self.runner.want_top_logprobs(req.request_id, req.top_logprobs, req.filtered_logprobs)
+                self.runner.sampling.want_top_logprobs(req.request_id, req.top_logprobs, req.filtered_logprobs)
             if matcher is not None:
                 self.runner.constrain(req.request_id, matcher)
             self.scheduler.add(r)
@@ -419,7 +420,7 @@ class LLMEngine:
             message = f"engine error: {type(e).__name__}: {e}"
         outs = self._struck + [f.out for f in self.flights]
         self.flights.clear()
-        self.runner.faults = {}
+        self.runner.picker.faults.clear()
         struck = {c.request.request_id for o in outs for c in o.chunks} | {r.request_id for o in outs for r in o.finished}
         if not struck:  # the scheduler's own fault, which no step's requests can be held to: it would recur
             struck = set(self.requests)

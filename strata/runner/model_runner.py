@@ -47,15 +47,11 @@ from strata.models.transformer import CausalLM
 from strata.attention.registry import make_attention
 from strata.attention.reference import PagedAttention
 from strata.attention.tiered import TieredAttention
-from strata.runner.device_sampling import (DeviceSampler, RowParams, SamplePlan, filtered_probs_batched,
-                                          output_penalties)
 from strata.models.moe import MoE
 from strata.runner.graph_pieces import GraphCutter, GraphPieces, replay
+from strata.runner.picks import Picker, SamplingRequests
 from strata.runner.prompt_graphs import PROMPT_GRAPH_ROWS, PromptGraphs
-from strata.sampling import (Sampler, apply_logit_bias, apply_output_penalties, apply_repetition_penalty,
-                             filtered_probs)
 from strata.runner.steps import BucketGraphs, LaunchedStep, Sampled, capture_bucket
-from strata.speculative.verify import verify_greedy, verify_sampled
 from strata.kernels.transfer import to_device
 
 log = logging.getLogger("strata")
@@ -70,10 +66,12 @@ CPU_ONE_THREAD_ROWS = 64
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, *, max_num_batched_tokens: int, max_seqs: int,
-                 max_model_len: int, device: torch.device, seed: int | None = None, max_drafts: int = 0,
-                 cuda_graph: bool = True, grammar: GrammarCompiler | None = None, states: RecurrentStates | None = None,
+                 max_model_len: int, device: torch.device, sampling: SamplingRequests | None = None,
+                 max_drafts: int = 0, cuda_graph: bool = True, grammar: GrammarCompiler | None = None,
+                 states: RecurrentStates | None = None,
                  batch_invariant: bool = False, host_pool: KVPool | None = None, tier_graphs: bool = False):
-        """`states`: the linear-attention state pool of a hybrid model, indexed by request slot.
+        """`sampling`: the requests' samplers and asks (a read stage's runner shares the main one's).
+        `states`: the linear-attention state pool of a hybrid model, indexed by request slot.
         `batch_invariant`: the attention backend computes each row alone. `host_pool`: the host KV tier's
         pool (`strata.attention.tiered`): requests' leading blocks may live there. `tier_graphs`: decode
         steps with a host part replay graphs cut at each attention layer (else they run eagerly)."""
@@ -140,10 +138,6 @@ class ModelRunner:
         top_size = max_seqs * self.rows_per_seq * MAX_TOP_LOGPROBS
         self.h_top_ids = [torch.zeros(top_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.h_top_lp = [torch.zeros(top_size, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
-        self.top_logprobs: dict[str, int] = {}  # request id -> alternatives per token, for those asking
-        # Requests whose logprobs and alternatives are under the distribution the token is drawn from
-        # after temperature, top-k, top-p and min-p (llama-server's post_sampling_probs).
-        self.filtered_logprobs: set[str] = set()
         # Token bitmasks, one row per sampling logit row (at most every sequence's drafts + 1). The
         # device copy is all ones except in the first `mask_dirty` rows (those of the last step that
         # had a grammar), so steps without grammars upload nothing.
@@ -158,14 +152,9 @@ class ModelRunner:
             self.d_mask = torch.full(shape, -1, dtype=torch.int32, device=self.device) if cuda else self.h_mask
         self.next_out = 0
         self.two_stage_steps = 0  # steps sampled by launch_head (tests and benchmarks read it)
-        self.samplers: dict[str, Sampler] = {}
-        # Requests whose rows of the step being launched failed to build: id -> why (see `_draw`).
-        self.faults: dict[str, str] = {}
-        self.seed, self.sampled_requests = seed, 0
-        # Sampled rows are drawn on the device from counter-based noise (seed, draw index): no host
-        # round trip per request, and the same tokens whatever else is in the batch.
-        self.dsampler = DeviceSampler(max_seqs * self.rows_per_seq, model.config.vocab_size, self.device,
-                                      max_seen=max_model_len + max_drafts, batch_invariant=batch_invariant)
+        self.sampling = sampling if sampling is not None else SamplingRequests()
+        self.picker = Picker(self.sampling, max_seqs * self.rows_per_seq, model.config.vocab_size, self.device,
+                             max_seen=max_model_len + max_drafts, batch_invariant=batch_invariant)
         self.hidden: torch.Tensor | None = None
         self.row_starts: list[int] = []
         # CUDA graphs, by sequences per step; their hidden states are copied out per step (two sets, as
@@ -181,9 +170,7 @@ class ModelRunner:
         self.pipeline = None
 
     def release(self, request_id: str) -> None:
-        self.samplers.pop(request_id, None)
-        self.top_logprobs.pop(request_id, None)
-        self.filtered_logprobs.discard(request_id)
+        self.sampling.release(request_id)
         self.matchers.pop(request_id, None)
 
     def constrain(self, request_id: str, matcher: GrammarMatcher) -> None:
@@ -191,26 +178,6 @@ class ModelRunner:
         if self.grammar is None:
             raise ValueError("this runner was built without a grammar compiler")
         self.matchers[request_id] = matcher
-
-    def want_top_logprobs(self, request_id: str, k: int, filtered: bool = False) -> None:
-        """Report the `k` (1..20) most likely tokens of each of the request's rows with its tokens.
-        `filtered`: the tokens' logprobs and the alternatives under the distribution after temperature,
-        top-k, top-p and min-p (a filtered-out token's logprob is -inf), not the plain softmax."""
-        if not 1 <= k <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top logprobs must be in [1, {MAX_TOP_LOGPROBS}], got {k}")
-        self.top_logprobs[request_id] = k
-        if filtered:
-            self.filtered_logprobs.add(request_id)
-
-    def sampler(self, req) -> Sampler:
-        """The request's sampler. With an engine seed, requests that bring none get seeds derived from
-        it in arrival order, so a whole run is reproducible."""
-        s = self.samplers.get(req.request_id)
-        if s is None:
-            default = None if self.seed is None else self.seed * 1_000_003 + self.sampled_requests
-            self.sampled_requests += 1
-            s = self.samplers[req.request_id] = Sampler(req.params, default)
-        return s
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _fill(self, chunks) -> tuple[int, list[int], list[int]]:
@@ -525,109 +492,9 @@ class ModelRunner:
         if masked:
             apply_token_mask(step.logits, self.d_mask[: len(rows)])
         step.lse = row_logsumexp(step.logits, self.batch_invariant)
-        sampling = [chunks[i] for i in step.picks]
-        drawn = self._draw(step.logits, sampling)
-        if drawn is None:
-            best = step.logits.argmax(-1)
-            picked = best, step.logits.gather(1, best[:, None])[:, 0] - step.lse
-        else:
-            picked = drawn[:2]
-        top = self._top(step.logits, step.lse, sampling, drawn[2] if drawn else None)
-        picked, top = self._filtered(step.logits, sampling, picked, top)
+        picked, top = self.picker.pick(step.logits, step.lse, [chunks[i] for i in step.picks])
         self._send_picks(step, *picked, len(rows), top)
         return step
-
-    def _draw(self, logits: torch.Tensor, chunks) -> tuple[torch.Tensor, torch.Tensor, SamplePlan] | None:
-        """Tokens and logprobs of the rows of `chunks` (in logit-row order: each chunk's drafts + 1
-        rows) through the device sampler, and its plan; None when every row is plain greedy (argmax
-        serves). Rows of sampled requests with drafts are verified on the host from the logits; they
-        get argmax here. A request whose rows cannot be built is recorded in `faults` and gets neutral
-        (greedy) rows: its pick is dropped and the engine fails it alone."""
-        if all(ch.request.params.greedy and ch.request.params.repetition_penalty == 1.0
-               and not ch.request.params.logit_bias and not ch.request.params.output_penalised for ch in chunks):
-            return None
-        rows = []
-        for ch in chunks:
-            n = len(ch.drafts) + 1
-            try:
-                own = self._rows_of(ch)
-            except Exception as e:  # its own parameters or state: the batch goes on without it
-                log.warning("request %s: its sampling rows failed: %s: %s", ch.request.request_id, type(e).__name__, e)
-                self.faults[ch.request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-                own = [RowParams() for _ in range(n)]
-            rows.extend(own)
-        plan = self.dsampler.fill(rows)
-        return *self.dsampler.run(logits[: len(rows)], plan), plan
-
-    def _rows_of(self, ch) -> list[RowParams]:
-        """The device sampler's rows of one chunk, each checked against what the sampler can hold."""
-        req, p = ch.request, ch.request.params
-        seed = self.sampler(req).seed
-        done = len(req.output_ids) + ch.pending  # a pending token is drawn before this row's
-        rows = []
-        for j in range(len(ch.drafts) + 1):
-            if ch.drafts and not p.greedy:
-                rows.append(RowParams())
-                continue
-            seen = req.all_ids + list(ch.drafts[:j]) if p.repetition_penalty != 1.0 else None
-            row = RowParams.of(p, seed, done + j, seen)
-            if p.output_penalised:
-                row.penalties = output_penalties(req.output_ids + list(ch.drafts[:j]), p.presence_penalty,
-                                                 p.frequency_penalty)
-            row.check(self.dsampler.vocab)
-            rows.append(row)
-        return rows
-
-    def _top(self, logits: torch.Tensor, lse: torch.Tensor, chunks,
-             plan: SamplePlan | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(ids, logprobs, k): the k most likely tokens of every logit row of `chunks`, k the most any
-        of their requests asks for; None when none asks. Under the distribution the picks' logprobs
-        come from: the rows' log-softmax, of the biased and repetition-penalised logits where the device
-        sampler biased or penalised (its parameter buffers still hold this step's)."""
-        if not self.top_logprobs:
-            return None
-        k = max((self.top_logprobs.get(ch.request.request_id, 0) for ch in chunks), default=0)
-        if not k:
-            return None
-        m = sum(len(ch.drafts) + 1 for ch in chunks)
-        logits = logits[:m]
-        if plan is None or not (plan.width or plan.bias):
-            values, ids = logits.topk(k, dim=-1)
-            return ids, values - lse[:m, None], k
-        ds = self.dsampler
-        ids = torch.empty(m, k, dtype=torch.long, device=logits.device)
-        values = torch.empty(m, k, dtype=torch.float32, device=logits.device)
-        for r0 in range(0, m, ds.chunk_rows):  # row blocks, as the sampler: [rows, V] temporaries
-            r1 = min(m, r0 + ds.chunk_rows)
-            x = ds.transformed(logits[r0:r1], r0, plan)
-            v, i = x.topk(k, dim=-1)
-            values[r0:r1], ids[r0:r1] = v - row_logsumexp(x, self.batch_invariant)[:, None], i
-        return ids, values, k
-
-    def _filtered(self, logits: torch.Tensor, chunks, picked: tuple[torch.Tensor, torch.Tensor],
-                  top: tuple[torch.Tensor, torch.Tensor, int] | None):
-        """(picked, top) with the rows of requests in `filtered_logprobs` under the filtered distribution:
-        each pick's logprob and the row's alternatives (the ones drawn on the device; the host gives
-        those of the rows it verifies)."""
-        if not self.filtered_logprobs or top is None:
-            return picked, top
-        rows, params, r0 = [], [], 0
-        for ch in chunks:
-            n, req = len(ch.drafts) + 1, ch.request
-            if (req.request_id in self.filtered_logprobs and req.request_id not in self.faults
-                    and (req.params.greedy or not ch.drafts)):
-                rows.extend(range(r0, r0 + n))
-                params.extend(self._rows_of(ch))
-            r0 += n
-        if not rows:
-            return picked, top
-        idx = to_device(rows, self.device)
-        logp = filtered_probs_batched(logits.index_select(0, idx), params).log()
-        tokens, lps = picked[0], picked[1].clone()  # a graph's output buffer stays as the graph wrote it
-        lps[idx] = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
-        ids, values, k = top[0].clone(), top[1].clone(), top[2]
-        values[idx], ids[idx] = logp.topk(k, dim=-1)
-        return (tokens, lps), (ids, values, k)
 
     def _launch_graph(self, g: BucketGraphs, chunks, n: int, r: int, row_starts: list[int]) -> LaunchedStep:
         self._pad(n, r, g, chunks)
@@ -663,14 +530,12 @@ class ModelRunner:
         if any(ch.drafts and not ch.request.params.greedy for ch in chunks):
             # Sampled drafts are verified on the host from the logits, which the next replay overwrites.
             step.logits, step.lse = logits[:n].clone(), lse[:n].clone()
-        drawn = self._draw(logits[:n], chunks)
-        top = self._top(logits[:n], lse[:n], chunks, drawn[2] if drawn else None)
-        picked, top = self._filtered(logits[:n], chunks, drawn[:2] if drawn else (best[:n], best_lp[:n]), top)
+        picked, top = self.picker.pick(logits[:n], lse[:n], chunks, (best[:n], best_lp[:n]))
         self._send_picks(step, *picked, n, top)
 
     def _send_picks(self, step: LaunchedStep, best: torch.Tensor, best_lp: torch.Tensor, m: int,
                     top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
-        step.faults, self.faults = self.faults, {}
+        step.faults = self.picker.take_faults()
         self.last_picks = best
         self.last_pick_rows = {step.chunks[i].request.request_id: r0 + k1 - 1
                                for i, (r0, k1) in zip(step.picks, step.spans) if not step.chunks[i].drafts}
@@ -684,20 +549,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()
-
-    @staticmethod
-    def _penalised(row: torch.Tensor, req, drafts) -> torch.Tensor:
-        """A verification row's logits under the request's logit bias and repetition penalty, the
-        tokens before it (its drafts included) counting as seen: the same target a row without drafts
-        samples from."""
-        row = apply_logit_bias(row, req.params.logit_bias)
-        row = apply_output_penalties(row, req.output_ids + list(drafts), req.params.presence_penalty,
-                                     req.params.frequency_penalty)
-        penalty = req.params.repetition_penalty
-        if penalty == 1.0:
-            return row
-        seen = torch.tensor(req.all_ids + list(drafts), device=row.device)
-        return apply_repetition_penalty(row, seen, penalty)
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep, draft_probs: dict[str, torch.Tensor] | None = None) -> dict[str, Sampled]:
@@ -724,35 +575,7 @@ class ModelRunner:
             size = m * step.top_k
             top = (self.h_top_ids[step.out][:size].view(m, step.top_k).numpy(),
                    self.h_top_lp[step.out][:size].view(m, step.top_k).numpy())
-        out: dict[str, Sampled] = {}
-        for i, (r0, k1) in zip(step.picks, step.spans):
-            ch = step.chunks[i]
-            req, p = ch.request, ch.request.params
-            if req.request_id in step.faults:  # a placeholder pick: the engine fails the request
-                out[req.request_id] = Sampled([greedy[r0]], [0.0])
-                continue
-            if p.greedy or not ch.drafts:
-                # Drawn on the device (greedy rows: the argmax after any repetition penalty); a greedy
-                # row's accepted tokens are each its row's pick.
-                toks = verify_greedy(list(ch.drafts), greedy[r0 : r0 + k1]) if ch.drafts else [greedy[r0]]
-                out[req.request_id] = Sampled(toks, greedy_lp[r0 : r0 + len(toks)],
-                                              self._top_of(req.request_id, top, r0, len(toks)))
-                continue
-            logits = step.logits
-            q = (draft_probs or {}).get(req.request_id)
-            target = torch.stack([filtered_probs(self._penalised(logits[r0 + j], req, ch.drafts[:j]), p)
-                                  for j in range(k1)]).cpu()
-            toks = verify_sampled(list(ch.drafts), q, target, self.sampler(req).gen)
-            if req.request_id in self.filtered_logprobs:
-                logp = target[: len(toks)].log()
-                v, a = logp.topk(self.top_logprobs[req.request_id], dim=-1)
-                out[req.request_id] = Sampled(toks, logp.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist(),
-                                              [list(zip(x, y)) for x, y in zip(a.tolist(), v.tolist())])
-                continue
-            idx = torch.tensor(toks, device=logits.device)
-            rows = torch.arange(r0, r0 + len(toks), device=logits.device)
-            lp = logits[rows, idx] - step.lse[rows]
-            out[req.request_id] = Sampled(toks, lp.tolist(), self._top_of(req.request_id, top, r0, len(toks)))
+        out = self.picker.results(step, greedy, greedy_lp, top, draft_probs)
         if self.attn.states is not None:
             # A linear layer's state has taken every row in; go back to the last accepted one.
             for i in step.picks:
@@ -761,12 +584,3 @@ class ModelRunner:
                 if ch.drafts and taken < len(ch.drafts):
                     self.attn.states.restore(ch.request.slot, taken)
         return out
-
-    def _top_of(self, request_id: str, top, r0: int, n: int) -> list[list[tuple[int, float]]] | None:
-        """The request's alternatives for its rows r0 .. r0+n-1 (each token's own row: an accepted
-        draft's, or the target's), from the pinned top buffers as numpy views."""
-        k = self.top_logprobs.get(request_id, 0)
-        if top is None or not k:
-            return None
-        ids, lps = top[0][r0 : r0 + n, :k].tolist(), top[1][r0 : r0 + n, :k].tolist()
-        return [list(zip(i, v)) for i, v in zip(ids, lps)]

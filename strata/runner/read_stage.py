@@ -113,15 +113,12 @@ class ReadStage:
         model = main.model
         dtype = model.model.embed_tokens.weight.dtype
         self.runner = ModelRunner(model, main.pool, max_num_batched_tokens=max_num_batched_tokens, max_seqs=max_seqs,
-                                  max_model_len=max_model_len, device=self.device, seed=main.seed, max_drafts=0,
+                                  max_model_len=max_model_len, device=self.device, sampling=main.sampling, max_drafts=0,
                                   cuda_graph=False, grammar=main.grammar, batch_invariant=main.batch_invariant,
                                   states=main.attn.states.view() if main.attn.states is not None else None,
                                   host_pool=main.attn.host_pool if main.tiered else None)
-        # One sampler, grammar state and alternatives request per request, whichever stage samples it.
-        self.runner.sampler = main.sampler
+        # One grammar state per request, whichever stage samples it (as its sampler: `sampling` above).
         self.runner.matchers = main.matchers
-        self.runner.top_logprobs = main.top_logprobs
-        self.runner.filtered_logprobs = main.filtered_logprobs
         self.max_tokens = max_num_batched_tokens
         self.up_ring = UpRing(self.device)
         self.twins = k_scratch.make_twins(model_scratch(model))

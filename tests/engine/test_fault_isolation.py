@@ -78,7 +78,7 @@ def test_a_fault_in_one_requests_sampling_fails_it_alone(eng, alone):
     last = got["bad"][-1]
     assert last.finish_reason == "abort" and "top_k" in last.error, last
     assert 0 < len(tokens(got["bad"])) < TOKENS
-    assert eng.allocator.num_used == 0 and not eng.requests and not eng.runner.samplers
+    assert eng.allocator.num_used == 0 and not eng.requests and not eng.runner.sampling.samplers
     eng.add_request(req(eng, "after", PROMPTS[2]))
     assert tokens(run(eng)["after"]) == alone[2]
 

@@ -225,17 +225,17 @@ def test_sampled_verification_targets_the_penalised_distribution():
     samples from: the request's tokens and the drafts before the row count as seen."""
     from types import SimpleNamespace
 
-    from strata.runner.model_runner import ModelRunner
+    from strata.runner.picks import Picker
     from strata.sampling import apply_repetition_penalty
 
     row = torch.randn(50)
     req = SimpleNamespace(params=SamplingParams(temperature=0.8, repetition_penalty=1.3), all_ids=[3, 7, 7],
                           output_ids=[7, 7])
-    got = ModelRunner._penalised(row, req, (11, 12))
+    got = Picker.penalised(row, req, (11, 12))
     assert torch.equal(got, apply_repetition_penalty(row, torch.tensor([3, 7, 7, 11, 12]), 1.3))
     assert not torch.equal(got, row)
     plain = SimpleNamespace(params=SamplingParams(temperature=0.8), all_ids=[3], output_ids=[])
-    assert ModelRunner._penalised(row, plain, (4,)) is row
+    assert Picker.penalised(row, plain, (4,)) is row
 
 
 def test_sampled_speculation_with_penalty_is_seeded():
