@@ -84,6 +84,9 @@ def _arm(args, ids: list[int], **kw) -> dict:
         for ev in e.step():
             if ev.error is not None:
                 raise RuntimeError(f"the engine failed the read: {ev.error}")
+            if ev.finish_reason is not None and first is None and not ev.token_ids:
+                raise RuntimeError(f"the read finished ({ev.finish_reason!r}) before its first token: "
+                                   f"{e.stats().kv_blocks_moved_total if tiered else 0} blocks moved to the host")
             if first is None and ev.token_ids:
                 _sync(e.device)
                 first = time.perf_counter()

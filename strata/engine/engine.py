@@ -453,6 +453,8 @@ class LLMEngine:
         if self.kv_tier is not None:
             self.kv_tier.after_schedule()
         if not out.chunks and not out.finished:
+            if self.kv_tier is not None and self.requests:
+                self.kv_tier.wait_for_copy()  # a request may wait for its blocks to leave the device pool
             return None
         return _Launched(out, self.runner.launch(out.chunks))
 

@@ -75,12 +75,22 @@ class HostKVTier:
         if batch.moves:
             ticket = self.copier.start([m.device for m in batch.moves], [m.host for m in batch.moves])
             self._copies.append((ticket, batch))
-            if self.device.type != "cuda":  # copied already: the blocks leave the device pool now
+            if self.device.type != "cuda" and self.copier.ready(ticket):  # copied already: the blocks leave now
                 self._copies.pop()
                 self.copier.finish(ticket)
                 rest = self.tier.complete(batch, busy)
                 if rest:
                     self._copies.append((None, MoveBatch(rest)))
+
+    def wait_for_copy(self) -> bool:
+        """Blocks until the oldest copy of moves is done (False: none is under way). The host runs ahead of
+        the device through a read's chunks, so a request whose pool is full while its old blocks are still
+        being copied out waits here, not in a loop of empty steps."""
+        for ticket, _ in self._copies:
+            if ticket is not None:
+                self.copier.wait(ticket)
+                return True
+        return False
 
     def after_schedule(self, stream=None) -> None:
         """Before the step that overwrites them: device blocks the prefix cache evicted are copied to host

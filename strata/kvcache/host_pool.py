@@ -96,6 +96,12 @@ class BlockCopier:
         ev = self.sets[ticket].event
         return ev is None or ev.query()
 
+    def wait(self, ticket: int) -> None:
+        """Blocks until the copy `ticket` is done (its host side may then be finished)."""
+        ev = self.sets[ticket].event
+        if ev is not None:
+            ev.synchronize()
+
     def finish(self, ticket: int) -> None:
         """Scatters a ready batch into the host pool (CPU work) and frees its staging set."""
         s = self.sets[ticket]

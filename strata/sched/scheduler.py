@@ -59,6 +59,7 @@ samples hands its request to the decode lane with everything it read kept.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,6 +69,8 @@ from strata.kvcache.allocator import NULL_BLOCK, BlockAllocator
 from strata.kvcache.prefix import PrefixKeys
 from strata.sched.request import FINISH_STATUS, Request, RequestStatus
 from strata.sched.step import PENDING_TOKEN, ScheduledChunk, SchedulerOutput, StepBuilder  # noqa: F401 (PENDING_TOKEN re-exported)
+
+log = logging.getLogger("strata")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -556,7 +559,8 @@ class Scheduler:
 
         If `req` is itself the newest it is the one preempted (False). If it is the only running request
         and still does not fit, it never will: it is finished as "length", as if it had hit
-        max_model_len (False).
+        max_model_len (False). With the host KV tier, a request whose blocks are being copied out of the
+        device pool waits for them instead (False), preempting nobody.
         """
         alloc = self.allocator
         while True:
@@ -567,10 +571,15 @@ class Scheduler:
             if ids is not None:
                 req.block_ids.extend(ids)
                 return True
+            if self.tier is not None and self.tier.moving.get(req.request_id):
+                return False  # its blocks past the window are being copied to the host: room at a later step
             if not preempt:
                 return False
             victim = self._running[-1]
             if victim is req and len(self._running) == 1:
+                log.warning("request %s: it needs %d more KV blocks (to %d positions; %d of its blocks in the host tier), the "
+                            "pool has %d free and no other request to preempt: finished (\"length\")", req.request_id,
+                            need, num_tokens, len(req.host_blocks), alloc.num_free)
                 # Finishing is safe even while a run-ahead step of it is in flight: nothing comes back.
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
                 step.finished.append(req)

@@ -76,6 +76,27 @@ def test_window_smaller_than_the_prompt_gives_identical_greedy_output(prompts, p
     assert s.kv_host_blocks_used == 0  # every request finished: its host blocks are free again
 
 
+def test_a_read_waits_for_its_blocks_to_leave_a_full_pool(prompts, plain, monkeypatch):
+    """On CUDA the host schedules a read's chunks ahead of the device, so a move's copy is not done by the
+    next step and the pool (the window and two chunks) fills: the read waits for the copy, and neither
+    ends ("length") nor changes its output. Here copies report done only once the engine waits for them."""
+    from strata.kvcache.host_pool import BlockCopier
+
+    waited = set()
+    monkeypatch.setattr(BlockCopier, "ready", lambda self, ticket: ticket in waited)
+    monkeypatch.setattr(BlockCopier, "wait", lambda self, ticket: waited.add(ticket))
+    finish = BlockCopier.finish
+
+    def finished(self, ticket):
+        waited.discard(ticket)
+        finish(self, ticket)
+
+    monkeypatch.setattr(BlockCopier, "finish", finished)
+    out, e = run(prompts[:1], kv_resident=48, parallel=1)
+    assert out == {"r0": plain["r0"]}
+    assert e.stats().kv_blocks_moved_total >= (230 - 48 - 2 * 64) // 16
+
+
 def test_tier_with_int8_storage_matches_int8_without(prompts):
     base, _ = run(prompts[:1], kv="int8")
     out, _ = run(prompts[:1], kv="int8", kv_resident=32)

@@ -125,6 +125,18 @@ def test_cuda_fp32_tier_with_speculation_identical():
     assert out == want and e.scheduler.preemptions_total > 0
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_one_slot_reads_past_its_window_with_the_prefix_cache(graphs):
+    """`strata bench kv-tier`'s configuration: one slot, the prefix cache on, int8, the default step budget,
+    a prompt seven windows long: its blocks move while it reads (its device pool holds the window and two
+    chunks), and the output is the one without the tier."""
+    ps = prompts()[:1]
+    kw = dict(parallel=1, prefix_cache=True, kv="int8", max_num_batched_tokens=None)
+    want, _ = run(ps, **kw)
+    out, e = run(ps, kv_resident=128, kv_tier_graphs=graphs, **kw)
+    assert out == want and e.stats().kv_blocks_moved_total >= (900 - 128 - 128) // 16
+
+
 def test_cuda_graphs_replay_steps_with_and_without_a_host_part(replays):
     """Graphs on with the tier and --kv-tier-graphs: a request within its window decodes by plain replays
     (the MTP calls too), the steps of requests with host blocks replay the graphs cut at each attention
