@@ -5,9 +5,10 @@ else the embedded model): decode speed of one sequence at `--context` tokens wit
 (`--arms all`) and with a resident window of `--resident` tokens (`tier`; `--kv int8` by default, as the
 tier is meant to run); the read of that context in both; a second request on a prefix that went to the
 host tier (its first token against reading the prefix again, or against the tier arm's own read when
-the all-device arm is not run); and the growth of torch's allocator across a second long read with the
-tier on (CUDA). `--gpu-memory`, `--n-cpu-moe`, `--parallel` and `--ctx` are the engine's (the seed's deployment: a 16 GiB
-cap, two slots, 262,144 tokens each). llama.cpp's `-nkvo` figures are read from `--llamacpp FILE`:
+the all-device arm is not run); and the growth of torch's allocator across another read (the prompt
+reversed, twice the window and four chunks long) with the tier on (CUDA). `--gpu-memory`,
+`--n-cpu-moe`, `--parallel` and `--ctx` are the engine's (the seed's deployment: a 16 GiB cap, two
+slots, 262,144 tokens each). llama.cpp's `-nkvo` figures are read from `--llamacpp FILE`:
 llama-server's /completion response (its `timings`) or a JSON with `decode_tok_s` and `read_tok_s`, at
 the same context on the same machine. JSON (+ PNG) under bench/results/.
 """
@@ -101,6 +102,10 @@ def _arm(args, ids: list[int], **kw) -> dict:
         print(f"the {'tier' if tiered is not None else 'all-device'} arm's decode, by cumulative time:", flush=True)
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     res = {"read_tok_s": len(ids) / (first - t0), "decode_tok_s": (args.decode - 1) / (end - first)}
+    arm = "tier" if kw.get("kv_resident") is not None else "all-device"
+    # Printed as each part ends: a run cut short (a device lease) still shows what it measured.
+    print(f"{arm} arm: read {len(ids)} tokens in {first - t0:.1f} s ({res['read_tok_s']:.0f} tok/s), "
+          f"decode {res['decode_tok_s']:.2f} tok/s", flush=True)
     if tiered is not None:
         # The decode's time in the host part on the CPU (each step's wait for its rows included).
         res["decode_host_attention_s_per_token"] = (tiered.host_seconds_total - host_at_first) / (args.decode - 1)
@@ -116,9 +121,13 @@ def _arm(args, ids: list[int], **kw) -> dict:
             _sync(e.device)
             res["host_prefix_ttft_s"] = time.perf_counter() - t1
             res["host_prefix_cached_tokens"] = evs[-1].cached_tokens
+            print(f"{arm} arm: the same prompt again in {res['host_prefix_ttft_s']:.2f} s "
+                  f"({res['host_prefix_cached_tokens']} tokens cached)", flush=True)
         if e.device.type == "cuda" and args.alloc_check:
             before = torch.cuda.memory_stats(e.device)["reserved_bytes.all.current"]
-            e.add_request(EngineRequest("third", tuple(ids[::-1]), SamplingParams(max_tokens=4, ignore_eos=True),
+            # Long enough to move blocks, stream a host prefix to its chunks and decode with a host part.
+            third = ids[::-1][: min(len(ids), 2 * args.resident + 4 * e.cfg.chunk_size)]
+            e.add_request(EngineRequest("third", tuple(third), SamplingParams(max_tokens=4, ignore_eos=True),
                                         time.monotonic()))
             e.run_to_completion()
             res["alloc_growth_bytes"] = torch.cuda.memory_stats(e.device)["reserved_bytes.all.current"] - before
@@ -223,6 +232,6 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", action="store_true", help="print where each arm's decode spends its time (cProfile)")
     p.add_argument("--llamacpp", default=None, help="JSON of llama.cpp -nkvo figures on the same machine")
     p.add_argument("--no-alloc-check", dest="alloc_check", action="store_false",
-                   help="leave out the allocator check (a second read of the whole context, reversed)")
+                   help="leave out the allocator check (another read, reversed, of twice the window and four chunks)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=main)
