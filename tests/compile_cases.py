@@ -226,9 +226,11 @@ ATTN_STRIDES = ("stride_qn stride_qh stride_k_slot stride_kh stride_v_slot strid
                 "stride_wm_n stride_wm_h stride_wc_n stride_ln stride_lh").split()
 
 
-def paged_attention(head_dim: int, group: int, int8: bool, q_len: int = 1, split: bool = True):
+def paged_attention(head_dim: int, group: int, int8: bool, q_len: int = 1, split: bool = True,
+                    host_prefix: bool = False):
     """Decode (q_len 1, split keys) and prompt chunks (q_len > 1, one program a query tile) at the tiles
-    `select_config` picks for the device."""
+    `select_config` picks for the device; `host_prefix`: a chunk over a streamed host prefix (every row
+    sees the whole context, LSE written)."""
     cfg = attention.select_config(q_len, group, int8, False, head_dim, False, SPEC)
     kv = "*i8" if int8 else "*bf16"
     sig = {name: kv if t == "KV" else t for name, t in ATTN_SIG.items()}
@@ -237,7 +239,7 @@ def paged_attention(head_dim: int, group: int, int8: bool, q_len: int = 1, split
     const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=max(1, cfg.block_m // group), BLOCK_N=cfg.kv_tile,
                  HEAD_DIM=head_dim, BLOCK_SIZE=16, IS_INT8=int8, SPLIT=split, DOT_PREC="tf32", INVARIANT=False,
                  USE_PDL=pdl(), FEW_SPLITS=attention.FEW_SPLITS, LONG_SPLIT_KEYS=attention.LONG_SPLIT_KEYS,
-                 WRITE_LSE=False)
+                 WRITE_LSE=host_prefix, WHOLE_CONTEXT=host_prefix)
     return attention._paged_attention_kernel, sig, const, cfg.num_warps, cfg.num_stages, True
 
 
@@ -494,6 +496,9 @@ READ = {
     "attention_prefill_wide": lambda: paged_attention(128, 4, False, q_len=2048, split=False),
     "attention_prefill_narrow": lambda: paged_attention(128, 4, False, q_len=512, split=False),
     "attention_prefill_int8": lambda: paged_attention(128, 4, True, q_len=2048, split=False),
+    "attention_host_prefix_int8": lambda: paged_attention(128, 4, True, q_len=2048, split=False, host_prefix=True),
+    "attention_host_prefix_h256_int8": lambda: paged_attention(256, 8, True, q_len=2048, split=False,
+                                                               host_prefix=True),
     "attention_prefill_h256": lambda: paged_attention(256, 8, False, q_len=2048, split=False),
     "kv_gather_dequant": kv_gather_dequant,
     "rms_norm": lambda: fused_add_rms_norm(residual=False),

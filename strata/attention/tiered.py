@@ -11,9 +11,12 @@ is unchanged), and names its host part with `set_host`. Each layer:
    of `strata.kernels.cpu_decode`, the span is cut into parts of at least SPAN_PART_KEYS keys, one per
    thread, each read where it lies, and the parts merged by log-sum-exp; without them, torch gathers
    and widens the span first), prompt
-   chunks by streaming (`stream`: the layer's host blocks are gathered into a pinned buffer and copied
-   up, double-buffered: the next (layer, sequence) item is queued on a side stream while this one
-   computes), over key tiles whose scores stay within STREAM_SCORE_BYTES;
+   chunks by streaming (the layer's host blocks are copied up on a side stream, double-buffered: the
+   next (layer, sequence) item is queued while this one computes; run by run straight from the pinned
+   host pool where the blocks are mostly consecutive, else gathered into a pinned buffer first) and
+   attending the copy with the paged attention kernel, every row seeing all of it (`whole_context`),
+   when the inner backend is the Triton one; otherwise in torch over key tiles whose scores stay within
+   STREAM_SCORE_BYTES;
 3. the two are merged by log-sum-exp, host part first (`merge`), a fixed order.
 On the CPU both ways run the same code with the "device" being the CPU. Nothing here allocates device
 memory per step beyond the torch reference's temporaries: the streaming buffers are made at start-up.
@@ -33,12 +36,15 @@ real positions: the same keys, values and arithmetic as without the tier, so the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from strata.attention.base import AttentionBackend
+from strata.kernels import attention as k_attn
+from strata.kernels.transfer import to_device
 from strata.kvcache.pool import Int8Pool, KVPool, make_pool, pool_tensors
 
 # A streamed chunk's scores ([Hq, rows, keys] fp32) are computed over key tiles of at most this size.
@@ -46,6 +52,20 @@ STREAM_SCORE_BYTES = 64 << 20
 # A host span read by the C kernel is split over threads in parts of at least this many keys: below it a
 # part's hand-off costs more than its reading.
 SPAN_PART_KEYS = 2048
+# A streamed host part whose blocks form at most this many runs of consecutive ids is copied run by run
+# straight from the (pinned) host pool; more scattered ones are gathered on the CPU first.
+MAX_STREAM_RUNS = 256
+
+
+def block_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first position in `blocks`, first block id, count) of each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for j, b in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((j, b, 1))
+    return runs
 
 
 def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +149,17 @@ class TieredAttention(AttentionBackend):
         max_blocks = max(-(-max_host_tokens // bs), 1)
         self.stages = [_Stage(host_pool, max_blocks, self.device, cuda) for _ in range(2)]
         self.stream = torch.cuda.Stream(self.device) if cuda else None
+        # Streamed parts go through the paged attention kernel when the device part does (the stage's
+        # copy read as a pool of its own: identity block table, one sequence per streamed span).
+        from strata.attention.triton_backend import TritonPagedAttention
+
+        self.stream_kernel = isinstance(inner, TritonPagedAttention)
+        if self.stream_kernel:
+            self.stream_table = torch.arange(max_blocks, dtype=torch.int32, device=self.device)[None]
+            self.stream_meta = torch.zeros_like(inner.meta)  # per streamed span: q_start 0, rows, host tokens
+            self.stream_out = torch.zeros_like(inner.out)
+            self.stream_lse = torch.zeros_like(inner.lse)
+        self.runs: dict[int, list[tuple[int, int, int]]] = {}  # streamed span -> its blocks' runs (direct copies)
         # (first row, rows, host blocks, host tokens, sequence index, first position of the device part)
         self.spans: list[tuple[int, int, torch.Tensor, int, int, int]] = []
         self.streamed: list[int] = []  # indices into spans of those streamed
@@ -196,6 +227,16 @@ class TieredAttention(AttentionBackend):
             seq, start = where or (0, 0)
             self.spans.append((r0, n, torch.tensor(blocks, dtype=torch.long), len(blocks) * bs, seq, start))
         self.streamed = [] if self.invariant else [i for i, s in enumerate(self.spans) if s[1] > self.decode_rows]
+        self.runs = {}
+        for i in self.streamed:
+            runs = block_runs(spans[i][2])
+            if len(runs) <= MAX_STREAM_RUNS:
+                self.runs[i] = runs
+        if self.stream_kernel and self.streamed:
+            rows = [self.spans[i][1] for i in self.streamed]
+            tokens = [self.spans[i][3] for i in self.streamed]
+            self.stream_meta[:, : len(rows)].copy_(to_device([[0] * len(rows), rows, tokens], self.device,
+                                                             torch.int32))
         for stage in self.stages:
             stage.item = None
         if self.invariant:
@@ -336,20 +377,29 @@ class TieredAttention(AttentionBackend):
 
     def _stage(self, item: tuple[int, int], stage: _Stage) -> None:
         layer, i = item
-        if stage.event is not None:
-            stage.event.synchronize()  # its previous copy up has left the pinned buffer
         blocks = self.spans[i][2]
         nb = blocks.shape[0]
-        stage.idx[:nb] = blocks
-        for t, pinned in zip(pool_tensors(self.host_pool), stage.pinned):
-            src = t[layer].view(t.shape[1] // self.host_pool.block_size, -1)
-            torch.index_select(src, 0, stage.idx[:nb], out=pinned[:nb])
+        bs = self.host_pool.block_size
+        runs = self.runs.get(i)
+        if runs is None:
+            if stage.event is not None:
+                stage.event.synchronize()  # its previous copy up has left the pinned buffer
+            stage.idx[:nb] = blocks
+            for t, pinned in zip(pool_tensors(self.host_pool), stage.pinned):
+                torch.index_select(t[layer].view(t.shape[1] // bs, -1), 0, stage.idx[:nb], out=pinned[:nb])
         if self.stream is not None:
             # The device buffer's previous contents may still be read by a kernel queued on the compute stream.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            if runs is not None:  # the host pool is pinned: its runs of blocks go up as they lie
+                for t, dev in zip(pool_tensors(self.host_pool), stage.dev):
+                    src = t[layer].view(t.shape[1] // bs, -1)
+                    for at, first, count in runs:
+                        dev[at : at + count].copy_(src[first : first + count], non_blocking=True)
+            elif self.stream is not None:
                 for pinned, dev in zip(stage.pinned, stage.dev):
                     dev[:nb].copy_(pinned[:nb], non_blocking=True)
+            if stage.event is not None:
                 stage.event.record(self.stream)
         stage.item = item
 
@@ -368,12 +418,32 @@ class TieredAttention(AttentionBackend):
             if other.item != items[at + 1]:
                 self._stage(items[at + 1], other)
         tokens = self.spans[i][3]
+        if self.stream_kernel:
+            return self._streamed_kernel(stage, self.streamed.index(i), q)
         tile = max(STREAM_SCORE_BYTES // (4 * q.shape[0] * q.shape[1]), self.host_pool.block_size)
         o, lse = attend_all(q, *self._keys(stage, 0, min(tile, tokens)), self.scale)
         for lo in range(tile, tokens, tile):
             o2, lse2 = attend_all(q, *self._keys(stage, lo, min(lo + tile, tokens)), self.scale)
             o, lse = merge(o, lse, o2, lse2), torch.logaddexp(lse, lse2)
         return o, lse
+
+    def _streamed_kernel(self, stage: _Stage, j: int, q: torch.Tensor):
+        """Rows q over the staged host part of the j-th streamed span, through the paged attention kernel:
+        (o, lse) in buffers the next span reuses."""
+        pool, n = self.host_pool, q.shape[0]
+        slots = stage.dev[0].shape[0] * pool.block_size
+        k = stage.dev[0].view(slots, pool.n_kv, pool.head_dim)
+        v = stage.dev[1].view(slots, pool.n_kv, pool.head_dim)
+        ks, vs = ((stage.dev[2].view(slots, pool.n_kv), stage.dev[3].view(slots, pool.n_kv))
+                  if isinstance(pool, Int8Pool) else (None, None))
+        fits = n <= self.stream_out.shape[0] and self.stream_out.dtype == q.dtype
+        out = self.stream_out[:n] if fits else torch.empty_like(q)
+        lse = self.stream_lse[:n] if fits else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        meta = self.stream_meta[:, j : j + 1]
+        k_attn.paged_attention_triton(q, k, v, self.stream_table, meta[0], meta[1], meta[2], out,
+                                      block_size=pool.block_size, max_q_len=n, scale=self.scale, k_scale=ks,
+                                      v_scale=vs, lse=lse, whole_context=True)
+        return out, lse
 
     def _keys(self, stage: _Stage, lo: int, hi: int):
         """Keys and values lo..hi of the staged host part (dequantized for int8)."""

@@ -30,6 +30,8 @@ visible to the one that sees the last ticket); the last program merges the parti
 to 0 for the next call. Given an `lse` tensor, whichever program writes a row's output also writes its
 log-sum-exp over the keys it saw (fp32, natural log), so attention over other keys can be merged in
 (the host KV tier); the flag is a constexpr, so a launch without it compiles the kernel as before.
+With `whole_context` (another constexpr) every row sees all ctx_len keys, as if it sat after them:
+a prompt chunk over a host prefix streamed to the device, with no causal diagonal to mask.
 
 Graph capture: the grid depends only on R, max_q_len, Hkv and num_splits (host ints); every length,
 start and table entry is read by the kernel, so a captured launch replays with new values in the same
@@ -135,14 +137,15 @@ DECODE_CONFIG_WIDE_HEAD_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=2,
 # instructions, 64-key bf16 decode tiles ~50, heads of 256 ~300; sm_80 spills soonest). These compile
 # without spills for all three and fit 99 KiB of shared memory (tests/kernels/test_compile_consumer.py);
 # untimed. Prompt steps: 8 warps over 128 query rows and 16-key tiles (bf16 / fp16), 64 rows and
-# 32-key tiles read straight from int8, 64 rows and 16-key tiles for heads of 256. Decode: 32-key
+# 32-key tiles read straight from int8 in one stage (two spill with the LSE output of a streamed host
+# prefix on sm_86 / sm_89), 64 rows and 16-key tiles for heads of 256. Decode: 32-key
 # bf16 tiles on 4 warps, heads of 256 16-key tiles on 4 warps; int8 decode keeps DECODE_CONFIG_INT8 /
 # DECODE_CONFIG_WIDE_HEAD_INT8. Verification steps of 32 and 64 rows take a warp per 8 rows and half
 # the keys per doubling of rows, at least 16 (heads of 256 at 64 rows still spill ~40 instructions).
 MMA_DECODE_CONFIG = TileConfig(block_m=16, num_warps=4, num_stages=3, kv_tile=32)
 MMA_DECODE_CONFIG_WIDE_HEAD = TileConfig(block_m=16, num_warps=4, num_stages=2, kv_tile=16)
 MMA_PREFILL_CONFIG = TileConfig(block_m=128, num_warps=8, num_stages=2, kv_tile=16)
-MMA_PREFILL_CONFIG_INT8 = TileConfig(block_m=64, num_warps=8, num_stages=2, kv_tile=32)
+MMA_PREFILL_CONFIG_INT8 = TileConfig(block_m=64, num_warps=8, num_stages=1, kv_tile=32)
 MMA_PREFILL_CONFIG_WIDE_HEAD = TileConfig(block_m=64, num_warps=8, num_stages=2, kv_tile=16)
 
 
@@ -423,6 +426,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, INVARIANT: tl.constexpr, USE_PDL: tl.constexpr,
     FEW_SPLITS: tl.constexpr, LONG_SPLIT_KEYS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    WHOLE_CONTEXT: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -435,8 +439,12 @@ def _paged_attention_kernel(
         return
     ctx = tl.load(ctx_len_ptr + seq)
     row0 = tl.load(q_start_ptr + seq)
-    first_pos = ctx - q_len + tile_q0
-    last_pos = ctx - q_len + tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
+    if WHOLE_CONTEXT:  # every row sits after the whole context (keys that precede the step's rows)
+        first_pos = ctx - 1
+        last_pos = ctx - 1
+    else:
+        first_pos = ctx - q_len + tile_q0
+        last_pos = ctx - q_len + tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
     if SPLIT:
         split = tl.program_id(2)
         if INVARIANT:  # fixed-length splits at absolute positions; the grid has enough of them
@@ -464,7 +472,10 @@ def _paged_attention_kernel(
     q_idx = tile_q0 + offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
-    pos = ctx - q_len + q_idx
+    if WHOLE_CONTEXT:
+        pos = tl.full([BLOCK_M], 0, tl.int32) + (ctx - 1)
+    else:
+        pos = ctx - q_len + q_idx
     rows = (row0 + q_idx).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
@@ -552,13 +563,15 @@ def _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, ou
 def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
                            max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
                            workspace: SplitWorkspace | None = None, invariant: bool = False,
-                           lse: torch.Tensor | None = None) -> torch.Tensor:
+                           lse: torch.Tensor | None = None, whole_context: bool = False) -> torch.Tensor:
     """`invariant` (--batch-invariant): INVARIANT_CONFIG and splits of INVARIANT_SPLIT_KEYS keys. With
     num_splits > 1 the splits run as programs of their own (the grid needs num_splits >= cdiv(longest
     context, INVARIANT_SPLIT_KEYS)); with num_splits == 1 each program walks its splits itself. Both
     give a row the same bits. `lse` [N, Hq] fp32: also each sequence row's log-sum-exp of its scaled
     scores (natural log, after the split merge), for merging with attention over other keys; without
-    it the launch compiles no LSE store and `out` is unchanged."""
+    it the launch compiles no LSE store and `out` is unchanged. `whole_context`: every row of a
+    sequence sees all ctx_len keys, which precede its rows (a host prefix streamed to the device, whose
+    rows' own keys are attended elsewhere); q_len may then exceed ctx_len."""
     n, hq, d, hkv, r, is_int8 = _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out,
                                               k_scale, v_scale)
     if d < 16 or d & (d - 1):
@@ -610,7 +623,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, q_start, q_len, ct
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.kv_tile, HEAD_DIM=d, BLOCK_SIZE=block_size,
         IS_INT8=is_int8, SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         INVARIANT=invariant, USE_PDL=on, FEW_SPLITS=FEW_SPLITS, LONG_SPLIT_KEYS=LONG_SPLIT_KEYS,
-        WRITE_LSE=lse is not None, launch_pdl=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WRITE_LSE=lse is not None, WHOLE_CONTEXT=whole_context, launch_pdl=on, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -624,17 +638,18 @@ def _dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype)
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out, *, block_size: int,
                         max_q_len: int, scale: float, k_scale=None, v_scale=None, num_splits: int = 1,
-                        workspace: SplitWorkspace | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+                        workspace: SplitWorkspace | None = None, lse: torch.Tensor | None = None,
+                        whole_context: bool = False) -> torch.Tensor:
     """The definition: a loop over sequences, fp32 math, cast to out's dtype (`lse` [N, Hq]: each row's
-    log-sum-exp of its scaled scores). num_splits and workspace are accepted for a common signature and
-    ignored (splitting changes rounding only)."""
+    log-sum-exp of its scaled scores; `whole_context`: every row sees all ctx_len keys). num_splits and
+    workspace are accepted for a common signature and ignored (splitting changes rounding only)."""
     _, hq, _, hkv, _, _ = _check_inputs(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_len, out,
                                         k_scale, v_scale)
     group = hq // hkv
     for r, (row0, n, ctx) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
         if n == 0:
             continue
-        if n > max_q_len or n > ctx:
+        if n > max_q_len or (n > ctx and not whole_context):
             raise ValueError(f"sequence {r}: q_len {n} exceeds max_q_len {max_q_len} or ctx_len {ctx}")
         t = torch.arange(ctx, device=q.device)
         slots = block_tables[r].long()[t // block_size] * block_size + t % block_size
@@ -643,7 +658,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, q_start, q_len, ctx_l
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         qq = q[row0:row0 + n].float()
         scores = torch.einsum("qhd,khd->hqk", qq, k) * scale
-        q_pos = ctx - n + torch.arange(n, device=q.device)
+        q_pos = torch.full((n,), ctx - 1, device=q.device) if whole_context else ctx - n + torch.arange(n, device=q.device)
         scores.masked_fill_(t[None, None, :] > q_pos[None, :, None], float("-inf"))
         o = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
         out[row0:row0 + n] = o.to(out.dtype)

@@ -18,7 +18,7 @@ from test_attention import MIXED, PAD, make_case, run, seed_of, workspace_for
 
 from strata.attention import triton_backend as TB
 from strata.attention.reference import PagedAttention
-from strata.attention.tiered import TieredAttention
+from strata.attention.tiered import TieredAttention, attend_all
 from strata.attention.triton_backend import TritonPagedAttention
 from strata.kernels import attention as A
 from strata.kvcache.pool import make_pool
@@ -84,6 +84,35 @@ def test_lse_matches_the_reference_and_leaves_the_output_alone(tiny_tiles, int8,
     assert torch.equal(out.nan_to_num(7.0), plain.nan_to_num(7.0)), "the LSE output changed the attention output"
     if ws is not None:
         assert not ws.counters.any()
+
+
+# A chunk longer than its context (a host prefix of a few blocks), a decode, padding, a chunk over more keys.
+WHOLE = [(20, 12), (1, 40), PAD, (9, 64)]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_whole_context_rows_see_every_key(tiny_tiles, int8):
+    """`whole_context` (a prompt chunk over a streamed host prefix): every row of a sequence attends all
+    of its ctx_len keys, also where the chunk has more rows than the prefix has keys. The kernel's output
+    and LSE against the reference's, and the reference against attention over all of a sequence's keys."""
+    case, seqs, q_start = make_case(seed_of("whole", int8), WHOLE, hkv=2, group=2, head_dim=16, block_size=4,
+                                    dtype=torch.float32, int8=int8)
+    n, hq, _ = case["q"].shape
+    want = torch.full((n, hq), float("nan"))
+    ref = run(with_lse(A.paged_attention_ref, want, whole_context=True), case)
+    got = torch.full((n, hq), float("nan"))
+    out = run(with_lse(A.paged_attention_triton, got, whole_context=True), case)
+    check_lse(got, want, seqs, q_start, 1e-5)
+    for (rows, ctx), row in zip(seqs, q_start):
+        if rows:
+            torch.testing.assert_close(out[row:row + rows], ref[row:row + rows], rtol=1e-5, atol=1e-5)
+    if not int8:
+        (rows, ctx), row = seqs[0], q_start[0]
+        t = torch.arange(ctx)
+        slots = case["block_tables"][0].long()[t // 4] * 4 + t % 4
+        o, lse = attend_all(case["q"][row:row + rows], case["k_cache"][slots], case["v_cache"][slots], case["scale"])
+        torch.testing.assert_close(ref[row:row + rows], o, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(want[row:row + rows], lse, rtol=1e-5, atol=1e-6)
 
 
 def test_lse_must_be_fp32_rows_by_heads():

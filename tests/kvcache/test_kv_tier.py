@@ -11,7 +11,7 @@ from test_attention_lse import tiny_tiles  # noqa: F401 (a fixture)
 
 from strata.attention import tiered as tiered_mod
 from strata.attention.reference import PagedAttention
-from strata.attention.tiered import TieredAttention, attend_all, merge
+from strata.attention.tiered import TieredAttention, attend_all, block_runs, merge
 from strata.kvcache.allocator import NULL_BLOCK, BlockAllocator
 from strata.kvcache.host_pool import BlockCopier
 from strata.kvcache.pool import make_pool
@@ -33,9 +33,10 @@ def test_merge_of_two_key_sets_equals_attention_over_all():
     torch.testing.assert_close(merge(o1, l1, torch.zeros_like(o1), empty), o1)
 
 
-def _two_tiers(kind: str, host_counts=(3, 5), seed: int = 5):
+def _two_tiers(kind: str, host_counts=(3, 5), seed: int = 5, runs: int = 1):
     """Two sequences (a decode row, a 20-row chunk) in a pool holding everything (`full`) and, the same
-    K/V, split between a device pool and a host pool holding each one's first `host_counts` blocks."""
+    K/V, split between a device pool and a host pool holding each one's first `host_counts` blocks (the
+    chunk's in `runs` runs of consecutive ids, in no order)."""
     g = torch.Generator().manual_seed(seed)
     bs, hkv, hq, d = 4, 2, 4, 16
     full = make_pool(kind, 1, 32, bs, hkv, d, "cpu", torch.float32)
@@ -45,6 +46,8 @@ def _two_tiers(kind: str, host_counts=(3, 5), seed: int = 5):
     tables = [list(range(1, 11)), list(range(11, 24))]
     first = [3, 3 + host_counts[0]]
     host_blocks = [list(range(f, f + c)) for f, c in zip(first, host_counts)]
+    cut = [len(host_blocks[1]) * j // runs for j in range(runs + 1)]
+    host_blocks[1] = [b for j in reversed(range(runs)) for b in host_blocks[1][cut[j]:cut[j + 1]]]
     starts = [n - k for n, k in zip(lens, news)]
     for r, (table, n) in enumerate(zip(tables, starts)):  # the context before the step, in both layouts
         k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
@@ -79,17 +82,26 @@ def _over_everything(full, full_layout, qkv) -> torch.Tensor:
     return ref.attend(0, *qkv)
 
 
+def test_block_runs():
+    assert block_runs([]) == []
+    assert block_runs([7, 8, 9, 3, 4, 11]) == [(0, 7, 3), (3, 3, 2), (5, 11, 1)]
+
+
 @pytest.mark.parametrize("kind", ["auto", "int8"])
-def test_tiered_attention_matches_one_pool(kind, monkeypatch):
+@pytest.mark.parametrize("runs,max_runs", [(1, 256), (2, 256), (2, 1)], ids=["one-run", "two-runs", "gathered"])
+def test_tiered_attention_matches_one_pool(kind, runs, max_runs, monkeypatch):
     """The tiered backend over the shifted device layout gives what the plain backend gives over
-    everything; the streamed chunk's host part in key tiles of one block, merged in order."""
+    everything; the streamed chunk's host part in key tiles of one block, merged in order, its blocks
+    copied run by run or (more runs than MAX_STREAM_RUNS) gathered."""
     monkeypatch.setattr(tiered_mod, "STREAM_SCORE_BYTES", 4 * 20 * 4 * 4)  # 20 rows x 4 heads: tiles of 4 keys
-    full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
+    monkeypatch.setattr(tiered_mod, "MAX_STREAM_RUNS", max_runs)
+    full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind, runs=runs)
     want = _over_everything(full, full_layout, qkv)
 
     tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1)
     tiered.prepare(*tiered_layout)
     tiered.set_host([sp[:3] for sp in spans])
+    assert (1 in tiered.runs) == (runs <= max_runs)
     got = tiered.attend(0, *qkv)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
