@@ -21,7 +21,7 @@ from strata.engine.concurrent import ConcurrentReadSetup
 from strata.env import torch_allocator_configured
 from strata.kernels.quant import FORMATS as KEPT_FORMATS
 from strata.kvcache.pool import kv_bytes_per_token
-from strata.kvcache.tier import device_context_buffers, tier_tokens
+from strata.kvcache.tier import device_context_buffers, tier_tokens, tiered_backends
 from strata.loaders.base import Checkpoint
 from strata.memory_plan import GiB, MiB, ModelSizes, Plan, PlanError, PlanRequest, plan_memory
 
@@ -137,11 +137,14 @@ def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: 
     if cfg.kv_resident is not None or cfg.kv_host_memory is not None:
         # Buffers of one layer's K/V at the full context: a host prefix streamed to prompt chunks.
         concurrent = ConcurrentReadSetup.from_env()
-        buffers = device_context_buffers(drafter=bool(cfg.spec), concurrent_read=concurrent.enabled,
-                                         read_drafts=bool(cfg.spec) and (concurrent.split_mtp_batch_reserved or (
-                                             concurrent.piped_concurrent and cfg.kv_resident is not None)),
-                                         batch_invariant=cfg.batch_invariant)
+        who = dict(drafter=bool(cfg.spec), concurrent_read=concurrent.enabled,
+                   read_drafts=bool(cfg.spec) and (concurrent.split_mtp_batch_reserved or (
+                       concurrent.piped_concurrent and cfg.kv_resident is not None)))
+        buffers = device_context_buffers(**who, batch_invariant=cfg.batch_invariant)
         scratch += buffers * cfg.ctx * kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, cfg.kv, dtype)
+        # Each backend's output and LSE of a step's rows over a streamed host prefix.
+        scratch += (tiered_backends(**who) * (cfg.max_num_batched_tokens or 2048) * mc.num_attention_heads
+                    * (mc.head_dim * dtype.itemsize + 4))
     req = PlanRequest(sizes or model_sizes(ckpt, mc, cfg, dtype, num_kv_layers, state_bytes), gpu_budget=budget,
                       scratch_bytes=scratch, kv_tokens=demand,
                       kv_tokens_max=None if cfg.kv_size else kv_tokens_max, context=cfg.ctx, parallel=cfg.parallel,

@@ -169,10 +169,16 @@ def tier_tokens(window: int, chunk: int, lookahead: int, block_size: int) -> int
     return window + 2 * chunk + lookahead + 2 * block_size
 
 
+def tiered_backends(*, drafter: bool, concurrent_read: bool, read_drafts: bool) -> int:
+    """The tiered attention backends of a run: the runner's, the drafter's, the concurrent read's and its
+    draft K/V's."""
+    return 1 + drafter + concurrent_read + read_drafts
+
+
 def device_context_buffers(*, drafter: bool, concurrent_read: bool, read_drafts: bool, batch_invariant: bool) -> int:
     """One-layer K/V buffers at the full context that the tiered attention backends keep on the device:
-    two per backend (a host prefix streamed to prompt chunks, double-buffered): the runner's, the
-    drafter's, the concurrent read's and its draft K/V's; and under --batch-invariant one per runner
-    (the runner's, the concurrent read's), where a tiered sequence is assembled whole."""
-    backends = 1 + drafter + concurrent_read + read_drafts
+    two per backend (a host prefix streamed to prompt chunks, double-buffered); and under
+    --batch-invariant one per runner (the runner's, the concurrent read's), where a tiered sequence is
+    assembled whole."""
+    backends = tiered_backends(drafter=drafter, concurrent_read=concurrent_read, read_drafts=read_drafts)
     return 2 * backends + (1 + concurrent_read) * batch_invariant

@@ -124,9 +124,11 @@ def test_with_a_resident_window_the_plan_counts_the_window_not_the_context():
     tiered = dataclasses.replace(whole, kv_resident=4096)
     sizes = placement.model_sizes(ckpt, mc, tiered, torch.bfloat16, kv_layers)
     window = 2 * tier_tokens(4096, tiered.chunk_size, 0, tiered.block_size)
-    # The two streaming buffers of one layer's K/V at the full context are part of the scratch.
+    # The two streaming buffers of one layer's K/V at the full context are part of the scratch, and the
+    # output and LSE of a step's rows over the streamed prefix.
     one_layer = kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, "int8", torch.bfloat16)
-    scratch = placement.scratch_bytes(tiered, mc) + 2 * 262144 * one_layer
+    rows_out = tiered.max_num_batched_tokens * mc.num_attention_heads * (mc.head_dim * 2 + 4)
+    scratch = placement.scratch_bytes(tiered, mc) + 2 * 262144 * one_layer + rows_out
     budget = (sum(b for _, b in sizes.fixed) + sizes.shared_experts + sum(sizes.routed_experts) + scratch
               + 2 * window * sizes.kv_bytes_per_token)
     with pytest.raises(PlanError):  # one slot's 262K context does not fit beside the weights
