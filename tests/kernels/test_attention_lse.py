@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention import MIXED, PAD, make_case, run, seed_of, workspace_for
+from test_attention import MIXED, PAD, check, make_case, run, seed_of, workspace_for
 
 from strata.attention import triton_backend as TB
 from strata.attention.reference import PagedAttention
@@ -113,6 +113,26 @@ def test_whole_context_rows_see_every_key(tiny_tiles, int8):
         o, lse = attend_all(case["q"][row:row + rows], case["k_cache"][slots], case["v_cache"][slots], case["scale"])
         torch.testing.assert_close(ref[row:row + rows], o, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(want[row:row + rows], lse, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("heads", [(8, 4, 128), (2, 8, 256)], ids=["h128", "h256"])
+def test_gpu_whole_context_matches_the_reference(int8, heads):
+    """A 2048-row chunk over a 6K streamed prefix and one over a 100-key prefix (more rows than keys), at
+    the prompt tiles of the 8B shape and of Qwen3-Next's wide heads; output and LSE."""
+    hkv, group, d = heads
+    case, seqs, q_start = make_case(seed_of("whole-gpu", int8, d), [(2048, 6144), (2048, 100)], hkv=hkv,
+                                    group=group, head_dim=d, block_size=16, dtype=torch.bfloat16, int8=int8,
+                                    device="cuda")
+    n, hq, _ = case["q"].shape
+    want = torch.full((n, hq), float("nan"), device="cuda")
+    ref = run(with_lse(A.paged_attention_ref, want, whole_context=True), case)
+    got = torch.full((n, hq), float("nan"), device="cuda")
+    out = run(with_lse(A.paged_attention_triton, got, whole_context=True), case)
+    check(out, ref, seqs, q_start, 2e-2)
+    check_lse(got.cpu(), want.cpu(), seqs, q_start, 2e-2)
 
 
 def test_lse_must_be_fp32_rows_by_heads():
