@@ -5,7 +5,9 @@ prefix cache and speculation too), the concurrent read (a long read beside a dec
 short one), a hybrid model (the tiny Qwen3-Next: only its full-attention layer tiers), and under
 --batch-invariant bitwise, logprobs included; the prefix cache's host tier serves a hit; a decode step
 with a host part takes the graphs cut at each attention layer, never another graph (the decisions, with
-stand-in graphs); a context that does not fit both tiers is refused naming the sizes."""
+stand-in graphs); a context that does not fit both tiers is refused naming the sizes; and with copies
+that finish late (the device behind the host), a read whose pool is full waits for its blocks to move,
+alone, beside the concurrent read and with two decode groups."""
 
 from __future__ import annotations
 
@@ -76,10 +78,9 @@ def test_window_smaller_than_the_prompt_gives_identical_greedy_output(prompts, p
     assert s.kv_host_blocks_used == 0  # every request finished: its host blocks are free again
 
 
-def test_a_read_waits_for_its_blocks_to_leave_a_full_pool(prompts, plain, monkeypatch):
-    """On CUDA the host schedules a read's chunks ahead of the device, so a move's copy is not done by the
-    next step and the pool (the window and two chunks) fills: the read waits for the copy, and neither
-    ends ("length") nor changes its output. Here copies report done only once the engine waits for them."""
+@pytest.fixture
+def late_copies(monkeypatch):
+    """Copies of moves report done only once the engine waits for them: the device far behind the host."""
     from strata.kvcache.host_pool import BlockCopier
 
     waited = set()
@@ -92,9 +93,32 @@ def test_a_read_waits_for_its_blocks_to_leave_a_full_pool(prompts, plain, monkey
         finish(self, ticket)
 
     monkeypatch.setattr(BlockCopier, "finish", finished)
+
+
+def test_a_read_waits_for_its_blocks_to_leave_a_full_pool(prompts, plain, late_copies):
+    """On CUDA the host schedules a read's chunks ahead of the device, so a move's copy is not done by the
+    next step and the pool (the window and two chunks) fills: the read waits for the copy, and neither
+    ends ("length") nor changes its output."""
     out, e = run(prompts[:1], kv_resident=48, parallel=1)
     assert out == {"r0": plain["r0"]}
     assert e.stats().kv_blocks_moved_total >= (230 - 48 - 2 * 64) // 16
+
+
+def test_late_copies_with_batch_groups(prompts, plain, late_copies):
+    """The seed's two decode groups, whose steps are pipelined: the same output, blocks moved."""
+    out, e = run(prompts[:2], kv_resident=48, batch_groups=2)
+    assert out == plain and e.pipelined and e.stats().kv_blocks_moved_total > 0
+
+
+def test_late_copies_beside_the_concurrent_read(prompts, late_copies, monkeypatch):
+    """The same with the read on the read stage beside a decode and a short request arriving: no lane
+    waits forever on a copy, and the output is the one without the tier."""
+    three = [prompts[1], prompts[0], prompts[2]]
+    kw = dict(arrive={1: 2, 2: 4}, max_num_batched_tokens=64, parallel=3)
+    want, _ = run(three, **kw)
+    monkeypatch.setenv("STRATA_PIPED_CONCURRENT", "1")
+    got, e = run(three, kv_resident=32, kv_size=224, **kw)
+    assert got == want and e.read_stage.reads_total > 3 and e.stats().kv_blocks_moved_total > 0
 
 
 def test_tier_with_int8_storage_matches_int8_without(prompts):
