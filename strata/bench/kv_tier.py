@@ -74,6 +74,7 @@ def _arm(args, ids: list[int], **kw) -> dict:
     """Read `ids`, then decode `--decode` tokens: read and decode tok/s."""
     e = _engine(args, **kw)
     tiered = e.runner.attn if isinstance(e.runner.attn, TieredAttention) else None
+    arm = "tier" if tiered is not None else "all-device"
     host_at_first = None
     profiler = cProfile.Profile() if args.profile else None
     _sync(e.device)
@@ -99,10 +100,9 @@ def _arm(args, ids: list[int], **kw) -> dict:
     end = time.perf_counter()
     if profiler is not None:
         profiler.disable()
-        print(f"the {'tier' if tiered is not None else 'all-device'} arm's decode, by cumulative time:", flush=True)
+        print(f"the {arm} arm's decode, by cumulative time:", flush=True)
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     res = {"read_tok_s": len(ids) / (first - t0), "decode_tok_s": (args.decode - 1) / (end - first)}
-    arm = "tier" if kw.get("kv_resident") is not None else "all-device"
     # Printed as each part ends: a run cut short (a device lease) still shows what it measured.
     print(f"{arm} arm: read {len(ids)} tokens in {first - t0:.1f} s ({res['read_tok_s']:.0f} tok/s), "
           f"decode {res['decode_tok_s']:.2f} tok/s", flush=True)

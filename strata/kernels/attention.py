@@ -137,8 +137,8 @@ DECODE_CONFIG_WIDE_HEAD_INT8 = TileConfig(block_m=16, num_warps=4, num_stages=2,
 # instructions, 64-key bf16 decode tiles ~50, heads of 256 ~300; sm_80 spills soonest). These compile
 # without spills for all three and fit 99 KiB of shared memory (tests/kernels/test_compile_consumer.py);
 # untimed. Prompt steps: 8 warps over 128 query rows and 16-key tiles (bf16 / fp16), 64 rows and
-# 32-key tiles read straight from int8 in one stage (two spill with the LSE output of a streamed host
-# prefix on sm_86 / sm_89), 64 rows and 16-key tiles for heads of 256. Decode: 32-key
+# 32-key tiles read straight from int8 in one stage (with two, the LSE output of a streamed host prefix
+# spilled on sm_86 / sm_89), 64 rows and 16-key tiles for heads of 256. Decode: 32-key
 # bf16 tiles on 4 warps, heads of 256 16-key tiles on 4 warps; int8 decode keeps DECODE_CONFIG_INT8 /
 # DECODE_CONFIG_WIDE_HEAD_INT8. Verification steps of 32 and 64 rows take a warp per 8 rows and half
 # the keys per doubling of rows, at least 16 (heads of 256 at 64 rows still spill ~40 instructions).
