@@ -139,9 +139,9 @@ class TieredAttention(AttentionBackend):
         serves = cpu_kernels is not None and k_host is not None and cpu_kernels.serves_span_attention(k_host[0])
         self.cpu_kernels = cpu_kernels if serves else None
         self.threads = max(torch.get_num_threads(), 1)
-        self.executor = ThreadPoolExecutor(self.threads - 1, "strata-kv-host") if self.cpu_kernels and self.threads > 1 \
-            else None
-        self.span_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # per part: o, lse, work
+        self.executor = (ThreadPoolExecutor(self.threads - 1, "strata-kv-host")
+                         if self.cpu_kernels and not self.cpu_kernels.threaded_split and self.threads > 1 else None)
+        self.span_bufs: tuple[torch.Tensor, ...] | None = None  # per part: o, lse, work; the merged o, lse
         self.decode_rows, self.num_layers = decode_rows, num_layers
         self.scale = 1.0 / host_pool.head_dim ** 0.5
         cuda = self.device.type == "cuda"
@@ -315,10 +315,20 @@ class TieredAttention(AttentionBackend):
             # Made once for the largest decode step (grown if a step has more rows), reused after.
             rows = max(n, self.decode_rows)
             bufs = self.span_bufs = (torch.empty(self.threads, rows, hq, d), torch.empty(self.threads, rows, hq),
-                                     torch.empty(self.threads, self.cpu_kernels.span_work_numel(rows, hq, d)))
-        o_parts, lse_parts = bufs[0][:, :n], bufs[1][:, :n]
+                                     torch.empty(self.threads, self.cpu_kernels.span_work_numel(rows, hq, d)),
+                                     torch.empty(rows, hq, d), torch.empty(rows, hq))
         pool = self.host_pool
         scales = (pool.k_scale[layer], pool.v_scale[layer]) if isinstance(pool, Int8Pool) else (None, None)
+        if self.cpu_kernels.threaded_split:
+            # One call: the library's OpenMP team takes the parts and merges them, the GIL released throughout
+            # (threads of Python's would each take the GIL back between their part and the merge).
+            o, lse = bufs[3][:n], bufs[4][:n]
+            o_parts = bufs[0].view(-1)[: parts * n * hq * d].view(parts, n, hq, d)
+            lse_parts = bufs[1].view(-1)[: parts * n * hq].view(parts, n, hq)
+            self.cpu_kernels.span_attention_split(pool.k[layer], pool.v[layer], *scales, blocks, pool.block_size, 0,
+                                                  tokens, q, self.scale, o_parts, lse_parts, bufs[2][:parts], o, lse)
+            return o, lse
+        o_parts, lse_parts = bufs[0][:, :n], bufs[1][:, :n]
 
         def part(i: int) -> None:
             o_i, lse_i = o_parts[i], lse_parts[i]  # views of contiguous rows: [n, hq, d] and [n, hq]

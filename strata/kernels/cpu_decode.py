@@ -307,6 +307,48 @@ static inline float from_i8(int8_t v) { return (float)v; }
 SPAN_ATTENTION(strata_span_attention_i8, int8_t, from_i8)
 SPAN_ATTENTION(strata_span_attention_bf16, uint16_t, widen)
 SPAN_ATTENTION(strata_span_attention_f32, float, same)
+
+int strata_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The span cut into `parts` ranges of positions, one per thread of an OpenMP team (serial without
+   OpenMP), each attended into its own rows of o_parts [parts, n, hq, d] and lse_parts [parts, n, hq] with
+   its own work (work_stride floats apart); then merged by log-sum-exp in part order into o and lse. One
+   call a layer: the threads never return to Python between the parts and the merge. */
+#define SPAN_PARTS(NAME, ONE, T)                                                                         \
+void NAME(const T *kp, const T *vp, const float *ks, const float *vs, const long *blocks, long bs, long p0,  \
+          long p1, const float *q, long n, long hq, long hkv, long d, float scale, long parts,               \
+          float *o_parts, float *lse_parts, float *work, long work_stride, float *o, float *lse) {          \
+    long rows = n * hq;                                                                                 \
+    _Pragma("omp parallel for num_threads(parts) schedule(static, 1)")                                  \
+    for (long i = 0; i < parts; i++)                                                                    \
+        ONE(kp, vp, ks, vs, blocks, bs, p0 + (p1 - p0) * i / parts, p0 + (p1 - p0) * (i + 1) / parts, q, n,  \
+            hq, hkv, d, scale, o_parts + i * rows * d, lse_parts + i * rows, work + i * work_stride);     \
+    for (long rh = 0; rh < rows; rh++) {                                                                \
+        float m = -INFINITY, total = 0.f;                                                               \
+        for (long i = 0; i < parts; i++) m = lse_parts[i * rows + rh] > m ? lse_parts[i * rows + rh] : m;  \
+        float *out = o + rh * d;                                                                        \
+        for (long j = 0; j < d; j++) out[j] = 0.f;                                                      \
+        if (m == -INFINITY) { lse[rh] = -INFINITY; continue; }                                          \
+        for (long i = 0; i < parts; i++) {                                                              \
+            float w = expf(lse_parts[i * rows + rh] - m);                                               \
+            const float *part = o_parts + (i * rows + rh) * d;                                          \
+            for (long j = 0; j < d; j++) out[j] += w * part[j];                                         \
+            total += w;                                                                                 \
+        }                                                                                               \
+        for (long j = 0; j < d; j++) out[j] /= total;                                                   \
+        lse[rh] = m + logf(total);                                                                      \
+    }                                                                                                   \
+}
+
+SPAN_PARTS(strata_span_parts_i8, strata_span_attention_i8, int8_t)
+SPAN_PARTS(strata_span_parts_bf16, strata_span_attention_bf16, uint16_t)
+SPAN_PARTS(strata_span_parts_f32, strata_span_attention_f32, float)
 """
 
 # Not -ffast-math: linked into a shared library it can set flush-to-zero for the whole process.
@@ -425,6 +467,13 @@ class CpuKernels:
             fn = getattr(lib, f"strata_span_attention_{suffix}")
             fn.argtypes, fn.restype = [vp] * 5 + [lg] * 3 + [vp] + [lg] * 4 + [fl, vp, vp, vp], None
             self._span[dtype] = fn
+        self._parts: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        for dtype, suffix in ((torch.int8, "i8"), (torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            fn = getattr(lib, f"strata_span_parts_{suffix}")
+            fn.argtypes, fn.restype = [vp] * 5 + [lg] * 3 + [vp] + [lg] * 4 + [fl, lg, vp, vp, vp, lg, vp, vp], None
+            self._parts[dtype] = fn
+        # Whether `span_attention_split` runs its parts on threads (OpenMP) rather than one after another.
+        self.threaded_split = bool(lib.strata_openmp())
 
     @staticmethod
     def serves_decode_attention(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, q: torch.Tensor,
@@ -468,6 +517,14 @@ class CpuKernels:
         `blocks` (int64), read in place from one layer's pools (k / v [slots, Hkv, D], int8 ones with
         k_scale / v_scale [slots, Hkv]): writes o [n, Hq, D] and lse [n, Hq] (`span_attention_ref`), using
         `work` (fp32, at least `span_work_numel` elements). Releases the GIL while it runs."""
+        self._check_span(k_pool, v_pool, k_scale, blocks, block_size, p0, p1, q, o, lse, work)
+        n, hq, d = q.shape
+        scales = (None, None) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
+        self._span[k_pool.dtype](k_pool.data_ptr(), v_pool.data_ptr(), *scales, blocks.data_ptr(), block_size, p0,
+                                 p1, q.data_ptr(), n, hq, k_pool.shape[1], d, scale, o.data_ptr(), lse.data_ptr(),
+                                 work.data_ptr())
+
+    def _check_span(self, k_pool, v_pool, k_scale, blocks, block_size, p0, p1, q, o, lse, work) -> None:
         n, hq, d = q.shape
         hkv = k_pool.shape[1]
         if not (q.dtype == o.dtype == lse.dtype == work.dtype == torch.float32 and q.is_contiguous()
@@ -479,10 +536,28 @@ class CpuKernels:
             raise ValueError("span_attention takes an int64 block table that covers the span")
         if (k_scale is None) != (k_pool.dtype != torch.int8) or work.numel() < self.span_work_numel(n, hq, d):
             raise ValueError("span_attention: int8 pools take their scales, others none; work is too small")
+
+    def span_attention_split(self, k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+                             v_scale: torch.Tensor | None, blocks: torch.Tensor, block_size: int, p0: int, p1: int,
+                             q: torch.Tensor, scale: float, o_parts: torch.Tensor, lse_parts: torch.Tensor,
+                             work: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+        """`span_attention` over [p0, p1) cut into len(o_parts) equal ranges, one per thread where the
+        library has OpenMP (`threaded_split`), merged by log-sum-exp into o [n, Hq, D] and lse [n, Hq]:
+        o_parts [P, n, Hq, D], lse_parts [P, n, Hq] (contiguous) and work [P, W] (rows of unit stride, W ≥
+        `span_work_numel`) are each part's.
+        One call, the GIL released throughout."""
+        parts = o_parts.shape[0]
+        self._check_span(k_pool, v_pool, k_scale, blocks, block_size, p0, p1, q, o, lse, work[0])
+        n, hq, d = q.shape
+        if not (parts >= 1 and o_parts.shape == (parts, n, hq, d) and lse_parts.shape == (parts, n, hq)
+                and work.shape[0] == parts and work.stride(1) == 1
+                and all(t.dtype == torch.float32 for t in (o_parts, lse_parts, work))
+                and o_parts.is_contiguous() and lse_parts.is_contiguous()):
+            raise ValueError("span_attention_split takes contiguous fp32 rows for each of its parts")
         scales = (None, None) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
-        self._span[k_pool.dtype](k_pool.data_ptr(), v_pool.data_ptr(), *scales, blocks.data_ptr(), block_size, p0,
-                                 p1, q.data_ptr(), n, hq, hkv, d, scale, o.data_ptr(), lse.data_ptr(),
-                                 work.data_ptr())
+        self._parts[k_pool.dtype](k_pool.data_ptr(), v_pool.data_ptr(), *scales, blocks.data_ptr(), block_size, p0,
+                                  p1, q.data_ptr(), n, hq, k_pool.shape[1], d, scale, parts, o_parts.data_ptr(),
+                                  lse_parts.data_ptr(), work.data_ptr(), work.stride(0), o.data_ptr(), lse.data_ptr())
 
     def gemv(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -661,24 +736,29 @@ def load(cache_dir: Path) -> CpuKernels | None:
 
 
 def _build(cache_dir: Path) -> CpuKernels | None:
-    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, _machine_key())).encode()).hexdigest()[:16]
-    path = cache_dir / f"cpu_decode-{key}.so"
-    try:
-        if not path.exists():
-            cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-            if cc is None:
-                log.info("no C compiler: CPU decode steps keep torch's ops")
-                return None
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-                src, lib = Path(tmp) / "cpu_decode.c", Path(tmp) / "cpu_decode.so"
-                src.write_text(SOURCE)
-                subprocess.run([cc, *FLAGS, "-o", str(lib), str(src), "-lm"], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(lib, path)  # atomic: a process building the same key at once reads a whole file
-        return CpuKernels(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("CPU decode kernels unavailable (%s%s); CPU decode steps keep torch's ops", e,
-                    f": {detail.decode(errors='replace')[:300]}" if detail else "")
-        return None
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    failure: Exception | None = None
+    # With OpenMP where the compiler has it (the split span's threads); the library then shares the OpenMP
+    # runtime torch has loaded (same soname), so its team is torch's pool. Without it, the same source.
+    for extra in (("-fopenmp",), ()):
+        key = hashlib.sha256("\0".join((SOURCE, *FLAGS, *extra, _machine_key())).encode()).hexdigest()[:16]
+        path = cache_dir / f"cpu_decode-{key}.so"
+        try:
+            if not path.exists():
+                if cc is None:
+                    log.info("no C compiler: CPU decode steps keep torch's ops")
+                    return None
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+                    src, lib = Path(tmp) / "cpu_decode.c", Path(tmp) / "cpu_decode.so"
+                    src.write_text(SOURCE)
+                    subprocess.run([cc, *FLAGS, *extra, "-o", str(lib), str(src), "-lm"], check=True,
+                                   capture_output=True, timeout=120)
+                    os.replace(lib, path)  # atomic: a process building the same key at once reads a whole file
+            return CpuKernels(ctypes.CDLL(str(path)))
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            failure = e
+    detail = getattr(failure, "stderr", b"") or b""
+    log.warning("CPU decode kernels unavailable (%s%s); CPU decode steps keep torch's ops", failure,
+                f": {detail.decode(errors='replace')[:300]}" if detail else "")
+    return None

@@ -154,3 +154,40 @@ def test_span_attention_reads_a_paged_pool_in_place(kernels, kind, hq, hkv, d, n
         kernels.span_attention(pool.k[1], pool.v[1], *scales, blocks, bs, 0, nb * bs + 1, q, 0.1, o, lse, work)
     with pytest.raises(ValueError, match="too small"):
         kernels.span_attention(pool.k[1], pool.v[1], *scales, blocks, bs, 0, 4, q, 0.1, o, lse, work[:8])
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+@pytest.mark.parametrize("parts", [1, 3, 5])
+def test_span_attention_split_merges_its_parts(kernels, kind, parts):
+    """A span cut into parts (on threads where the library has OpenMP), merged by log-sum-exp in one call:
+    the reference over the whole span, also where a part holds no position (5 parts of 4 positions)."""
+    from strata.kvcache.pool import make_pool
+
+    torch.manual_seed(parts)
+    bs, nb, n, hq, hkv, d = 8, 12, 2, 8, 2, 32
+    pool = make_pool("auto" if kind == "fp32" else kind, 2, nb, bs, hkv, d, "cpu", torch.float32)
+    pool.write(1, torch.arange(nb * bs), torch.randn(nb * bs, hkv, d) * 3, torch.randn(nb * bs, hkv, d))
+    scales = (pool.k_scale[1], pool.v_scale[1]) if kind == "int8" else (None, None)
+    blocks = torch.randperm(nb)
+    q = torch.randn(n, hq, d)
+    o, lse = torch.empty(n, hq, d), torch.empty(n, hq)
+    o_parts, lse_parts = torch.empty(parts, n, hq, d), torch.empty(parts, n, hq)
+    work = torch.empty(parts, kernels.span_work_numel(n, hq, d))
+    for p0, p1 in [(0, nb * bs), (3, 90), (10, 14)]:
+        kernels.span_attention_split(pool.k[1], pool.v[1], *scales, blocks, bs, p0, p1, q, d ** -0.5, o_parts,
+                                     lse_parts, work, o, lse)
+        want_o, want_lse = cpu_decode.span_attention_ref(pool.k[1], pool.v[1], *scales, blocks, bs, p0, p1, q,
+                                                         d ** -0.5)
+        assert _close(o, want_o, 1e-5) and _close(lse, want_lse, 1e-5)
+    with pytest.raises(ValueError, match="each of its parts"):
+        kernels.span_attention_split(pool.k[1], pool.v[1], *scales, blocks, bs, 0, 8, q, 0.1, o_parts[:, :1],
+                                     lse_parts, work, o, lse)
+
+
+def test_the_library_splits_spans_on_threads_where_the_compiler_has_openmp(kernels):
+    """gcc and clang with libomp build it with OpenMP; the split then runs its parts side by side."""
+    import subprocess
+
+    probe = subprocess.run(["cc", "-fopenmp", "-x", "c", "-", "-o", "/dev/null"], input=b"int main(void){return 0;}",
+                           capture_output=True)
+    assert kernels.threaded_split == (probe.returncode == 0)

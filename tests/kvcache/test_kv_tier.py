@@ -108,21 +108,26 @@ def test_tiered_attention_matches_one_pool(kind, runs, max_runs, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["auto", "bf16", "int8"])
 @pytest.mark.parametrize("part_keys", [2048, 4])
-def test_tiered_attention_reads_the_host_part_in_place_through_the_c_kernel(kind, part_keys, monkeypatch,
+@pytest.mark.parametrize("split", ["openmp", "python"])
+def test_tiered_attention_reads_the_host_part_in_place_through_the_c_kernel(kind, part_keys, split, monkeypatch,
                                                                              tmp_path):
     """With the CPU kernels the decode row's host part is read where it lies, in one part or split over
-    threads (parts of 4 keys: 3 blocks give 3 parts) and merged: what the plain backend gives over
+    threads (parts of 4 keys: 3 blocks give 3 parts) and merged, by the library's OpenMP team in one call
+    or by Python's threads (a library built without OpenMP): what the plain backend gives over
     everything."""
     kernels = cpu_decode.load(tmp_path)
     if kernels is None:
         pytest.skip("no C compiler to build the CPU decode kernels")
+    if split == "openmp" and not kernels.threaded_split:
+        pytest.skip("the C compiler has no OpenMP")
+    monkeypatch.setattr(kernels, "threaded_split", split == "openmp")
     monkeypatch.setattr(tiered_mod, "SPAN_PART_KEYS", part_keys)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
     want = _over_everything(full, full_layout, qkv)
     tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1,
                              cpu_kernels=kernels)
-    assert tiered.cpu_kernels is kernels and (tiered.executor is not None)
+    assert tiered.cpu_kernels is kernels and (tiered.executor is not None) == (split == "python")
     tiered.prepare(*tiered_layout)
     tiered.set_host([sp[:3] for sp in spans])
     for _ in range(2):  # the second step reuses the first's buffers
