@@ -291,9 +291,11 @@ class EngineConfig:
     n_cpu_moe: int | None = None  # the first N MoE layers' routed experts in host RAM; None: as the memory plan fits
     # The CPU format of routed experts in RAM: float (the model dtype, exact) | int8 (a scale per row) | w8a8
     # (int8 weights and activations, a scale per token, oneDNN) | fbgemm (int8 weights, uint8 activations,
-    # FBGEMM) | compiled (int8 rows; a step's layer in one kernel torch.compile generates)
-    # | int4 (groups of 32) | auto (float for float weights, else compiled where there is a C++ compiler,
-    # else fbgemm where torch has it, else w8a8; int4 when host RAM cannot hold an int8 copy)
+    # FBGEMM) | compiled (int8 rows; a step's layer in one kernel torch.compile generates) | compiled-int4
+    # (4-bit levels in groups of 32, an fp32 scale and offset each; the same generated kernel) | int4 (groups
+    # of 32, torch's int4 kernel) | auto (float for float weights, else compiled where there is a C++
+    # compiler, else fbgemm where torch has it, else w8a8; when host RAM cannot hold an int8 copy,
+    # compiled-int4, else int4)
     host_experts: str = "auto"
     # Steps of this many tokens or more bring the routed experts held in RAM to the GPU (pinned, two layers
     # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. None: measured
@@ -351,8 +353,8 @@ class EngineConfig:
             raise ValueError("kv_host_memory must be > 0 (GiB)")
         if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.cpu_moe):
             raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
-        if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "int4"):
-            raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled or int4, "
+        if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4"):
+            raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled, compiled-int4 or int4, "
                              f"not {self.host_experts!r}")
         if self.expert_stream_tokens is not None and self.expert_stream_tokens < 0:
             raise ValueError("expert_stream_tokens must be >= 0")

@@ -8,8 +8,10 @@ Formats (gate|up [E * 2I, H] and down [E * H, I], the groups along the input dim
 - int4-f16: two 4-bit levels per byte (value j of a 32-group in the low nibble, j + 16 in the high),
   w = q * scale + offset with an fp16 scale and offset per group: 4.5 + 0.5 bits a weight;
 - int4-f32: the same with fp32 scale and offset: 6 bits a weight;
-- int4-bf16: the same with bf16 scale and offset (a widening shift to fp32, where fp16 needs a
-  conversion the host may lack).
+- int4-words: 4-bit levels packed eight to an int32 word (value 128 b + 16 n + l of a row is nibble n of
+  word 16 b + l: a vector of 16 words shifted by 4 n holds 16 consecutive levels), fp32 scale and
+  offset per group: 6 bits a weight (the `compiled-int4` format's layout and arithmetic);
+- int4-wsym: the same words with one fp32 scale per group and no offset, w = (q - 7.5) * scale: 5 bits.
 
 Prints milliseconds per layer step, the bytes read per second, and the host's read bandwidth.
 

@@ -257,7 +257,7 @@ def _add_args(p) -> None:
     p.add_argument("--model", required=True, help="the GGUF (or HF directory) both engines load")
     p.add_argument("--name", default="model", help="the results file's shape name (offload_NAME_cuda.json)")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=["auto"],
-                   help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, compiled, int4; "
+                   help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, compiled, compiled-int4, int4; "
                         "F+graphs: with --host-expert-graphs)")
     p.add_argument("--cpu-moe", action="store_true")
     p.add_argument("--n-cpu-moe", type=int, default=None)

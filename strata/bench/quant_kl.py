@@ -204,7 +204,7 @@ def _add_args(p) -> None:
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random model at this shape instead")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=[*WRITTEN, "FP8"],
                    help=f"comma-separated, of {', '.join(WRITTEN)}, FP8 (the formats the project's writers make), "
-                        "host:float, host:int8, host:w8a8, host:fbgemm, host:compiled, host:int4 (MoE experts in host RAM in "
+                        "host:float, host:int8, host:w8a8, host:fbgemm, host:compiled, host:compiled-int4, host:int4 (MoE experts in host RAM in "
                         "that CPU format; host:F@token: called a token at a time, as decode steps call them)")
     p.add_argument("--text", default=None, help="text to score (default: the embedded model's README)")
     p.add_argument("--tokens", type=int, default=4096)

@@ -26,16 +26,19 @@ def host_format(stored_type: str | None, shapes: Collection[tuple[int, int]], in
     for a decode step's whole layer (bench/results/host_expert_layers_cuda.txt, on the H100 host):
     compiled, where torch.compile finds a C++ compiler (0.36 ms for an 80B-A3B layer's ten experts,
     87 GB/s, against FBGEMM's 0.49), else fbgemm, else w8a8 (oneDNN's int8 GEMM); unless host RAM cannot
-    hold an int8 copy (`int8_fits`): then int4 (groups of 32, about 5 bits with its scales), where every
-    weight's shape takes it."""
+    hold an int8 copy (`int8_fits`): then 4-bit groups of 32, compiled-int4 (6 bits a weight with its
+    scales and offsets) where there is a C++ compiler, else int4 (torch's kernel), where every weight's
+    shape takes it."""
     from strata.kernels.host_moe import has_cpp_compiler
     from strata.models.host_experts import format_fits, has_fbgemm
 
     if stored_type is None or stored_type.upper() in ("F32", "F16", "BF16", "F64"):
         return "float"
-    if int8_fits or not all(format_fits("int4", *s) for s in shapes):
-        return "compiled" if has_cpp_compiler() else "fbgemm" if has_fbgemm() else "w8a8"
-    return "int4"
+    if not int8_fits:
+        for fmt in (("compiled-int4", "int4") if has_cpp_compiler() else ("int4",)):
+            if all(format_fits(fmt, *s) for s in shapes):
+                return fmt
+    return "compiled" if has_cpp_compiler() else "fbgemm" if has_fbgemm() else "w8a8"
 
 
 def host_memory_available() -> int | None:
@@ -65,7 +68,7 @@ def place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int
         available = host_memory_available()
         int8_fits = available is None or need <= 0.9 * available
         if not int8_fits:
-            log.info("routed experts in RAM as int4: an int8 copy (%.1f GiB with the streaming copy) is more than "
+            log.info("routed experts in RAM in 4 bits: an int8 copy (%.1f GiB with the streaming copy) is more than "
                      "the %.1f GiB of host memory available", need / 2**30, available / 2**30)
     for i in sorted(set(layers)):
         if i >= model.num_layers:

@@ -20,8 +20,11 @@ of torch's maintained CPU kernels reads (no hand-written SIMD):
   generates (`strata.kernels.host_moe`): a decode step's layer in three quarters of FBGEMM's time on
   the H100's host, so quantized files take it by default where a C++ compiler is found; where the
   kernel cannot be built, w8a8's path;
+- "compiled-int4": 4-bit levels in groups of 32 values with an fp32 scale and offset per group, packed
+  for the generated loop (`strata.kernels.host_moe.int4_words`), the layer one generated kernel as
+  compiled's: three quarters of int8's bytes, rows of a multiple of 128 values;
 - "int4": int4 in groups of 32 values with a scale and an offset per group, through
-  `torch._weight_int4pack_mm_for_cpu`: half the RAM of int8, the default only where RAM cannot hold int8.
+  `torch._weight_int4pack_mm_for_cpu`: half the RAM of int8.
 
 A step's (token, expert) pairs are grouped by expert, so each expert the step chose is read once for
 all of its rows (with speculation, one pass over the experts serves every draft token of the step);
@@ -47,9 +50,11 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.host_moe import one_token_moe, pairs_moe
+from strata.kernels.host_moe import (INT4_BLOCK, dequantize_int4_words, int4_words, one_token_moe, one_token_moe_int4,
+                                     pairs_moe, pairs_moe_int4)
 
-FORMATS = ("float", "int8", "w8a8", "fbgemm", "compiled", "int4")
+FORMATS = ("float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4")
+COMPILED = ("compiled", "compiled-int4")  # a step's layer as one generated kernel
 INT8_ROWS = ("int8", "w8a8", "compiled")  # formats held as int8 [E, N, K] with a scale per row
 # Of those, the ones whose per-expert path rounds each token's activations to int8 (`torch._int_mm`);
 # compiled takes it only where its generated kernels cannot be built.
@@ -123,6 +128,8 @@ def format_fits(fmt: str, n: int, k: int) -> bool:
     where torch has FBGEMM)."""
     if fmt == "int4":
         return n % INT4_ROW_TILE == 0 and k % INT4_GROUP == 0
+    if fmt == "compiled-int4":
+        return k % INT4_BLOCK == 0
     if fmt == "fbgemm":
         return has_fbgemm()
     return fmt in FORMATS
@@ -194,6 +201,10 @@ class HostProjection:
         elif fmt in INT8_ROWS:
             self.w = torch.empty(num_experts, n, k, dtype=torch.int8)
             self.scale = torch.empty(num_experts, n)
+        elif fmt == "compiled-int4":
+            self.w = torch.empty(num_experts, n, k // 8, dtype=torch.int32)
+            self.scale = torch.empty(num_experts, n, k // 32)
+            self.offset = torch.empty(num_experts, n, k // 32)
         else:
             self.packed: list[torch.Tensor | None] = [None] * num_experts
             self.scales_and_zeros: list[torch.Tensor | None] = [None] * num_experts
@@ -208,6 +219,11 @@ class HostProjection:
             q, scale = int8_rows(w)
             self.w[first:last].copy_(q)
             self.scale[first:last].copy_(scale)
+        elif self.fmt == "compiled-int4":
+            for i in range(w.shape[0]):  # one expert at a time: the rounding's temporaries stay small
+                planes = int4_words(w[i])
+                for dst, src in zip((self.w, self.scale, self.offset), planes):
+                    dst[first + i].copy_(src)
         elif self.fmt == "fbgemm":
             q, scale = int8_rows(w)
             self.packed[first:last] = _packers().map(fbgemm_pack, q.cpu(), scale.cpu())
@@ -223,6 +239,8 @@ class HostProjection:
             return self.w.numel() * self.w.element_size()
         if self.fmt in INT8_ROWS:
             return self.w.numel() + self.scale.numel() * 4
+        if self.fmt == "compiled-int4":
+            return (self.w.numel() + self.scale.numel() + self.offset.numel()) * 4
         if self.fmt == "fbgemm":  # the int8 rows, their scales, zero points and column offsets
             return self.num_experts * self.n * (self.k + 16)
         return self.num_experts * (self.n * self.k // 2 + self.k // INT4_GROUP * self.n * 2 * 4)
@@ -233,6 +251,8 @@ class HostProjection:
             return self.w[e].float()
         if self.fmt in INT8_ROWS:
             return dequantize_int8(self.w[e], self.scale[e])
+        if self.fmt == "compiled-int4":
+            return dequantize_int4_words(self.w[e], self.scale[e], self.offset[e])
         if self.fmt == "fbgemm":
             return torch.ops.quantized.linear_unpack(self.packed[e])[0].dequantize()
         return self.mm(e, torch.eye(self.k)).t().contiguous()
@@ -255,6 +275,9 @@ class HostProjection:
 
     def mm(self, e: int, x, rows: slice | None = None) -> torch.Tensor:
         """x (or `prepare(x)`) [T, K], rows of it -> fp32 [T, N] through expert e's weight."""
+        if self.fmt == "compiled-int4":  # only where the generated kernels cannot be built: slow, exact
+            x = x if rows is None else x[rows]
+            return F.linear(x.float(), self.dequantize(e))
         if self.fmt == "int4":
             x = x if rows is None else x[rows]
             return torch._weight_int4pack_mm_for_cpu(x.float(), self.packed[e], INT4_GROUP, self.scales_and_zeros[e])
@@ -382,7 +405,7 @@ class HostExperts:
                  ) -> torch.Tensor:
         t, k = ids.shape
         flat = ids.reshape(-1)
-        if self.fmt == "compiled" and (y := self._compiled(x, flat, weights, out)) is not None:
+        if self.fmt in COMPILED and (y := self._compiled(x, flat, weights, out)) is not None:
             return y
         if t == 1:  # one token: its k experts, no sort
             groups = [(e, slice(j, j + 1)) for j, e in enumerate(flat.tolist())]
@@ -424,16 +447,21 @@ class HostExperts:
         None where it cannot be built here."""
         t, k = x.shape[0], flat.shape[0] // x.shape[0]
         g, d = self.gate_up, self.down
-        planes = (g.w.view(-1, g.k), g.scale.view(-1), d.w.view(-1, d.k), d.scale.view(-1))
+        int4 = self.fmt == "compiled-int4"
+        if int4:
+            planes = tuple(t.view(-1, t.shape[-1]) for p in (g, d) for t in (p.w, p.scale, p.offset))
+        else:
+            planes = (g.w.view(-1, g.k), g.scale.view(-1), d.w.view(-1, d.k), d.scale.view(-1))
         if t == 1:
-            if (kernel := one_token_moe()) is None:
+            if (kernel := (one_token_moe_int4 if int4 else one_token_moe)()) is None:
                 return None
             y = kernel(x.float(), flat, weights.reshape(-1).float(), *planes)
             self.bytes_read += k * (g.nbytes + d.nbytes) // self.num_experts
             return y if out is None else out.copy_(y)
         order = torch.argsort(flat, stable=True)  # pairs of one expert side by side: its rows stay in cache
         token_of = order // k
-        y = pairs_moe(x.float().index_select(0, token_of), flat[order], weights.reshape(-1).float()[order], *planes)
+        y = (pairs_moe_int4 if int4 else pairs_moe)(x.float().index_select(0, token_of), flat[order],
+                                                    weights.reshape(-1).float()[order], *planes)
         if y is None:
             return None
         self.bytes_read += len(flat.unique()) * (g.nbytes + d.nbytes) // self.num_experts

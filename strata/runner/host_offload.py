@@ -10,7 +10,7 @@ import time
 import torch
 
 from strata.config import EngineConfig, ModelConfig
-from strata.models.host_experts import ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
+from strata.models.host_experts import COMPILED, ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
 from strata.models.moe import MoE, grouped_mm_works
 
 log = logging.getLogger("strata")
@@ -56,15 +56,15 @@ def warm_compiled_steps(moes: list[MoE], k: int) -> None:
     for m in moes:
         host = m.host
         shape = (host.num_experts, host.down.k, host.gate_up.k)
-        if host.fmt != "compiled" or shape in seen:
+        if host.fmt not in COMPILED or (host.fmt, shape) in seen:
             continue
-        seen.add(shape)
+        seen.add((host.fmt, shape))
         t0 = time.perf_counter()
         seconds, read = host.seconds, host.bytes_read
         for t in (1, 2):
             host.forward(torch.zeros(t, host.gate_up.k), torch.arange(k).repeat(t, 1), torch.ones(t, k))
         host.seconds, host.bytes_read = seconds, read
-        log.info("compiled expert kernels for %d experts of %d x %d generated in %.1f s", *shape,
+        log.info("%s expert kernels for %d experts of %d x %d generated in %.1f s", host.fmt, *shape,
                  time.perf_counter() - t0)
 
 

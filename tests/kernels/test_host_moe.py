@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.host_moe import one_token_moe, one_token_moe_ref, pairs_moe, pairs_moe_ref
+from strata.kernels.host_moe import (dequantize_int4_words, int4_levels, int4_words, one_token_moe, one_token_moe_int4,
+                                     one_token_moe_int4_ref, one_token_moe_ref, pairs_moe, pairs_moe_int4,
+                                     pairs_moe_int4_ref, pairs_moe_ref)
 
 
 def _layer(seed, e, h, inter):
@@ -54,3 +56,53 @@ def test_one_pairs_kernel_serves_every_pair_count():
         for q in range(p):
             alone = one_token_moe_ref(xs[q:q + 1], ids[q:q + 1], wts[q:q + 1], w13, s13, w2, s2)
             torch.testing.assert_close(got[q:q + 1], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_int4_words_hold_each_value_within_half_its_group_step():
+    """Each group of 32 at 16 levels between its minimum and maximum (both exact), levels packed so
+    `int4_levels` gives them back in value order."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 256, generator=g) * torch.rand(6, 1, generator=g) * 4
+    words, scale, offset = int4_words(w)
+    assert words.dtype == torch.int32 and words.shape == (6, 32) and scale.shape == offset.shape == (6, 8)
+    levels = int4_levels(words)
+    assert int(levels.min()) == 0 and int(levels.max()) == 15
+    back = dequantize_int4_words(words, scale, offset)
+    groups = w.view(6, 8, 32)
+    torch.testing.assert_close(back.view(6, 8, 32).amin(-1), groups.amin(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(back.view(6, 8, 32).amax(-1), groups.amax(-1), rtol=0, atol=1e-5)
+    assert bool(((back - w).abs().view(6, 8, 32) <= scale[..., None] / 2 + 1e-5).all())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        int4_words(torch.randn(2, 96))
+
+
+def _int4_layer(seed, e, h, inter):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e * 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e * h, inter, generator=g) / inter**0.5
+    return g, (*int4_words(w13), *int4_words(w2))
+
+
+@pytest.mark.parametrize("e,h,inter,k", [(8, 128, 128, 2), (5, 256, 384, 5)])
+def test_compiled_int4_kernel_is_its_definition(e, h, inter, k):
+    """The generated kernel against the eager definition, and that against the float math over the
+    dequantized weights."""
+    kernel = one_token_moe_int4()
+    if kernel is None:
+        pytest.skip("torch.compile cannot build for this host")
+    g, planes = _int4_layer(e * h, e, h, inter)
+    x = torch.randn(1, h, generator=g)
+    ids = torch.randperm(e, generator=g)[:k]
+    wts = torch.rand(k, generator=g)
+    ref = one_token_moe_int4_ref(x, ids, wts, *planes)
+    torch.testing.assert_close(kernel(x, ids, wts, *planes), ref, rtol=1e-5, atol=1e-5)
+    w13, w2 = dequantize_int4_words(*planes[:3]), dequantize_int4_words(*planes[3:])
+    want = torch.zeros(1, h)
+    for j, ex in enumerate(ids.tolist()):
+        gate, up = (x @ w13[ex * 2 * inter:(ex + 1) * 2 * inter].t()).chunk(2, dim=-1)
+        want += wts[j] * ((F.silu(gate) * up) @ w2[ex * h:(ex + 1) * h].t())
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    for p in (3, 9):  # the pairs kernel: one build for every pair count
+        xs, pids, pw = torch.randn(p, h, generator=g), torch.randint(0, e, (p,), generator=g), torch.rand(p, generator=g)
+        torch.testing.assert_close(pairs_moe_int4(xs, pids, pw, *planes),
+                                   pairs_moe_int4_ref(xs, pids, pw, *planes), rtol=1e-5, atol=1e-5)
