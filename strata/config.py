@@ -246,6 +246,11 @@ class EngineConfig:
     # With --kv-resident on CUDA, decode steps with a host part replay CUDA graphs cut at each attention
     # layer, the host part attended on the CPU between the pieces (off: those steps launch eagerly)
     kv_tier_graphs: bool = False
+    # Where a decode row attends its host KV part: cpu (the C kernel reads the host pool in place, split
+    # over the threads) | stream (each layer's host blocks copied to the GPU, as prompt chunks do, and the
+    # paged attention kernel) | auto (on CUDA whichever one layer measured faster at start-up; else cpu).
+    # Streamed decode steps launch eagerly (no graphs cut for host parts).
+    kv_tier_decode: str = "auto"
     block_size: int = 16  # tokens per KV block
     chunk_size: int | None = None  # most prompt tokens one request reads per step; None: 2048 on CUDA, 512 on CPU
     max_num_batched_tokens: int | None = None  # per-step token budget (reads + decodes); None: chunk + every slot's decode rows, at least 2048
@@ -353,6 +358,8 @@ class EngineConfig:
             raise ValueError("kv_host_memory must be > 0 (GiB)")
         if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.cpu_moe):
             raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
+        if self.kv_tier_decode not in ("auto", "cpu", "stream"):
+            raise ValueError(f"kv_tier_decode must be auto, cpu or stream, not {self.kv_tier_decode!r}")
         if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4"):
             raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled, compiled-int4 or int4, "
                              f"not {self.host_experts!r}")

@@ -143,6 +143,8 @@ class TieredAttention(AttentionBackend):
                          if self.cpu_kernels and not self.cpu_kernels.threaded_split and self.threads > 1 else None)
         self.span_bufs: tuple[torch.Tensor, ...] | None = None  # per part: o, lse, work; the merged o, lse
         self.decode_rows, self.num_layers = decode_rows, num_layers
+        # Decode-sized rows stream their host part too (`--kv-tier-decode stream`, or measured faster).
+        self.stream_decode = False
         self.scale = 1.0 / host_pool.head_dim ** 0.5
         cuda = self.device.type == "cuda"
         bs = host_pool.block_size
@@ -226,7 +228,8 @@ class TieredAttention(AttentionBackend):
                 raise ValueError("a batch-invariant tiered step needs each host part's sequence and start")
             seq, start = where or (0, 0)
             self.spans.append((r0, n, torch.tensor(blocks, dtype=torch.long), len(blocks) * bs, seq, start))
-        self.streamed = [] if self.invariant else [i for i, s in enumerate(self.spans) if s[1] > self.decode_rows]
+        self.streamed = [] if self.invariant else [i for i, s in enumerate(self.spans)
+                                                    if s[1] > self.decode_rows or self.stream_decode]
         self.runs = {}
         for i in self.streamed:
             runs = block_runs(spans[i][2])
@@ -251,7 +254,7 @@ class TieredAttention(AttentionBackend):
             return self._attend_whole(layer, q, k, v)
         o, lse = self.inner.attend_lse(layer, q, k, v)
         for i, (r0, n, blocks, tokens, _, _) in enumerate(self.spans):
-            if n > self.decode_rows:
+            if n > self.decode_rows or self.stream_decode:
                 o_h, lse_h = self._streamed(layer, i, q[r0:r0 + n])
             else:
                 o_h, lse_h = self._on_host(layer, q[r0:r0 + n], blocks, tokens)
@@ -273,6 +276,46 @@ class TieredAttention(AttentionBackend):
             return self._span_parts(layer, q, blocks, tokens)
         k, v = self.host_pool.gather_blocks(layer, blocks[None], tokens, torch.float32)
         return attend_all(q, k[0], v[0], self.scale)
+
+    def decode_seconds(self, tokens: int, num_q_heads: int, repeats: int = 3) -> tuple[float, float]:
+        """Seconds of one layer's host part for a decode step's rows (`decode_rows` of `num_q_heads`) over
+        `tokens` host tokens (the host pool's first blocks, zeroed: made at start-up, they hold nothing
+        yet): on the CPU, and streamed (copied up, the kernel). Best of `repeats`. For the CUDA kernel
+        path; leaves the backend without a step."""
+        bs, stage = self.host_pool.block_size, self.stages[0]
+        nb = max(1, min(tokens // bs, stage.dev[0].shape[0], self.host_pool.num_blocks))
+        for t in pool_tensors(self.host_pool):
+            t[0, : nb * bs].zero_()
+        rows, d = self.decode_rows, self.host_pool.head_dim
+        q_host = torch.zeros(rows, num_q_heads, d)
+        q_dev = q_host.to(self.device)
+        blocks = torch.arange(nb)
+
+        def best(fn) -> float:
+            times = []
+            for _ in range(repeats + 1):  # the first builds and warms
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times[1:])
+
+        cpu = best(lambda: self._rows_on_host(0, q_host, blocks, nb * bs))
+        was = self.stream_decode
+        self.stream_decode = True
+        self.set_host([(0, rows, list(range(nb)))])
+
+        def streamed() -> None:
+            stage.item = None
+            self._stage((0, 0), stage)
+            if stage.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(stage.event)
+            self._streamed_kernel(stage, 0, q_dev)
+            torch.cuda.synchronize(self.device)
+
+        stream = best(streamed)
+        self.stream_decode = was
+        self.set_host([])
+        return cpu, stream
 
     # ---- graphs in pieces ----------------------------------------------------------------------------
     def reserve_graph_rows(self, rows: int, num_q_heads: int) -> None:

@@ -43,7 +43,7 @@ def _engine(args, **kw) -> LLMEngine:
     base = dict(model=args.model, device=args.device, dtype=args.dtype, kv=args.kv,
                 ctx=args.ctx or args.context + args.decode + SLACK, parallel=args.parallel, chunk_size=args.chunk,
                 prefix_cache=True, gpu_memory=args.gpu_memory, n_cpu_moe=args.n_cpu_moe,
-                kv_tier_graphs=args.kv_tier_graphs)
+                kv_tier_graphs=args.kv_tier_graphs, kv_tier_decode=args.kv_tier_decode)
     cfg = EngineConfig(**{**base, **kw})
     if args.shape:
         from strata.bench.random_model import random_model
@@ -107,7 +107,8 @@ def _arm(args, ids: list[int], **kw) -> dict:
     print(f"{arm} arm: read {len(ids)} tokens in {first - t0:.1f} s ({res['read_tok_s']:.0f} tok/s), "
           f"decode {res['decode_tok_s']:.2f} tok/s", flush=True)
     if tiered is not None:
-        # The decode's time in the host part on the CPU (each step's wait for its rows included).
+        res["decode_host_part"] = e.runner.tier_decode  # where decode rows attended it: cpu or stream
+        # The decode's time in the host part on the CPU (each step's wait for its rows included; 0 streamed).
         res["decode_host_attention_s_per_token"] = (tiered.host_seconds_total - host_at_first) / (args.decode - 1)
     if kw.get("kv_resident") is not None:
         res["blocks_moved"] = e.stats().kv_blocks_moved_total
@@ -229,6 +230,8 @@ def add_parser(sub) -> None:
     p.add_argument("--chunk", type=int, default=None)
     p.add_argument("--kv-tier-graphs", action="store_true",
                    help="the engine's --kv-tier-graphs: decode steps with a host part replay graphs in pieces")
+    p.add_argument("--kv-tier-decode", default="auto", choices=["auto", "cpu", "stream"],
+                   help="the engine's --kv-tier-decode: where the tier arm's decode rows attend their host part")
     p.add_argument("--profile", action="store_true", help="print where each arm's decode spends its time (cProfile)")
     p.add_argument("--llamacpp", default=None, help="JSON of llama.cpp -nkvo figures on the same machine")
     p.add_argument("--no-alloc-check", dest="alloc_check", action="store_false",

@@ -215,7 +215,7 @@ class LLMEngine:
                                   sampling=SamplingRequests(cfg.seed), max_drafts=cfg.spec, cuda_graph=cfg.cuda_graph,
                                   grammar=self.grammar_compiler, states=self.states,
                                   batch_invariant=cfg.batch_invariant, host_pool=self.host_pool,
-                                  tier_graphs=cfg.kv_tier_graphs)
+                                  tier_graphs=cfg.kv_tier_graphs, tier_decode=cfg.kv_tier_decode)
         self.drafter = None
         if cfg.spec:
             if not loaded.has_mtp:
@@ -232,6 +232,8 @@ class LLMEngine:
                                       seed_of=lambda req: self.runner.sampling.sampler(req).seed,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens, cuda_graph=cfg.cuda_graph,
                                       host_pool=self.host_pool, split=split_drafts)
+            if self.runner.tiered:  # the MTP layer's decode rows take the target's way to their host part
+                self.drafter.attn.stream_decode = self.runner.attn.stream_decode
         self.read_stage = None
         if self.concurrent.enabled:
             self.read_stage = ReadStage(self.runner, max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -62,6 +62,8 @@ log = logging.getLogger("strata")
 # 32-token read of the embedded model on 2 busy cores: 10 ms on one thread, 30-370 ms on two). Longer
 # steps (long prompt reads) get torch's thread count.
 CPU_ONE_THREAD_ROWS = 64
+# Host tokens of the layer timed both ways for `--kv-tier-decode auto`: both ways' time grows with them.
+TIER_PROBE_TOKENS = 32768
 
 
 class ModelRunner:
@@ -69,12 +71,14 @@ class ModelRunner:
                  max_model_len: int, device: torch.device, sampling: SamplingRequests | None = None,
                  max_drafts: int = 0, cuda_graph: bool = True, grammar: GrammarCompiler | None = None,
                  states: RecurrentStates | None = None,
-                 batch_invariant: bool = False, host_pool: KVPool | None = None, tier_graphs: bool = False):
+                 batch_invariant: bool = False, host_pool: KVPool | None = None, tier_graphs: bool = False,
+                 tier_decode: str = "cpu"):
         """`sampling`: the requests' samplers and asks (a read stage's runner shares the main one's).
         `states`: the linear-attention state pool of a hybrid model, indexed by request slot.
         `batch_invariant`: the attention backend computes each row alone. `host_pool`: the host KV tier's
         pool (`strata.attention.tiered`): requests' leading blocks may live there. `tier_graphs`: decode
-        steps with a host part replay graphs cut at each attention layer (else they run eagerly)."""
+        steps with a host part replay graphs cut at each attention layer (else they run eagerly).
+        `tier_decode`: where decode rows attend their host part (cpu, stream, or auto: measured here)."""
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
@@ -95,6 +99,7 @@ class ModelRunner:
         self.tiered = host_pool is not None
         # (A batch-invariant tier assembles each tiered sequence whole, eagerly.)
         self.tier_cuts = self.tiered and tier_graphs and not batch_invariant
+        self.tier_decode = tier_decode
         self.attn_device = self.attn  # the backend of the device's own kernels
         if self.tiered:
             # The inner backend also gives each row's log-sum-exp (`attend_lse`): the Triton kernels' (the
@@ -107,6 +112,9 @@ class ModelRunner:
                                         max_host_tokens=max_model_len, num_layers=model.num_attention_layers,
                                         cpu_kernels=cpu_kernels())
             self.attn.states = states
+            self.attn.stream_decode = self._streams_decode(tier_decode)
+            self.tier_decode = "stream" if self.attn.stream_decode else "cpu"
+            self.tier_cuts = self.tier_cuts and not self.attn.stream_decode  # the pieces' host parts are the CPU's
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
         self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
         self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
@@ -298,6 +306,18 @@ class ModelRunner:
             self.attn.states.set_spans([(i, 1, slot, False, False) for i, slot in enumerate(slots)])
 
     @torch.inference_mode()
+    def _streams_decode(self, choice: str) -> bool:
+        """Whether decode rows stream their host part: as asked, or (auto, on CUDA with the kernel path)
+        whichever way one layer's host part over TIER_PROBE_TOKENS tokens took less time just now."""
+        if choice != "auto":
+            return choice == "stream"
+        if self.device.type != "cuda" or not self.attn.stream_kernel:
+            return False
+        cpu, stream = self.attn.decode_seconds(TIER_PROBE_TOKENS, self.model.config.num_attention_heads)
+        log.info("host KV decode rows: %s (one layer over %d host tokens: %.2f ms on the CPU, %.2f ms streamed)",
+                 "streamed" if stream < cpu else "on the CPU", TIER_PROBE_TOKENS, cpu * 1e3, stream * 1e3)
+        return stream < cpu
+
     def capture_graphs(self) -> float:
         """Capture the decode/verify graphs, largest bucket first, on one memory pool. Returns seconds."""
         if not self.use_graphs:

@@ -95,6 +95,23 @@ def late_copies(monkeypatch):
     monkeypatch.setattr(BlockCopier, "finish", finished)
 
 
+def test_decode_rows_streaming_their_host_part_give_identical_greedy_output(prompts, plain):
+    """`--kv-tier-decode stream`: every decode row's host part goes through the streamed path (on the CPU
+    the "device" copy is the pinned one), the same tokens."""
+    out, e = run(prompts[:2], kv_resident=48, kv_tier_decode="stream")
+    assert out == plain
+    assert e.runner.tier_decode == "stream" and e.runner.attn.stream_decode
+    assert e.runner.attn.host_rows_total > 0 and e.runner.attn.host_seconds_total == 0
+
+
+def test_kv_tier_decode_takes_its_three_ways():
+    with pytest.raises(ValueError, match="kv_tier_decode"):
+        EngineConfig(kv_tier_decode="gpu")
+    # Off CUDA, auto keeps decode rows on the CPU (nothing to stream to).
+    _, e = run([[5, 6, 7]], kv_resident=48)
+    assert e.runner.tier_decode == "cpu" and not e.runner.attn.stream_decode
+
+
 def test_a_read_waits_for_its_blocks_to_leave_a_full_pool(prompts, plain, late_copies):
     """On CUDA the host schedules a read's chunks ahead of the device, so a move's copy is not done by the
     next step and the pool (the window and two chunks) fills: the read waits for the copy, and neither
@@ -137,9 +154,11 @@ def test_tier_through_give_way_and_preemption(prompts, plain):
     assert out == plain and e.scheduler.preemptions_total > 0
 
 
-def test_tier_with_speculation(prompts, plain):
-    out, e = run(prompts[:2], kv_resident=48, spec=3, batch_mtp=True)
+@pytest.mark.parametrize("way", ["cpu", "stream"])
+def test_tier_with_speculation(prompts, plain, way):
+    out, e = run(prompts[:2], kv_resident=48, spec=3, batch_mtp=True, kv_tier_decode=way)
     assert out == plain
+    assert e.drafter.attn.stream_decode == (way == "stream")  # the MTP layer's rows go the target's way
     assert e.stats().spec["mean_accepted_length"] > 1.0 and e.stats().kv_blocks_moved_total > 0
     # The drafter writes a read's MTP K/V chunk by chunk, so its blocks move before the read ends: one
     # slot whose device pool (12 blocks) is smaller than its 230-token prompt.

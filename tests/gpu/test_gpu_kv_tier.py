@@ -8,6 +8,7 @@ no allocator segment."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -28,8 +29,9 @@ TEXT = open(__file__.replace("tests/gpu/test_gpu_kv_tier.py", "strata/assets/def
 
 
 def run(prompts, logprobs=False, **kw):
+    # Decode rows on the CPU unless a test asks (auto would time both ways and may stream them).
     base = dict(device="cuda", dtype="float32", ctx=2048, parallel=2, chunk_size=128, max_num_batched_tokens=256,
-                prefix_cache=False)
+                prefix_cache=False, kv_tier_decode="cpu")
     e = LLMEngine(EngineConfig(**{**base, **kw}), progress=False)
     for i, p in enumerate(prompts):
         params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -91,6 +93,25 @@ def test_cuda_fp32_tier_identical(kv):
     out, e = run(ps, kv=kv, kv_resident=128)
     assert out == want
     assert e.stats().kv_blocks_moved_total > 0 and e.host_pool.k.is_pinned()
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_cuda_fp32_streamed_decode_rows_identical(kv):
+    """`--kv-tier-decode stream`: decode and verification rows attend their host part over a streamed
+    copy through the kernel, none on the CPU; the same tokens as without the tier."""
+    ps = prompts()
+    want, _ = run(ps, kv=kv, spec=2)
+    out, e = run(ps, kv=kv, spec=2, kv_resident=128, kv_tier_decode="stream")
+    assert out == want
+    assert e.runner.attn.stream_decode and e.drafter.attn.stream_decode and e.runner.attn.host_rows_total > 0
+    assert e.runner.attn.host_seconds_total == 0 and not e.runner.tier_cuts
+
+
+def test_cuda_auto_times_both_ways_at_start_up(caplog):
+    with caplog.at_level(logging.INFO, logger="strata"):
+        out, e = run(prompts()[:1], kv_resident=128, kv_tier_decode="auto")
+    assert e.runner.tier_decode in ("cpu", "stream") and "host KV decode rows" in caplog.text
+    assert e.runner.attn.stream_decode == (e.runner.tier_decode == "stream")
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])

@@ -106,6 +106,22 @@ def test_tiered_attention_matches_one_pool(kind, runs, max_runs, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_decode_rows_stream_their_host_part_when_asked(kind, monkeypatch):
+    """With `stream_decode` the decode row's host part goes up as the chunk's does (`--kv-tier-decode
+    stream`): both spans streamed, the same rows as the plain backend over everything."""
+    monkeypatch.setattr(tiered_mod, "STREAM_SCORE_BYTES", 4 * 20 * 4 * 4)
+    full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
+    want = _over_everything(full, full_layout, qkv)
+    tiered = TieredAttention(PagedAttention(dev), host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1)
+    tiered.stream_decode = True
+    tiered.prepare(*tiered_layout)
+    tiered.set_host([sp[:3] for sp in spans])
+    assert tiered.streamed == [0, 1]
+    torch.testing.assert_close(tiered.attend(0, *qkv), want, rtol=1e-4, atol=1e-5)
+    assert tiered.host_seconds_total == 0  # nothing attended on the CPU's side path
+
+
 @pytest.mark.parametrize("kind", ["auto", "bf16", "int8"])
 @pytest.mark.parametrize("part_keys", [2048, 4])
 @pytest.mark.parametrize("split", ["openmp", "python"])
