@@ -186,8 +186,10 @@ def test_span_attention_split_merges_its_parts(kernels, kind, parts):
 
 def test_the_library_splits_spans_on_threads_where_the_compiler_has_openmp(kernels):
     """gcc and clang with libomp build it with OpenMP; the split then runs its parts side by side."""
+    import shutil
     import subprocess
 
-    probe = subprocess.run(["cc", "-fopenmp", "-x", "c", "-", "-o", "/dev/null"], input=b"int main(void){return 0;}",
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")  # the library's compiler
+    probe = subprocess.run([cc, "-fopenmp", "-x", "c", "-", "-o", "/dev/null"], input=b"int main(void){return 0;}",
                            capture_output=True)
     assert kernels.threaded_split == (probe.returncode == 0)
