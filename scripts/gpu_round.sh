@@ -98,7 +98,7 @@ wait_next_gguf() {  # llama.cpp built (unless NO_PEER) and the 80B file written 
           --out $R/soak_qwen3-8b_cuda.json; touch /tmp/soak_done" >/tmp/soak.log 2>&1 </dev/null &
         echo "soak started" ;;
       soak-wait) step soak-wait 900 bash -c "while [ ! -f /tmp/soak_done ]; do sleep 5; done; tail -60 /tmp/soak.log" ;;
-      kv-tier) step kv-tier 900 $B kv-tier --device cuda --shape qwen3-8b-128k --context ${KV_CONTEXT:-130944} \
+      kv-tier) step kv-tier 900 $BI kv-tier --device cuda --shape qwen3-8b-128k --context ${KV_CONTEXT:-130944} \
         --decode 64 --resident 16384 ${KV_PROFILE:+--profile} ${KV_TIER_GRAPHS:+--kv-tier-graphs} --out $R/kv_tier_qwen3-8b_cuda.json ;;
       next-read) step next-read 300 $FLA $B read --shape qwen3-next-80b-a3b-36l --lengths 4096,32768 --no-hf --repeats 1 \
           --out $R/read_qwen3-next-80b-a3b-36l_fla_cuda.json ;;
