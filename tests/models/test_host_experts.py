@@ -85,6 +85,18 @@ def test_int4_needs_row_tiles_and_groups():
         HostProjection("int4", 1, 24, 64)
 
 
+def _loop_over_pairs(host: HostExperts, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+    """The weighted sum over each token's experts, one (token, expert) pair at a time, through the
+    weights `host` holds (dequantized)."""
+    want = torch.zeros(x.shape)
+    for i in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            ex = int(ids[i, j])
+            gate, up = (x[i] @ host.gate_up.dequantize(ex).t()).chunk(2)
+            want[i] += wts[i, j] * ((F.silu(gate) * up) @ host.down.dequantize(ex).t())
+    return want
+
+
 @pytest.mark.parametrize("t", [1, 7])
 @pytest.mark.parametrize("fmt,tol", [("float", 1e-5), ("int8", 1e-5), ("w8a8", 3e-2), ("fbgemm", 3e-2), ("int4", 1e-5),
                                      ("compiled", 1e-5)])
@@ -101,12 +113,7 @@ def test_grouped_forward_matches_a_loop_over_tokens(fmt, tol, t):
     wts = torch.rand(t, k, generator=_gen(20))
     host = HostExperts.from_stacks(w13, w2, fmt)
     got = host.forward(x, ids, wts)
-    want = torch.zeros(t, h)
-    for i in range(t):
-        for j in range(k):
-            ex = int(ids[i, j])
-            gate, up = (x[i] @ host.gate_up.dequantize(ex).t()).chunk(2)
-            want[i] += wts[i, j] * ((F.silu(gate) * up) @ host.down.dequantize(ex).t())
+    want = _loop_over_pairs(host, x, ids, wts)
     assert got.dtype == torch.float32
     assert float((got - want).norm() / want.norm()) <= tol
 
@@ -167,12 +174,7 @@ def test_compiled_int4_steps_are_their_4_bit_groups(t):
     x, wts = torch.randn(t, h, generator=_gen(42)), torch.rand(t, k, generator=_gen(43))
     ids = torch.stack([torch.randperm(e, generator=_gen(44 + i))[:k] for i in range(t)])
     got = host.forward(x, ids, wts)
-    want = torch.zeros(t, h)
-    for i in range(t):
-        for j in range(k):
-            ex = int(ids[i, j])
-            gate, up = (x[i] @ host.gate_up.dequantize(ex).t()).chunk(2)
-            want[i] += wts[i, j] * ((F.silu(gate) * up) @ host.down.dequantize(ex).t())
+    want = _loop_over_pairs(host, x, ids, wts)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert host.bytes_read == len(ids.unique()) * (host.gate_up.nbytes + host.down.nbytes) // e
     # Where the kernels cannot be built, the per-expert path computes the same from the same groups.
