@@ -305,7 +305,6 @@ class ModelRunner:
             slots = [ch.request.slot for ch in chunks] + [self.max_seqs] * (g.rows - rows)
             self.attn.states.set_spans([(i, 1, slot, False, False) for i, slot in enumerate(slots)])
 
-    @torch.inference_mode()
     def _streams_decode(self, choice: str) -> bool:
         """Whether decode rows stream their host part: as asked, or (auto, on CUDA with the kernel path)
         whichever way one layer's host part over TIER_PROBE_TOKENS tokens took less time just now."""
@@ -318,6 +317,7 @@ class ModelRunner:
                  "streamed" if stream < cpu else "on the CPU", TIER_PROBE_TOKENS, cpu * 1e3, stream * 1e3)
         return stream < cpu
 
+    @torch.inference_mode()
     def capture_graphs(self) -> float:
         """Capture the decode/verify graphs, largest bucket first, on one memory pool. Returns seconds."""
         if not self.use_graphs:
