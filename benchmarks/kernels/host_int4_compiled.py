@@ -10,7 +10,8 @@ Formats (gate|up [E * 2I, H] and down [E * H, I], the groups along the input dim
 - int4-f32: the same with fp32 scale and offset: 6 bits a weight;
 - int4-words: 4-bit levels packed eight to an int32 word (value 128 b + 16 n + l of a row is nibble n of
   word 16 b + l: a vector of 16 words shifted by 4 n holds 16 consecutive levels), fp32 scale and
-  offset per group: 6 bits a weight (the `compiled-int4` format's layout and arithmetic);
+  offset per group: 6 bits a weight (the `compiled-int4` format: `strata.kernels.host_moe`'s planes and
+  kernel);
 - int4-wsym: the same words with one fp32 scale per group and no offset, w = (q - 7.5) * scale: 5 bits.
 
 Prints milliseconds per layer step, the bytes read per second, and the host's read bandwidth.
@@ -26,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.host_moe import one_token_moe
+from strata.kernels.host_moe import int4_words, one_token_moe, one_token_moe_int4
 from strata.models.host_experts import int8_rows
 
 G = 32
@@ -49,32 +50,8 @@ def _proj_flat(x, p, s, m, rows):
     return (((pg & 15).float() * sg + mg) * xg[:, :, 0] + ((pg >> 4).float() * sg + mg) * xg[:, :, 1]).sum((-1, -2))
 
 
-def words_layout(w: torch.Tensor, dtype: torch.dtype):
-    """w [R, K] -> (int32 [R, K / 8], scale, offset [R, K / 32]): element 128 b + 16 n + l of a row is
-    nibble n of word 16 b + l, so one vector of 16 words shifted by 4 n holds 16 consecutive levels."""
-    r, k = w.shape
-    g = w.view(r, k // G, G)
-    lo, hi = g.amin(-1), g.amax(-1)
-    s = (hi - lo).clamp(min=1e-12) / 15
-    q = torch.round((g - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.int32).view(r, k // 128, 8, 16)
-    words = torch.zeros(r, k // 128, 16, dtype=torch.int32)
-    for n in range(8):
-        words |= q[:, :, n] << (4 * n)
-    return words.view(r, k // 8), s.to(dtype), lo.to(dtype)
-
-
-def _proj_words(x, p, s, m, rows):
-    n, k = rows.shape[0], x.shape[1]
-    pw = p[rows].view(n, k // 128, 1, 16)
-    shifts = (torch.arange(8, dtype=torch.int32) * 4).view(1, 1, 8, 1)
-    q = ((pw >> shifts) & 15).float()  # [n, block, nibble, lane]
-    sg = s[rows].float().view(n, k // 128, 4, 1).repeat_interleave(2, dim=2)
-    mg = m[rows].float().view(n, k // 128, 4, 1).repeat_interleave(2, dim=2)
-    return ((q * sg + mg) * x.view(n, k // 128, 8, 16)).sum((-1, -2, -3))
-
-
 def words_symmetric(w: torch.Tensor, dtype: torch.dtype):
-    """`words_layout` with one scale per group and no offset: w = (q - 7.5) * scale, the group's largest
+    """`int4_words`' layout with one scale per group and no offset: w = (q - 7.5) * scale, the group's largest
     magnitude at level 0 or 15 (exact for IQ3_S blocks, whose levels are the odd multiples of a step)."""
     r, k = w.shape
     g = w.view(r, k // G, G)
@@ -127,11 +104,12 @@ def layer(name: str, e: int, inter: int, hidden: int, k: int, steps: int = 100) 
     exact = None
     formats = {"int8": (one_token_moe(), (q13, c13, q2, c2), q13.numel() + c13.numel() * 4 + q2.numel() + c2.numel() * 4)}
     for fmt, proj, dtype in (("int4-f16", _proj_flat, torch.float16), ("int4-f32", _proj_flat, torch.float32),
-                             ("int4-words", _proj_words, torch.float32),
                              ("int4-wsym", _proj_words_symmetric, torch.float32)):
-        pack = {_proj_words: words_layout, _proj_words_symmetric: words_symmetric}.get(proj, int4_groups_packed)
+        pack = words_symmetric if proj is _proj_words_symmetric else int4_groups_packed
         planes = pack(w13, dtype) + pack(w2, dtype)
         formats[fmt] = (_one_token(proj), planes, sum(t.numel() * t.element_size() for t in planes))
+    planes = int4_words(w13) + int4_words(w2)  # the compiled-int4 format's planes and kernel
+    formats["int4-words"] = (one_token_moe_int4(), planes, sum(t.numel() * t.element_size() for t in planes))
     del w13, w2
     for fmt, (fn, planes, nbytes) in formats.items():
         y = fn(x, ids0, weights, *planes)

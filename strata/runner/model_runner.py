@@ -99,7 +99,7 @@ class ModelRunner:
         self.tiered = host_pool is not None
         # (A batch-invariant tier assembles each tiered sequence whole, eagerly.)
         self.tier_cuts = self.tiered and tier_graphs and not batch_invariant
-        self.tier_decode = tier_decode
+        self.tier_decode = "cpu"  # where decode rows read a host part: resolved below when tiered
         self.attn_device = self.attn  # the backend of the device's own kernels
         if self.tiered:
             # The inner backend also gives each row's log-sum-exp (`attend_lse`): the Triton kernels' (the
