@@ -142,8 +142,8 @@ wait_next_gguf() {  # llama.cpp built (unless NO_PEER) and the 80B file written 
           $R/llamacpp_quant_qwen3-8b_cuda.json" ;;
       # Experts in host RAM: a Qwen3-30B-A3B-shaped Q8_0 GGUF (OFFLOAD_LAYERS of its 48 layers), written in the
       # background beside peer-build; offload waits for both, then times llama.cpp and Strata on it, alone.
-      offload-gguf)
-        mkdir -p /tmp/peer; V=/tmp/llama/models/ggml-vocab-qwen2.gguf; [ -f $V ] || V=.cache/llama-cpp-vocab-0.3.16/ggml-vocab-qwen2.gguf
+      offload-gguf)  # the disk holds the 30B file or the 80B one: this step removes the 80B one
+        mkdir -p /tmp/peer; rm -f /tmp/next_IQ3_S.gguf; V=/tmp/llama/models/ggml-vocab-qwen2.gguf; [ -f $V ] || V=.cache/llama-cpp-vocab-0.3.16/ggml-vocab-qwen2.gguf
         # On the CPU: tests beside it size their KV pools from the GPU's free memory.
         setsid nohup bash -c "CUDA_VISIBLE_DEVICES= python3 scripts/quant_gguf.py /tmp/moe_Q8_0.gguf Q8_0 --shape qwen3-30b-a3b \
           --layers ${OFFLOAD_LAYERS:-48} --vocab $V; touch /tmp/peer/moe_gguf" \
@@ -229,7 +229,8 @@ wait_next_gguf() {  # llama.cpp built (unless NO_PEER) and the 80B file written 
             $([ -f $NKVO ] && echo --llamacpp $NKVO) --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g_cuda.json
         fi
         PLACE="--n-cpu-moe ${NEXT_NCMOE:-36}"; [ -f $R/offload_qwen3-next-80b-a3b-iq3_s-16g_cuda.json ] && PLACE=""
-        step kv-tier-next-262k 900 $TIER $PLACE --context 262000 --decode 16 --no-alloc-check \
+        # KV_NEXT_SKIP_262K=1: the 128K comparison alone.
+        [ -n "${KV_NEXT_SKIP_262K:-}" ] || step kv-tier-next-262k 900 $TIER $PLACE --context 262000 --decode 16 --no-alloc-check \
           --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g-262k_cuda.json ;;
       host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       host-span) step host-span 200 bash -c "python3 benchmarks/kernels/host_span_attention.py | tee $R/host_span_attention_cuda.txt" ;;
