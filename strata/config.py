@@ -298,9 +298,9 @@ class EngineConfig:
     # (int8 weights and activations, a scale per token, oneDNN) | fbgemm (int8 weights, uint8 activations,
     # FBGEMM) | compiled (int8 rows; a step's layer in one kernel torch.compile generates) | compiled-int4
     # (4-bit levels in groups of 32, an fp32 scale and offset each; the same generated kernel) | int4 (groups
-    # of 32, torch's int4 kernel) | auto (float for float weights, else compiled where there is a C++
-    # compiler, else fbgemm where torch has it, else w8a8; when host RAM cannot hold an int8 copy,
-    # compiled-int4, else int4)
+    # of 32, torch's int4 kernel) | auto (float for float weights; with a C++ compiler compiled-int4 for
+    # IQ3_S, Q4_K and Q4_0 experts, whose groups it holds exactly, and compiled for others; without one
+    # fbgemm where torch has it, else w8a8; when host RAM cannot hold an int8 copy, compiled-int4, else int4)
     host_experts: str = "auto"
     # Steps of this many tokens or more bring the routed experts held in RAM to the GPU (pinned, two layers
     # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. None: measured

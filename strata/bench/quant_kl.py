@@ -18,6 +18,11 @@ the file holds it: how far the copy the CPU computes from is from the file's own
 them one token at a time, as decode steps do (it differs where a format rounds the rows of a call
 together: fbgemm).
 
+A format `T>host:F` quantizes every eligible linear weight to the GGUF type T as above, then keeps the
+MoE layers' routed experts of that model in host RAM in the CPU format F, scored against the T model
+itself: how far the CPU's copy is from a T file's own weights (compiled-int4 keeps the groups of IQ3_S,
+Q4_K and Q4_0 on their own grid: zero).
+
 Run on the embedded model and on a random one (`--shape`); docs/QUANTIZATION.md sets the results
 beside llama.cpp's published KL table. The writers are simple searches without importance weights,
 so these are upper bounds on what llama.cpp's own quantizer would give for the same model.
@@ -26,7 +31,6 @@ so these are upper bounds on what llama.cpp's own quantizer would give for the s
 from __future__ import annotations
 
 import argparse
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -151,25 +155,53 @@ def _host_copy(loaded, fmt: str) -> tuple[nn.Module, int, int]:
     return model, done, total - done
 
 
-def run(args) -> int:
-    if args.shape:
-        from strata.bench.random_model import random_model
+def _experts_in_ram(model: nn.Module, fmt: str) -> tuple[int, int]:
+    """Every MoE layer's routed experts of `model` moved, in place, to host RAM in the CPU format `fmt`:
+    (the expert parameters held in it, the linear parameters left as they were)."""
+    from strata.models.moe import MoE
 
-        loaded = random_model(args.shape, "cpu", torch.float32, seed=args.seed)
-    else:
-        loaded = load_model(args.model, device="cpu", dtype=torch.float32, progress=False)
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Router)))
+    done = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            done += sum(p.numel() for e in m.experts for p in e.parameters())
+            m.host_format = fmt
+            m._pack_host()
+    return done, total - done
+
+
+def run(args) -> int:
+    def fresh():
+        # A new load for each format, never a deep copy: copying a module clones each parameter, and the
+        # MoE layers' expert weights would no longer be views of the stacks their forward reads.
+        if args.shape:
+            from strata.bench.random_model import random_model
+
+            return random_model(args.shape, "cpu", torch.float32, seed=args.seed)
+        return load_model(args.model, device="cpu", dtype=torch.float32, progress=False)
+
+    loaded = fresh()
     windows, source = _windows(args, loaded)
     ref = [_logits(loaded.model, w) for w in windows]
     rows = []
     for fmt in args.formats:
-        if fmt.startswith("host:"):
+        against = ref
+        if ">" in fmt:
+            stored, host = fmt.split(">", 1)
+            if not host.startswith("host:"):
+                raise SystemExit(f"{fmt}: the format after > is a host:F one")
+            model = fresh().model
+            quantize_linears(model, stored)
+            against = [_logits(model, w) for w in windows]
+            done, left = _experts_in_ram(model, host.removeprefix("host:"))
+        elif fmt.startswith("host:"):
             if args.shape:
                 raise SystemExit("host: formats load the model's file: not with --shape")
             model, done, left = _host_copy(loaded, fmt.removeprefix("host:"))
         else:
-            model = copy.deepcopy(loaded.model)
+            model = fresh().model
             done, left = fp8_linears(model) if fmt == "FP8" else quantize_linears(model, fmt)
-        row = {"format": fmt, **compare(ref, model, windows), "quantized_share": done / max(done + left, 1)}
+        row = {"format": fmt, **compare(against, model, windows), "quantized_share": done / max(done + left, 1)}
         rows.append(row)
         print(f"{fmt:6s}: KLD {row['kld']:.6f}, same top {row['same_top']:.4f}, PPL ratio {row['ppl_ratio']:.4f}, "
               f"RMS dp {row['rms_dp']:.4f} ({row['quantized_share']:.0%} of linear weights quantized)", flush=True)
@@ -205,7 +237,8 @@ def _add_args(p) -> None:
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=[*WRITTEN, "FP8"],
                    help=f"comma-separated, of {', '.join(WRITTEN)}, FP8 (the formats the project's writers make), "
                         "host:float, host:int8, host:w8a8, host:fbgemm, host:compiled, host:compiled-int4, host:int4 (MoE experts in host RAM in "
-                        "that CPU format; host:F@token: called a token at a time, as decode steps call them)")
+                        "that CPU format; host:F@token: called a token at a time, as decode steps call them), "
+                        "T>host:F (the model in the GGUF type T, its experts then in RAM in F, against the T model)")
     p.add_argument("--text", default=None, help="text to score (default: the embedded model's README)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)

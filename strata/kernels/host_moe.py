@@ -119,19 +119,51 @@ INT4_BLOCK = 128  # values of a row in one vector of 16 words
 
 def int4_words(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [..., N, K] float (K a multiple of 128) -> (int32 words [..., N, K / 8], fp32 scale and offset
-    [..., N, K / 32]): each group of 32 values at levels 0..15 between its minimum and maximum."""
+    [..., N, K / 32]): each group of 32 values as offset + scale * level, levels 0..15. A group whose values
+    already lie on such a grid (`lattice_steps`: a 4-bit format's group, IQ3_S's, Q4_K's, Q4_0's) keeps
+    that grid, so the file's weights come back exactly; any other takes 16 levels from its minimum to its
+    maximum."""
     *lead, n, k = w.shape
     if k % INT4_BLOCK:
         raise ValueError(f"int4 words take rows of a multiple of {INT4_BLOCK} values, not {k}")
     g = w.float().reshape(*lead, n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale = (hi - lo) / 15.0
+    step = lattice_steps(g, lo)
+    scale = torch.where(torch.isnan(step), (hi - lo) / 15.0, step)
     levels = torch.round((g - lo[..., None]) / scale.clamp(min=1e-30)[..., None]).clamp(0, 15).to(torch.int32)
     levels = levels.reshape(*lead, n, k // INT4_BLOCK, 8, 16)
     words = levels[..., 0, :].clone()
     for nibble in range(1, 8):
         words |= levels[..., nibble, :] << (4 * nibble)
     return words.reshape(*lead, n, k // 8).contiguous(), scale.contiguous(), lo.contiguous()
+
+
+LATTICE_TOLERANCE = 1e-3  # of a step: how far a value may sit from its grid point (the file's rounding)
+
+
+def lattice_steps(g: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Groups g [..., G, 32] and their minima lo [..., G] -> [..., G]: for each group the largest step s
+    with every value at lo + j * s for a whole j in 0..15, NaN where there is none. Only groups of at most
+    16 distinct values can have one; the candidate steps are the smallest gap between two of them divided
+    by 1..15 (a 4-bit format's group may skip levels: its gaps are whole multiples of its step). A group of
+    one value has step 0."""
+    flat = g.reshape(-1, g.shape[-1])
+    base = lo.reshape(-1)
+    gaps = flat.sort(dim=-1).values.diff(dim=-1)
+    distinct = (gaps > 0).sum(dim=-1) + 1
+    smallest = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(dim=-1)
+    out = torch.full_like(base, float("nan"))
+    out[distinct == 1] = 0.0
+    todo = torch.nonzero((distinct > 1) & (distinct <= 16)).squeeze(1)
+    for m in range(1, 16):
+        if todo.numel() == 0:
+            break
+        s = smallest[todo] / m
+        j = (flat[todo] - base[todo, None]) / s[:, None]
+        whole = ((j - j.round()).abs() <= LATTICE_TOLERANCE).all(dim=-1) & (j.round().amax(dim=-1) <= 15)
+        out[todo[whole]] = s[whole]
+        todo = todo[~whole]
+    return out.view(lo.shape)
 
 
 def int4_levels(words: torch.Tensor) -> torch.Tensor:

@@ -20,25 +20,36 @@ from strata.models.transformer import CausalLM
 log = logging.getLogger("strata")
 
 
-def host_format(stored_type: str | None, shapes: Collection[tuple[int, int]], int8_fits: bool = True) -> str:
-    """The CPU format of routed experts stored as `stored_type` (a safetensors dtype or GGUF type name):
-    float for float weights (exact); for quantized files int8 rows through the fastest CPU path measured
-    for a decode step's whole layer (bench/results/host_expert_layers_cuda.txt, on the H100 host):
-    compiled, where torch.compile finds a C++ compiler (0.36 ms for an 80B-A3B layer's ten experts,
-    87 GB/s, against FBGEMM's 0.49), else fbgemm, else w8a8 (oneDNN's int8 GEMM); unless host RAM cannot
-    hold an int8 copy (`int8_fits`): then 4-bit groups of 32, compiled-int4 (6 bits a weight with its
-    scales and offsets) where there is a C++ compiler, else int4 (torch's kernel), where every weight's
-    shape takes it."""
+# GGUF types whose groups of 32 are 16 evenly spaced levels of their own: compiled-int4 holds them exactly.
+INT4_EXACT = frozenset({"IQ3_S", "Q4_K", "Q4_0"})
+
+
+def host_format(stored_types: str | Collection[str | None] | None, shapes: Collection[tuple[int, int]],
+                int8_fits: bool = True) -> str:
+    """The CPU format of routed experts stored as `stored_types` (a layer's safetensors dtypes or GGUF type
+    names): float for float weights (exact). Quantized files where torch.compile finds a C++ compiler take
+    the generated kernels (`strata.kernels.host_moe`): compiled-int4 (4-bit groups of 32 with an fp32
+    scale and offset, 6 bits a weight) where every expert tensor's type is one of `INT4_EXACT`, whose
+    weights it keeps exactly, in 70% of int8's bytes (0.61 ms against 0.70 for an 80B-A3B layer's step
+    on the H200 host, bench/results/host_int4_compiled_cuda.txt); else int8 rows, compiled (0.36 ms,
+    87 GB/s, on the H100 host against FBGEMM's 0.49, bench/results/host_expert_layers_cuda.txt), unless
+    host RAM cannot hold an int8 copy (`int8_fits`): then compiled-int4 all the same. Without a compiler:
+    fbgemm, else w8a8 (oneDNN's int8 GEMM), or int4 (torch's kernel) where RAM needs 4 bits; the 4-bit
+    formats only where every weight's shape takes them."""
     from strata.kernels.host_moe import has_cpp_compiler
     from strata.models.host_experts import format_fits, has_fbgemm
 
-    if stored_type is None or stored_type.upper() in ("F32", "F16", "BF16", "F64"):
+    types = {stored_types} if stored_types is None or isinstance(stored_types, str) else set(stored_types)
+    if not types or any(t is None or t.upper() in ("F32", "F16", "BF16", "F64") for t in types):
         return "float"
+    compiler = has_cpp_compiler()
+    if compiler and all(t.upper() in INT4_EXACT for t in types) and all(format_fits("compiled-int4", *s) for s in shapes):
+        return "compiled-int4"
     if not int8_fits:
-        for fmt in (("compiled-int4", "int4") if has_cpp_compiler() else ("int4",)):
+        for fmt in (("compiled-int4", "int4") if compiler else ("int4",)):
             if all(format_fits(fmt, *s) for s in shapes):
                 return fmt
-    return "compiled" if has_cpp_compiler() else "fbgemm" if has_fbgemm() else "w8a8"
+    return "compiled" if compiler else "fbgemm" if has_fbgemm() else "w8a8"
 
 
 def host_memory_available() -> int | None:
@@ -79,7 +90,7 @@ def place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int
         prefix = next(n for n, m in model.named_modules() if m is moe) + ".experts."
         mine = {n for n in ckpt.names if n.startswith(prefix)}
         inter, hidden = moe.experts[0].gate_proj.weight.shape
-        stored = ckpt.types.get(min(mine)) if mine else None
+        stored = {ckpt.types.get(n) for n in mine} if mine else None
         moe.host_format = host_format(stored, [(2 * inter, hidden), (hidden, inter)], int8_fits) if fmt == "auto" else fmt
         names |= mine
     return names

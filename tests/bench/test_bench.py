@@ -121,6 +121,37 @@ def test_bench_quant_kl_orders_formats(tmp_path):
     assert 0 < rows["FP8"]["kld"] < 0.05 and 0 < rows["FP8"]["quantized_share"] < 1
 
 
+def test_quant_kl_quantizes_the_stacks_the_experts_run_from():
+    """The weights a format's arm rounds are the ones the forward reads: a MoE layer's stacked experts, of
+    which its experts' projections are views (a deep copy of the model would part them)."""
+    import torch
+
+    from strata.bench.quant_kl import quantize_linears
+    from strata.loaders import load_model
+    from strata.models.moe import MoE
+
+    model = load_model(None, device="cpu", dtype=torch.float32, progress=False).model
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    before = moe.w13.clone()
+    quantize_linears(model, "Q8_0")
+    assert not torch.equal(before, moe.w13)
+    inter = moe.experts[0].gate_proj.weight.shape[0]
+    assert torch.equal(moe.w13[0, :inter], moe.experts[0].gate_proj.weight)
+
+
+def test_bench_quant_kl_scores_experts_in_ram_against_the_files_weights(tmp_path):
+    """T>host:F: compiled-int4 keeps Q4_0's groups on their own grid (no distance from the Q4_0 model);
+    int8 rows, a scale per row, move it."""
+    out = tmp_path / "kl.json"
+    assert main(["bench", "quant-kl", "--formats", "Q4_0>host:compiled-int4,Q4_0>host:compiled", "--tokens", "256",
+                 "--ctx", "128", "--out", str(out)]) == 0
+    rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
+    assert abs(rows["Q4_0>host:compiled-int4"]["kld"]) < 1e-6 and rows["Q4_0>host:compiled-int4"]["same_top"] == 1.0
+    assert rows["Q4_0>host:compiled"]["kld"] > 1e-5
+    with pytest.raises(SystemExit, match="host:F"):
+        main(["bench", "quant-kl", "--formats", "Q4_0>Q8_0", "--tokens", "64", "--out", str(out)])
+
+
 def test_bench_kv_tier_moves_blocks_and_hits_the_host_prefix(tmp_path):
     out = tmp_path / "kv_tier.json"
     assert main(["bench", "kv-tier", "--device", "cpu", "--context", "1200", "--resident", "256", "--decode", "8",

@@ -74,9 +74,15 @@ def test_auto_format_follows_the_stored_type_and_the_room():
     assert host_format("IQ3_S", [(64, 64), (64, 32)], int8_fits=False) == "int4"
     assert host_format("Q4_K", [(24, 64)], int8_fits=False) == int8  # rows not in tiles of 16: no int4
     assert host_format("BF16", [(64, 32)], int8_fits=False) == "float"
+    assert host_format({"Q4_K", "BF16"}, [(64, 32)]) == "float"
     # Rows of multiples of 128 take the generated kernels' 4-bit groups where there is a compiler.
     four = "compiled-int4" if has_cpp_compiler() else "int4"
-    assert host_format("IQ3_S", [(256, 128), (128, 128)], int8_fits=False) == four
+    shapes = [(256, 128), (128, 128)]
+    assert host_format("IQ3_S", shapes, int8_fits=False) == four
+    # Types whose groups are 16 levels of their own take them with room for int8 too (exact, fewer bytes);
+    # a layer with one other type (a Q4_K_M file's Q6_K down projection) keeps int8 rows.
+    assert host_format({"IQ3_S"}, shapes) == host_format({"Q4_K", "Q4_0"}, shapes) == ("compiled-int4" if has_cpp_compiler() else int8)
+    assert host_format({"Q4_K", "Q6_K"}, shapes) == host_format("Q8_0", shapes) == int8
 
 
 def test_flags_must_agree():

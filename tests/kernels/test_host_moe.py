@@ -76,6 +76,37 @@ def test_int4_words_hold_each_value_within_half_its_group_step():
         int4_words(torch.randn(2, 96))
 
 
+@pytest.mark.parametrize("ggml_type", ["IQ3_S", "Q4_K", "Q4_0"])
+def test_int4_words_keep_a_4_bit_files_weights_exactly(ggml_type):
+    """A file's 4-bit groups (IQ3_S's odd multiples of a group scale, Q4_K's and Q4_0's levels) keep
+    their own grid: the words give the dequantized file weights back exactly."""
+    from strata.kernels.quant import format_module, random_blocks
+
+    mod = format_module(ggml_type)
+    raw = random_blocks(ggml_type, 12, 512, torch.Generator().manual_seed(5), "cpu")
+    w = mod.dequantize(mod.repack(raw), 12, 512).float()
+    back = dequantize_int4_words(*int4_words(w))
+    assert torch.equal(back, w), float((back - w).abs().max())
+
+
+def test_lattice_steps_find_a_groups_grid_or_none():
+    """A grid with skipped levels is still found (its smallest gap is a multiple of the step); a group of
+    one value has step 0; more than 16 distinct values, or values off any grid of 16 levels, have none."""
+    from strata.kernels.host_moe import lattice_steps
+
+    on = torch.tensor([-15.0, -9, -3, 3, 15] * 6 + [9, 9]) * 0.125  # odd multiples of 0.125, gaps of 6 and 12
+    single = torch.full((32,), 0.5)
+    wide = torch.arange(32.0)  # 32 levels
+    halves = torch.tensor([0.0, 1, 2, 3.5] * 8)  # gaps of 1 and 1.5: a step of a half
+    off = torch.tensor([0.0, 1, 2.7] * 10 + [0, 1])  # 2.7 is 27 tenths: no grid of 16 levels holds it
+    groups = torch.stack([on, single, wide, halves, off])
+    steps = lattice_steps(groups, groups.amin(-1))
+    assert steps[0].item() == 0.75 and steps[1].item() == 0.0 and steps[3].item() == 0.5
+    assert torch.isnan(steps[2]) and torch.isnan(steps[4])
+    jitter = groups[:1] + torch.linspace(0, 1e-2, 32)  # a hundredth of a step off: no grid
+    assert torch.isnan(lattice_steps(jitter, jitter.amin(-1))).all()
+
+
 def _int4_layer(seed, e, h, inter):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e * 2 * inter, h, generator=g) / h**0.5

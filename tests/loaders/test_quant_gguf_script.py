@@ -116,3 +116,30 @@ def test_a_load_beyond_the_plan_moves_the_next_layers_experts_to_ram(moe_file, m
     # Within the estimate nothing moves.
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: refit.weight_bytes)
     assert refit_after_load(cfg, mc, ckpt, loaded, torch.float32, sizes, refit, 0, torch.device("cpu")) is refit
+
+
+def test_an_iq3_s_files_experts_in_ram_in_4_bits_are_its_own_weights(tmp_path):
+    """IQ3_S's groups are odd multiples of a scale: compiled-int4 keeps them on that grid, so the model
+    with its experts in RAM in 4 bits gives the logits of the model with them in RAM as floats (int8 rows,
+    a scale per row, do not)."""
+    import dataclasses
+
+    from strata.models.moe import MoE
+
+    mc = dataclasses.replace(shape_config("tiny-moe"), hidden_size=256, head_dim=64, moe_intermediate_size=256)
+    path = str(tmp_path / "iq3s.gguf")
+    write_moe(SimpleNamespace(out=path, format="IQ3_S", vocab=write_vocab_gguf(tmp_path), seed=0), mc,
+              mc.num_hidden_layers)
+    ids = torch.randint(0, 300, (8,), generator=torch.Generator().manual_seed(2))
+
+    def logits(fmt):
+        model = load_model(path, progress=False, host_moe_layers=[0, 1], host_experts=fmt).model
+        assert all(m.host.fmt == fmt for m in model.modules() if isinstance(m, MoE))
+        with torch.no_grad():
+            return model.compute_logits(model(ids, torch.arange(8), CausalBatch(1, 8)))
+
+    exact = logits("float")
+    four = logits("compiled-int4")
+    torch.testing.assert_close(four, exact, rtol=1e-4, atol=1e-4)
+    int8 = logits("int8")
+    assert float((int8 - exact).norm()) > 10 * float((four - exact).norm())
