@@ -302,6 +302,11 @@ class EngineConfig:
     # IQ3_S, Q4_K and Q4_0 experts, whose groups it holds exactly, and compiled for others; without one
     # fbgemm where torch has it, else w8a8; when host RAM cannot hold an int8 copy, compiled-int4, else int4)
     host_experts: str = "auto"
+    # Where decode steps compute the routed experts held in RAM: cpu (the host format above, on the CPU,
+    # the step waiting for it between layers) | pcie (the GPU's fused decode kernels read the chosen
+    # experts' rows straight from the pinned copy kept for streaming, over PCIe: no wait for the host, one
+    # CUDA graph a step) | auto (on CUDA whichever one layer's step measured faster at start-up; else cpu).
+    host_expert_decode: str = "auto"
     # Steps of this many tokens or more bring the routed experts held in RAM to the GPU (pinned, two layers
     # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. None: measured
     # at start-up, the step size at which a layer's CPU time passes its copy over PCIe.
@@ -360,6 +365,8 @@ class EngineConfig:
             raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
         if self.kv_tier_decode not in ("auto", "cpu", "stream"):
             raise ValueError(f"kv_tier_decode must be auto, cpu or stream, not {self.kv_tier_decode!r}")
+        if self.host_expert_decode not in ("auto", "cpu", "pcie"):
+            raise ValueError(f"host_expert_decode must be auto, cpu or pcie, not {self.host_expert_decode!r}")
         if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4"):
             raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled, compiled-int4 or int4, "
                              f"not {self.host_experts!r}")

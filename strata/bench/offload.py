@@ -1,7 +1,8 @@
 """`strata bench offload`: a model whose routed experts live in host RAM (`--cpu-moe`, `--n-cpu-moe N`,
 or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
 read, for each CPU format of the experts asked for (`F+graphs`: decode steps replaying CUDA graph pieces,
-`--host-expert-graphs`; the same engine's decode is also timed with its graphs off), beside llama.cpp's
+`--host-expert-graphs`; `F+cpu`, `F+pcie`: `--host-expert-decode`, else its auto, each row saying which
+way decode ran; the same engine's decode is also timed with its graphs off), beside llama.cpp's
 figures on the same file
 (`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
 CPU expert computation reached during decode, and the peak GPU memory against the cap.
@@ -98,6 +99,7 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     row: dict = {"host_experts": cfg.host_experts, "load_s": load_s, "host_layers": len(moes),
                  "host_format": ",".join(sorted({m.host.fmt for m in moes})) or None,
                  "host_bytes": sum(m.host.nbytes for m in moes),
+                 "host_decode": "pcie" if any(m.pcie_stacks is not None for m in moes) else "cpu",
                  "stream_min_tokens": moes[0].stream_min_tokens if moes and engine.expert_streamer else None,
                  "memory_plan": engine.memory_plan.table() if engine.memory_plan is not None else None}
     # The prompt read: once to compile, then timed.
@@ -178,7 +180,9 @@ def write(args, rows: list[dict], failures: list[dict], peer: dict, bandwidth: f
         "read_4096_over_llamacpp": best["read_tok_s"] / peer["read_tok_s"] if peer.get("read_tok_s") else None,
         "peak_gpu_bytes": max(r["peak_gpu_bytes"] for r in rows), "gpu_memory_cap_bytes": cap,
         "cap_held": None if cap is None else all(r["peak_gpu_bytes"] <= cap for r in rows),
-        "cpu_expert_bandwidth_fraction": best.get("cpu_expert_bandwidth_fraction"),
+        "cpu_expert_bandwidth_fraction": max((r for r in rows if r.get("cpu_expert_bandwidth_fraction")),
+                                             key=lambda r: r["decode_tok_s"], default={}).get("cpu_expert_bandwidth_fraction"),
+        "host_decode": best.get("host_decode"),
         "stream_min_tokens": best.get("stream_min_tokens"),
         "host_read_bandwidth_gb_s": bandwidth / 1e9,
     }
@@ -190,7 +194,8 @@ def write(args, rows: list[dict], failures: list[dict], peer: dict, bandwidth: f
     if quiet:
         return
     print_tables([summary_table(f"experts in host RAM: {args.name} ({info['placement']})",
-                                [("CPU format", "host_experts", ""), ("decode tok/s", "decode_tok_s", ".1f"),
+                                [("CPU format", "host_experts", ""), ("decode on", "host_decode", ""),
+                                 ("decode tok/s", "decode_tok_s", ".1f"),
                                  ("read tok/s", "read_tok_s", ".0f"),
                                  ("CPU expert GB/s", "cpu_expert_read_gb_s", ".1f"),
                                  ("of host BW", "cpu_expert_bandwidth_fraction", ".2f"),
@@ -222,10 +227,11 @@ def run(args) -> int:
     rows, failures = [], []
     peer = llamacpp_figures([args.llamacpp, *args.llamacpp_more], args.read) if args.llamacpp else {}
     for label in args.formats:
-        fmt, _, more = label.partition("+")
-        if more not in ("", "graphs"):
-            raise SystemExit(f"--formats {label}: the only addition to a format is +graphs")
-        cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs=more == "graphs")
+        fmt, *adds = label.split("+")
+        if not set(adds) <= {"graphs", "cpu", "pcie"} or {"cpu", "pcie"} <= set(adds):
+            raise SystemExit(f"--formats {label}: a format's additions are +graphs and one of +cpu, +pcie")
+        way = "pcie" if "pcie" in adds else "cpu" if "cpu" in adds else "auto"
+        cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs="graphs" in adds, host_expert_decode=way)
         try:
             row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
         except Exception as e:  # noqa: BLE001 - one arm's failure is its row; the other arms still run
@@ -258,7 +264,7 @@ def _add_args(p) -> None:
     p.add_argument("--name", default="model", help="the results file's shape name (offload_NAME_cuda.json)")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=["auto"],
                    help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, compiled, compiled-int4, int4; "
-                        "F+graphs: with --host-expert-graphs)")
+                        "F+graphs: with --host-expert-graphs; F+cpu, F+pcie: --host-expert-decode cpu or pcie, else auto)")
     p.add_argument("--cpu-moe", action="store_true")
     p.add_argument("--n-cpu-moe", type=int, default=None)
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB cap (the memory plan places the experts)")

@@ -16,7 +16,7 @@ from strata.kernels import moe_decode as k_moe
 from strata.kernels import moe_invariant as k_moe_inv
 from strata.kernels import moe_routing as k_route
 from strata.kernels import moe_sort as k_sort
-from strata.kernels import triton_available, use_triton
+from strata.kernels import kernels_run, triton_available, use_triton
 from strata.kernels.quant import moe_decode_q
 from strata.kernels.scratch import scratch
 from strata.models.host_experts import ExpertStreamer, HostExperts, HostStagingPool
@@ -157,6 +157,23 @@ def moe_decode_works(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
     return bool(((got.float() - ref.float()).norm() <= 1e-2 * ref.float().norm()).item())
 
 
+def pcie_serves(x: torch.Tensor, top_k: int, w13, w2) -> bool:
+    """Whether the fused decode kernels take this step over the stacks (w13, w2) wherever they are (the
+    pinned host copy of experts in RAM): `QExpertStack`s, or float tensors of x's dtype. Host metadata
+    only."""
+    if isinstance(w13, torch.Tensor):
+        return (x.dtype == w13.dtype and x.dim() == 2 and x.stride(1) == 1 and kernels_run(x, k_moe._gate_up_kernel)
+                and k_moe.moe_decode_supported(x.shape[0], top_k, x.shape[1], w13.shape[1] // 2, x.dtype))
+    return moe_decode_q.serves(x, top_k, w13, w2)
+
+
+def pcie_decode(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13, w2) -> torch.Tensor:
+    """The chosen experts' weighted sum by the fused decode kernels over (w13, w2) (`pcie_serves`)."""
+    if isinstance(w13, torch.Tensor):
+        return k_moe.moe_experts_decode_triton(x, ids, w, w13, w2)
+    return moe_decode_q.moe_decode_q_triton(x, ids, w, w13, w2)
+
+
 class MoE(nn.Module):
     """Routed experts plus optional shared experts. Experts keep the HF per-expert layout as loaded.
 
@@ -213,6 +230,9 @@ class MoE(nn.Module):
         self.host_staging: HostStagingPool | None = None
         self.streamer: ExpertStreamer | None = None
         self.stream_min_tokens = 0
+        # `--host-expert-decode pcie`: the pinned stacks kept for streaming (w13, w2: `QExpertStack`s or
+        # tensors), which the GPU's fused decode kernels read in place over PCIe for decode-sized steps.
+        self.pcie_stacks: tuple | None = None
         # Set by the runner while it captures CUDA graphs of steps with experts in RAM: an object with
         # `capturing` and `cut(host_part)` (`strata.runner.graph_pieces.GraphCutter`).
         self.graph_cut = None
@@ -341,6 +361,9 @@ class MoE(nn.Module):
                 else:
                     out = self._grouped(x, w, ids, stacks)
                 self.streamer.release(slot)
+        elif (self.pcie_stacks is not None and not self.batch_invariant
+              and pcie_serves(x, ids.shape[1], *self.pcie_stacks)):
+            out = pcie_decode(x, ids, w, *self.pcie_stacks)
         elif x.device.type == "cpu":
             out = self.host.forward(x, ids, w).to(x.dtype)
         elif self.host_staging is not None and x.shape[0] <= self.host_staging.tokens:

@@ -1,6 +1,7 @@
 """Start-up of the MoE layers whose routed experts the memory plan left in host RAM, on CUDA: the pinned
-staging their decode rows pass through to the CPU, and the streamer that brings their experts up to the
-GPU for steps of `--expert-stream-tokens` tokens or more (measured here when not given)."""
+staging their decode rows pass through to the CPU, the streamer that brings their experts up to the GPU
+for steps of `--expert-stream-tokens` tokens or more (measured here when not given), and where decode
+steps compute them (`--host-expert-decode`: on the CPU, or read in place by the GPU's kernels)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.models.host_experts import COMPILED, ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
-from strata.models.moe import MoE, grouped_mm_works
+from strata.models.moe import MoE, grouped_mm_works, pcie_decode, pcie_serves
 
 log = logging.getLogger("strata")
 
@@ -35,6 +36,7 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
             threshold = measure_stream_crossover(moes, streamer, mc.num_experts_per_tok, act, chunk)
         if threshold > chunk:  # no step is that large: the CPU computes them all
             streamer, threshold = None, 0
+    choose_host_decode(moes, cfg.host_expert_decode, mc.num_experts_per_tok, cfg.torch_dtype, device)
     rows = cfg.parallel * (1 + cfg.spec)
     tokens = max(rows, threshold - 1 if streamer else chunk)
     pool = HostStagingPool(tokens, mc.hidden_size, mc.num_experts_per_tok, cfg.torch_dtype, device)
@@ -47,6 +49,78 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
              len(moes), fmt, sum(m.host.nbytes for m in moes) / 2**30, threshold if streamer else "any number of",
              f", larger ones streamed to the GPU through 2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else "")
     return pool, streamer
+
+
+def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, device: torch.device) -> str:
+    """`--host-expert-decode`: "pcie" hands each layer the pinned stacks kept for streaming (`pcie_stacks`),
+    which the GPU's fused decode kernels read in place, when every layer has them, the kernels serve a
+    one-token step over them and give what the CPU's copy gives, and (auto) one layer's step measured
+    faster that way than on the CPU; else "cpu"."""
+    if way == "cpu":
+        return "cpu"
+    stacks = [pcie_stacks_of(m, k, dtype, device) for m in moes]
+    why = ("a layer without a pinned copy in the GPU's format, or one the fused decode kernels do not take "
+           "from host memory" if any(s is None for s in stacks) else "")
+    largest = max(range(len(moes)), key=lambda i: moes[i].host.nbytes)
+    if not why and way == "auto":
+        act = dtype if moes[largest].host.fmt == "float" else torch.float32
+        cpu = host_step_seconds(moes[largest].host, 1, k, act)
+        pcie = pcie_step_seconds(moes[largest].host, stacks[largest], k, dtype, device)
+        log.info("a decode row through one layer's experts in RAM: %.3f ms on the CPU, %.3f ms read by the "
+                 "GPU over PCIe", cpu * 1e3, pcie * 1e3)
+        if pcie >= cpu:
+            why = "slower than the CPU"
+    if why:
+        (log.warning if way == "pcie" else log.info)("decode steps compute the experts in RAM on the CPU (PCIe "
+                                                     "reads: %s)", why)
+        return "cpu"
+    for m, st in zip(moes, stacks):
+        m.pcie_stacks = st
+    log.info("decode steps of up to 16 tokens read the chosen experts of %d MoE layers from host RAM in the "
+             "GPU's kernels (no wait for the host; one CUDA graph a step)", len(moes))
+    return "pcie"
+
+
+def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -> tuple | None:
+    """The layer's pinned stacks (`HostExperts.stream`) when the fused decode kernels, run on `device`, read
+    them in place and their sum for a few rows is within 5% of the CPU copy's; else None."""
+    host = moe.host
+    if host.stream is None:
+        return None
+    stacks = host.stream.stacks(host.stream.region)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, host.gate_up.k, generator=g).to(device, dtype)
+    ids = torch.rand(2, host.num_experts, generator=g).argsort(dim=1)[:, :k].contiguous()
+    w = torch.softmax(torch.randn(2, k, generator=g), dim=-1)
+    if not pcie_serves(x, k, *stacks):
+        return None
+    try:
+        got = pcie_decode(x, ids.to(device), w.to(device), *stacks).float().cpu()
+    except Exception as err:  # noqa: BLE001 - the kernels cannot take host pointers here: the CPU serves
+        log.info("the fused decode kernels cannot read experts in host memory here (%s)", str(err).splitlines()[0][:200])
+        return None
+    ref = host._forward(x.float().cpu(), ids, w, None)
+    return stacks if float((got - ref).norm()) <= 0.05 * float(ref.norm()) else None
+
+
+def pcie_step_seconds(host, stacks: tuple, k: int, dtype: torch.dtype, device: torch.device, repeats: int = 4) -> float:
+    """One decode row through the fused decode kernels over the pinned `stacks` (best of `repeats`), each
+    repeat choosing experts no earlier one chose where there are enough, so none is read from the GPU's cache."""
+    g = torch.Generator().manual_seed(1)
+    order = torch.randperm(host.num_experts, generator=g)
+    x = torch.randn(1, host.gate_up.k, generator=g).to(device, dtype)
+    w = torch.softmax(torch.randn(1, k, generator=g), dim=-1).to(device)
+    best = float("inf")
+    for r in range(repeats + 1):  # the first builds and warms the kernels
+        at = (r * k) % max(host.num_experts - k + 1, 1)
+        ids = order[at : at + k].view(1, k).to(device)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        pcie_decode(x, ids, w, *stacks)
+        torch.cuda.synchronize(device)
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def warm_compiled_steps(moes: list[MoE], k: int) -> None:

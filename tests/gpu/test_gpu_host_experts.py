@@ -118,7 +118,7 @@ def test_decoding_through_graph_pieces_allocates_nothing_new():
     # Never streamed: the embedded model's experts copy up faster than the CPU computes one row, and only
     # steps the CPU computes are captured.
     e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, cpu_moe=True, host_expert_graphs=True,
-                               expert_stream_tokens=0), progress=False)
+                               expert_stream_tokens=0, host_expert_decode="cpu"), progress=False)
     for i, p in enumerate(PROMPTS[:2]):
         e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
                                     SamplingParams(max_tokens=64, ignore_eos=True), time.monotonic()))
@@ -130,3 +130,54 @@ def test_decoding_through_graph_pieces_allocates_nothing_new():
         e.step()
     torch.cuda.synchronize()
     assert e.runner.graphs and torch.cuda.memory_reserved() == reserved
+
+
+def _bf16_greedy(**kw) -> tuple[dict[str, list[int]], LLMEngine]:
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, **kw), progress=False)
+    for i, p in enumerate(PROMPTS):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=24, ignore_eos=True), time.monotonic()))
+    return {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in e.run_to_completion().items()}, e
+
+
+def test_bf16_tokens_identical_with_the_experts_read_over_pcie_and_on_the_gpu():
+    """--host-expert-decode pcie: steps the fused decode kernels take read the experts from the pinned copy
+    in RAM with the kernels that read them from the GPU's memory otherwise, and larger steps stream them
+    to the grouped kernels as the GPU's own stacks feed them: the same tokens, bit for bit."""
+    from strata.kernels.moe_decode import MAX_TOKENS
+
+    on_gpu, _ = _bf16_greedy()
+    read, e = _bf16_greedy(cpu_moe=True, host_experts="float", host_expert_decode="pcie",
+                           expert_stream_tokens=MAX_TOKENS + 1)
+    assert _host_moes(e) and all(m.pcie_stacks is not None for m in _host_moes(e))
+    assert all(m.host.seconds == 0.0 for m in _host_moes(e))  # the CPU copy was never computed from
+    assert read == on_gpu
+
+
+def test_decode_read_over_pcie_replays_one_graph_a_step_and_allocates_nothing_new():
+    from strata.runner.graph_pieces import GraphPieces
+
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, cpu_moe=True, host_experts="float",
+                               host_expert_decode="pcie"), progress=False)
+    assert e.runner.graphs and not any(isinstance(g.graph, GraphPieces) for g in e.runner.graphs.values())
+    for i, p in enumerate(PROMPTS[:2]):
+        e.add_request(EngineRequest(f"r{i}", tuple(e.tokenizer.encode(p)),
+                                    SamplingParams(max_tokens=64, ignore_eos=True), time.monotonic()))
+    for _ in range(8):
+        e.step()
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    while e.has_work():
+        e.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+
+
+def test_auto_times_the_cpu_and_the_pcie_reads_at_start_up(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="strata"):
+        e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=1, cpu_moe=True), progress=False)
+    assert "a decode row through one layer's experts in RAM" in caplog.text
+    chose = all(m.pcie_stacks is not None for m in _host_moes(e))
+    assert chose or not any(m.pcie_stacks is not None for m in _host_moes(e))

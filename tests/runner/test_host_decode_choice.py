@@ -1,0 +1,99 @@
+"""`--host-expert-decode`: the GPU's fused decode kernels reading a layer's experts in RAM in place (the
+pinned copy kept for streaming), checked here on the CPU with the kernels interpreted: they read the
+stacks wherever they are and give the CPU copy's sum; a layer so set up takes them for decode-sized
+steps and leaves its CPU copy alone; the choice falls back to the CPU where a layer lacks the copy."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from strata.kernels.quant import random_blocks
+from strata.kernels.quant.moe_q import QExpertStack
+from strata.loaders.host import host_experts_of
+from strata.models.moe import pcie_decode, pcie_serves
+from strata.runner.host_offload import choose_host_decode, pcie_stacks_of
+
+E, H, INTER, K = 6, 256, 256, 2
+
+
+def _layer(ggml_type: str, fmt: str, stream: bool = True):
+    g = torch.Generator().manual_seed(7)
+    w13 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * 2 * INTER, H, g, "cpu").view(E, 2 * INTER, -1))
+    w2 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * H, INTER, g, "cpu").view(E, H, -1))
+    return SimpleNamespace(host=host_experts_of(fmt, w13, w2, torch.bfloat16, torch.device("cpu"), stream),
+                           pcie_stacks=None)
+
+
+@pytest.mark.parametrize("ggml_type,fmt", [("IQ3_S", "compiled-int4"), ("Q8_0", "int8")])
+def test_the_kernels_read_the_pinned_copy_in_place_and_give_the_cpu_copys_sum(ggml_type, fmt):
+    layer = _layer(ggml_type, fmt)
+    stacks = pcie_stacks_of(layer, K, torch.bfloat16, torch.device("cpu"))
+    assert stacks is not None and stacks[0].planes  # the StreamStack's own region, not a copy
+    region = layer.host.stream.region
+    first = next(iter(stacks[0].planes.values()))
+    assert region.data_ptr() <= first.data_ptr() < region.data_ptr() + region.numel()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, H, generator=g)
+    ids = torch.rand(3, E, generator=g).argsort(dim=1)[:, :K].contiguous()
+    w = torch.softmax(torch.randn(3, K, generator=g), dim=-1)
+    assert pcie_serves(x.bfloat16(), K, *stacks) and not pcie_serves(x, K, *stacks)  # bf16/fp16 rows only
+    got = pcie_decode(x.bfloat16(), ids, w, *stacks).float()
+    ref = layer.host.forward(x.bfloat16().float(), ids, w)
+    assert float((got - ref).norm()) <= 0.02 * float(ref.norm())
+
+
+def test_a_layer_without_the_pinned_copy_keeps_the_cpu(caplog):
+    layers = [_layer("Q8_0", "int8"), _layer("Q8_0", "int8", stream=False)]
+    assert layers[1].host.stream is None and pcie_stacks_of(layers[1], K, torch.bfloat16, torch.device("cpu")) is None
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        assert choose_host_decode(layers, "pcie", K, torch.bfloat16, torch.device("cpu")) == "cpu"
+    assert "without a pinned copy" in caplog.text and all(m.pcie_stacks is None for m in layers)
+    assert choose_host_decode(layers[:1], "cpu", K, torch.bfloat16, torch.device("cpu")) == "cpu"
+    assert layers[0].pcie_stacks is None
+    assert choose_host_decode(layers[:1], "pcie", K, torch.bfloat16, torch.device("cpu")) == "pcie"
+    assert layers[0].pcie_stacks is not None
+
+
+def test_a_layer_given_the_stacks_runs_decode_steps_through_them_and_not_its_cpu_copy(tmp_path):
+    """An IQ3_S GGUF with every MoE layer's experts in RAM (compiled-int4): with `pcie_stacks` set (here
+    the file's blocks as a keep-quantized load stacks them) a step of a few tokens never calls the CPU copy,
+    and gives the logits of the steps the CPU computes."""
+    import dataclasses
+    import os
+    import sys
+
+    from strata.attention import CausalBatch
+    from strata.bench.random_model import shape_config
+    from strata.loaders import load_model
+    from strata.models.moe import MoE
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "loaders"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    from quant_gguf import write_moe
+    from test_gguf import write_vocab_gguf
+
+    mc = dataclasses.replace(shape_config("tiny-moe"), hidden_size=256, head_dim=64, moe_intermediate_size=256)
+    path = str(tmp_path / "iq3s.gguf")
+    write_moe(SimpleNamespace(out=path, format="IQ3_S", vocab=write_vocab_gguf(tmp_path), seed=0), mc,
+              mc.num_hidden_layers)
+    ids = torch.randint(0, 300, (4,), generator=torch.Generator().manual_seed(2))
+    model = load_model(path, progress=False, dtype=torch.bfloat16, host_moe_layers=[0, 1]).model
+    kept = load_model(path, progress=False, dtype=torch.bfloat16, keep_quantized=True).model
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert all(m.host is not None and m.host.fmt == "compiled-int4" for m in moes)
+
+    def logits():
+        with torch.no_grad():
+            return model.compute_logits(model(ids, torch.arange(4), CausalBatch(1, 4))).float()
+
+    on_cpu = logits()
+    assert all(m.host.seconds > 0 for m in moes)
+    for m, q in zip(moes, [m for m in kept.modules() if isinstance(m, MoE)]):
+        m.pcie_stacks, m.host.seconds = q.quant, 0.0
+    read = logits()
+    assert all(m.host.seconds == 0.0 for m in moes)
+    assert float((read - on_cpu).norm()) <= 0.05 * float(on_cpu.norm())
