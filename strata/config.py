@@ -248,8 +248,9 @@ class EngineConfig:
     kv_tier_graphs: bool = False
     # Where a decode row attends its host KV part: cpu (the C kernel reads the host pool in place, split
     # over the threads) | stream (each layer's host blocks copied to the GPU, as prompt chunks do, and the
-    # paged attention kernel) | auto (on CUDA whichever one layer measured faster at start-up; else cpu).
-    # Streamed decode steps launch eagerly (no graphs cut for host parts).
+    # paged attention kernel) | pcie (the paged attention kernel reads the pinned host pool in place over
+    # PCIe, its keys split over many programs) | auto (on CUDA whichever one layer measured fastest at
+    # start-up; else cpu). Streamed and PCIe decode steps launch eagerly (no graphs cut for host parts).
     kv_tier_decode: str = "auto"
     block_size: int = 16  # tokens per KV block
     chunk_size: int | None = None  # most prompt tokens one request reads per step; None: 2048 on CUDA, 512 on CPU
@@ -363,8 +364,8 @@ class EngineConfig:
             raise ValueError("kv_host_memory must be > 0 (GiB)")
         if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.cpu_moe):
             raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
-        if self.kv_tier_decode not in ("auto", "cpu", "stream"):
-            raise ValueError(f"kv_tier_decode must be auto, cpu or stream, not {self.kv_tier_decode!r}")
+        if self.kv_tier_decode not in ("auto", "cpu", "stream", "pcie"):
+            raise ValueError(f"kv_tier_decode must be auto, cpu, stream or pcie, not {self.kv_tier_decode!r}")
         if self.host_expert_decode not in ("auto", "cpu", "pcie"):
             raise ValueError(f"host_expert_decode must be auto, cpu or pcie, not {self.host_expert_decode!r}")
         if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4"):

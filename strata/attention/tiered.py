@@ -17,6 +17,10 @@ is unchanged), and names its host part with `set_host`. Each layer:
    attending the copy with the paged attention kernel, every row seeing all of it (`whole_context`),
    when the inner backend is the Triton one; otherwise in torch over key tiles whose scores stay within
    STREAM_SCORE_BYTES;
+   With `pcie_decode` (`--kv-tier-decode pcie`) decode-sized rows instead have the paged attention
+   kernel read the host part in place over PCIe (the pinned host pool is mapped into the GPU's address
+   space; the span's host block ids go up as its block table), its keys split over enough programs to
+   keep many reads in flight: no copy, no CPU work, no wait for the host;
 3. the two are merged by log-sum-exp, host part first (`merge`), a fixed order.
 On the CPU both ways run the same code with the "device" being the CPU. Nothing here allocates device
 memory per step beyond the torch reference's temporaries: the streaming buffers are made at start-up.
@@ -37,6 +41,7 @@ real positions: the same keys, values and arithmetic as without the tier, so the
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,6 +52,8 @@ from strata.kernels import attention as k_attn
 from strata.kernels.transfer import to_device
 from strata.kvcache.pool import Int8Pool, KVPool, make_pool, pool_tensors
 
+log = logging.getLogger("strata")
+
 # A streamed chunk's scores ([Hq, rows, keys] fp32) are computed over key tiles of at most this size.
 STREAM_SCORE_BYTES = 64 << 20
 # A host span read by the C kernel is split over threads in parts of at least this many keys: below it a
@@ -55,6 +62,9 @@ SPAN_PART_KEYS = 2048
 # A streamed host part whose blocks form at most this many runs of consecutive ids is copied run by run
 # straight from the (pinned) host pool; more scattered ones are gathered on the CPU first.
 MAX_STREAM_RUNS = 256
+# A host part read in place over PCIe is split into programs of about this many keys (up to the inner
+# backend's most splits): reads over PCIe take microseconds, so many must be in flight at once.
+PCIE_SPLIT_KEYS = 1024
 
 
 def block_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -143,8 +153,11 @@ class TieredAttention(AttentionBackend):
                          if self.cpu_kernels and not self.cpu_kernels.threaded_split and self.threads > 1 else None)
         self.span_bufs: tuple[torch.Tensor, ...] | None = None  # per part: o, lse, work; the merged o, lse
         self.decode_rows, self.num_layers = decode_rows, num_layers
-        # Decode-sized rows stream their host part too (`--kv-tier-decode stream`, or measured faster).
+        # Decode-sized rows stream their host part too (`--kv-tier-decode stream`), or have the kernel read
+        # it in place over PCIe (`pcie`); set by the runner, as asked or measured faster.
         self.stream_decode = False
+        self.pcie_decode = False
+        self.pcie_spans: list[int] = []  # indices into spans of those read over PCIe
         self.scale = 1.0 / host_pool.head_dim ** 0.5
         cuda = self.device.type == "cuda"
         bs = host_pool.block_size
@@ -161,6 +174,9 @@ class TieredAttention(AttentionBackend):
             self.stream_meta = torch.zeros_like(inner.meta)  # per streamed span: q_start 0, rows, host tokens
             self.stream_out = torch.zeros_like(inner.out)
             self.stream_lse = torch.zeros_like(inner.lse)
+            # Per span read over PCIe: its host block ids (the kernel's block table) and q_start 0, rows, tokens.
+            self.pcie_table = torch.zeros(inner.meta.shape[1], max_blocks, dtype=torch.int32, device=self.device)
+            self.pcie_meta = torch.zeros_like(inner.meta)
         self.runs: dict[int, list[tuple[int, int, int]]] = {}  # streamed span -> its blocks' runs (direct copies)
         # (first row, rows, host blocks, host tokens, sequence index, first position of the device part)
         self.spans: list[tuple[int, int, torch.Tensor, int, int, int]] = []
@@ -230,6 +246,16 @@ class TieredAttention(AttentionBackend):
             self.spans.append((r0, n, torch.tensor(blocks, dtype=torch.long), len(blocks) * bs, seq, start))
         self.streamed = [] if self.invariant else [i for i, s in enumerate(self.spans)
                                                     if s[1] > self.decode_rows or self.stream_decode]
+        self.pcie_spans = [] if self.invariant or not (self.pcie_decode and self.stream_kernel) else [
+            i for i in range(len(self.spans)) if i not in self.streamed]
+        if self.pcie_spans:
+            table = torch.zeros(len(self.pcie_spans), self.pcie_table.shape[1], dtype=torch.int32)
+            for j, i in enumerate(self.pcie_spans):
+                table[j, : len(spans[i][2])] = self.spans[i][2]
+            self.pcie_table[: len(table)].copy_(table)  # from pageable memory: done before the host moves on
+            rows = [self.spans[i][1] for i in self.pcie_spans]
+            tokens = [self.spans[i][3] for i in self.pcie_spans]
+            self.pcie_meta[:, : len(rows)].copy_(to_device([[0] * len(rows), rows, tokens], self.device, torch.int32))
         self.runs = {}
         for i in self.streamed:
             runs = block_runs(spans[i][2])
@@ -256,6 +282,8 @@ class TieredAttention(AttentionBackend):
         for i, (r0, n, blocks, tokens, _, _) in enumerate(self.spans):
             if n > self.decode_rows or self.stream_decode:
                 o_h, lse_h = self._streamed(layer, i, q[r0:r0 + n])
+            elif i in self.pcie_spans:
+                o_h, lse_h = self._over_pcie(layer, self.pcie_spans.index(i), q[r0:r0 + n], tokens)
             else:
                 o_h, lse_h = self._on_host(layer, q[r0:r0 + n], blocks, tokens)
             o[r0:r0 + n] = merge(o_h, lse_h, o[r0:r0 + n], lse[r0:r0 + n]).to(o.dtype)
@@ -277,11 +305,11 @@ class TieredAttention(AttentionBackend):
         k, v = self.host_pool.gather_blocks(layer, blocks[None], tokens, torch.float32)
         return attend_all(q, k[0], v[0], self.scale)
 
-    def decode_seconds(self, tokens: int, num_q_heads: int, repeats: int = 3) -> tuple[float, float]:
+    def decode_seconds(self, tokens: int, num_q_heads: int, repeats: int = 3) -> dict[str, float]:
         """Seconds of one layer's host part for a decode step's rows (`decode_rows` of `num_q_heads`) over
         `tokens` host tokens (the host pool's first blocks, zeroed: made at start-up, they hold nothing
-        yet): on the CPU, and streamed (copied up, the kernel). Best of `repeats`. For the CUDA kernel
-        path; leaves the backend without a step."""
+        yet), each way: "cpu", "stream" (copied up, the kernel) and "pcie" (the kernel reading the pool in
+        place). Best of `repeats`. For the CUDA kernel path; leaves the backend without a step."""
         bs, stage = self.host_pool.block_size, self.stages[0]
         nb = max(1, min(tokens // bs, stage.dev[0].shape[0], self.host_pool.num_blocks))
         for t in pool_tensors(self.host_pool):
@@ -296,12 +324,13 @@ class TieredAttention(AttentionBackend):
             for _ in range(repeats + 1):  # the first builds and warms
                 t0 = time.perf_counter()
                 fn()
+                torch.cuda.synchronize(self.device)
                 times.append(time.perf_counter() - t0)
             return min(times[1:])
 
-        cpu = best(lambda: self._rows_on_host(0, q_host, blocks, nb * bs))
-        was = self.stream_decode
-        self.stream_decode = True
+        out = {"cpu": best(lambda: self._rows_on_host(0, q_host, blocks, nb * bs))}
+        was = self.stream_decode, self.pcie_decode
+        self.stream_decode, self.pcie_decode = True, False
         self.set_host([(0, rows, list(range(nb)))])
 
         def streamed() -> None:
@@ -310,12 +339,17 @@ class TieredAttention(AttentionBackend):
             if stage.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(stage.event)
             self._streamed_kernel(stage, 0, q_dev)
-            torch.cuda.synchronize(self.device)
 
-        stream = best(streamed)
-        self.stream_decode = was
+        out["stream"] = best(streamed)
+        self.stream_decode, self.pcie_decode = False, True
+        self.set_host([(0, rows, list(range(nb)))])
+        try:
+            out["pcie"] = best(lambda: self._over_pcie(0, 0, q_dev, nb * bs))
+        except Exception as err:  # noqa: BLE001 - the kernel cannot take host pointers here: the other ways serve
+            log.info("the attention kernel cannot read the host KV pool in place here (%s)", str(err).splitlines()[0][:200])
+        self.stream_decode, self.pcie_decode = was
         self.set_host([])
-        return cpu, stream
+        return out
 
     # ---- graphs in pieces ----------------------------------------------------------------------------
     def reserve_graph_rows(self, rows: int, num_q_heads: int) -> None:
@@ -496,6 +530,24 @@ class TieredAttention(AttentionBackend):
         k_attn.paged_attention_triton(q, k, v, self.stream_table, meta[0], meta[1], meta[2], out,
                                       block_size=pool.block_size, max_q_len=n, scale=self.scale, k_scale=ks,
                                       v_scale=vs, lse=lse, whole_context=True)
+        return out, lse
+
+    def _over_pcie(self, layer: int, j: int, q: torch.Tensor, tokens: int):
+        """Rows q over the host part of the j-th span read over PCIe (`pcie_table`, `pcie_meta`), read in
+        place from the pinned host pool by the paged attention kernel: (o, lse) in buffers the next span
+        reuses."""
+        pool, n = self.host_pool, q.shape[0]
+        ks, vs = (pool.k_scale[layer], pool.v_scale[layer]) if isinstance(pool, Int8Pool) else (None, None)
+        fits = n <= self.stream_out.shape[0] and self.stream_out.dtype == q.dtype
+        out = self.stream_out[:n] if fits else torch.empty_like(q)
+        lse = self.stream_lse[:n] if fits else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        ws = self.inner.workspace
+        splits = max(1, min(ws.max_splits, -(-tokens // PCIE_SPLIT_KEYS))) if n <= ws.max_rows else 1
+        meta = self.pcie_meta[:, j : j + 1]
+        k_attn.paged_attention_triton(q, pool.k[layer], pool.v[layer], self.pcie_table[j : j + 1], meta[0], meta[1],
+                                      meta[2], out, block_size=pool.block_size, max_q_len=n, scale=self.scale,
+                                      k_scale=ks, v_scale=vs, lse=lse, whole_context=True, num_splits=splits,
+                                      workspace=ws if splits > 1 else None)
         return out, lse
 
     def _keys(self, stage: _Stage, lo: int, hi: int):

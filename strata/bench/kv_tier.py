@@ -107,7 +107,7 @@ def _arm(args, ids: list[int], **kw) -> dict:
     print(f"{arm} arm: read {len(ids)} tokens in {first - t0:.1f} s ({res['read_tok_s']:.0f} tok/s), "
           f"decode {res['decode_tok_s']:.2f} tok/s", flush=True)
     if tiered is not None:
-        res["decode_host_part"] = e.runner.tier_decode  # where decode rows attended it: cpu or stream
+        res["decode_host_part"] = e.runner.tier_decode  # where decode rows attended it: cpu, stream or pcie
         # The decode's time in the host part on the CPU (each step's wait for its rows included; 0 streamed).
         res["decode_host_attention_s_per_token"] = (tiered.host_seconds_total - host_at_first) / (args.decode - 1)
     if kw.get("kv_resident") is not None:
@@ -230,7 +230,7 @@ def add_parser(sub) -> None:
     p.add_argument("--chunk", type=int, default=None)
     p.add_argument("--kv-tier-graphs", action="store_true",
                    help="the engine's --kv-tier-graphs: decode steps with a host part replay graphs in pieces")
-    p.add_argument("--kv-tier-decode", default="auto", choices=["auto", "cpu", "stream"],
+    p.add_argument("--kv-tier-decode", default="auto", choices=["auto", "cpu", "stream", "pcie"],
                    help="the engine's --kv-tier-decode: where the tier arm's decode rows attend their host part")
     p.add_argument("--profile", action="store_true", help="print where each arm's decode spends its time (cProfile)")
     p.add_argument("--llamacpp", default=None, help="JSON of llama.cpp -nkvo figures on the same machine")

@@ -234,6 +234,7 @@ class LLMEngine:
                                       host_pool=self.host_pool, split=split_drafts)
             if self.runner.tiered:  # the MTP layer's decode rows take the target's way to their host part
                 self.drafter.attn.stream_decode = self.runner.attn.stream_decode
+                self.drafter.attn.pcie_decode = self.runner.attn.pcie_decode
         self.read_stage = None
         if self.concurrent.enabled:
             self.read_stage = ReadStage(self.runner, max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -78,7 +78,7 @@ class ModelRunner:
         `batch_invariant`: the attention backend computes each row alone. `host_pool`: the host KV tier's
         pool (`strata.attention.tiered`): requests' leading blocks may live there. `tier_graphs`: decode
         steps with a host part replay graphs cut at each attention layer (else they run eagerly).
-        `tier_decode`: where decode rows attend their host part (cpu, stream, or auto: measured here)."""
+        `tier_decode`: where decode rows attend their host part (cpu, stream, pcie, or auto: measured here)."""
         self.model, self.pool, self.device = model, pool, torch.device(device)
         self.max_model_len, self.max_seqs = max_model_len, max_seqs
         self.rows_per_seq = 1 + max_drafts  # a decode or verification chunk's most rows
@@ -112,9 +112,10 @@ class ModelRunner:
                                         max_host_tokens=max_model_len, num_layers=model.num_attention_layers,
                                         cpu_kernels=cpu_kernels())
             self.attn.states = states
-            self.attn.stream_decode = self._streams_decode(tier_decode)
-            self.tier_decode = "stream" if self.attn.stream_decode else "cpu"
-            self.tier_cuts = self.tier_cuts and not self.attn.stream_decode  # the pieces' host parts are the CPU's
+            self.tier_decode = self._tier_decode_way(tier_decode)
+            self.attn.stream_decode = self.tier_decode == "stream"
+            self.attn.pcie_decode = self.tier_decode == "pcie"
+            self.tier_cuts = self.tier_cuts and self.tier_decode == "cpu"  # the pieces' host parts are the CPU's
         # Host staging (pinned on CUDA) and device buffers, one of each, reused every step.
         self.h_ids = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
         self.h_pos = torch.zeros(t, dtype=torch.long, pin_memory=cuda)
@@ -305,17 +306,19 @@ class ModelRunner:
             slots = [ch.request.slot for ch in chunks] + [self.max_seqs] * (g.rows - rows)
             self.attn.states.set_spans([(i, 1, slot, False, False) for i, slot in enumerate(slots)])
 
-    def _streams_decode(self, choice: str) -> bool:
-        """Whether decode rows stream their host part: as asked, or (auto, on CUDA with the kernel path)
-        whichever way one layer's host part over TIER_PROBE_TOKENS tokens took less time just now."""
+    def _tier_decode_way(self, choice: str) -> str:
+        """Where decode rows attend their host part: as asked (pcie only where the inner backend is the
+        Triton one), or (auto, on CUDA with the kernel path) whichever way one layer's host
+        part over TIER_PROBE_TOKENS tokens took least time just now."""
         if choice != "auto":
-            return choice == "stream"
+            return "cpu" if choice == "pcie" and not self.attn.stream_kernel else choice
         if self.device.type != "cuda" or not self.attn.stream_kernel:
-            return False
-        cpu, stream = self.attn.decode_seconds(TIER_PROBE_TOKENS, self.model.config.num_attention_heads)
-        log.info("host KV decode rows: %s (one layer over %d host tokens: %.2f ms on the CPU, %.2f ms streamed)",
-                 "streamed" if stream < cpu else "on the CPU", TIER_PROBE_TOKENS, cpu * 1e3, stream * 1e3)
-        return stream < cpu
+            return "cpu"
+        times = self.attn.decode_seconds(TIER_PROBE_TOKENS, self.model.config.num_attention_heads)
+        way = min(times, key=times.get)
+        log.info("host KV decode rows: %s (one layer over %d host tokens: %s)", way, TIER_PROBE_TOKENS,
+                 ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()))
+        return way
 
     @torch.inference_mode()
     def capture_graphs(self) -> float:

@@ -96,22 +96,28 @@ def test_cuda_fp32_tier_identical(kv):
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_cuda_fp32_streamed_decode_rows_identical(kv):
-    """`--kv-tier-decode stream`: decode and verification rows attend their host part over a streamed
-    copy through the kernel, none on the CPU; the same tokens as without the tier."""
+@pytest.mark.parametrize("way", ["stream", "pcie"])
+def test_cuda_fp32_kernel_decode_rows_identical(kv, way):
+    """`--kv-tier-decode stream` / `pcie`: decode and verification rows attend their host part through
+    the kernel, over a streamed copy or read in place from the pinned host pool, none on the CPU; the
+    same tokens as without the tier."""
     ps = prompts()
     want, _ = run(ps, kv=kv, spec=2)
-    out, e = run(ps, kv=kv, spec=2, kv_resident=128, kv_tier_decode="stream")
+    out, e = run(ps, kv=kv, spec=2, kv_resident=128, kv_tier_decode=way)
     assert out == want
-    assert e.runner.attn.stream_decode and e.drafter.attn.stream_decode and e.runner.attn.host_rows_total > 0
-    assert e.runner.attn.host_seconds_total == 0 and not e.runner.tier_cuts
+    attn = e.runner.attn
+    assert e.runner.tier_decode == way and (attn.stream_decode, attn.pcie_decode) == (way == "stream", way == "pcie")
+    assert (e.drafter.attn.stream_decode, e.drafter.attn.pcie_decode) == (attn.stream_decode, attn.pcie_decode)
+    assert attn.host_rows_total > 0 and attn.host_seconds_total == 0 and not e.runner.tier_cuts
 
 
-def test_cuda_auto_times_both_ways_at_start_up(caplog):
+def test_cuda_auto_times_every_way_at_start_up(caplog):
     with caplog.at_level(logging.INFO, logger="strata"):
         out, e = run(prompts()[:1], kv_resident=128, kv_tier_decode="auto")
-    assert e.runner.tier_decode in ("cpu", "stream") and "host KV decode rows" in caplog.text
+    assert e.runner.tier_decode in ("cpu", "stream", "pcie") and "host KV decode rows" in caplog.text
+    assert "pcie" in caplog.text.split("host KV decode rows")[1].splitlines()[0]
     assert e.runner.attn.stream_decode == (e.runner.tier_decode == "stream")
+    assert e.runner.attn.pcie_decode == (e.runner.tier_decode == "pcie")
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])

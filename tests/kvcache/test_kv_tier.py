@@ -224,6 +224,30 @@ def test_batch_invariant_tiered_attention_is_bitwise_one_pool(backend, kind, tin
         tiered.set_host([sp[:3] for sp in spans])
 
 
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+@pytest.mark.parametrize("split_keys", [1024, 4], ids=["one-program", "split"])
+def test_decode_rows_read_their_host_part_in_place_with_the_kernel(kind, split_keys, tiny_tiles, monkeypatch):
+    """`pcie_decode`: the decode row's host part is read where it lies by the paged attention kernel (here
+    interpreted, the host pool in CPU memory), one program or its keys split over several; the 20-row
+    chunk still streams; the rows are those of one attention over everything, and nothing ran on the
+    CPU's side path."""
+    from strata.attention.triton_backend import TritonPagedAttention
+
+    monkeypatch.setattr(tiered_mod, "PCIE_SPLIT_KEYS", split_keys)
+    full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
+    want = _over_everything(full, full_layout, qkv)
+    inner = TritonPagedAttention(dev, num_q_heads=4, max_seqs=3, max_rows=64, max_split_rows=8, device="cpu",
+                                 dtype=torch.float32, max_context=64)
+    tiered = TieredAttention(inner, host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1)
+    tiered.pcie_decode = True
+    tiered.prepare(*tiered_layout)
+    tiered.set_host([sp[:3] for sp in spans])
+    assert tiered.pcie_spans == [0] and tiered.streamed == [1]
+    assert tiered.pcie_table[0, : len(spans[0][2])].tolist() == spans[0][2]
+    torch.testing.assert_close(tiered.attend(0, *qkv), want, rtol=1e-4, atol=1e-5)
+    assert tiered.host_seconds_total == 0
+
+
 def test_copier_moves_whole_blocks_of_every_layer():
     g = torch.Generator().manual_seed(3)
     for kind in ("auto", "int8"):
