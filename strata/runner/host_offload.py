@@ -99,7 +99,7 @@ def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -
     except Exception as err:  # noqa: BLE001 - the kernels cannot take host pointers here: the CPU serves
         log.info("the fused decode kernels cannot read experts in host memory here (%s)", str(err).splitlines()[0][:200])
         return None
-    ref = host._forward(x.float().cpu(), ids, w, None)
+    ref = host._forward(x.cpu() if host.fmt == "float" else x.float().cpu(), ids, w, None).float()
     return stacks if float((got - ref).norm()) <= 0.05 * float(ref.norm()) else None
 
 
