@@ -103,13 +103,14 @@ class Fp8Experts:
         return self.w[e].to(device).float() * self.scale[e].to(device).float()[:, None]
 
 
-def _planes(stack) -> tuple[torch.Tensor, ...]:
-    """The kernels' five plane pointers and grid table (unused slots repeat a plane)."""
+def _planes(stack, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The kernels' five plane pointers and grid table (unused slots repeat a plane); the tables on
+    `device`, where the kernels run."""
     if stack.ggml_type == "FP8":
         w = stack.w.view(stack.num_experts * stack.n, stack.k)
         scale = stack.scale.reshape(-1)
         return w, scale, w, w, w, scale
-    planes = _kernel_planes(stack)
+    planes = _kernel_planes(stack, device)
     if stack.ggml_type == "Q8_0":  # the qs plane again as int32 words, for the dp4a tiles
         return planes[0], planes[1], planes[0].view(torch.int32), *planes[3:]
     return planes
@@ -429,14 +430,14 @@ def _launch(x, topk_ids, topk_weights, w13, w2, act, out, cfg: QMoeDecodeConfig,
     on = use_pdl(x)
     if which != "down":
         _gate_up_kernel[(t * k, triton.cdiv(inter, cfg.gate_up_block_i))](
-            x, x.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1), *_planes(w13), act, h, inter, k,
+            x, x.stride(0), topk_ids, topk_ids.stride(0), topk_ids.stride(1), *_planes(w13, x.device), act, h, inter, k,
             BLOCK_I=cfg.gate_up_block_i, BLOCK_K=cfg.gate_up_block_k,
             ACC_K=_acc_k(fmt, cfg.gate_up_block_k, cfg.dp4a), NUM_STAGES=cfg.gate_up_stages,
             USE_LIBDEVICE=x.is_cuda, USE_PDL=on, launch_pdl=on, num_warps=cfg.gate_up_warps, **common)
     if which != "gate_up":
         _down_kernel[(t, triton.cdiv(h, cfg.down_block_h))](
             act, topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
-            topk_weights.stride(1), *_planes(w2), out, out.stride(0), h, inter, k,
+            topk_weights.stride(1), *_planes(w2, x.device), out, out.stride(0), h, inter, k,
             BLOCK_H=cfg.down_block_h, BLOCK_K=cfg.down_block_k, ACC_K=_acc_k(fmt, cfg.down_block_k, cfg.dp4a),
             NUM_STAGES=cfg.down_stages, USE_PDL=on, launch_pdl=on, num_warps=cfg.down_warps, **common)
 

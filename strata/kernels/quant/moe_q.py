@@ -53,6 +53,7 @@ from strata.kernels.quant.iq3_s_planes import grid_table, grid_table_words
 from strata.kernels.quant.iq4_xs import _dequant_tile as iq4xs_dequant_tile
 from strata.kernels.quant.iq4_xs import _low_columns as iq4xs_low_columns
 from strata.kernels.quant.iq4_xs import kernel_planes as iq4xs_kernel_planes
+from strata.kernels.quant.iq4_xs import kvalues_table as iq4xs_kvalues_table
 from strata.kernels.quant.iq4_xs import load_kvalues as iq4xs_load_kvalues
 from strata.kernels.quant.q3_k import _dequant_tile as q3k_dequant_tile
 from strata.kernels.quant.q3_k import kernel_planes as q3k_kernel_planes
@@ -350,9 +351,12 @@ def _grouped_kernel(x_ptr, x_stride, offs_ptr, out_ptr, out_stride, p0, p1, p2, 
 # Public ops
 
 
-def _kernel_planes(stack: QExpertStack) -> tuple[torch.Tensor, ...]:
-    """The kernel's five plane pointers and grid table (unused slots repeat the first plane)."""
+def _kernel_planes(stack: QExpertStack, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+    """The kernel's five plane pointers and grid table (unused slots repeat the first plane). The tables
+    (IQ3_S's grid, IQ4_XS's kvalues) are `device`'s, where the kernel runs (default: the stack's), so a
+    stack read in place from pinned host memory still finds them in the GPU's."""
     p = stack.flat_planes()
+    device = device or stack.device
     if stack.ggml_type == "Q8_0":
         return p["qs"], p["d"], p["qs"], p["qs"], p["qs"], p["qs"]
     if stack.ggml_type == "Q4_K":
@@ -360,15 +364,15 @@ def _kernel_planes(stack: QExpertStack) -> tuple[torch.Tensor, ...]:
     if stack.ggml_type == "Q6_K":
         return (*q6k_kernel_planes(p), p["d"], p["d"])
     if stack.ggml_type == "IQ4_XS":  # the kvalues table in the grid's slot
-        qs, scales, d, kvalues = iq4xs_kernel_planes(p)
-        return qs, scales, d, qs, qs, kvalues
+        qs, scales, d, _ = iq4xs_kernel_planes(p)
+        return qs, scales, d, qs, qs, iq4xs_kvalues_table(device)
     if stack.ggml_type == "Q3_K":
         return (*q3k_kernel_planes(p), p["d"], p["d"])
     if stack.ggml_type == "Q5_K":
         return (*q5k_kernel_planes(p), p["qs"], p["qs"])
     if stack.ggml_type == "Q4_0":
         return p["qs"], p["d"], p["qs"], p["qs"], p["qs"], p["qs"]
-    return p["qs"], p["signs"], p["qh"], p["scales"], p["d"], grid_table(stack.device)
+    return p["qs"], p["signs"], p["qh"], p["scales"], p["d"], grid_table(device)
 
 
 def _check_call(xs: torch.Tensor, stack: QExpertStack, offs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
