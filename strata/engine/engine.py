@@ -131,6 +131,7 @@ class LLMEngine:
         elif self.device.type == "cuda":
             # Its builder placed a model built before the engine; the cap bounds everything that follows.
             placement.cap_allocator(cfg, self.device)
+            placement.pin_exact_sizes()
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         if self.stages is not None:
             self.stages.install(self.model)

@@ -223,6 +223,25 @@ def gpu_budget(cfg: EngineConfig, device: torch.device, sharing: int = 1) -> int
     return free_share(device, cfg.gpu_memory_utilization, sharing)
 
 
+PINNED_ROUND_MB = 64  # pinned allocations larger than this take their exact size (`pin_exact_sizes`)
+
+
+def pin_exact_sizes() -> None:
+    """torch's pinned (page-locked) host allocator rounds each allocation up to a power of two: a 20 GiB
+    host KV pool would pin 32, an 80B-A3B layer's 0.69 GiB of experts 1. Allocations above
+    PINNED_ROUND_MB take their exact size instead, unless the allocator settings name the threshold
+    already (PYTORCH_ALLOC_CONF); a torch without the setting ignores it."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if get is None or put is None:
+        return
+    current = get()
+    if "pinned_max_round_threshold_mb" in current:
+        return
+    setting = f"pinned_max_round_threshold_mb:{PINNED_ROUND_MB}"
+    put(f"{current},{setting}" if current else setting)
+
+
 def cap_allocator(cfg: EngineConfig, device: torch.device) -> None:
     """With --gpu-memory, torch's caching allocator may hold at most the budget less CONTEXT_BYTES: a
     step that would go past it fails with an out-of-memory error instead of taking more of the card."""

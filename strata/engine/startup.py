@@ -51,6 +51,7 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
     plans, memory_plan, sizes = None, None, None
     if device.type == "cuda":
         placement.cap_allocator(cfg, device)
+        placement.pin_exact_sizes()  # before the load pins experts' and the KV tier's host memory
         budget = placement.gpu_budget(cfg, device, stages.plan.sharing if stages else 1)
         if stages is not None:  # every stage's own layers within its own budget
             ranges = stages.plan.ranges

@@ -213,3 +213,18 @@ def test_scratch_counts_the_dense_copy_an_int8_pool_reads_prompts_through():
     assert placement.scratch_bytes(dataclasses.replace(base, kv="int8"), mc) - placement.scratch_bytes(base, mc) == copy
     invariant = dataclasses.replace(base, kv="int8", batch_invariant=True)  # its kernels read the int8 blocks
     assert placement.scratch_bytes(invariant, mc) == placement.scratch_bytes(dataclasses.replace(base, batch_invariant=True), mc)
+
+
+def test_pinned_allocations_above_the_threshold_take_their_exact_size(monkeypatch):
+    """`pin_exact_sizes` adds the pinned allocator's rounding threshold to torch's allocator settings,
+    keeping what is there, and leaves a threshold the user set alone."""
+    from strata.engine import placement
+
+    settings = {"now": "expandable_segments:True"}
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings["now"], raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: settings.update(now=s), raising=False)
+    placement.pin_exact_sizes()
+    assert settings["now"] == f"expandable_segments:True,pinned_max_round_threshold_mb:{placement.PINNED_ROUND_MB}"
+    settings["now"] = "pinned_max_round_threshold_mb:4096"
+    placement.pin_exact_sizes()
+    assert settings["now"] == "pinned_max_round_threshold_mb:4096"
