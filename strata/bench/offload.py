@@ -26,8 +26,10 @@ from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
 from strata.kernels.device import release_unused_memory
+from strata.models.host_experts import host_step_seconds
 from strata.models.moe import MoE
 from strata.params import SamplingParams
+from strata.runner.host_offload import pcie_step_seconds, pcie_stacks_of
 
 
 def host_read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
@@ -115,6 +117,8 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     if sweep:
         row["crossover"] = crossover(engine, moes, sweep, seed)
     row["eager"] = decode_eager(engine, moes, decode_tokens, seed)
+    if moes:
+        row.update(layer_step_figures(moes, engine.model_config.num_experts_per_tok, cfg.torch_dtype, engine.device))
     row["peak_gpu_bytes"] = torch.cuda.max_memory_reserved()
     free, total = torch.cuda.mem_get_info()
     row["driver_used_bytes"] = total - free
@@ -136,6 +140,22 @@ def decode_figures(engine: LLMEngine, moes: list[MoE], decode_tokens: int, seed:
         out["cpu_expert_bytes_per_token"] = sum(m.host.bytes_read for m in moes) / (decode_tokens + 1)
         out["cpu_expert_read_gb_s"] = sum(m.host.bytes_read for m in moes) / cpu_s / 1e9
         out["cpu_expert_share_of_step"] = out["cpu_expert_s_per_token"] * out["decode_tok_s"]
+    return out
+
+
+def layer_step_figures(moes: list[MoE], k: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """One decode row through the largest layer's experts in RAM, each way `--host-expert-decode` can take
+    (as its start-up probe times them): on the CPU, and read over PCIe by the GPU's kernels where they
+    take the layer's pinned copy, with the rate of that read (the chosen experts' bytes in the GPU's
+    format over its time)."""
+    m = max(moes, key=lambda m: m.host.nbytes)
+    act = dtype if m.host.fmt == "float" else torch.float32
+    out = {"layer_step_cpu_ms": host_step_seconds(m.host, 1, k, act, repeats=4) * 1e3}
+    stacks = pcie_stacks_of(m, k, dtype, device)
+    if stacks is not None:
+        seconds = pcie_step_seconds(m.host, stacks, k, dtype, device)
+        out["layer_step_pcie_ms"] = seconds * 1e3
+        out["pcie_read_gb_s"] = k * m.host.stream.nbytes / m.host.num_experts / seconds / 1e9
     return out
 
 
@@ -183,6 +203,7 @@ def write(args, rows: list[dict], failures: list[dict], peer: dict, bandwidth: f
         "cpu_expert_bandwidth_fraction": max((r for r in rows if r.get("cpu_expert_bandwidth_fraction")),
                                              key=lambda r: r["decode_tok_s"], default={}).get("cpu_expert_bandwidth_fraction"),
         "host_decode": best.get("host_decode"),
+        "pcie_read_gb_s": max((r["pcie_read_gb_s"] for r in rows if "pcie_read_gb_s" in r), default=None),
         "stream_min_tokens": best.get("stream_min_tokens"),
         "host_read_bandwidth_gb_s": bandwidth / 1e9,
     }
@@ -199,6 +220,7 @@ def write(args, rows: list[dict], failures: list[dict], peer: dict, bandwidth: f
                                  ("read tok/s", "read_tok_s", ".0f"),
                                  ("CPU expert GB/s", "cpu_expert_read_gb_s", ".1f"),
                                  ("of host BW", "cpu_expert_bandwidth_fraction", ".2f"),
+                                 ("layer CPU ms", "layer_step_cpu_ms", ".3f"), ("layer PCIe ms", "layer_step_pcie_ms", ".3f"),
                                  ("peak GPU GiB", "peak_gpu_gib", ".2f")],
                                 [{**r, "peak_gpu_gib": r["peak_gpu_bytes"] / 2**30} for r in rows]
                                 + ([{"host_experts": "llama.cpp", **{k: v for k, v in peer.items() if k != "runs"}}]

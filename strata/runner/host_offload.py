@@ -114,13 +114,18 @@ def pcie_step_seconds(host, stacks: tuple, k: int, dtype: torch.dtype, device: t
     for r in range(repeats + 1):  # the first builds and warms the kernels
         at = (r * k) % max(host.num_experts - k + 1, 1)
         ids = order[at : at + k].view(1, k).to(device)
-        torch.cuda.synchronize(device)
+        _sync(device)
         t0 = time.perf_counter()
         pcie_decode(x, ids, w, *stacks)
-        torch.cuda.synchronize(device)
+        _sync(device)
         if r:
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def warm_compiled_steps(moes: list[MoE], k: int) -> None:

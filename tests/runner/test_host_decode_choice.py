@@ -101,3 +101,12 @@ def test_a_layer_given_the_stacks_runs_decode_steps_through_them_and_not_its_cpu
     read = logits()
     assert all(m.host.seconds == 0.0 for m in moes)
     assert float((read - on_cpu).norm()) <= 0.05 * float(on_cpu.norm())
+
+
+def test_the_offload_bench_times_a_layers_step_each_way():
+    from strata.bench.offload import layer_step_figures
+
+    layers = [_layer("Q8_0", "int8"), _layer("Q8_0", "int8", stream=False)]
+    figures = layer_step_figures(layers, K, torch.bfloat16, torch.device("cpu"))
+    assert figures["layer_step_cpu_ms"] > 0 and figures["layer_step_pcie_ms"] > 0 and figures["pcie_read_gb_s"] > 0
+    assert set(layer_step_figures(layers[1:], K, torch.bfloat16, torch.device("cpu"))) == {"layer_step_cpu_ms"}
