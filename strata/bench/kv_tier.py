@@ -108,6 +108,8 @@ def _arm(args, ids: list[int], **kw) -> dict:
           f"decode {res['decode_tok_s']:.2f} tok/s", flush=True)
     if tiered is not None:
         res["decode_host_part"] = e.runner.tier_decode  # where decode rows attended it: cpu, stream or pcie
+        # auto's start-up probe: one layer's host part over TIER_PROBE_TOKENS tokens, each way
+        res["decode_host_part_probe_ms"] = {k: v * 1e3 for k, v in e.runner.tier_decode_seconds.items()}
         # The decode's time in the host part on the CPU (each step's wait for its rows included; 0 streamed).
         res["decode_host_attention_s_per_token"] = (tiered.host_seconds_total - host_at_first) / (args.decode - 1)
     if kw.get("kv_resident") is not None:

@@ -100,6 +100,7 @@ class ModelRunner:
         # (A batch-invariant tier assembles each tiered sequence whole, eagerly.)
         self.tier_cuts = self.tiered and tier_graphs and not batch_invariant
         self.tier_decode = "cpu"  # where decode rows read a host part: resolved below when tiered
+        self.tier_decode_seconds: dict[str, float] = {}  # auto's start-up probe: one layer's host part each way
         self.attn_device = self.attn  # the backend of the device's own kernels
         if self.tiered:
             # The inner backend also gives each row's log-sum-exp (`attend_lse`): the Triton kernels' (the
@@ -314,7 +315,8 @@ class ModelRunner:
             return "cpu" if choice == "pcie" and not self.attn.stream_kernel else choice
         if self.device.type != "cuda" or not self.attn.stream_kernel:
             return "cpu"
-        times = self.attn.decode_seconds(TIER_PROBE_TOKENS, self.model.config.num_attention_heads)
+        times = self.tier_decode_seconds = self.attn.decode_seconds(TIER_PROBE_TOKENS,
+                                                                    self.model.config.num_attention_heads)
         way = min(times, key=times.get)
         log.info("host KV decode rows: %s (one layer over %d host tokens: %s)", way, TIER_PROBE_TOKENS,
                  ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()))
