@@ -234,6 +234,7 @@ wait_next_gguf() {  # llama.cpp built (unless NO_PEER) and the 80B file written 
           --out $R/kv_tier_qwen3-next-80b-a3b-iq3_s-16g-262k_cuda.json ;;
       host-probe) step host-probe 200 python3 .probe/host_probe.py ;;
       host-span) step host-span 200 bash -c "python3 benchmarks/kernels/host_span_attention.py | tee $R/host_span_attention_cuda.txt" ;;
+      pcie-reads) step pcie-reads 200 bash -c "python3 benchmarks/kernels/pcie_reads.py | tee $R/pcie_reads_cuda.txt" ;;
       host-int4) step host-int4 300 bash -c "python3 benchmarks/kernels/host_int4_compiled.py | tee $R/host_int4_compiled_cuda.txt" ;;
       profile1) step profile1 120 python3 scripts/profile_step.py --batch 1 ;;
       *) echo "unknown step $s" ;;
