@@ -250,7 +250,7 @@ class EngineConfig:
     # over the threads) | stream (each layer's host blocks copied to the GPU, as prompt chunks do, and the
     # paged attention kernel) | pcie (the paged attention kernel reads the pinned host pool in place over
     # PCIe, its keys split over many programs) | auto (on CUDA whichever one layer measured fastest at
-    # start-up; else cpu). Streamed and PCIe decode steps launch eagerly (no graphs cut for host parts).
+    # start-up; else cpu). Streamed decode steps launch eagerly; PCIe ones replay graphs of their own.
     kv_tier_decode: str = "auto"
     block_size: int = 16  # tokens per KV block
     chunk_size: int | None = None  # most prompt tokens one request reads per step; None: 2048 on CUDA, 512 on CPU

@@ -177,6 +177,10 @@ class TieredAttention(AttentionBackend):
             # Per span read over PCIe: its host block ids (the kernel's block table) and q_start 0, rows, tokens.
             self.pcie_table = torch.zeros(inner.meta.shape[1], max_blocks, dtype=torch.int32, device=self.device)
             self.pcie_meta = torch.zeros_like(inner.meta)
+            # One split count for every step (the kernel gives a shorter host part fewer): graphs keep it.
+            self.pcie_splits = max(1, min(inner.workspace.max_splits, -(-max_host_tokens // PCIE_SPLIT_KEYS)))
+        # Set by the runner while it captures the graphs of steps with a host part read over PCIe.
+        self.capture_pcie = False
         self.runs: dict[int, list[tuple[int, int, int]]] = {}  # streamed span -> its blocks' runs (direct copies)
         # (first row, rows, host blocks, host tokens, sequence index, first position of the device part)
         self.spans: list[tuple[int, int, torch.Tensor, int, int, int]] = []
@@ -249,13 +253,17 @@ class TieredAttention(AttentionBackend):
         self.pcie_spans = [] if self.invariant or not (self.pcie_decode and self.stream_kernel) else [
             i for i in range(len(self.spans)) if i not in self.streamed]
         if self.pcie_spans:
+            # Entry j: the j-th span's rows (from its first row in the step), its host tokens and blocks; the
+            # entries after the last are empty, so one launch over every entry serves any step (and graphs).
             table = torch.zeros(len(self.pcie_spans), self.pcie_table.shape[1], dtype=torch.int32)
+            meta = torch.zeros(self.pcie_meta.shape, dtype=torch.int32)
             for j, i in enumerate(self.pcie_spans):
-                table[j, : len(spans[i][2])] = self.spans[i][2]
+                r0, n, blocks, tokens = self.spans[i][:4]
+                table[j, : len(blocks)] = blocks
+                meta[:, j] = torch.tensor([r0, n, tokens])
+                self.host_rows_total += n * self.num_layers
             self.pcie_table[: len(table)].copy_(table)  # from pageable memory: done before the host moves on
-            rows = [self.spans[i][1] for i in self.pcie_spans]
-            tokens = [self.spans[i][3] for i in self.pcie_spans]
-            self.pcie_meta[:, : len(rows)].copy_(to_device([[0] * len(rows), rows, tokens], self.device, torch.int32))
+            self.pcie_meta.copy_(meta)
         self.runs = {}
         for i in self.streamed:
             runs = block_runs(spans[i][2])
@@ -274,20 +282,23 @@ class TieredAttention(AttentionBackend):
     def attend(self, layer, q, k, v):
         if self.graph_cut is not None and self.graph_cut.capturing:
             return self._attend_cut(layer, q, k, v)
-        if not self.spans:
+        if not self.spans and not self.capture_pcie:
             return self.inner.attend(layer, q, k, v)
         if self.invariant:
             return self._attend_whole(layer, q, k, v)
         o, lse = self.inner.attend_lse(layer, q, k, v)
         for i, (r0, n, blocks, tokens, _, _) in enumerate(self.spans):
+            if i in self.pcie_spans:
+                continue  # all of them below, in one launch
             if n > self.decode_rows or self.stream_decode:
                 o_h, lse_h = self._streamed(layer, i, q[r0:r0 + n])
-            elif i in self.pcie_spans:
-                o_h, lse_h = self._over_pcie(layer, self.pcie_spans.index(i), q[r0:r0 + n], tokens)
             else:
                 o_h, lse_h = self._on_host(layer, q[r0:r0 + n], blocks, tokens)
             o[r0:r0 + n] = merge(o_h, lse_h, o[r0:r0 + n], lse[r0:r0 + n]).to(o.dtype)
             self.host_rows_total += n
+        if self.pcie_spans or self.capture_pcie:
+            o_h, lse_h = self._over_pcie(layer, q)
+            o = merge(o_h, lse_h, o, lse).to(o.dtype)  # rows of no PCIe span have lse -inf: unchanged
         return o
 
     def _on_host(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, tokens: int):
@@ -344,7 +355,7 @@ class TieredAttention(AttentionBackend):
         self.stream_decode, self.pcie_decode = False, True
         self.set_host([(0, rows, list(range(nb)))])
         try:
-            out["pcie"] = best(lambda: self._over_pcie(0, 0, q_dev, nb * bs))
+            out["pcie"] = best(lambda: self._over_pcie(0, q_dev))
         except Exception as err:  # noqa: BLE001 - the kernel cannot take host pointers here: the other ways serve
             log.info("the attention kernel cannot read the host KV pool in place here (%s)", str(err).splitlines()[0][:200])
         self.stream_decode, self.pcie_decode = was
@@ -532,23 +543,26 @@ class TieredAttention(AttentionBackend):
                                       v_scale=vs, lse=lse, whole_context=True)
         return out, lse
 
-    def _over_pcie(self, layer: int, j: int, q: torch.Tensor, tokens: int):
-        """Rows q over the host part of the j-th span read over PCIe (`pcie_table`, `pcie_meta`), read in
-        place from the pinned host pool by the paged attention kernel: (o, lse) in buffers the next span
-        reuses."""
-        pool, n = self.host_pool, q.shape[0]
+    def _over_pcie(self, layer: int, q: torch.Tensor):
+        """Every row of the step q over its span's host part read in place over PCIe, one launch over the
+        entries `set_host` wrote (`pcie_table`, `pcie_meta`; rows of no such span get o 0, lse -inf): the
+        paged attention kernel reading the pinned host pool, its keys split `pcie_splits` ways. (o, lse) in
+        buffers the next layer reuses; no host state is read, so graphs capture it."""
+        pool, t = self.host_pool, q.shape[0]
         ks, vs = (pool.k_scale[layer], pool.v_scale[layer]) if isinstance(pool, Int8Pool) else (None, None)
-        fits = n <= self.stream_out.shape[0] and self.stream_out.dtype == q.dtype
-        out = self.stream_out[:n] if fits else torch.empty_like(q)
-        lse = self.stream_lse[:n] if fits else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if t <= self.stream_out.shape[0] and self.stream_out.dtype == q.dtype:
+            o_h, lse_h = self.stream_out[:t], self.stream_lse[:t]
+        else:  # rows of another dtype (the start-up probe's fp32)
+            o_h, lse_h = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        o_h.zero_()
+        lse_h.fill_(float("-inf"))
         ws = self.inner.workspace
-        splits = max(1, min(ws.max_splits, -(-tokens // PCIE_SPLIT_KEYS))) if n <= ws.max_rows else 1
-        meta = self.pcie_meta[:, j : j + 1]
-        k_attn.paged_attention_triton(q, pool.k[layer], pool.v[layer], self.pcie_table[j : j + 1], meta[0], meta[1],
-                                      meta[2], out, block_size=pool.block_size, max_q_len=n, scale=self.scale,
-                                      k_scale=ks, v_scale=vs, lse=lse, whole_context=True, num_splits=splits,
+        splits = self.pcie_splits if t <= ws.max_rows else 1
+        k_attn.paged_attention_triton(q, pool.k[layer], pool.v[layer], self.pcie_table, *self.pcie_meta, o_h,
+                                      block_size=pool.block_size, max_q_len=self.decode_rows, scale=self.scale,
+                                      k_scale=ks, v_scale=vs, lse=lse_h, whole_context=True, num_splits=splits,
                                       workspace=ws if splits > 1 else None)
-        return out, lse
+        return o_h, lse_h
 
     def _keys(self, stage: _Stage, lo: int, hi: int):
         """Keys and values lo..hi of the staged host part (dequantized for int8)."""

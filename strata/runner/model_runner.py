@@ -280,7 +280,7 @@ class ModelRunner:
         if not graphs or len(chunks) > self.max_seqs:
             return None
         if self.tiered and self.attn.has_host:
-            graphs = self.tier_graphs  # its layers' host parts go through the CPU: graphs in pieces
+            graphs = self.tier_graphs  # cut for the CPU's host parts, or reading them over PCIe
             if not graphs:
                 return None
         for ch in chunks:
@@ -354,11 +354,17 @@ class ModelRunner:
                 self.attn.reserve_graph_rows(buckets[0] * q if buckets else 0, self.model.config.num_attention_heads)
                 self.attn.graph_cut = cutter = cutter or GraphCutter(pool, stream)
                 self.tier_graphs = self._capture_buckets(buckets, pool, stream, cutter)
+            elif self.tier_decode == "pcie" and not self.attn.invariant:
+                # The host part read over PCIe reads only device-side state (`set_host` fills it before a
+                # replay): steps with one replay graphs of their own, with no cut for it.
+                self.attn.capture_pcie = True
+                self.tier_graphs = self._capture_buckets(buckets, pool, stream, cutter)
         finally:
             for m in hosts:
                 m.graph_cut = None
             if self.tiered:
                 self.attn.graph_cut = None
+                self.attn.capture_pcie = False
         # A prompt chunk's graphs are left out with experts in RAM: such chunks may stream them.
         prompt = self.prompt_graphs.capture(pool, stream) if self.pipeline is None and not hosts else 0
         torch.cuda.synchronize(self.device)
@@ -366,8 +372,9 @@ class ModelRunner:
             self.pipeline.capturing = False
         took = time.perf_counter() - t0
         pieces = sum(len(g.graph.pieces) for g in self.graphs.values() if isinstance(g.graph, GraphPieces))
-        tier = f"; {len(self.tier_graphs)} more cut at each attention layer for steps with a host KV part" \
-            if self.tier_graphs else ""
+        tier = "" if not self.tier_graphs else (
+            f"; {len(self.tier_graphs)} more cut at each attention layer for steps with a host KV part" if self.tier_cuts
+            else f"; {len(self.tier_graphs)} more for steps with a host KV part read over PCIe")
         log.info("captured %d CUDA graphs (up to %d sequences x %d rows; %d for one prompt chunk of up to %d "
                  "tokens%s%s) in %.1fs", len(buckets) + prompt, max(buckets, default=0), q, prompt,
                  self.prompt_graphs.max_rows, f"; {pieces} pieces around the CPU's experts" if pieces else "", tier,

@@ -43,11 +43,20 @@ HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 
+def _free_port() -> int:
+    """A port no server holds now: each run its own, so no earlier test's server, still closing, answers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run(tmp_path, *flags, once=()):
     fake = tmp_path / "fake_server.py"
     fake.write_text(FAKE)
     out, dump = tmp_path / "out.json", tmp_path / "dump.json"
-    cmd = [sys.executable, str(SCRIPT), "--tokens", "300", "--decode", "5", "--port", "18391", "--out", str(out),
+    cmd = [sys.executable, str(SCRIPT), "--tokens", "300", "--decode", "5", "--port", str(_free_port()), "--out", str(out),
            "--log", str(tmp_path / "server.log"), "--start-timeout", "60", *once, "--", sys.executable, str(fake),
            "--dump", str(dump), *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120), out, dump

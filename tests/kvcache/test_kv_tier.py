@@ -226,11 +226,13 @@ def test_batch_invariant_tiered_attention_is_bitwise_one_pool(backend, kind, tin
 
 @pytest.mark.parametrize("kind", ["auto", "int8"])
 @pytest.mark.parametrize("split_keys", [1024, 4], ids=["one-program", "split"])
-def test_decode_rows_read_their_host_part_in_place_with_the_kernel(kind, split_keys, tiny_tiles, monkeypatch):
-    """`pcie_decode`: the decode row's host part is read where it lies by the paged attention kernel (here
-    interpreted, the host pool in CPU memory), one program or its keys split over several; the 20-row
-    chunk still streams; the rows are those of one attention over everything, and nothing ran on the
-    CPU's side path."""
+@pytest.mark.parametrize("decode_rows", [1, 20], ids=["chunk-streamed", "both-in-place"])
+def test_decode_rows_read_their_host_part_in_place_with_the_kernel(kind, split_keys, decode_rows, tiny_tiles,
+                                                                   monkeypatch):
+    """`pcie_decode`: decode rows' host parts are read where they lie by the paged attention kernel (here
+    interpreted, the host pool in CPU memory), in one launch over every such span, one program each or
+    their keys split over several; a 20-row chunk beyond `decode_rows` still streams; the rows are those
+    of one attention over everything, and nothing ran on the CPU's side path."""
     from strata.attention.triton_backend import TritonPagedAttention
 
     monkeypatch.setattr(tiered_mod, "PCIE_SPLIT_KEYS", split_keys)
@@ -238,12 +240,15 @@ def test_decode_rows_read_their_host_part_in_place_with_the_kernel(kind, split_k
     want = _over_everything(full, full_layout, qkv)
     inner = TritonPagedAttention(dev, num_q_heads=4, max_seqs=3, max_rows=64, max_split_rows=8, device="cpu",
                                  dtype=torch.float32, max_context=64)
-    tiered = TieredAttention(inner, host, device="cpu", decode_rows=1, max_host_tokens=64, num_layers=1)
+    tiered = TieredAttention(inner, host, device="cpu", decode_rows=decode_rows, max_host_tokens=64, num_layers=1)
     tiered.pcie_decode = True
     tiered.prepare(*tiered_layout)
     tiered.set_host([sp[:3] for sp in spans])
-    assert tiered.pcie_spans == [0] and tiered.streamed == [1]
-    assert tiered.pcie_table[0, : len(spans[0][2])].tolist() == spans[0][2]
+    assert (tiered.pcie_spans, tiered.streamed) == (([0], [1]) if decode_rows == 1 else ([0, 1], []))
+    for j, i in enumerate(tiered.pcie_spans):
+        assert tiered.pcie_table[j, : len(spans[i][2])].tolist() == spans[i][2]
+        assert tiered.pcie_meta[:, j].tolist() == [spans[i][0], spans[i][1], len(spans[i][2]) * 4]
+    assert tiered.pcie_meta[1, len(tiered.pcie_spans):].eq(0).all()
     torch.testing.assert_close(tiered.attend(0, *qkv), want, rtol=1e-4, atol=1e-5)
     assert tiered.host_seconds_total == 0
 
