@@ -53,7 +53,7 @@ def prompts(e_or_none=None):
 @pytest.fixture
 def replays(monkeypatch):
     """Counts decode-graph replays: "plain" ones, and "cut" ones (steps with a host part, which must
-    replay the graphs cut at each attention layer)."""
+    replay the tier's family: cut at each attention layer, or reading the host part over PCIe)."""
     from strata.runner.model_runner import ModelRunner
 
     n = {"plain": 0, "cut": 0}
@@ -97,14 +97,15 @@ def test_cuda_fp32_tier_identical(kv):
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 @pytest.mark.parametrize("way", ["stream", "pcie"])
-def test_cuda_fp32_kernel_decode_rows_identical(kv, way):
+def test_cuda_fp32_kernel_decode_rows_identical(kv, way, replays):
     """`--kv-tier-decode stream` / `pcie`: decode and verification rows attend their host part through
     the kernel, over a streamed copy or read in place from the pinned host pool, none on the CPU; the
-    same tokens as without the tier."""
+    same tokens as without the tier. PCIe steps replay graphs of their own; streamed ones run eagerly."""
     ps = prompts()
     want, _ = run(ps, kv=kv, spec=2)
     out, e = run(ps, kv=kv, spec=2, kv_resident=128, kv_tier_decode=way)
     assert out == want
+    assert (replays["cut"] > 0) == (way == "pcie") and bool(e.runner.tier_graphs) == (way == "pcie")
     attn = e.runner.attn
     assert e.runner.tier_decode == way and (attn.stream_decode, attn.pcie_decode) == (way == "stream", way == "pcie")
     assert (e.drafter.attn.stream_decode, e.drafter.attn.pcie_decode) == (attn.stream_decode, attn.pcie_decode)
