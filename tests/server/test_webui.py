@@ -234,8 +234,9 @@ def test_stop_ends_a_long_generation_and_frees_the_slot(servers, driver):
     fill(driver, "max_tokens", str(CTX - 800))  # room for the first exchange (600 tokens at most), sent again
     fill(driver, "seed", "")
     # The reply is sampled with a fresh seed: now and then the small model ends it (EOS) before the
-    # click lands. Such a reply shows "done", not "stopped"; then ask again, at most twice more.
-    for retries in range(3):
+    # click lands (more often on a loaded machine). Such a reply shows "done", not "stopped"; then ask
+    # again, at most four more times.
+    for retries in range(5):
         send_message(driver, "Tell me a long story.")
         wait_for(lambda: len(page_state(driver)["text"]) > 20 or page_state(driver)["status"] == "done",
                  "the long reply to start")
@@ -253,7 +254,7 @@ def test_stop_ends_a_long_generation_and_frees_the_slot(servers, driver):
             break
         wait_for(lambda: all_idle(driver), "every slot to be idle again")
         driver.find_element("id", "new-chat").click()  # the next try's history fits max_tokens as the first's
-    assert page_state(driver)["status"] == "stopped", "three sampled replies ended before the stop"
+    assert page_state(driver)["status"] == "stopped", "five sampled replies ended before the stop"
     stopped_at = page_state(driver)["text"]
     wait_for(lambda: all_idle(driver), "the server to free the slot")
     generated = []
