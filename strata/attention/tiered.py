@@ -174,7 +174,8 @@ class TieredAttention(AttentionBackend):
             self.stream_meta = torch.zeros_like(inner.meta)  # per streamed span: q_start 0, rows, host tokens
             self.stream_out = torch.zeros_like(inner.out)
             self.stream_lse = torch.zeros_like(inner.lse)
-            # Per span read over PCIe: its host block ids (the kernel's block table) and q_start 0, rows, tokens.
+            # Per span read over PCIe (`set_host`): its host block ids (the kernel's block table) and its first
+            # row in the step, rows, host tokens.
             self.pcie_table = torch.zeros(inner.meta.shape[1], max_blocks, dtype=torch.int32, device=self.device)
             self.pcie_meta = torch.zeros_like(inner.meta)
             # One split count for every step (the kernel gives a shorter host part fewer): graphs keep it.
@@ -339,6 +340,7 @@ class TieredAttention(AttentionBackend):
                 times.append(time.perf_counter() - t0)
             return min(times[1:])
 
+        rows_total = self.host_rows_total  # the probe's spans are no step's: its count is undone below
         out = {"cpu": best(lambda: self._rows_on_host(0, q_host, blocks, nb * bs))}
         was = self.stream_decode, self.pcie_decode
         self.stream_decode, self.pcie_decode = True, False
@@ -360,6 +362,7 @@ class TieredAttention(AttentionBackend):
             log.info("the attention kernel cannot read the host KV pool in place here (%s)", str(err).splitlines()[0][:200])
         self.stream_decode, self.pcie_decode = was
         self.set_host([])
+        self.host_rows_total = rows_total
         return out
 
     # ---- graphs in pieces ----------------------------------------------------------------------------
