@@ -40,7 +40,7 @@ from strata.bench.results import print_tables, save, summary_table
 from strata.kernels.quant import WRITTEN, QWeight, format_module
 from strata.loaders import default_model_path, load_model
 from strata.attention import CausalBatch
-from strata.models.moe import Router
+from strata.models.moe import MoE, Router
 from strata.models.quantize import qweights_of, quantize_fp8
 
 
@@ -136,8 +136,6 @@ def _host_copy(loaded, fmt: str) -> tuple[nn.Module, int, int]:
     """The model loaded again with every MoE layer's routed experts in host RAM as `fmt` (`F@token`: each
     layer's experts called a token at a time): (model, the expert parameters held in that format, the
     linear parameters left as loaded)."""
-    from strata.models.moe import MoE
-
     fmt, _, calls = fmt.partition("@")
     if calls not in ("", "token"):
         raise SystemExit(f"host:{fmt}@{calls}: the only way of calling is @token")
@@ -158,8 +156,6 @@ def _host_copy(loaded, fmt: str) -> tuple[nn.Module, int, int]:
 def _experts_in_ram(model: nn.Module, fmt: str) -> tuple[int, int]:
     """Every MoE layer's routed experts of `model` moved, in place, to host RAM in the CPU format `fmt`:
     (the expert parameters held in it, the linear parameters left as they were)."""
-    from strata.models.moe import MoE
-
     total = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Router)))
     done = 0
     for m in model.modules():
