@@ -42,8 +42,8 @@ from strata.kvcache.allocator import BlockAllocator
 from strata.kvcache.pool import kv_bytes_per_token, make_pool
 from strata.kvcache.tier import tier_tokens
 from strata.engine import placement
-from strata.engine.startup import (StartupClock, grammar_compiler, hybrid_limits, kv_capacity_tokens, load_placed,
-                                   tier_limits)
+from strata.engine.startup import (StartupClock, grammar_compiler, host_limits, hybrid_limits, kv_capacity_tokens,
+                                   load_placed, tier_limits)
 from strata.dist.draft import StageDrafter
 from strata.dist.launch import join as join_stages
 from strata.loaders import LoadedModel
@@ -125,8 +125,7 @@ class LLMEngine:
         dtype = cfg.torch_dtype
         self.memory_plan: Plan | None = None
         if loaded is None:
-            loaded, cfg, self.memory_plan = load_placed(cfg, self.device, dtype, progress, self.stages)
-            self.cfg = cfg
+            loaded, self.memory_plan = load_placed(cfg, self.device, dtype, progress, self.stages)
             clock.mark("load")
         elif self.device.type == "cuda":
             # Its builder placed a model built before the engine; the cap bounds everything that follows.
@@ -144,6 +143,7 @@ class LLMEngine:
         self.host_staging, self.expert_streamer = set_up_host_experts(self.model, mc, cfg, self.device)
         if self.host_staging is not None:
             clock.mark("host experts' staging and stream threshold")
+        cfg = self.cfg = host_limits(cfg, self.model, self.device, self.stages is not None)
         check_batch_invariant(cfg, mc, self.device, self.model)
         self.model.set_batch_invariant(cfg.batch_invariant)
         if mc.is_hybrid:

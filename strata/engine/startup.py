@@ -19,6 +19,7 @@ from strata.grammar import GrammarCompiler
 from strata.kvcache.state_pool import StatePool
 from strata.loaders import LoadedModel, default_model_path, load_model, move_experts_to_ram, read_model
 from strata.memory_plan import ModelSizes, Plan, PlanError, beyond_estimate
+from strata.models.moe import MoE
 from strata.speculative.drafter import MTPDrafter
 
 log = logging.getLogger("strata")
@@ -39,11 +40,10 @@ class StartupClock:
 
 
 def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, progress: bool, stages: Link | None
-                ) -> tuple[LoadedModel, EngineConfig, Plan | None]:
+                ) -> tuple[LoadedModel, Plan | None]:
     """Start-up's first steps: read the checkpoint's index, decide where its parts go (on CUDA the
-    memory plan, printed; elsewhere --cpu-moe / --n-cpu-moe), then load them there. Returns the model,
-    the config as placing it left it (graphs and async scheduling around experts in RAM) and the plan
-    (rank 0's, with pipeline stages; None off CUDA)."""
+    memory plan, printed; elsewhere --cpu-moe / --n-cpu-moe), then load them there. Returns the model
+    and the plan (rank 0's, with pipeline stages; None off CUDA)."""
     path = cfg.model or default_model_path()
     ckpt, mc = read_model(path)
     host = placement.flagged_host_layers(cfg, mc)
@@ -73,8 +73,7 @@ def load_placed(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, pro
                         checkpoint=ckpt, layers=stages.plan.layers if stages is not None else None)
     if sizes is not None:
         memory_plan = refit_after_load(cfg, mc, ckpt, loaded, dtype, sizes, memory_plan, held, device)
-        host = list(memory_plan.cpu_moe_layers)
-    return loaded, host_limits(cfg, host or (), device, stages is not None), memory_plan
+    return loaded, memory_plan
 
 
 def plan_one_device(cfg: EngineConfig, mc: ModelConfig, ckpt, dtype: torch.dtype, budget: int) -> tuple[Plan, ModelSizes]:
@@ -120,17 +119,23 @@ def refit_after_load(cfg: EngineConfig, mc: ModelConfig, ckpt, loaded: LoadedMod
     return refit
 
 
-def host_limits(cfg: EngineConfig, host: list[int] | tuple[int, ...], device: torch.device, staged: bool) -> EngineConfig:
-    """What a CUDA run with MoE layers whose experts the CPU computes runs without: the host waits for each
-    such layer's router, so no step is queued ahead, and a step's graph is captured in pieces around them
-    (`strata.runner.graph_pieces`, --host-expert-graphs) or not at all."""
-    if not host or device.type != "cuda" or not (cfg.cuda_graph or cfg.async_scheduling):
+def host_limits(cfg: EngineConfig, model: torch.nn.Module, device: torch.device, staged: bool) -> EngineConfig:
+    """What a CUDA run of a model with MoE layers whose experts are in RAM (set up) runs without. Where the
+    CPU computes a decode step's experts, the host waits for each such layer's router, so no step is
+    queued ahead (async scheduling off) and a step's graph is captured in pieces around them
+    (`strata.runner.graph_pieces`, --host-expert-graphs) or not at all. Where the GPU reads them over
+    PCIe (`--host-expert-decode`), decode steps never wait for the host: async scheduling stays (a step
+    of more rows than those kernels take still waits, in its turn)."""
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.host is not None]
+    if not moes or device.type != "cuda" or not (cfg.cuda_graph or cfg.async_scheduling):
         return cfg
     graphs = cfg.cuda_graph and cfg.host_expert_graphs and not staged
-    log.info("%s: %d MoE layers compute their routed experts on the CPU",
-             "async scheduling off, CUDA graphs in pieces around them" if graphs
-             else "CUDA graphs and async scheduling off", len(host))
-    return dataclasses.replace(cfg, cuda_graph=graphs, async_scheduling=False)
+    pcie = all(m.pcie_stacks is not None for m in moes)
+    async_ = bool(cfg.async_scheduling) and pcie
+    log.info("%d MoE layers with their routed experts in RAM: %s, %s", len(moes),
+             "async scheduling on (decode steps read them over PCIe)" if async_ else "async scheduling off",
+             "CUDA graphs in pieces around the CPU's part" if graphs else "CUDA graphs off")
+    return dataclasses.replace(cfg, cuda_graph=graphs, async_scheduling=async_)
 
 
 def tier_limits(cfg: EngineConfig) -> EngineConfig:

@@ -176,3 +176,16 @@ def test_auto_times_the_cpu_and_the_pcie_reads_at_start_up(caplog):
     assert "a decode row through one layer's experts in RAM" in caplog.text
     chose = all(m.pcie_stacks is not None for m in _host_moes(e))
     assert chose or not any(m.pcie_stacks is not None for m in _host_moes(e))
+
+
+def test_decode_read_over_pcie_keeps_async_scheduling_and_its_tokens():
+    """No decode step waits for the host when the GPU reads the experts over PCIe, so steps are queued
+    ahead as without experts in RAM: the same tokens as the same engine stepping in lockstep."""
+    from strata.kernels.moe_decode import MAX_TOKENS
+
+    kw = dict(cpu_moe=True, host_experts="float", host_expert_decode="pcie", expert_stream_tokens=MAX_TOKENS + 1)
+    ahead, e = _bf16_greedy(**kw)
+    assert e.cfg.async_scheduling and e.pipelined and all(m.pcie_stacks is not None for m in _host_moes(e))
+    lockstep, e = _bf16_greedy(async_scheduling=False, **kw)
+    assert not e.pipelined
+    assert ahead == lockstep
