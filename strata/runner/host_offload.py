@@ -56,6 +56,8 @@ def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, de
     which the GPU's fused decode kernels read in place, when every layer has them, the kernels serve a
     one-token step over them and give what the CPU's copy gives, and (auto) one layer's step measured
     faster that way than on the CPU; else "cpu"."""
+    for m in moes:  # a model set up before (a benchmark's next engine) starts from the CPU again
+        m.pcie_stacks = None
     if way == "cpu":
         return "cpu"
     stacks = [pcie_stacks_of(m, k, dtype, device) for m in moes]

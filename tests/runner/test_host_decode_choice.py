@@ -60,6 +60,9 @@ def test_a_layer_without_the_pinned_copy_keeps_the_cpu(caplog):
     assert layers[0].pcie_stacks is None
     assert choose_host_decode(layers[:1], "pcie", K, torch.bfloat16, torch.device("cpu")) == "pcie"
     assert layers[0].pcie_stacks is not None
+    # Set up again (the same model under a new engine): the CPU asked for, the stacks are dropped.
+    assert choose_host_decode(layers[:1], "cpu", K, torch.bfloat16, torch.device("cpu")) == "cpu"
+    assert layers[0].pcie_stacks is None
 
 
 def test_a_layer_given_the_stacks_runs_decode_steps_through_them_and_not_its_cpu_copy(tmp_path):
