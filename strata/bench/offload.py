@@ -2,7 +2,8 @@
 or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
 read, for each CPU format of the experts asked for (`F+graphs`: decode steps replaying CUDA graph pieces,
 `--host-expert-graphs`; `F+cpu`, `F+pcie`: `--host-expert-decode`, else its auto, each row saying which
-way decode ran; the same engine's decode is also timed with its graphs off), beside llama.cpp's
+way decode ran; consecutive arms of one format share one load, the later ones' engines built on the
+first's model; the same engine's decode is also timed with its graphs off), beside llama.cpp's
 figures on the same file
 (`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
 CPU expert computation reached during decode, and the peak GPU memory against the cap.
@@ -26,6 +27,7 @@ from strata.config import EngineConfig
 from strata.engine.engine import LLMEngine
 from strata.engine.types import EngineRequest
 from strata.kernels.device import release_unused_memory
+from strata.loaders import LoadedModel
 from strata.models.host_experts import host_step_seconds
 from strata.models.moe import MoE
 from strata.params import SamplingParams
@@ -91,10 +93,13 @@ def crossover(engine: LLMEngine, moes: list[MoE], sizes: list[int], seed: int) -
     return rows
 
 
-def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, sweep: list[int] = ()) -> dict:
+def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, sweep: list[int] = (),
+            loaded: LoadedModel | None = None) -> tuple[dict, LoadedModel]:
+    """One arm's row, and the model as it loaded, for a next arm of the same format (`loaded`: this arm's
+    engine starts from it instead of the file, with no memory plan of its own)."""
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg, progress=False)
+    engine = LLMEngine(cfg, progress=False, loaded=loaded)
     load_s = time.perf_counter() - t0
     vocab = engine.model_config.vocab_size
     moes = _host_moes(engine)
@@ -122,9 +127,12 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     row["peak_gpu_bytes"] = torch.cuda.max_memory_reserved()
     free, total = torch.cuda.mem_get_info()
     row["driver_used_bytes"] = total - free
+    kept = loaded or LoadedModel(engine.model, engine.model_config, engine.tokenizer, cfg.model, bool(cfg.spec))
+    for m in moes:  # this engine's buffers go with it; the next engine sets the layers up again
+        m.host_staging = m.streamer = m.pcie_stacks = m.graph_cut = None
     del engine, moes
     release_unused_memory()
-    return row
+    return row, kept
 
 
 def decode_figures(engine: LLMEngine, moes: list[MoE], decode_tokens: int, seed: int) -> dict:
@@ -248,14 +256,19 @@ def run(args) -> int:
                         expert_stream_tokens=args.expert_stream_tokens)
     rows, failures = [], []
     peer = llamacpp_figures([args.llamacpp, *args.llamacpp_more], args.read) if args.llamacpp else {}
+    kept: tuple[str, LoadedModel] | None = None  # the last arm's format and model: arms of one format load once
     for label in args.formats:
         fmt, *adds = label.split("+")
         if not set(adds) <= {"graphs", "cpu", "pcie"} or {"cpu", "pcie"} <= set(adds):
             raise SystemExit(f"--formats {label}: a format's additions are +graphs and one of +cpu, +pcie")
         way = "pcie" if "pcie" in adds else "cpu" if "cpu" in adds else "auto"
         cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs="graphs" in adds, host_expert_decode=way)
+        loaded = kept[1] if kept is not None and kept[0] == fmt else None
+        kept = None  # a model of another format leaves memory before the next loads
         try:
-            row = {**measure(cfg, args.read, args.tokens, args.seed, args.crossover), "host_experts": label}
+            row, model = measure(cfg, args.read, args.tokens, args.seed, args.crossover, loaded)
+            row["host_experts"], row["reused_load"] = label, loaded is not None
+            kept = (fmt, model)
         except Exception as e:  # noqa: BLE001 - one arm's failure is its row; the other arms still run
             failures.append({"host_experts": label, "error": f"{type(e).__name__}: {e}"[:2000]})
             traceback.print_exc()
@@ -268,8 +281,8 @@ def run(args) -> int:
         rows.append(row)
         eager = row.pop("eager")
         if eager is not None:  # the same engine's decode without its graphs: a row of its own
-            kept = {k: v for k, v in row.items() if k != "crossover" and not k.startswith(("decode", "cpu_expert"))}
-            rows.append({**kept, **eager, "host_experts": fmt, "same_engine_as": label})
+            same = {k: v for k, v in row.items() if k != "crossover" and not k.startswith(("decode", "cpu_expert"))}
+            rows.append({**same, **eager, "host_experts": fmt, "same_engine_as": label})
         for r in rows:
             if "cpu_expert_read_gb_s" in r:
                 r["cpu_expert_bandwidth_fraction"] = r["cpu_expert_read_gb_s"] * 1e9 / bandwidth

@@ -43,3 +43,33 @@ def test_a_failed_request_fails_the_arm_instead_of_timing_a_fast_read():
 
     with pytest.raises(RuntimeError, match="out of memory"):
         _generate(Failing(), (1, 2, 3), 1)
+
+
+def test_arms_of_one_format_load_the_model_once(monkeypatch):
+    """`--formats F+cpu,F+pcie,G`: the second arm's engine starts from the first's model, G loads its own
+    (the first format's model let go before it loads), and an arm after a failed one loads afresh."""
+    import argparse
+
+    import torch
+
+    import strata.bench.offload as offload
+
+    calls = []
+
+    def measure(cfg, read, tokens, seed, sweep, loaded):
+        calls.append((cfg.host_experts, cfg.host_expert_decode, loaded))
+        if cfg.host_experts == "w8a8":
+            raise RuntimeError("this arm fails")
+        return {"eager": None}, f"model of {cfg.host_experts} #{len(calls)}"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(offload, "host_read_bandwidth", lambda: 1e11)
+    monkeypatch.setattr(offload, "measure", measure)
+    monkeypatch.setattr(offload, "write", lambda *a, **kw: None)
+    p = argparse.ArgumentParser()
+    offload._add_args(p)
+    args = p.parse_args(["--model", "m.gguf", "--formats",
+                         "int8+graphs+cpu,int8+graphs+pcie,int4,w8a8,int4+pcie,int4+cpu"])
+    assert offload.run(args) == 0
+    assert calls == [("int8", "cpu", None), ("int8", "pcie", "model of int8 #1"), ("int4", "auto", None),
+                     ("w8a8", "auto", None), ("int4", "pcie", None), ("int4", "cpu", "model of int4 #5")]
