@@ -160,10 +160,13 @@ def test_bf16_tokens_identical_with_the_experts_read_over_pcie_and_on_the_gpu():
 
 
 def test_decode_read_over_pcie_replays_one_graph_a_step_and_allocates_nothing_new():
+    from strata.kernels.moe_decode import MAX_TOKENS
     from strata.runner.graph_pieces import GraphPieces
 
+    # The stream threshold given: measured, it is 1 on the embedded model (its layer copies up faster than
+    # any step computes), every step streams, and no step is captured.
     e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, cpu_moe=True, host_experts="float",
-                               host_expert_decode="pcie"), progress=False)
+                               host_expert_decode="pcie", expert_stream_tokens=MAX_TOKENS + 1), progress=False)
     assert e.runner.graphs and not any(isinstance(g.graph, GraphPieces) for g in e.runner.graphs.values())
     assert _decoding_grows_the_reserve_by(e) == 0
 
