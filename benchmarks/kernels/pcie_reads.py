@@ -5,6 +5,8 @@
 - experts: one decode row through an 80B-A3B layer's routed experts (512 experts of IQ3_S, 10 chosen,
   `strata.kernels.quant.moe_decode_q`), the stacks in the GPU's memory and in a pinned host region
   (`StreamStack`, as the experts kept in RAM are), fresh experts for each repeat;
+- experts, configurations: the same row from pinned memory with more or fewer rows a program (more
+  reads in flight a program, fewer programs) than the default's, each checked against the default's sum;
 - attention: one decode row of the 8B shape (32 query heads, 8 KV heads of 128) over 114,688 tokens of an
   int8 pool, whole-context with the keys split as the KV tier's PCIe way splits them, the pool in the
   GPU's memory and pinned in the host's.
@@ -16,6 +18,7 @@ Prints milliseconds and bytes read per second for each. Needs CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -23,7 +26,7 @@ import torch
 from strata.attention import tiered
 from strata.kernels import attention as k_attn
 from strata.kernels.quant import random_blocks
-from strata.kernels.quant.moe_decode_q import moe_decode_q_triton
+from strata.kernels.quant.moe_decode_q import decode_config, moe_decode_q_triton
 from strata.kernels.quant.moe_q import QExpertStack
 from strata.kvcache.pool import make_pool
 from strata.models.host_experts import StreamStack
@@ -63,6 +66,22 @@ def experts(e: int = 512, hidden: int = 2048, inter: int = 512, k: int = 10) -> 
         s = best_of(lambda r: moe_decode_q_triton(x, order[r * k:(r + 1) * k].view(1, k), w, *stacks))
         print(f"80B-A3B layer, one row, IQ3_S experts in {name}: {s * 1e3:.3f} ms, {chosen / s / 1e9:.1f} GB/s of "
               f"chosen experts ({chosen / 1e6:.1f} MB)", flush=True)
+    default = decode_config("IQ3_S", hidden, inter)
+    ids = order[:k].view(1, k)
+    ref = moe_decode_q_triton(x, ids, w, *in_ram).float()
+    for rows_i, rows_h, warps in ((4, 2, 4), (16, 8, 4), (32, 16, 4), (16, 8, 8), (64, 32, 8)):
+        cfg = dataclasses.replace(default, gate_up_block_i=rows_i, down_block_h=rows_h, gate_up_warps=warps,
+                                  down_warps=warps)
+        try:
+            got = moe_decode_q_triton(x, ids, w, *in_ram, config=cfg).float()
+            s = best_of(lambda r: moe_decode_q_triton(x, order[r * k:(r + 1) * k].view(1, k), w, *in_ram, config=cfg))
+        except Exception as err:  # noqa: BLE001 - a tile shape this device cannot build: the next one
+            print(f"  gate_up {rows_i} rows, down {rows_h} rows, {warps} warps: {type(err).__name__}: {str(err)[:120]}",
+                  flush=True)
+            continue
+        err = float((got - ref).norm() / ref.norm())
+        print(f"  pinned, gate_up {rows_i} rows, down {rows_h} rows, {warps} warps: {s * 1e3:.3f} ms, "
+              f"{chosen / s / 1e9:.1f} GB/s (relative difference from the default's sum {err:.1e})", flush=True)
 
 
 def attention(tokens: int = 114688, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16) -> None:
@@ -86,6 +105,15 @@ def attention(tokens: int = 114688, hq: int = 32, hkv: int = 8, d: int = 128, bs
         read = tokens * hkv * (2 * d + 8)
         print(f"8B layer, one row over {tokens} int8 tokens in {name} ({splits} splits): {s * 1e3:.2f} ms, "
               f"{read / s / 1e9:.1f} GB/s", flush=True)
+        if pin:  # the split count the PCIe way takes (keys a program) against more and fewer
+            for keys in (512, 2048, 4096):
+                n = max(1, min(128, -(-tokens // keys)))
+                more = k_attn.SplitWorkspace(1, hq, d, n, "cuda")
+                s = best_of(lambda r: k_attn.paged_attention_triton(
+                    q, pool.k[0], pool.v[0], table, *meta, out, block_size=bs, max_q_len=1, scale=d ** -0.5,
+                    k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], lse=lse, whole_context=True, num_splits=n,
+                    workspace=more))
+                print(f"  pinned, {n} splits: {s * 1e3:.2f} ms, {read / s / 1e9:.1f} GB/s", flush=True)
         del pool
 
 
