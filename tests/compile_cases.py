@@ -132,10 +132,12 @@ QMOE_PLANES = {"Q8_0": ("*i8", "*fp16", "*i8", "*i8", "*i8", "*i8"), "Q4_K": ("*
                "FP8": ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32")}
 
 
-def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4a: bool | None = None):
+def qmoe_decode(fmt: str, kernel: str, hidden: int = 2048, inter: int = 768, dp4a: bool | None = None,
+                pcie: bool = False):
     """strata.kernels.quant.moe_decode_q at the Qwen3-30B-A3B shape, `decode_config`'s configuration
-    (`dp4a` overrides its choice of Q8_0 tiles, 128 values a step without it)."""
-    cfg = moe_decode_q.decode_config(fmt, hidden, inter)
+    (`dp4a` overrides its choice of Q8_0 tiles, 128 values a step without it; `pcie`: the last of
+    `pcie_configs`, the tiles the start-up probe may choose for reads over PCIe)."""
+    cfg = moe_decode_q.pcie_configs(fmt, hidden, inter)[-1] if pcie else moe_decode_q.decode_config(fmt, hidden, inter)
     if dp4a is not None:
         cfg = dataclasses.replace(cfg, dp4a=dp4a, gate_up_block_k=256 if dp4a else 128, down_block_k=256 if dp4a else 128)
     dp4a = cfg.dp4a
@@ -475,6 +477,9 @@ DECODE = {
        for kernel in ("gate_up", "down")},
     **{f"qmoe_{kernel}_IQ3_S_dp4a": (lambda kernel=kernel: qmoe_decode("IQ3_S", kernel, dp4a=True))
        for kernel in ("gate_up", "down")},
+    # The 80B-A3B's experts read over PCIe (H 2048, I 512), K steps of two super-blocks.
+    **{f"qmoe_pcie_{kernel}_IQ3_S": (lambda kernel=kernel: qmoe_decode("IQ3_S", kernel, 2048, 512, pcie=True))
+       for kernel in ("gate_up", "down")},
 }
 # Decode kernels the sm_90 cases did not cover: the dequantizing GEMVs (auto above DP4A_MAX_ROWS rows),
 # the K/V store, Qwen3-Next's conv and delta steps, a grammar's token mask.
@@ -528,6 +533,7 @@ CONSUMER = [
     "attention_verify_h128", "attention_verify_h256",
     "router_e512", "moe_gate_up_30b", "moe_down_30b", "shared_expert_add", "shared_expert_append",
     *(f"qmoe_{kernel}_{fmt}" for fmt in ("Q8_0", "Q4_K", "IQ3_S", "Q6_K", "FP8") for kernel in ("gate_up", "down")),
+    "qmoe_pcie_gate_up_IQ3_S", "qmoe_pcie_down_IQ3_S",
     "fp8_rows_quantize", "fp8_rows_silu_mul_quantize",
     "rms_norm_add", "qk_norm_rope",
     "kv_store", "kv_store_int8", "conv_decode", "gated_delta_decode", "token_mask",

@@ -5,8 +5,9 @@
 - experts: one decode row through an 80B-A3B layer's routed experts (512 experts of IQ3_S, 10 chosen,
   `strata.kernels.quant.moe_decode_q`), the stacks in the GPU's memory and in a pinned host region
   (`StreamStack`, as the experts kept in RAM are), fresh experts for each repeat;
-- experts, configurations: the same row from pinned memory with more or fewer rows a program (more
-  reads in flight a program, fewer programs) than the default's, each checked against the default's sum;
+- experts, configurations: the same row from pinned memory with K steps of one super-block (the
+  default) and of two (`pcie_configs`, longer runs of each row's bytes), each with more or fewer rows a
+  program than the default's, each checked against the default's sum;
 - attention: one decode row of the 8B shape (32 query heads, 8 KV heads of 128) over 114,688 tokens of an
   int8 pool, whole-context with the keys split as the KV tier's PCIe way splits them, the pool in the
   GPU's memory and pinned in the host's.
@@ -26,7 +27,7 @@ import torch
 from strata.attention import tiered
 from strata.kernels import attention as k_attn
 from strata.kernels.quant import random_blocks
-from strata.kernels.quant.moe_decode_q import decode_config, moe_decode_q_triton
+from strata.kernels.quant.moe_decode_q import decode_config, moe_decode_q_triton, pcie_configs
 from strata.kernels.quant.moe_q import QExpertStack
 from strata.kvcache.pool import make_pool
 from strata.models.host_experts import StreamStack
@@ -67,21 +68,29 @@ def experts(e: int = 512, hidden: int = 2048, inter: int = 512, k: int = 10) -> 
         print(f"80B-A3B layer, one row, IQ3_S experts in {name}: {s * 1e3:.3f} ms, {chosen / s / 1e9:.1f} GB/s of "
               f"chosen experts ({chosen / 1e6:.1f} MB)", flush=True)
     default = decode_config("IQ3_S", hidden, inter)
+    ref = moe_decode_q_triton(x, order[:k].view(1, k), w, *in_ram).float()
+    longer = pcie_configs("IQ3_S", hidden, inter)[-1]
+    for base in (default, longer):
+        for rows_i, rows_h, warps in ((base.gate_up_block_i, base.down_block_h, base.gate_up_warps), (4, 2, 4),
+                                      (16, 8, 4), (32, 16, 4), (16, 8, 8)):
+            sweep_one(dataclasses.replace(base, gate_up_block_i=rows_i, down_block_h=rows_h, gate_up_warps=warps,
+                                          down_warps=warps), x, w, order, k, in_ram, ref, chosen)
+
+
+def sweep_one(cfg, x, w, order, k, in_ram, ref, chosen) -> None:
+    """One tile configuration over the pinned stacks: its time and its sum's distance from `ref`."""
+    rows_i, rows_h, warps, k_i = cfg.gate_up_block_i, cfg.down_block_h, cfg.gate_up_warps, cfg.gate_up_block_k
     ids = order[:k].view(1, k)
-    ref = moe_decode_q_triton(x, ids, w, *in_ram).float()
-    for rows_i, rows_h, warps in ((4, 2, 4), (16, 8, 4), (32, 16, 4), (16, 8, 8), (64, 32, 8)):
-        cfg = dataclasses.replace(default, gate_up_block_i=rows_i, down_block_h=rows_h, gate_up_warps=warps,
-                                  down_warps=warps)
-        try:
-            got = moe_decode_q_triton(x, ids, w, *in_ram, config=cfg).float()
-            s = best_of(lambda r: moe_decode_q_triton(x, order[r * k:(r + 1) * k].view(1, k), w, *in_ram, config=cfg))
-        except Exception as err:  # noqa: BLE001 - a tile shape this device cannot build: the next one
-            print(f"  gate_up {rows_i} rows, down {rows_h} rows, {warps} warps: {type(err).__name__}: {str(err)[:120]}",
-                  flush=True)
-            continue
-        err = float((got - ref).norm() / ref.norm())
-        print(f"  pinned, gate_up {rows_i} rows, down {rows_h} rows, {warps} warps: {s * 1e3:.3f} ms, "
-              f"{chosen / s / 1e9:.1f} GB/s (relative difference from the default's sum {err:.1e})", flush=True)
+    try:
+        got = moe_decode_q_triton(x, ids, w, *in_ram, config=cfg).float()
+        s = best_of(lambda r: moe_decode_q_triton(x, order[r * k:(r + 1) * k].view(1, k), w, *in_ram, config=cfg))
+    except Exception as err:  # noqa: BLE001 - a tile shape this device cannot build: the next one
+        print(f"  K steps of {k_i}, gate_up {rows_i} rows, down {rows_h} rows, {warps} warps: {type(err).__name__}: "
+              f"{str(err)[:120]}", flush=True)
+        return
+    err = float((got - ref).norm() / ref.norm())
+    print(f"  pinned, K steps of {k_i}, gate_up {rows_i} rows, down {rows_h} rows, {warps} warps: {s * 1e3:.3f} ms, "
+          f"{chosen / s / 1e9:.1f} GB/s (relative difference from the default's sum {err:.1e})", flush=True)
 
 
 def attention(tokens: int = 114688, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16) -> None:

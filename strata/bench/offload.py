@@ -31,7 +31,7 @@ from strata.loaders import LoadedModel
 from strata.models.host_experts import host_step_seconds
 from strata.models.moe import MoE
 from strata.params import SamplingParams
-from strata.runner.host_offload import pcie_step_seconds, pcie_stacks_of
+from strata.runner.host_offload import fastest_pcie_config, pcie_stacks_of
 
 
 def host_read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
@@ -161,8 +161,9 @@ def layer_step_figures(moes: list[MoE], k: int, dtype: torch.dtype, device: torc
     out = {"layer_step_cpu_ms": host_step_seconds(m.host, 1, k, act, repeats=4) * 1e3}
     stacks = pcie_stacks_of(m, k, dtype, device)
     if stacks is not None:
-        seconds = pcie_step_seconds(m.host, stacks, k, dtype, device)
+        config, seconds = fastest_pcie_config(m.host, stacks, k, dtype, device)
         out["layer_step_pcie_ms"] = seconds * 1e3
+        out["pcie_block_k"] = config.gate_up_block_k if config is not None else None  # None: the default tiles
         out["pcie_read_gb_s"] = k * m.host.stream.nbytes / m.host.num_experts / seconds / 1e9
     return out
 

@@ -167,11 +167,12 @@ def pcie_serves(x: torch.Tensor, top_k: int, w13, w2) -> bool:
     return moe_decode_q.serves(x, top_k, w13, w2)
 
 
-def pcie_decode(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13, w2) -> torch.Tensor:
-    """The chosen experts' weighted sum by the fused decode kernels over (w13, w2) (`pcie_serves`)."""
+def pcie_decode(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13, w2, config=None) -> torch.Tensor:
+    """The chosen experts' weighted sum by the fused decode kernels over (w13, w2) (`pcie_serves`);
+    `config`: the quantized kernels' tiles (`moe_decode_q.pcie_configs`), else their default."""
     if isinstance(w13, torch.Tensor):
         return k_moe.moe_experts_decode_triton(x, ids, w, w13, w2)
-    return moe_decode_q.moe_decode_q_triton(x, ids, w, w13, w2)
+    return moe_decode_q.moe_decode_q_triton(x, ids, w, w13, w2, config=config)
 
 
 class MoE(nn.Module):
@@ -231,8 +232,10 @@ class MoE(nn.Module):
         self.streamer: ExpertStreamer | None = None
         self.stream_min_tokens = 0
         # `--host-expert-decode pcie`: the pinned stacks kept for streaming (w13, w2: `QExpertStack`s or
-        # tensors), which the GPU's fused decode kernels read in place over PCIe for decode-sized steps.
+        # tensors), which the GPU's fused decode kernels read in place over PCIe for decode-sized steps,
+        # with the quantized kernels' tile configuration the start-up probe chose (None: their default).
         self.pcie_stacks: tuple | None = None
+        self.pcie_config = None
         # Set by the runner while it captures CUDA graphs of steps with experts in RAM: an object with
         # `capturing` and `cut(host_part)` (`strata.runner.graph_pieces.GraphCutter`).
         self.graph_cut = None
@@ -363,7 +366,7 @@ class MoE(nn.Module):
                 self.streamer.release(slot)
         elif (self.pcie_stacks is not None and not self.batch_invariant
               and pcie_serves(x, ids.shape[1], *self.pcie_stacks)):
-            out = pcie_decode(x, ids, w, *self.pcie_stacks)
+            out = pcie_decode(x, ids, w, *self.pcie_stacks, config=self.pcie_config)
         elif x.device.type == "cpu":
             out = self.host.forward(x, ids, w).to(x.dtype)
         elif self.host_staging is not None and x.shape[0] <= self.host_staging.tokens:

@@ -12,6 +12,7 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.models.host_experts import COMPILED, ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
+from strata.kernels.quant import moe_decode_q
 from strata.models.moe import MoE, grouped_mm_works, pcie_decode, pcie_serves
 
 log = logging.getLogger("strata")
@@ -55,19 +56,22 @@ def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, de
     """`--host-expert-decode`: "pcie" hands each layer the pinned stacks kept for streaming (`pcie_stacks`),
     which the GPU's fused decode kernels read in place, when every layer has them, the kernels serve a
     one-token step over them and give what the CPU's copy gives, and (auto) one layer's step measured
-    faster that way than on the CPU; else "cpu"."""
+    faster that way than on the CPU; else "cpu". With "pcie" the quantized kernels' tiles are the
+    fastest of `fastest_pcie_config`'s (`MoE.pcie_config`)."""
     for m in moes:  # a model set up before (a benchmark's next engine) starts from the CPU again
-        m.pcie_stacks = None
+        m.pcie_stacks = m.pcie_config = None
     if way == "cpu":
         return "cpu"
     stacks = [pcie_stacks_of(m, k, dtype, device) for m in moes]
     why = ("a layer without a pinned copy in the GPU's format, or one the fused decode kernels do not take "
            "from host memory" if any(s is None for s in stacks) else "")
     largest = max(range(len(moes)), key=lambda i: moes[i].host.nbytes)
+    config = None
+    if not why:
+        config, pcie = fastest_pcie_config(moes[largest].host, stacks[largest], k, dtype, device)
     if not why and way == "auto":
         act = dtype if moes[largest].host.fmt == "float" else torch.float32
         cpu = host_step_seconds(moes[largest].host, 1, k, act)
-        pcie = pcie_step_seconds(moes[largest].host, stacks[largest], k, dtype, device)
         log.info("a decode row through one layer's experts in RAM: %.3f ms on the CPU, %.3f ms read by the "
                  "GPU over PCIe", cpu * 1e3, pcie * 1e3)
         if pcie >= cpu:
@@ -78,8 +82,10 @@ def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, de
         return "cpu"
     for m, st in zip(moes, stacks):
         m.pcie_stacks = st
+        m.pcie_config = config if _shape_of(st) == _shape_of(stacks[largest]) else None
     log.info("decode steps of up to 16 tokens read the chosen experts of %d MoE layers from host RAM in the "
-             "GPU's kernels (no wait for the host; one CUDA graph a step)", len(moes))
+             "GPU's kernels (no wait for the host; one CUDA graph a step%s)", len(moes),
+             f"; K steps of {config.gate_up_block_k} values" if config is not None else "")
     return "pcie"
 
 
@@ -105,9 +111,49 @@ def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -
     return stacks if float((got - ref).norm()) <= 0.05 * float(ref.norm()) else None
 
 
-def pcie_step_seconds(host, stacks: tuple, k: int, dtype: torch.dtype, device: torch.device, repeats: int = 4) -> float:
+def _shape_of(stacks: tuple) -> tuple | None:
+    """What a quantized kernel configuration depends on: (format, H, I); None for float stacks."""
+    w13, w2 = stacks
+    return None if isinstance(w13, torch.Tensor) else (w13.ggml_type, w13.k, w2.k)
+
+
+def fastest_pcie_config(host, stacks: tuple, k: int, dtype: torch.dtype, device: torch.device):
+    """(config, seconds): among the quantized kernels' tile configurations for reads over PCIe
+    (`moe_decode_q.pcie_configs`; None for float stacks, or the default), the one a decode row through
+    `stacks` takes least time with, of those whose sum is within 1% of the default's (a tile shape the
+    device miscompiles is left out)."""
+    shape = _shape_of(stacks)
+    configs = moe_decode_q.pcie_configs(*shape) if shape is not None else [None]
+    if len(configs) == 1:
+        return None, pcie_step_seconds(host, stacks, k, dtype, device)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, host.gate_up.k, generator=g).to(device, dtype)
+    ids = torch.rand(2, host.num_experts, generator=g).argsort(dim=1)[:, :k].contiguous().to(device)
+    w = torch.softmax(torch.randn(2, k, generator=g), dim=-1).to(device)
+    ref = pcie_decode(x, ids, w, *stacks).float()
+    best = None
+    for config in configs:
+        if config is not configs[0]:
+            try:
+                got = pcie_decode(x, ids, w, *stacks, config=config).float()
+            except Exception as err:  # noqa: BLE001 - a tile shape this device cannot build: the others serve
+                log.info("PCIe tiles %s unavailable (%s)", config, str(err).splitlines()[0][:200])
+                continue
+            if float((got - ref).norm()) > 0.01 * float(ref.norm()):
+                log.info("PCIe tiles %s left out: their sum is not the default tiles'", config)
+                continue
+        seconds = pcie_step_seconds(host, stacks, k, dtype, device, config=config)
+        if best is None or seconds < best[1]:
+            best = (config, seconds)
+    config, seconds = best
+    return (None if config is configs[0] else config), seconds
+
+
+def pcie_step_seconds(host, stacks: tuple, k: int, dtype: torch.dtype, device: torch.device, repeats: int = 4,
+                      config=None) -> float:
     """One decode row through the fused decode kernels over the pinned `stacks` (best of `repeats`), each
-    repeat choosing experts no earlier one chose where there are enough, so none is read from the GPU's cache."""
+    repeat choosing experts no earlier one chose where there are enough, so none is read from the GPU's cache;
+    `config`: the quantized kernels' tiles."""
     g = torch.Generator().manual_seed(1)
     order = torch.randperm(host.num_experts, generator=g)
     x = torch.randn(1, host.gate_up.k, generator=g).to(device, dtype)
@@ -118,7 +164,7 @@ def pcie_step_seconds(host, stacks: tuple, k: int, dtype: torch.dtype, device: t
         ids = order[at : at + k].view(1, k).to(device)
         _sync(device)
         t0 = time.perf_counter()
-        pcie_decode(x, ids, w, *stacks)
+        pcie_decode(x, ids, w, *stacks, config=config)
         _sync(device)
         if r:
             best = min(best, time.perf_counter() - t0)

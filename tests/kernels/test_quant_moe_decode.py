@@ -145,6 +145,24 @@ def test_dp4a_tiles(fmt, t, cfg):
         mdq.moe_decode_q_triton(x, ids, w, *stacks("Q4_K", 6, 256, 256, seed=1), config=cfg)
 
 
+def test_pcie_tiles_read_two_super_blocks_a_step_and_match_the_reference():
+    """`pcie_configs`: the default configuration, then IQ3_S's K steps of two super-blocks (where the
+    shapes take them; none for formats without such tiles), whose sums match the reference as the
+    default's do, and whose tokens match the default's within the summation order's rounding."""
+    base, longer = mdq.pcie_configs("IQ3_S", 2048, 512)
+    assert base == mdq.decode_config("IQ3_S", 2048, 512) and (longer.gate_up_block_k, longer.down_block_k) == (512, 512)
+    assert mdq.pcie_configs("IQ3_S", 256, 256) == [mdq.decode_config("IQ3_S", 256, 256)]  # one super-block a row
+    assert mdq.pcie_configs("Q8_0", 2048, 512) == [mdq.decode_config("Q8_0", 2048, 512)]
+    w13, w2 = stacks("IQ3_S", 6, 512, 512, seed=21)
+    x, ids, w = routing(seed_of("pcie", "IQ3_S"), 2, 3, 6, 512, torch.bfloat16)
+    base, longer = (wide(c) for c in mdq.pcie_configs("IQ3_S", 512, 512))
+    assert longer.gate_up_block_k == 512
+    got = mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=longer)
+    ref = mdq.reference(x, ids, w, w13, w2, longer)
+    assert max_err(got, ref) <= MAX_TOL[torch.bfloat16] and fro_err(got, ref) <= FRO_TOL
+    assert fro_err(got, mdq.moe_decode_q_triton(x, ids, w, w13, w2, config=base)) <= FRO_TOL
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "FP8"])
 def test_a_token_alone_equals_it_in_a_batch(fmt, wide_decode_rows):
     """Each program serves one pair or one token: token 1's row, bit for bit, alone and beside others."""

@@ -20,16 +20,16 @@ from strata.runner.host_offload import choose_host_decode, pcie_stacks_of
 E, H, INTER, K = 6, 256, 256, 2
 
 
-def _layer(ggml_type: str, fmt: str, stream: bool = True):
+def _layer(ggml_type: str, fmt: str, stream: bool = True, h: int = H, inter: int = INTER):
     g = torch.Generator().manual_seed(7)
     if ggml_type == "BF16":  # a float file: the stacks themselves
-        w13 = torch.randn(E, 2 * INTER, H, generator=g).div(16).bfloat16()
-        w2 = torch.randn(E, H, INTER, generator=g).div(16).bfloat16()
+        w13 = torch.randn(E, 2 * inter, h, generator=g).div(16).bfloat16()
+        w2 = torch.randn(E, h, inter, generator=g).div(16).bfloat16()
     else:
-        w13 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * 2 * INTER, H, g, "cpu").view(E, 2 * INTER, -1))
-        w2 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * H, INTER, g, "cpu").view(E, H, -1))
+        w13 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * 2 * inter, h, g, "cpu").view(E, 2 * inter, -1))
+        w2 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * h, inter, g, "cpu").view(E, h, -1))
     return SimpleNamespace(host=host_experts_of(fmt, w13, w2, torch.bfloat16, torch.device("cpu"), stream),
-                           pcie_stacks=None)
+                           pcie_stacks=None, pcie_config=None)
 
 
 @pytest.mark.parametrize("ggml_type,fmt", [("IQ3_S", "compiled-int4"), ("Q8_0", "int8"), ("BF16", "float")])
@@ -113,3 +113,29 @@ def test_the_offload_bench_times_a_layers_step_each_way():
     figures = layer_step_figures(layers, K, torch.bfloat16, torch.device("cpu"))
     assert figures["layer_step_cpu_ms"] > 0 and figures["layer_step_pcie_ms"] > 0 and figures["pcie_read_gb_s"] > 0
     assert set(layer_step_figures(layers[1:], K, torch.bfloat16, torch.device("cpu"))) == {"layer_step_cpu_ms"}
+
+
+def test_the_pcie_tiles_are_the_fastest_of_those_that_give_the_default_sum(monkeypatch, caplog):
+    """IQ3_S rows of two super-blocks: `pcie_configs` offers longer K steps; the choice keeps the tiles the
+    probe timed fastest (times made up here: the kernels run interpreted), and leaves out tiles whose sum
+    is not the default tiles' (as a device that miscompiles them would give)."""
+    import dataclasses
+
+    import strata.runner.host_offload as ho
+    from strata.kernels.quant import moe_decode_q
+
+    shipped = moe_decode_q.decode_config  # 64-row blocks: the interpreter's cost is per program
+    monkeypatch.setattr(moe_decode_q, "decode_config",
+                        lambda *a: dataclasses.replace(shipped(*a), gate_up_block_i=64, down_block_h=64))
+    monkeypatch.setattr(ho, "pcie_step_seconds",
+                        lambda *a, config=None: 0.5 if config is not None and config.gate_up_block_k == 512 else 1.0)
+    layer = _layer("IQ3_S", "compiled-int4", h=512, inter=512)
+    default, longer = moe_decode_q.pcie_configs("IQ3_S", 512, 512)
+    assert choose_host_decode([layer], "pcie", K, torch.bfloat16, torch.device("cpu")) == "pcie"
+    assert layer.pcie_config == longer and longer.gate_up_block_k == 512
+
+    read = ho.pcie_decode
+    monkeypatch.setattr(ho, "pcie_decode", lambda *a, config=None: read(*a, config=config) * (2 if config else 1))
+    with caplog.at_level(logging.INFO, logger="strata"):
+        config, seconds = ho.fastest_pcie_config(layer.host, layer.pcie_stacks, K, torch.bfloat16, torch.device("cpu"))
+    assert config is None and seconds == 1.0 and "left out" in caplog.text

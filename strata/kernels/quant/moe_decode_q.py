@@ -37,7 +37,7 @@ from `python benchmarks/kernels/quant_moe.py --decode` on the H200 (`_CONFIGS`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -163,6 +163,25 @@ def decode_config(ggml_type: str, hidden: int, inter: int) -> QMoeDecodeConfig:
                             gate_up_warps=warps_i, gate_up_stages=3, down_block_h=rows_h,
                             down_block_k=_block_k(ggml_type, inter, k_h), down_warps=warps_h, down_stages=3,
                             dp4a=dp4a and hidden % 64 == 0 and inter % 64 == 0)
+
+
+# K steps of two super-blocks for reads from pinned host memory over PCIe (`--host-expert-decode pcie`):
+# a one-block step reads 64-byte runs of each row's qs plane, short requests for PCIe; two blocks
+# double every run. Longer steps spill in gate_up on sm_90. A candidate only: the start-up probe times
+# it against `decode_config`'s and checks its sum (`strata.runner.host_offload`).
+PCIE_BLOCK_K = {"IQ3_S": 512}
+
+
+def pcie_configs(ggml_type: str, hidden: int, inter: int) -> list[QMoeDecodeConfig]:
+    """`decode_config`'s configuration, then the longer-K one for reads over PCIe where the format has
+    one that fits these shapes."""
+    base = decode_config(ggml_type, hidden, inter)
+    block = PCIE_BLOCK_K.get(ggml_type)
+    if block is None:
+        return [base]
+    longer = replace(base, gate_up_block_k=_block_k(ggml_type, hidden, block),
+                                 down_block_k=_block_k(ggml_type, inter, block))
+    return [base] if longer == base else [base, longer]
 
 
 def supported(num_tokens: int, top_k: int, ggml_type: str, hidden: int, inter: int, dtype) -> bool:
@@ -391,7 +410,7 @@ def _check_config(cfg: QMoeDecodeConfig, ggml_type: str, hidden: int, inter: int
     least = MIN_BLOCK_K[ggml_type]
     ok = (pow2(cfg.gate_up_block_i, 1) and pow2(cfg.down_block_h, 1) and pow2(cfg.gate_up_block_k, least)
           and pow2(cfg.down_block_k, least) and hidden % cfg.gate_up_block_k == 0 and inter % cfg.down_block_k == 0
-          and (ggml_type != "IQ3_S" or max(cfg.gate_up_block_k, cfg.down_block_k) <= 256)
+          and (ggml_type != "IQ3_S" or max(cfg.gate_up_block_k, cfg.down_block_k) <= PCIE_BLOCK_K["IQ3_S"])
           and (not cfg.dp4a or (ggml_type in ("Q8_0", "IQ3_S") and min(cfg.gate_up_block_k, cfg.down_block_k) >= 64))
           and _measured_sound(cfg, ggml_type))
     if not ok:
