@@ -11,8 +11,8 @@ import time
 import torch
 
 from strata.config import EngineConfig, ModelConfig
-from strata.models.host_experts import COMPILED, ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
 from strata.kernels.quant import moe_decode_q
+from strata.models.host_experts import COMPILED, ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
 from strata.models.moe import MoE, grouped_mm_works, pcie_decode, pcie_serves
 
 log = logging.getLogger("strata")

@@ -180,7 +180,7 @@ def pcie_configs(ggml_type: str, hidden: int, inter: int) -> list[QMoeDecodeConf
     if block is None:
         return [base]
     longer = replace(base, gate_up_block_k=_block_k(ggml_type, hidden, block),
-                                 down_block_k=_block_k(ggml_type, inter, block))
+                     down_block_k=_block_k(ggml_type, inter, block))
     return [base] if longer == base else [base, longer]
 
 
