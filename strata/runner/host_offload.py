@@ -96,10 +96,8 @@ def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -
     if host.stream is None:
         return None
     stacks = host.stream.stacks(host.stream.region)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, host.gate_up.k, generator=g).to(device, dtype)
-    ids = torch.rand(2, host.num_experts, generator=g).argsort(dim=1)[:, :k].contiguous()
-    w = torch.softmax(torch.randn(2, k, generator=g), dim=-1)
+    x, ids, w = _probe_rows(host, k, 0)
+    x = x.to(device, dtype)
     if not pcie_serves(x, k, *stacks):
         return None
     try:
@@ -109,6 +107,14 @@ def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -
         return None
     ref = host._forward(x.cpu() if host.fmt == "float" else x.float().cpu(), ids, w, None).float()
     return stacks if float((got - ref).norm()) <= 0.05 * float(ref.norm()) else None
+
+
+def _probe_rows(host, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two fp32 rows for `host`'s layer, k distinct experts each and their routing weights, on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, host.gate_up.k, generator=g)
+    ids = torch.rand(2, host.num_experts, generator=g).argsort(dim=1)[:, :k].contiguous()
+    return x, ids, torch.softmax(torch.randn(2, k, generator=g), dim=-1)
 
 
 def _shape_of(stacks: tuple) -> tuple | None:
@@ -126,10 +132,8 @@ def fastest_pcie_config(host, stacks: tuple, k: int, dtype: torch.dtype, device:
     configs = moe_decode_q.pcie_configs(*shape) if shape is not None else [None]
     if len(configs) == 1:
         return None, pcie_step_seconds(host, stacks, k, dtype, device)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, host.gate_up.k, generator=g).to(device, dtype)
-    ids = torch.rand(2, host.num_experts, generator=g).argsort(dim=1)[:, :k].contiguous().to(device)
-    w = torch.softmax(torch.randn(2, k, generator=g), dim=-1).to(device)
+    x, ids, w = _probe_rows(host, k, 2)
+    x, ids, w = x.to(device, dtype), ids.to(device), w.to(device)
     ref = pcie_decode(x, ids, w, *stacks).float()
     best = None
     for config in configs:
