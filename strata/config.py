@@ -306,7 +306,9 @@ class EngineConfig:
     # Where decode steps compute the routed experts held in RAM: cpu (the host format above, on the CPU,
     # the step waiting for it between layers) | pcie (the GPU's fused decode kernels read the chosen
     # experts' rows straight from the pinned copy kept for streaming, over PCIe: no wait for the host, one
-    # CUDA graph a step) | auto (on CUDA whichever one layer's step measured faster at start-up; else cpu).
+    # CUDA graph a step) | both (of each row's chosen experts, the CPU computes the first few while the GPU
+    # reads the others over PCIe, the count one layer's step measured fastest at start-up) | auto (on CUDA
+    # the fastest of all counts, none to every one, at start-up; else cpu).
     host_expert_decode: str = "auto"
     # Steps of this many tokens or more bring the routed experts held in RAM to the GPU (pinned, two layers
     # deep, on a side stream) and compute them there; fewer: on the CPU. 0: always the CPU. None: measured
@@ -366,8 +368,8 @@ class EngineConfig:
             raise ValueError("n_cpu_moe must be >= 0, and not given with cpu_moe")
         if self.kv_tier_decode not in ("auto", "cpu", "stream", "pcie"):
             raise ValueError(f"kv_tier_decode must be auto, cpu, stream or pcie, not {self.kv_tier_decode!r}")
-        if self.host_expert_decode not in ("auto", "cpu", "pcie"):
-            raise ValueError(f"host_expert_decode must be auto, cpu or pcie, not {self.host_expert_decode!r}")
+        if self.host_expert_decode not in ("auto", "cpu", "pcie", "both"):
+            raise ValueError(f"host_expert_decode must be auto, cpu, pcie or both, not {self.host_expert_decode!r}")
         if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4"):
             raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled, compiled-int4 or int4, "
                              f"not {self.host_experts!r}")

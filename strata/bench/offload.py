@@ -1,8 +1,8 @@
 """`strata bench offload`: a model whose routed experts live in host RAM (`--cpu-moe`, `--n-cpu-moe N`,
 or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
 read, for each CPU format of the experts asked for (`F+graphs`: decode steps replaying CUDA graph pieces,
-`--host-expert-graphs`; `F+cpu`, `F+pcie`: `--host-expert-decode`, else its auto, each row saying which
-way decode ran; consecutive arms of one format share one load, the later ones' engines built on the
+`--host-expert-graphs`; `F+cpu`, `F+pcie`, `F+both`: `--host-expert-decode`, else its auto, each row
+saying which way decode ran and how many of a row's experts the CPU took; consecutive arms of one format share one load, the later ones' engines built on the
 first's model; the same engine's decode is also timed with its graphs off), beside llama.cpp's
 figures on the same file
 (`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
@@ -31,7 +31,7 @@ from strata.loaders import LoadedModel
 from strata.models.host_experts import host_step_seconds
 from strata.models.moe import MoE
 from strata.params import SamplingParams
-from strata.runner.host_offload import fastest_pcie_config, pcie_stacks_of
+from strata.runner.host_offload import fastest_pcie_config, pcie_stacks_of, split_step_seconds
 
 
 def host_read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
@@ -106,7 +106,9 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     row: dict = {"host_experts": cfg.host_experts, "load_s": load_s, "host_layers": len(moes),
                  "host_format": ",".join(sorted({m.host.fmt for m in moes})) or None,
                  "host_bytes": sum(m.host.nbytes for m in moes),
-                 "host_decode": "pcie" if any(m.pcie_stacks is not None for m in moes) else "cpu",
+                 "host_decode": ("cpu" if not any(m.pcie_stacks is not None for m in moes)
+                                 else "both" if any(m.cpu_slots for m in moes) else "pcie"),
+                 "cpu_slots": max((m.cpu_slots for m in moes), default=0),
                  "stream_min_tokens": moes[0].stream_min_tokens if moes and engine.expert_streamer else None,
                  "memory_plan": engine.memory_plan.table() if engine.memory_plan is not None else None}
     # The prompt read: once to compile, then timed.
@@ -130,6 +132,7 @@ def measure(cfg: EngineConfig, read_tokens: int, decode_tokens: int, seed: int, 
     kept = loaded or LoadedModel(engine.model, engine.model_config, engine.tokenizer, cfg.model, bool(cfg.spec))
     for m in moes:  # this engine's buffers go with it; the next engine sets the layers up again
         m.host_staging = m.streamer = m.pcie_stacks = m.graph_cut = None
+        m.cpu_slots = 0
     del engine, moes
     release_unused_memory()
     return row, kept
@@ -155,7 +158,7 @@ def layer_step_figures(moes: list[MoE], k: int, dtype: torch.dtype, device: torc
     """One decode row through the largest layer's experts in RAM, each way `--host-expert-decode` can take
     (as its start-up probe times them): on the CPU, and read over PCIe by the GPU's kernels where they
     take the layer's pinned copy, with the rate of that read (the chosen experts' bytes in the GPU's
-    format over its time)."""
+    format over its time) and the row's time at each share of its experts the CPU may take."""
     m = max(moes, key=lambda m: m.host.nbytes)
     act = dtype if m.host.fmt == "float" else torch.float32
     out = {"layer_step_cpu_ms": host_step_seconds(m.host, 1, k, act, repeats=4) * 1e3}
@@ -165,6 +168,9 @@ def layer_step_figures(moes: list[MoE], k: int, dtype: torch.dtype, device: torc
         out["layer_step_pcie_ms"] = seconds * 1e3
         out["pcie_block_k"] = config.gate_up_block_k if config is not None else None  # None: the default tiles
         out["pcie_read_gb_s"] = k * m.host.stream.nbytes / m.host.num_experts / seconds / 1e9
+        # By how many of the row's experts the CPU computes while the GPU reads the others (0: none, k: all).
+        out["layer_step_split_ms"] = {c: split_step_seconds(m.host, stacks, k, c, dtype, device, config) * 1e3
+                                      for c in range(k + 1)}
     return out
 
 
@@ -260,9 +266,10 @@ def run(args) -> int:
     kept: tuple[str, LoadedModel] | None = None  # the last arm's format and model: arms of one format load once
     for label in args.formats:
         fmt, *adds = label.split("+")
-        if not set(adds) <= {"graphs", "cpu", "pcie"} or {"cpu", "pcie"} <= set(adds):
-            raise SystemExit(f"--formats {label}: a format's additions are +graphs and one of +cpu, +pcie")
-        way = "pcie" if "pcie" in adds else "cpu" if "cpu" in adds else "auto"
+        ways = set(adds) & {"cpu", "pcie", "both"}
+        if not set(adds) <= {"graphs", "cpu", "pcie", "both"} or len(ways) > 1:
+            raise SystemExit(f"--formats {label}: a format's additions are +graphs and one of +cpu, +pcie, +both")
+        way = ways.pop() if ways else "auto"
         cfg = dataclasses.replace(base, host_experts=fmt, host_expert_graphs="graphs" in adds, host_expert_decode=way)
         loaded = kept[1] if kept is not None and kept[0] == fmt else None
         kept = None  # a model of another format leaves memory before the next loads
@@ -300,7 +307,8 @@ def _add_args(p) -> None:
     p.add_argument("--name", default="model", help="the results file's shape name (offload_NAME_cuda.json)")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=["auto"],
                    help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, compiled, compiled-int4, int4; "
-                        "F+graphs: with --host-expert-graphs; F+cpu, F+pcie: --host-expert-decode cpu or pcie, else auto)")
+                        "F+graphs: with --host-expert-graphs; F+cpu, F+pcie, F+both: --host-expert-decode cpu, pcie or "
+                        "both, else auto)")
     p.add_argument("--cpu-moe", action="store_true")
     p.add_argument("--n-cpu-moe", type=int, default=None)
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB cap (the memory plan places the experts)")

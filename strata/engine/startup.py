@@ -130,7 +130,7 @@ def host_limits(cfg: EngineConfig, model: torch.nn.Module, device: torch.device,
     if not moes or device.type != "cuda" or not (cfg.cuda_graph or cfg.async_scheduling):
         return cfg
     graphs = cfg.cuda_graph and cfg.host_expert_graphs and not staged
-    pcie = all(m.pcie_stacks is not None for m in moes)
+    pcie = all(m.pcie_stacks is not None and not m.cpu_slots for m in moes)
     async_ = bool(cfg.async_scheduling) and pcie
     log.info("%d MoE layers with their routed experts in RAM: %s, %s", len(moes),
              "async scheduling on (decode steps read them over PCIe)" if async_ else "async scheduling off",

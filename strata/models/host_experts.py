@@ -401,11 +401,13 @@ class HostExperts:
         self.seconds += time.perf_counter() - t0
         return out
 
-    def _forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
-                 ) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None,
+                 one_token: bool = True) -> torch.Tensor:
+        """`forward`, untimed; `one_token` False: a one-token step of the compiled format through the
+        kernel built for any number of pairs, not the one built for its count of experts."""
         t, k = ids.shape
         flat = ids.reshape(-1)
-        if self.fmt in COMPILED and (y := self._compiled(x, flat, weights, out)) is not None:
+        if self.fmt in COMPILED and (y := self._compiled(x, flat, weights, out, one_token)) is not None:
             return y
         if t == 1:  # one token: its k experts, no sort
             groups = [(e, slice(j, j + 1)) for j, e in enumerate(flat.tolist())]
@@ -441,8 +443,8 @@ class HostExperts:
         out.zero_()
         return out.index_add_(0, token_of, y)
 
-    def _compiled(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
-                  ) -> torch.Tensor | None:
+    def _compiled(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None,
+                  one_token: bool = True) -> torch.Tensor | None:
         """The compiled format's step: one generated kernel for the layer (`strata.kernels.host_moe`), or
         None where it cannot be built here."""
         t, k = x.shape[0], flat.shape[0] // x.shape[0]
@@ -452,7 +454,7 @@ class HostExperts:
             planes = tuple(t.view(-1, t.shape[-1]) for p in (g, d) for t in (p.w, p.scale, p.offset))
         else:
             planes = (g.w.view(-1, g.k), g.scale.view(-1), d.w.view(-1, d.k), d.scale.view(-1))
-        if t == 1:
+        if t == 1 and one_token:
             if (kernel := (one_token_moe_int4 if int4 else one_token_moe)()) is None:
                 return None
             y = kernel(x.float(), flat, weights.reshape(-1).float(), *planes)
@@ -527,15 +529,17 @@ class HostStaging:
         return self.x.shape[0]
 
     def down(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mark: bool = True) -> tuple[torch.Tensor, ...]:
-        """The rows' copies down, and (`mark`) `event` recorded after them; not under a graph capture,
-        whose host parts wait for the whole piece instead."""
-        t = x.shape[0]
+        """The rows' copies down (ids and weights [T, j], j up to the k reserved: contiguous on the host),
+        and (`mark`) `event` recorded after them; not under a graph capture, whose host parts wait for
+        the whole piece instead."""
+        t, j = ids.shape
+        idh, wh = self.ids.view(-1)[: t * j].view(t, j), self.w.view(-1)[: t * j].view(t, j)
         self.x[:t].copy_(x, non_blocking=True)
-        self.ids[:t].copy_(ids, non_blocking=True)
-        self.w[:t].copy_(w, non_blocking=True)
+        idh.copy_(ids, non_blocking=True)
+        wh.copy_(w, non_blocking=True)
         if mark:
             self.event.record()
-        return self.x[:t], self.ids[:t], self.w[:t]
+        return self.x[:t], idh, wh
 
     def up(self, y: torch.Tensor) -> torch.Tensor:
         """y: a view of `out`: cast on the host, one copy up (read before the stream's next `down`)."""

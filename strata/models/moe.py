@@ -236,8 +236,11 @@ class MoE(nn.Module):
         # with the quantized kernels' tile configuration the start-up probe chose (None: their default).
         self.pcie_stacks: tuple | None = None
         self.pcie_config = None
+        # `--host-expert-decode both`: each row's first `cpu_slots` chosen experts go to the CPU while the
+        # GPU reads the others over PCIe (0: the GPU reads them all).
+        self.cpu_slots = 0
         # Set by the runner while it captures CUDA graphs of steps with experts in RAM: an object with
-        # `capturing` and `cut(host_part)` (`strata.runner.graph_pieces.GraphCutter`).
+        # `capturing` and `cut(host_part, beside)` (`strata.runner.graph_pieces.GraphCutter`).
         self.graph_cut = None
 
     @torch.no_grad()
@@ -364,9 +367,11 @@ class MoE(nn.Module):
                 else:
                     out = self._grouped(x, w, ids, stacks)
                 self.streamer.release(slot)
-        elif (self.pcie_stacks is not None and not self.batch_invariant
-              and pcie_serves(x, ids.shape[1], *self.pcie_stacks)):
-            out = pcie_decode(x, ids, w, *self.pcie_stacks, config=self.pcie_config)
+        elif slots := self._pcie_slots(x, ids):
+            if slots == ids.shape[1]:
+                out = pcie_decode(x, ids, w, *self.pcie_stacks, config=self.pcie_config)
+            else:
+                out, during = self._both(x, w, ids, during), None
         elif x.device.type == "cpu":
             out = self.host.forward(x, ids, w).to(x.dtype)
         elif self.host_staging is not None and x.shape[0] <= self.host_staging.tokens:
@@ -387,16 +392,60 @@ class MoE(nn.Module):
             during()
         return out
 
-    def _cut_graph(self, staging, xh: torch.Tensor, idh: torch.Tensor, wh: torch.Tensor) -> torch.Tensor:
+    def _pcie_slots(self, x: torch.Tensor, ids: torch.Tensor) -> int:
+        """How many of each row's chosen experts this step's GPU reads over PCIe (`pcie_stacks`): all of
+        them, those past `cpu_slots` (the CPU computing the others at the same time), or none (the CPU
+        path serves the step)."""
+        if self.pcie_stacks is None or self.batch_invariant:
+            return 0
+        slots = ids.shape[1] - self.cpu_slots
+        if self.cpu_slots and x.is_cuda and (self.host_staging is None or x.shape[0] > self.host_staging.tokens):
+            return 0
+        return slots if pcie_serves(x, slots, *self.pcie_stacks) else 0
+
+    def _both(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+              during: Callable[[], None] | None) -> torch.Tensor:
+        """Each row's first `cpu_slots` chosen experts on the CPU while the GPU reads the others over
+        PCIe and runs `during`; the two sums added on the GPU."""
+        c, t = self.cpu_slots, x.shape[0]
+
+        def read() -> torch.Tensor:
+            return pcie_decode(x, ids[:, c:].contiguous(), w[:, c:].contiguous(), *self.pcie_stacks,
+                               config=self.pcie_config)
+
+        if not x.is_cuda:
+            return self.host.forward(x, ids[:, :c], w[:, :c]).to(x.dtype) + read()
+        staging = self.host_staging.get()
+        cut = self.graph_cut is not None and self.graph_cut.capturing
+        xh, idh, wh = staging.down(x, ids[:, :c], w[:, :c], mark=not cut)
+        if cut:
+            side: list[torch.Tensor] = []
+
+            def beside() -> None:
+                side.append(read())
+                if during is not None:
+                    during()
+
+            host_sum = self._cut_graph(staging, xh, idh, wh, beside)
+            return host_sum + side[0]
+        gpu_sum = read()
+        if during is not None:
+            during()
+        staging.event.synchronize()
+        return staging.up(self.host.forward(xh, idh, wh, out=staging.out[:t])) + gpu_sum
+
+    def _cut_graph(self, staging, xh: torch.Tensor, idh: torch.Tensor, wh: torch.Tensor,
+                   beside: Callable[[], None] | None = None) -> torch.Tensor:
         """Under a graph capture: the piece ends after the rows' copy down; at replay the host part
-        computes the step's real rows into the pinned sum, and the next piece starts with its copy up."""
+        computes the step's real rows into the pinned sum (while the GPU runs `beside`, a graph of its
+        own), and the next piece starts with its copy up."""
         host, t = self.host, xh.shape[0]
 
         def host_part(rows: int | None) -> None:
             n = t if rows is None else min(rows, t)
             staging.out_cast[:n].copy_(host.forward(xh[:n], idh[:n], wh[:n], out=staging.out[:n]))
 
-        self.graph_cut.cut(host_part)
+        self.graph_cut.cut(host_part, beside)
         return staging.dev[:t].copy_(staging.out_cast[:t], non_blocking=True)
 
     def routed(self, x: torch.Tensor, during: Callable[[], None] | None = None) -> torch.Tensor:

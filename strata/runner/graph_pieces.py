@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-HostPart = Callable[[int], None]  # computes the step's first `rows` rows on the host
+HostPart = Callable[[int | None], None]  # computes the step's first `rows` rows on the host
 
 
 class GraphPieces:
@@ -67,12 +67,26 @@ class GraphCutter:
                 pieces.pieces.append(graph)
         return (pieces if pieces.host_parts else pieces.pieces[0]), outputs
 
-    def cut(self, host_part: HostPart) -> None:
-        """End the piece being captured here; `host_part` runs between it and the next, which starts now."""
+    def cut(self, host_part: HostPart, beside: Callable[[], Any] | None = None) -> None:
+        """End the piece being captured here; `host_part` runs between it and the next, which starts now.
+        `beside`: GPU work captured as a graph of its own that each replay launches just before the host
+        part, so the device computes it while the host computes its part (the piece before the cut is
+        waited for; this one is not)."""
         if self._graph is None or self._pieces is None:
             raise RuntimeError("a graph cut outside a capture")
         self._graph.capture_end()
         self._pieces.pieces.append(self._graph)
+        if beside is not None:
+            self._begin()
+            beside()
+            side, self._graph = self._graph, None
+            side.capture_end()
+            part = host_part
+
+            def host_part(rows: int | None) -> None:
+                side.replay()
+                part(rows)
+
         self._pieces.host_parts.append(host_part)
         self._begin()
 

@@ -54,38 +54,50 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
 
 def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, device: torch.device) -> str:
     """`--host-expert-decode`: "pcie" hands each layer the pinned stacks kept for streaming (`pcie_stacks`),
-    which the GPU's fused decode kernels read in place, when every layer has them, the kernels serve a
-    one-token step over them and give what the CPU's copy gives, and (auto) one layer's step measured
-    faster that way than on the CPU; else "cpu". With "pcie" the quantized kernels' tiles are the
-    fastest of `fastest_pcie_config`'s (`MoE.pcie_config`)."""
+    which the GPU's fused decode kernels read in place, when every layer has them and the kernels serve a
+    one-token step over them and give what the CPU's copy gives; "both" does too, with each row's first
+    `cpu_slots` chosen experts left to the CPU, at the count one layer's step measured fastest
+    (`split_step_seconds`); "auto" takes the fastest of all counts, none (pcie) to every one (cpu); else
+    "cpu". The quantized kernels' tiles over PCIe are the fastest of `fastest_pcie_config`'s
+    (`MoE.pcie_config`)."""
     for m in moes:  # a model set up before (a benchmark's next engine) starts from the CPU again
         m.pcie_stacks = m.pcie_config = None
+        m.cpu_slots = 0
     if way == "cpu":
         return "cpu"
     stacks = [pcie_stacks_of(m, k, dtype, device) for m in moes]
     why = ("a layer without a pinned copy in the GPU's format, or one the fused decode kernels do not take "
            "from host memory" if any(s is None for s in stacks) else "")
     largest = max(range(len(moes)), key=lambda i: moes[i].host.nbytes)
-    config = None
+    config, cpu_slots = None, 0
     if not why:
-        config, pcie = fastest_pcie_config(moes[largest].host, stacks[largest], k, dtype, device)
-    if not why and way == "auto":
-        act = dtype if moes[largest].host.fmt == "float" else torch.float32
-        cpu = host_step_seconds(moes[largest].host, 1, k, act)
-        log.info("a decode row through one layer's experts in RAM: %.3f ms on the CPU, %.3f ms read by the "
-                 "GPU over PCIe", cpu * 1e3, pcie * 1e3)
-        if pcie >= cpu:
+        config, _ = fastest_pcie_config(moes[largest].host, stacks[largest], k, dtype, device)
+    if not why and way in ("auto", "both"):
+        counts = range(1, k) if way == "both" else range(k + 1)
+        seconds = {c: split_step_seconds(moes[largest].host, stacks[largest], k, c, dtype, device, config)
+                   for c in counts}
+        cpu_slots = min(seconds, key=seconds.get)
+        log.info("a decode row through one layer's experts in RAM, by how many of its %d experts the CPU "
+                 "computes while the GPU reads the others over PCIe: %s", k,
+                 ", ".join(f"{c} {s * 1e3:.3f} ms" for c, s in seconds.items()))
+        if cpu_slots == k:
             why = "slower than the CPU"
     if why:
-        (log.warning if way == "pcie" else log.info)("decode steps compute the experts in RAM on the CPU (PCIe "
-                                                     "reads: %s)", why)
+        (log.warning if way in ("pcie", "both") else log.info)(
+            "decode steps compute the experts in RAM on the CPU (PCIe reads: %s)", why)
         return "cpu"
     for m, st in zip(moes, stacks):
-        m.pcie_stacks = st
+        m.pcie_stacks, m.cpu_slots = st, cpu_slots
         m.pcie_config = config if _shape_of(st) == _shape_of(stacks[largest]) else None
+    tiles = f"; K steps of {config.gate_up_block_k} values" if config is not None else ""
+    if cpu_slots:
+        warm_compiled_steps(moes, cpu_slots)
+        log.info("decode steps of up to 16 tokens: of each row's %d experts in RAM, the CPU computes %d while the "
+                 "GPU's kernels read the other %d from host RAM (%d MoE layers%s)", k, cpu_slots, k - cpu_slots,
+                 len(moes), tiles)
+        return "both"
     log.info("decode steps of up to 16 tokens read the chosen experts of %d MoE layers from host RAM in the "
-             "GPU's kernels (no wait for the host; one CUDA graph a step%s)", len(moes),
-             f"; K steps of {config.gate_up_block_k} values" if config is not None else "")
+             "GPU's kernels (no wait for the host; one CUDA graph a step%s)", len(moes), tiles)
     return "pcie"
 
 
@@ -172,6 +184,46 @@ def pcie_step_seconds(host, stacks: tuple, k: int, dtype: torch.dtype, device: t
         _sync(device)
         if r:
             best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def split_step_seconds(host, stacks: tuple, k: int, cpu_slots: int, dtype: torch.dtype, device: torch.device,
+                       config=None, repeats: int = 4) -> float:
+    """One decode row through a layer's experts in RAM (best of `repeats`, each on experts no earlier one
+    chose where there are enough), its first `cpu_slots` of `k` chosen experts computed by the CPU while
+    the GPU's fused decode kernels read the others over PCIe: the row's copy down, the read queued, the
+    CPU's part, its sum's copy up. 0: the GPU reads them all (no copy); k: the CPU computes them all."""
+    g = torch.Generator().manual_seed(1)
+    order = torch.randperm(host.num_experts, generator=g)
+    x = torch.randn(1, host.gate_up.k, generator=g).to(device, dtype)
+    w = torch.softmax(torch.randn(1, k, generator=g), dim=-1)
+    cuda = device.type == "cuda"
+    xh = torch.empty(x.shape, dtype=dtype, pin_memory=cuda)
+    act = dtype if host.fmt == "float" else torch.float32
+    copied = torch.cuda.Event() if cuda else None
+    seconds, read = host.seconds, host.bytes_read
+    best = float("inf")
+    for r in range(repeats + 1):  # the first builds and warms the kernels
+        at = (r * k) % max(host.num_experts - k + 1, 1)
+        ids = order[at : at + k].view(1, k)
+        on_gpu = (ids[:, cpu_slots:].to(device), w[:, cpu_slots:].to(device))
+        _sync(device)
+        t0 = time.perf_counter()
+        if cpu_slots:
+            xh.copy_(x, non_blocking=True)
+            if copied is not None:
+                copied.record()
+        if cpu_slots < k:
+            pcie_decode(x, *on_gpu, *stacks, config=config)
+        if cpu_slots:
+            if copied is not None:
+                copied.synchronize()
+            y = host._forward(xh.to(act), ids[:, :cpu_slots], w[:, :cpu_slots], None, one_token=False)
+            y.to(device, dtype, non_blocking=True)
+        _sync(device)
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    host.seconds, host.bytes_read = seconds, read
     return best
 
 

@@ -44,6 +44,10 @@ def test_experts_read_over_pcie_keep_async_scheduling():
     # One layer the CPU computes is enough for the host to wait in every decode step.
     cfg = host_limits(_cfg(), _model((True, True), (True, False)), CUDA, staged=False)
     assert cfg.async_scheduling is False
+    # Each row's experts shared with the CPU (--host-expert-decode both): the host waits too.
+    model = _model((True,), (True,))
+    model[0].cpu_slots = 1
+    assert host_limits(_cfg(), model, CUDA, staged=False).async_scheduling is False
     # Not turned on where the user turned it off.
     cfg = host_limits(_cfg(async_scheduling=False), _model((True,), (True,)), CUDA, staged=False)
     assert cfg.async_scheduling is False

@@ -192,3 +192,26 @@ def test_decode_read_over_pcie_keeps_async_scheduling_and_its_tokens():
     lockstep, e = _bf16_greedy(async_scheduling=False, **kw)
     assert not e.pipelined
     assert ahead == lockstep
+
+
+def test_experts_shared_by_the_cpu_and_the_pcie_reads_give_one_set_of_tokens_eager_and_in_graph_pieces(monkeypatch):
+    """--host-expert-decode both: of each row's chosen experts the CPU computes the first (the share
+    the probe timed fastest; fixed here so both engines split alike) while the GPU reads the others over
+    PCIe, in eager steps and in graph pieces whose read is a graph launched beside the host part: the
+    same tokens, both parts computed, and steady decoding through the pieces allocates nothing new."""
+    import strata.runner.host_offload as ho
+    from strata.kernels.moe_decode import MAX_TOKENS
+    from strata.runner.graph_pieces import GraphPieces
+
+    monkeypatch.setattr(ho, "split_step_seconds", lambda host, stacks, k, c, *a: float(abs(c - 1)))
+    kw = dict(cpu_moe=True, host_experts="float", host_expert_decode="both", expert_stream_tokens=MAX_TOKENS + 1)
+    eager, e = _bf16_greedy(cuda_graph=False, **kw)
+    moes = _host_moes(e)
+    assert moes and all(m.cpu_slots == 1 and m.pcie_stacks is not None for m in moes)
+    assert all(m.host.seconds > 0 for m in moes)
+    pieces, e = _bf16_greedy(**kw)
+    assert not e.cfg.async_scheduling
+    assert e.runner.graphs and all(isinstance(g.graph, GraphPieces) for g in e.runner.graphs.values())
+    assert pieces == eager
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, **kw), progress=False)
+    assert _decoding_grows_the_reserve_by(e) == 0

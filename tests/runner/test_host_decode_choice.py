@@ -29,7 +29,7 @@ def _layer(ggml_type: str, fmt: str, stream: bool = True, h: int = H, inter: int
         w13 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * 2 * inter, h, g, "cpu").view(E, 2 * inter, -1))
         w2 = QExpertStack.from_raw(ggml_type, random_blocks(ggml_type, E * h, inter, g, "cpu").view(E, h, -1))
     return SimpleNamespace(host=host_experts_of(fmt, w13, w2, torch.bfloat16, torch.device("cpu"), stream),
-                           pcie_stacks=None, pcie_config=None)
+                           pcie_stacks=None, pcie_config=None, cpu_slots=0)
 
 
 @pytest.mark.parametrize("ggml_type,fmt", [("IQ3_S", "compiled-int4"), ("Q8_0", "int8"), ("BF16", "float")])
@@ -104,6 +104,16 @@ def test_a_layer_given_the_stacks_runs_decode_steps_through_them_and_not_its_cpu
     read = logits()
     assert all(m.host.seconds == 0.0 for m in moes)
     assert float((read - on_cpu).norm()) <= 0.05 * float(on_cpu.norm())
+    # --host-expert-decode both: each row's first expert on the CPU, the second read by the kernels.
+    calls = []
+    for m in moes:
+        m.cpu_slots = 1
+        forward = m.host.forward
+        m.host.forward = lambda x, ids, w, out=None, forward=forward: calls.append(ids.shape) or forward(x, ids, w, out)
+    both = logits()
+    assert calls and all(shape[1] == 1 for shape in calls)
+    assert float((both - on_cpu).norm()) <= 0.05 * float(on_cpu.norm())
+    assert float((both - read).norm()) <= 0.05 * float(on_cpu.norm())
 
 
 def test_the_offload_bench_times_a_layers_step_each_way():
@@ -112,6 +122,7 @@ def test_the_offload_bench_times_a_layers_step_each_way():
     layers = [_layer("Q8_0", "int8"), _layer("Q8_0", "int8", stream=False)]
     figures = layer_step_figures(layers, K, torch.bfloat16, torch.device("cpu"))
     assert figures["layer_step_cpu_ms"] > 0 and figures["layer_step_pcie_ms"] > 0 and figures["pcie_read_gb_s"] > 0
+    assert set(figures["layer_step_split_ms"]) == set(range(K + 1)) and min(figures["layer_step_split_ms"].values()) > 0
     assert set(layer_step_figures(layers[1:], K, torch.bfloat16, torch.device("cpu"))) == {"layer_step_cpu_ms"}
 
 
@@ -139,3 +150,38 @@ def test_the_pcie_tiles_are_the_fastest_of_those_that_give_the_default_sum(monke
     with caplog.at_level(logging.INFO, logger="strata"):
         config, seconds = ho.fastest_pcie_config(layer.host, layer.pcie_stacks, K, torch.bfloat16, torch.device("cpu"))
     assert config is None and seconds == 1.0 and "left out" in caplog.text
+
+
+@pytest.mark.parametrize("cpu_slots", [0, 1, K])
+def test_a_split_step_is_timed_with_any_share_on_the_cpu(cpu_slots):
+    """`split_step_seconds` runs a row through the layer with the CPU taking 0, some or all of its experts
+    (the kernels interpreted here): a time for each, and the CPU copy's counters left as they were."""
+    import strata.runner.host_offload as ho
+
+    layer = _layer("Q8_0", "int8")
+    stacks = pcie_stacks_of(layer, K, torch.bfloat16, torch.device("cpu"))
+    before = (layer.host.seconds, layer.host.bytes_read)
+    assert ho.split_step_seconds(layer.host, stacks, K, cpu_slots, torch.bfloat16, torch.device("cpu"), repeats=1) > 0
+    assert (layer.host.seconds, layer.host.bytes_read) == before
+
+
+@pytest.mark.parametrize("way,times,want,slots", [
+    ("auto", {0: 3.0, 1: 1.0, 2: 2.0}, "both", 1),   # the split measured fastest
+    ("auto", {0: 1.0, 1: 2.0, 2: 3.0}, "pcie", 0),   # the GPU alone
+    ("auto", {0: 3.0, 1: 2.0, 2: 1.0}, "cpu", 0),    # the CPU alone
+    ("both", {0: 0.5, 1: 1.0, 2: 0.1}, "both", 1),   # both asked for: the CPU takes some, never all or none
+])
+def test_the_cpus_share_of_a_rows_experts_is_the_one_measured_fastest(monkeypatch, way, times, want, slots):
+    import strata.runner.host_offload as ho
+
+    monkeypatch.setattr(ho, "split_step_seconds", lambda host, stacks, k, c, *a: times[c])
+    monkeypatch.setattr(ho, "pcie_step_seconds", lambda *a, **kw: 1.0)
+    warmed = []
+    monkeypatch.setattr(ho, "warm_compiled_steps", lambda moes, k: warmed.append(k))
+    layers = [_layer("Q8_0", "int8"), _layer("Q8_0", "int8")]
+    assert choose_host_decode(layers, way, K, torch.bfloat16, torch.device("cpu")) == want
+    assert all(m.cpu_slots == slots for m in layers)
+    assert all((m.pcie_stacks is not None) == (want != "cpu") for m in layers)
+    assert warmed == ([slots] if slots else [])  # the CPU's one-token kernel built for its share, at start-up
+    assert choose_host_decode(layers, "pcie", K, torch.bfloat16, torch.device("cpu")) == "pcie"
+    assert all(m.cpu_slots == 0 for m in layers)
