@@ -315,7 +315,7 @@ class EngineConfig:
     # at start-up, the step size at which a layer's CPU time passes its copy over PCIe.
     expert_stream_tokens: int | None = None
     # With experts in RAM on CUDA, decode steps replay CUDA graphs in pieces, one between each two layers
-    # whose experts the CPU computes (off: those steps launch every kernel eagerly, 2.6x slower on the
+    # whose experts the CPU computes (off: those steps launch every kernel eagerly, 4.5x slower on the
     # 80B-A3B under 16 GiB)
     host_expert_graphs: bool = True
     # Pipeline stages over torch.distributed (docs/MULTI_GPU.md): none | layer. With layer, one process per
