@@ -299,9 +299,11 @@ class EngineConfig:
     # (int8 weights and activations, a scale per token, oneDNN) | fbgemm (int8 weights, uint8 activations,
     # FBGEMM) | compiled (int8 rows; a step's layer in one kernel torch.compile generates) | compiled-int4
     # (4-bit levels in groups of 32, an fp32 scale and offset each; the same generated kernel) | int4 (groups
-    # of 32, torch's int4 kernel) | auto (float for float weights; with a C++ compiler compiled-int4 for
-    # IQ3_S, Q4_K and Q4_0 experts, whose groups it holds exactly, and compiled for others; without one
-    # fbgemm where torch has it, else w8a8; when host RAM cannot hold an int8 copy, compiled-int4, else int4)
+    # of 32, torch's int4 kernel) | file (no CPU copy: RAM holds only the GPU's format, the file's blocks,
+    # which the GPU reads over PCIe for decode rows and streams for larger steps; CUDA only) | auto (float
+    # for float weights; with a C++ compiler compiled-int4 for IQ3_S, Q4_K and Q4_0 experts, whose groups it
+    # holds exactly, and compiled for others; without one fbgemm where torch has it, else w8a8; when host
+    # RAM cannot hold an int8 copy, compiled-int4, else int4; on CUDA, file when it cannot hold a 4-bit one)
     host_experts: str = "auto"
     # Where decode steps compute the routed experts held in RAM: cpu (the host format above, on the CPU,
     # the step waiting for it between layers) | pcie (the GPU's fused decode kernels read the chosen
@@ -370,9 +372,13 @@ class EngineConfig:
             raise ValueError(f"kv_tier_decode must be auto, cpu, stream or pcie, not {self.kv_tier_decode!r}")
         if self.host_expert_decode not in ("auto", "cpu", "pcie", "both"):
             raise ValueError(f"host_expert_decode must be auto, cpu, pcie or both, not {self.host_expert_decode!r}")
-        if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4"):
-            raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled, compiled-int4 or int4, "
-                             f"not {self.host_experts!r}")
+        if self.host_experts not in ("auto", "float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4",
+                                     "file"):
+            raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled, compiled-int4, int4 "
+                             f"or file, not {self.host_experts!r}")
+        if self.host_experts == "file" and self.host_expert_decode in ("cpu", "both"):
+            raise ValueError(f"host_expert_decode {self.host_expert_decode} computes experts on the CPU: host_experts "
+                             "file keeps no CPU copy of them (decode reads them over PCIe)")
         if self.expert_stream_tokens is not None and self.expert_stream_tokens < 0:
             raise ValueError("expert_stream_tokens must be >= 0")
         if self.split_mode not in ("none", "layer"):

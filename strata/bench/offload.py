@@ -158,10 +158,11 @@ def layer_step_figures(moes: list[MoE], k: int, dtype: torch.dtype, device: torc
     """One decode row through the largest layer's experts in RAM, each way `--host-expert-decode` can take
     (as its start-up probe times them): on the CPU, and read over PCIe by the GPU's kernels where they
     take the layer's pinned copy, with the rate of that read (the chosen experts' bytes in the GPU's
-    format over its time) and the row's time at each share of its experts the CPU may take."""
+    format over its time) and the row's time at each share of its experts the CPU may take (the CPU ones
+    only where it holds a copy)."""
     m = max(moes, key=lambda m: m.host.nbytes)
     act = dtype if m.host.fmt == "float" else torch.float32
-    out = {"layer_step_cpu_ms": host_step_seconds(m.host, 1, k, act, repeats=4) * 1e3}
+    out = {"layer_step_cpu_ms": host_step_seconds(m.host, 1, k, act, repeats=4) * 1e3} if m.host.on_cpu else {}
     stacks = pcie_stacks_of(m, k, dtype, device)
     if stacks is not None:
         config, seconds = fastest_pcie_config(m.host, stacks, k, dtype, device)
@@ -170,7 +171,7 @@ def layer_step_figures(moes: list[MoE], k: int, dtype: torch.dtype, device: torc
         out["pcie_read_gb_s"] = k * m.host.stream.nbytes / m.host.num_experts / seconds / 1e9
         # By how many of the row's experts the CPU computes while the GPU reads the others (0: none, k: all).
         out["layer_step_split_ms"] = {c: split_step_seconds(m.host, stacks, k, c, dtype, device, config) * 1e3
-                                      for c in range(k + 1)}
+                                      for c in range(k + 1 if m.host.on_cpu else 1)}
     return out
 
 
@@ -306,7 +307,8 @@ def _add_args(p) -> None:
     p.add_argument("--model", required=True, help="the GGUF (or HF directory) both engines load")
     p.add_argument("--name", default="model", help="the results file's shape name (offload_NAME_cuda.json)")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f], default=["auto"],
-                   help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, compiled, compiled-int4, int4; "
+                   help="CPU formats of the experts in RAM to time (auto, float, int8, w8a8, fbgemm, compiled, compiled-int4, int4, "
+                        "file: none, the GPU reads or streams the file's blocks; "
                         "F+graphs: with --host-expert-graphs; F+cpu, F+pcie, F+both: --host-expert-decode cpu, pcie or "
                         "both, else auto)")
     p.add_argument("--cpu-moe", action="store_true")

@@ -133,7 +133,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu", dtyp
         if not holds_ends(cfg, *layers, with_mtp):
             hold_ends(model, torch.device(device), dtype)
     quantizable = _quantizable_linears(model) if keep_quantized and pack_experts and ckpt.raw else set()
-    on_host = place_host_experts(model, ckpt, host_moe_layers, host_experts) if pack_experts else set()
+    on_host = (place_host_experts(model, ckpt, host_moe_layers, host_experts, gpu=torch.device(device).type == "cuda")
+               if pack_experts else set())
     host = HostLayers(model, ckpt, on_host, dtype, torch.device(device)) if on_host else None
     _assign_weights(model, ckpt, torch.device(device), dtype, progress, quantizable - on_host, host, elsewhere)
     if layers is not None:

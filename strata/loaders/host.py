@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from strata.loaders.base import Checkpoint, LoadError
+from strata.models.host_experts import FILE
 from strata.models.transformer import CausalLM
 
 log = logging.getLogger("strata")
@@ -64,23 +65,32 @@ def host_memory_available() -> int | None:
     return None
 
 
-def place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int], fmt: str) -> set[str]:
+def place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int], fmt: str,
+                       gpu: bool = False) -> set[str]:
     """Marks the MoE layers among `layers` to keep their routed experts in RAM (`MoE.host_format`);
-    returns those experts' tensor names, which `HostLayers` gathers as they are read."""
+    returns those experts' tensor names, which `HostLayers` gathers as they are read. `gpu`: a CUDA load,
+    where "auto" keeps the file's blocks alone (`file`) when RAM cannot hold a CPU copy beside them."""
     from strata.models.moe import MoE
 
     names: set[str] = set()
     int8_fits = True
     if fmt == "auto" and layers:
-        # An int8 copy of every expert placed in RAM, beside the file's blocks kept for streaming.
+        # An int8 copy of every expert placed in RAM, beside the file's blocks kept for streaming; failing
+        # that a 4-bit one (6 bits a weight with its scales and offsets).
         prefixes = tuple(f"model.layers.{i}.mlp.experts." for i in layers)
         mine = [n for n in ckpt.names if n.startswith(prefixes)]
-        need = sum(math.prod(ckpt.shapes.get(n, ())) + ckpt.nbytes.get(n, 0) for n in mine)
+        weights, blocks = (sum(f(n) for n in mine) for f in (lambda n: math.prod(ckpt.shapes.get(n, ())),
+                                                             lambda n: ckpt.nbytes.get(n, 0)))
         available = host_memory_available()
-        int8_fits = available is None or need <= 0.9 * available
-        if not int8_fits:
+        int8_fits = available is None or weights + blocks <= 0.9 * available
+        if not int8_fits and gpu and weights * 3 // 4 + blocks > 0.9 * available:
+            fmt = FILE
+            log.info("routed experts in RAM as the file's blocks only, read by the GPU (host_experts file): a 4-bit "
+                     "CPU copy beside them (%.1f GiB) is more than the %.1f GiB of host memory available",
+                     (weights * 3 // 4 + blocks) / 2**30, available / 2**30)
+        elif not int8_fits:
             log.info("routed experts in RAM in 4 bits: an int8 copy (%.1f GiB with the streaming copy) is more than "
-                     "the %.1f GiB of host memory available", need / 2**30, available / 2**30)
+                     "the %.1f GiB of host memory available", (weights + blocks) / 2**30, available / 2**30)
     for i in sorted(set(layers)):
         if i >= model.num_layers:
             raise LoadError(ckpt.path, f"no layer {i} to place experts of (the model has {model.num_layers})")
@@ -182,6 +192,11 @@ def host_experts_of(fmt: str, w13, w2, dtype: torch.dtype, work: torch.device, s
     n, rows, hidden = (w13.num_experts, w13.n, w13.k) if quant else tuple(w13.shape)
     float_dtype = dtype if fmt == "float" else torch.float32
     host = HostExperts(fmt, n, rows // 2, hidden, float_dtype)
+    if fmt == FILE:
+        if not stream:
+            raise ValueError("host_experts file keeps the experts for the GPU alone: it needs CUDA")
+        host.stream = StreamStack.of_quant(w13, w2) if quant else StreamStack.of_float(w13.to(dtype), w2.to(dtype))
+        return host
     if quant:
         for a in range(0, n, CHUNK):
             b = min(a + CHUNK, n)
@@ -215,7 +230,7 @@ def move_experts_to_ram(model: CausalLM, ckpt: Checkpoint, layers: Collection[in
     after the load held more than the plan estimated (`strata.memory_plan.beyond_estimate`)."""
     from strata.models.moe import MoE
 
-    place_host_experts(model, ckpt, layers, fmt)
+    place_host_experts(model, ckpt, layers, fmt, gpu=True)
     for i in sorted(set(layers)):
         layer = model.model.layers[i]
         moe = next((m for m in layer.modules() if isinstance(m, MoE)), None)

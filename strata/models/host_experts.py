@@ -53,7 +53,10 @@ import torch.nn.functional as F
 from strata.kernels.host_moe import (INT4_BLOCK, dequantize_int4_words, int4_words, one_token_moe, one_token_moe_int4,
                                      pairs_moe, pairs_moe_int4)
 
-FORMATS = ("float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4")
+FORMATS = ("float", "int8", "w8a8", "fbgemm", "compiled", "compiled-int4", "int4", "file")
+# No CPU copy: the GPU's format kept for streaming (`StreamStack`) is all RAM holds, and only the GPU
+# computes the experts, reading a decode row's chosen ones over PCIe and streaming larger steps.
+FILE = "file"
 COMPILED = ("compiled", "compiled-int4")  # a step's layer as one generated kernel
 INT8_ROWS = ("int8", "w8a8", "compiled")  # formats held as int8 [E, N, K] with a scale per row
 # Of those, the ones whose per-expert path rounds each token's activations to int8 (`torch._int_mm`);
@@ -196,7 +199,9 @@ class HostProjection:
         if not format_fits(fmt, n, k):
             raise ValueError(f"a ({n}, {k}) weight cannot be held as {fmt}")
         self.fmt, self.num_experts, self.n, self.k = fmt, num_experts, n, k
-        if fmt == "float":
+        if fmt == FILE:
+            pass
+        elif fmt == "float":
             self.w = torch.empty(num_experts, n, k, dtype=dtype)
         elif fmt in INT8_ROWS:
             self.w = torch.empty(num_experts, n, k, dtype=torch.int8)
@@ -235,6 +240,8 @@ class HostProjection:
 
     @property
     def nbytes(self) -> int:
+        if self.fmt == FILE:
+            return 0
         if self.fmt == "float":
             return self.w.numel() * self.w.element_size()
         if self.fmt in INT8_ROWS:
@@ -373,6 +380,11 @@ class HostExperts:
         return self.gate_up.num_experts
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether the CPU can compute these experts (every format but `FILE`)."""
+        return self.fmt != FILE
+
+    @property
     def nbytes(self) -> int:
         """RAM held: the CPU format and the GPU's (one region when the CPU reads the streamed stack)."""
         if self.stream is None:
@@ -405,6 +417,9 @@ class HostExperts:
                  one_token: bool = True) -> torch.Tensor:
         """`forward`, untimed; `one_token` False: a one-token step of the compiled format through the
         kernel built for any number of pairs, not the one built for its count of experts."""
+        if not self.on_cpu:
+            raise RuntimeError("these routed experts are kept in RAM in the GPU's format only (host_experts file): "
+                               "the CPU cannot compute them")
         t, k = ids.shape
         flat = ids.reshape(-1)
         if self.fmt in COMPILED and (y := self._compiled(x, flat, weights, out, one_token)) is not None:

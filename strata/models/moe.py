@@ -356,8 +356,10 @@ class MoE(nn.Module):
         """The routed experts in RAM. A step of `stream_min_tokens` or more on the GPU runs them there,
         copied up by the streamer; a smaller one sends its rows, ids and routing weights to the host (a
         wait for the router), runs them on the CPU and sends their sum back. `during`: GPU work to queue
-        while the CPU computes (the shared expert)."""
-        if x.is_cuda and self.streamer is not None and self.stream_min_tokens and x.shape[0] >= self.stream_min_tokens:
+        while the CPU computes (the shared expert). Experts the CPU cannot compute (`HostExperts.on_cpu`:
+        the file's blocks alone) are read over PCIe where the fused decode kernels take the step, else
+        streamed."""
+        if self._streams(x, ids):
             with self.streamer.lock:
                 slot, stacks = self.streamer.acquire(self)
                 if isinstance(stacks[0], torch.Tensor) and not self.streamer.float_grouped:
@@ -391,6 +393,14 @@ class MoE(nn.Module):
         if during is not None:
             during()
         return out
+
+    def _streams(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether this step brings the layer's experts to the GPU (the streamer) to compute them there."""
+        if not x.is_cuda or self.streamer is None:
+            return False
+        if not self.host.on_cpu:
+            return not self._pcie_slots(x, ids)
+        return bool(self.stream_min_tokens) and x.shape[0] >= self.stream_min_tokens
 
     def _pcie_slots(self, x: torch.Tensor, ids: torch.Tensor) -> int:
         """How many of each row's chosen experts this step's GPU reads over PCIe (`pcie_stacks`): all of

@@ -25,17 +25,22 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
     moes = [m for m in model.modules() if isinstance(m, MoE) and m.host is not None]
     if not moes or device.type != "cuda":
         return None, None
-    warm_compiled_steps(moes, mc.num_experts_per_tok)
+    computed = [m for m in moes if m.host.on_cpu]  # the others: the file's blocks alone, for the GPU
+    if cfg.batch_invariant and len(computed) < len(moes):
+        raise ValueError("--batch-invariant computes experts in RAM on the CPU: they need a CPU copy "
+                         "(--host-experts other than file)")
+    warm_compiled_steps(computed, mc.num_experts_per_tok)
     chunk = cfg.max_num_batched_tokens or 2048
-    streams = cfg.expert_stream_tokens != 0 and all(m.host.stream is not None for m in moes)
+    streams = ((cfg.expert_stream_tokens != 0 or len(computed) < len(moes))
+               and all(m.host.stream is not None for m in moes))
     streamer = ExpertStreamer(moes, device) if streams else None
     threshold = cfg.expert_stream_tokens or 0
     if streamer is not None:
         streamer.probe_float(grouped_mm_works)
-        if cfg.expert_stream_tokens is None:
-            act = cfg.torch_dtype if moes[0].host.fmt == "float" else torch.float32
-            threshold = measure_stream_crossover(moes, streamer, mc.num_experts_per_tok, act, chunk)
-        if threshold > chunk:  # no step is that large: the CPU computes them all
+        if cfg.expert_stream_tokens is None and computed:
+            act = cfg.torch_dtype if computed[0].host.fmt == "float" else torch.float32
+            threshold = measure_stream_crossover(computed, streamer, mc.num_experts_per_tok, act, chunk)
+        if threshold > chunk and computed == moes:  # no step is that large: the CPU computes them all
             streamer, threshold = None, 0
     choose_host_decode(moes, cfg.host_expert_decode, mc.num_experts_per_tok, cfg.torch_dtype, device)
     rows = cfg.parallel * (1 + cfg.spec)
@@ -63,6 +68,11 @@ def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, de
     for m in moes:  # a model set up before (a benchmark's next engine) starts from the CPU again
         m.pcie_stacks = m.pcie_config = None
         m.cpu_slots = 0
+    if not all(m.host.on_cpu for m in moes) and way != "pcie":
+        if way != "auto":
+            log.warning("--host-expert-decode %s: some experts in RAM have no CPU copy (host_experts file); "
+                        "decode steps read them over PCIe", way)
+        way = "pcie"
     if way == "cpu":
         return "cpu"
     stacks = [pcie_stacks_of(m, k, dtype, device) for m in moes]
@@ -84,7 +94,8 @@ def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, de
             why = "slower than the CPU"
     if why:
         (log.warning if way in ("pcie", "both") else log.info)(
-            "decode steps compute the experts in RAM on the CPU (PCIe reads: %s)", why)
+            "decode steps compute the experts in RAM on the CPU (PCIe reads: %s)%s", why,
+            "" if all(m.host.on_cpu for m in moes) else "; those without a CPU copy are streamed to the GPU")
         return "cpu"
     for m, st in zip(moes, stacks):
         m.pcie_stacks, m.cpu_slots = st, cpu_slots
@@ -117,8 +128,27 @@ def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -
     except Exception as err:  # noqa: BLE001 - the kernels cannot take host pointers here: the CPU serves
         log.info("the fused decode kernels cannot read experts in host memory here (%s)", str(err).splitlines()[0][:200])
         return None
-    ref = host._forward(x.cpu() if host.fmt == "float" else x.float().cpu(), ids, w, None).float()
+    if host.on_cpu:
+        ref = host._forward(x.cpu() if host.fmt == "float" else x.float().cpu(), ids, w, None).float()
+    else:
+        ref = stacks_reference(stacks, x, ids.to(device), w.to(device)).cpu()
     return stacks if float((got - ref).norm()) <= 0.05 * float(ref.norm()) else None
+
+
+def stacks_reference(stacks: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, H]: the rows' chosen experts from (w13, w2) dequantized on x's device, in torch: what the
+    fused decode kernels should give over the same stacks."""
+    w13, w2 = stacks
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            if isinstance(w13, torch.Tensor):
+                a, b = w13[e].to(x.device, torch.float32), w2[e].to(x.device, torch.float32)
+            else:
+                a, b = w13.dequantize_expert(e, x.device), w2.dequantize_expert(e, x.device)
+            gate, up = (x[t].float() @ a.t()).chunk(2)
+            out[t] += w[t, j].float() * ((torch.nn.functional.silu(gate) * up) @ b.t())
+    return out
 
 
 def _probe_rows(host, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

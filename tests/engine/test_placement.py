@@ -90,6 +90,10 @@ def test_flags_must_agree():
         EngineConfig(cpu_moe=True, n_cpu_moe=2)
     with pytest.raises(ValueError, match="host_experts"):
         EngineConfig(host_experts="int2")
+    for way in ("cpu", "both"):  # no CPU copy to compute from
+        with pytest.raises(ValueError, match="no CPU copy"):
+            EngineConfig(host_experts="file", host_expert_decode=way)
+    assert EngineConfig(host_experts="file").host_expert_decode == "auto"
     with pytest.raises(ValueError, match="gpu_memory"):
         EngineConfig(gpu_memory=0)
 

@@ -215,3 +215,24 @@ def test_experts_shared_by_the_cpu_and_the_pcie_reads_give_one_set_of_tokens_eag
     assert pieces == eager
     e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, **kw), progress=False)
     assert _decoding_grows_the_reserve_by(e) == 0
+
+
+def test_experts_kept_for_the_gpu_alone_give_the_gpu_tokens_and_stream_larger_steps():
+    """--host-experts file: RAM holds only the GPU's format of the experts (no CPU copy); decode rows read
+    them over PCIe, larger steps stream them (whatever the threshold), async scheduling stays: the tokens
+    of the experts on the GPU, bit for bit, and steady decoding allocates nothing new."""
+    on_gpu, _ = _bf16_greedy()
+    read, e = _bf16_greedy(cpu_moe=True, host_experts="file")
+    moes = _host_moes(e)
+    assert moes and all(not m.host.on_cpu and m.pcie_stacks is not None for m in moes)
+    assert e.expert_streamer is not None and e.cfg.async_scheduling
+    assert read == on_gpu
+    long_prompt = tuple(e.tokenizer.encode(" ".join(PROMPTS * 4)))
+    assert len(long_prompt) > 32
+    copied = e.expert_streamer.bytes_copied
+    e.add_request(EngineRequest("long", long_prompt, SamplingParams(max_tokens=2, ignore_eos=True), time.monotonic()))
+    e.run_to_completion()
+    assert e.expert_streamer.bytes_copied > copied
+    e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", parallel=2, cpu_moe=True, host_experts="file"),
+                  progress=False)
+    assert _decoding_grows_the_reserve_by(e) == 0

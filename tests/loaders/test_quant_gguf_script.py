@@ -143,3 +143,76 @@ def test_an_iq3_s_files_experts_in_ram_in_4_bits_are_its_own_weights(tmp_path):
     torch.testing.assert_close(four, exact, rtol=1e-4, atol=1e-4)
     int8 = logits("int8")
     assert float((int8 - exact).norm()) > 10 * float((four - exact).norm())
+
+
+def _iq3s_file(tmp_path):
+    import dataclasses
+
+    mc = dataclasses.replace(shape_config("tiny-moe"), hidden_size=256, head_dim=64, moe_intermediate_size=256)
+    path = str(tmp_path / "iq3s.gguf")
+    write_moe(SimpleNamespace(out=path, format="IQ3_S", vocab=write_vocab_gguf(tmp_path), seed=0), mc,
+              mc.num_hidden_layers)
+    return path
+
+
+def test_experts_kept_as_the_files_blocks_alone_are_read_by_the_kernels_and_never_by_the_cpu(tmp_path):
+    """host_experts file: RAM holds the layer's blocks (the GPU's format) and no CPU copy; the fused decode
+    kernels reading them where they lie (interpreted here) give the logits of the experts on the device,
+    and a step those kernels do not take says the CPU cannot compute them."""
+    from strata.kernels.quant.moe_q import QExpertStack
+    from strata.loaders.host import host_experts_of
+    from strata.models.moe import MoE
+
+    path = _iq3s_file(tmp_path)
+    kept = load_model(path, progress=False, dtype=torch.bfloat16, keep_quantized=True).model
+    ids = torch.randint(0, 300, (4,), generator=torch.Generator().manual_seed(2))
+
+    def logits(model):
+        with torch.no_grad():
+            return model.compute_logits(model(ids, torch.arange(4), CausalBatch(1, 4))).float()
+
+    on_device = logits(kept)
+    model = load_model(path, progress=False, dtype=torch.bfloat16, keep_quantized=True).model
+    for m in (m for m in model.modules() if isinstance(m, MoE)):
+        w13, w2 = m.quant
+        m.host = host_experts_of("file", w13, w2, torch.bfloat16, torch.device("cpu"), stream=True)
+        assert m.host.nbytes == m.host.stream.nbytes == w13.nbytes + w2.nbytes  # the blocks, nothing more
+        assert not m.host.on_cpu
+        m.pcie_stacks = m.host.stream.stacks(m.host.stream.region)
+        assert isinstance(m.pcie_stacks[0], QExpertStack)
+        m.quant = m.qdecode = None
+        m._host_ready()
+    read = logits(model)
+    assert float((read - on_device).norm()) <= 0.02 * float(on_device.norm())
+    for m in (m for m in model.modules() if isinstance(m, MoE)):
+        m.pcie_stacks = None
+    with pytest.raises(RuntimeError, match="CPU cannot compute them"):
+        logits(model)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        host_experts_of("file", w13, w2, torch.bfloat16, torch.device("cpu"), stream=False)
+
+
+@pytest.mark.parametrize("available,gpu,want", [
+    (None, True, "compiled-int4"),           # RAM unknown: the CPU copy
+    (10 * 2**30, True, "compiled-int4"),     # room for the 4-bit copy beside the blocks
+    (1 * 2**20, True, "file"),               # no room: the blocks alone, for the GPU
+    (1 * 2**20, False, "compiled-int4"),     # on the CPU the experts need a CPU copy all the same
+])
+def test_auto_keeps_the_blocks_alone_on_cuda_when_ram_cannot_hold_a_cpu_copy(tmp_path, monkeypatch, available, gpu,
+                                                                              want):
+    import strata.loaders.host as host
+    from strata.config import ModelConfig
+    from strata.kernels.host_moe import has_cpp_compiler
+    from strata.loaders import read_checkpoint
+    from strata.models.moe import MoE
+    from strata.models.registry import build_model
+
+    if not has_cpp_compiler():
+        pytest.skip("compiled-int4 needs a C++ compiler for torch.compile")
+    path = _iq3s_file(tmp_path)
+    ckpt = read_checkpoint(path)
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_hf(ckpt.config))
+    monkeypatch.setattr(host, "host_memory_available", lambda: available)
+    names = host.place_host_experts(model, ckpt, [0, 1], "auto", gpu=gpu)
+    assert names and {m.host_format for m in model.modules() if isinstance(m, MoE)} == {want}

@@ -124,6 +124,8 @@ def test_the_offload_bench_times_a_layers_step_each_way():
     assert figures["layer_step_cpu_ms"] > 0 and figures["layer_step_pcie_ms"] > 0 and figures["pcie_read_gb_s"] > 0
     assert set(figures["layer_step_split_ms"]) == set(range(K + 1)) and min(figures["layer_step_split_ms"].values()) > 0
     assert set(layer_step_figures(layers[1:], K, torch.bfloat16, torch.device("cpu"))) == {"layer_step_cpu_ms"}
+    file = layer_step_figures([_layer("Q8_0", "file")], K, torch.bfloat16, torch.device("cpu"))
+    assert "layer_step_cpu_ms" not in file and set(file["layer_step_split_ms"]) == {0}
 
 
 def test_the_pcie_tiles_are_the_fastest_of_those_that_give_the_default_sum(monkeypatch, caplog):
@@ -185,3 +187,33 @@ def test_the_cpus_share_of_a_rows_experts_is_the_one_measured_fastest(monkeypatc
     assert warmed == ([slots] if slots else [])  # the CPU's one-token kernel built for its share, at start-up
     assert choose_host_decode(layers, "pcie", K, torch.bfloat16, torch.device("cpu")) == "pcie"
     assert all(m.cpu_slots == 0 for m in layers)
+
+
+@pytest.mark.parametrize("way", ["auto", "cpu", "both", "pcie"])
+def test_experts_without_a_cpu_copy_are_read_over_pcie_whatever_was_asked(monkeypatch, caplog, way):
+    """host_experts file: no CPU copy to time or compute from, so decode reads the experts over PCIe (the
+    probe's sum checked against the blocks themselves), with a warning where the CPU was asked for."""
+    import strata.runner.host_offload as ho
+
+    monkeypatch.setattr(ho, "split_step_seconds", lambda *a, **kw: pytest.fail("no CPU copy to time"))
+    layer = _layer("Q8_0", "file")
+    assert not layer.host.on_cpu and layer.host.nbytes == layer.host.stream.nbytes
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        assert choose_host_decode([layer], way, K, torch.bfloat16, torch.device("cpu")) == "pcie"
+    assert layer.pcie_stacks is not None and layer.cpu_slots == 0
+    assert ("no CPU copy" in caplog.text) == (way in ("cpu", "both"))
+
+
+def test_the_blocks_reference_is_the_kernels_sum():
+    from strata.runner.host_offload import stacks_reference
+
+    layer = _layer("Q8_0", "int8")
+    stacks = pcie_stacks_of(layer, K, torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, H, generator=g).bfloat16()
+    ids = torch.rand(2, E, generator=g).argsort(dim=1)[:, :K].contiguous()
+    w = torch.softmax(torch.randn(2, K, generator=g), dim=-1)
+    ref = stacks_reference(stacks, x, ids, w)
+    got = pcie_decode(x, ids, w, *stacks).float()
+    assert float((got - ref).norm()) <= 0.02 * float(ref.norm())
+    assert float((layer.host.forward(x.float(), ids, w) - ref).norm()) <= 0.02 * float(ref.norm())
