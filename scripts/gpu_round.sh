@@ -220,7 +220,7 @@ wait_next_gguf() {  # llama.cpp built (unless NO_PEER) and the 80B file written 
         # Beside llama.cpp both engines keep the first NEXT_NCMOE layers' experts in RAM; alone, the memory
         # plan places them where the offload-next step's plan served.
         TIER="$BI kv-tier --model /tmp/next_IQ3_S.gguf --arms tier --gpu-memory 16 --parallel 2 --ctx 262144 --kv int8 \
-          --resident 32768 ${KV_PROFILE:+--profile} ${KV_TIER_GRAPHS:+--kv-tier-graphs}"
+          --resident 32768 ${KV_PROFILE:+--profile} ${KV_TIER_GRAPHS:+--kv-tier-graphs} ${KV_HOST_EXPERTS:+--host-experts $KV_HOST_EXPERTS}"
         if [ -z "${KV_NEXT_ONLY_262K:-}" ]; then
           step kv-tier-next-llamacpp ${NKVO_S:-900} python3 scripts/llama_server_once.py --tokens $C --decode 32 --out $NKVO \
             ${NKVO_READ_S:+--read-timeout $NKVO_READ_S} \

@@ -42,7 +42,7 @@ def _sync(device: torch.device) -> None:
 def _engine(args, **kw) -> LLMEngine:
     base = dict(model=args.model, device=args.device, dtype=args.dtype, kv=args.kv,
                 ctx=args.ctx or args.context + args.decode + SLACK, parallel=args.parallel, chunk_size=args.chunk,
-                prefix_cache=True, gpu_memory=args.gpu_memory, n_cpu_moe=args.n_cpu_moe,
+                prefix_cache=True, gpu_memory=args.gpu_memory, n_cpu_moe=args.n_cpu_moe, host_experts=args.host_experts,
                 kv_tier_graphs=args.kv_tier_graphs, kv_tier_decode=args.kv_tier_decode)
     cfg = EngineConfig(**{**base, **kw})
     if args.shape:
@@ -221,6 +221,7 @@ def add_parser(sub) -> None:
     p.add_argument("--arms", default="all,tier", help="all (every block on the device) and tier, or tier alone")
     p.add_argument("--gpu-memory", type=float, default=None, help="the engine's --gpu-memory cap, GiB")
     p.add_argument("--n-cpu-moe", type=int, default=None, help="the first N MoE layers' experts in RAM (else the plan)")
+    p.add_argument("--host-experts", default=EngineConfig.host_experts, help="the format of the experts in RAM")
     p.add_argument("--parallel", type=int, default=1, help="the engine's slots (one request runs at a time)")
     p.add_argument("--ctx", type=int, default=None, help="the engine's context per slot (default: the read, "
                                                          "its decode and a block of slack)")
