@@ -9,8 +9,10 @@
   default) and of two (`pcie_configs`, longer runs of each row's bytes), each with more or fewer rows a
   program than the default's, each checked against the default's sum;
 - attention: one decode row of the 8B shape (32 query heads, 8 KV heads of 128) over 114,688 tokens of an
-  int8 pool, whole-context with the keys split as the KV tier's PCIe way splits them, the pool in the
-  GPU's memory and pinned in the host's.
+  int8 pool, and of the 80B-A3B's full-attention layers (16 query heads, 2 KV heads of 256) over 98,304
+  (128K less a 32K window), whole-context with the keys split as the KV tier's PCIe way splits them
+  (`tiered.pcie_splits`), the pool in the GPU's memory and pinned in the host's; from pinned memory also
+  at fixed counts of keys a split.
 
 Prints milliseconds and bytes read per second for each. Needs CUDA.
 
@@ -93,15 +95,15 @@ def sweep_one(cfg, x, w, order, k, in_ram, ref, chosen) -> None:
           f"{chosen / s / 1e9:.1f} GB/s (relative difference from the default's sum {err:.1e})", flush=True)
 
 
-def attention(tokens: int = 114688, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16) -> None:
+def attention(name: str, tokens: int, hq: int, hkv: int, d: int, bs: int = 16) -> None:
     blocks = tokens // bs
     table = torch.randperm(blocks, dtype=torch.int32, device="cuda")[None]
     meta = [torch.tensor([v], dtype=torch.int32, device="cuda") for v in (0, 1, tokens)]
     q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(1, hq, device="cuda")
-    splits = max(1, min(128, -(-tokens // tiered.PCIE_SPLIT_KEYS)))
+    splits = tiered.pcie_splits(tokens, hkv, torch.cuda.get_device_properties(0).multi_processor_count)
     ws = k_attn.SplitWorkspace(1, hq, d, splits, "cuda")
-    for name, device, pin in (("GPU memory", "cuda", False), ("pinned host memory", "cpu", True)):
+    for where, device, pin in (("GPU memory", "cuda", False), ("pinned host memory", "cpu", True)):
         pool = make_pool("int8", 1, blocks, bs, hkv, d, device, torch.bfloat16, pin=pin)
         for t in (pool.k, pool.v):
             t.random_(-100, 100)
@@ -112,11 +114,11 @@ def attention(tokens: int = 114688, hq: int = 32, hkv: int = 8, d: int = 128, bs
             k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], lse=lse, whole_context=True, num_splits=splits,
             workspace=ws))
         read = tokens * hkv * (2 * d + 8)
-        print(f"8B layer, one row over {tokens} int8 tokens in {name} ({splits} splits): {s * 1e3:.2f} ms, "
+        print(f"{name} layer, one row over {tokens} int8 tokens in {where} ({splits} splits): {s * 1e3:.2f} ms, "
               f"{read / s / 1e9:.1f} GB/s", flush=True)
-        if pin:  # the split count the PCIe way takes (keys a program) against more and fewer
-            for keys in (512, 2048, 4096):
-                n = max(1, min(128, -(-tokens // keys)))
+        if pin:  # the split count the PCIe way takes against fixed keys a split
+            for keys in (256, 512, 1024, 4096):
+                n = max(1, -(-tokens // keys))
                 more = k_attn.SplitWorkspace(1, hq, d, n, "cuda")
                 s = best_of(lambda r: k_attn.paged_attention_triton(
                     q, pool.k[0], pool.v[0], table, *meta, out, block_size=bs, max_q_len=1, scale=d ** -0.5,
@@ -130,7 +132,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     copy_rate()
     experts()
-    attention()
+    attention("8B", 114_688, 32, 8, 128)
+    attention("80B-A3B", 98_304, 16, 2, 256)
 
 
 if __name__ == "__main__":

@@ -62,9 +62,19 @@ SPAN_PART_KEYS = 2048
 # A streamed host part whose blocks form at most this many runs of consecutive ids is copied run by run
 # straight from the (pinned) host pool; more scattered ones are gathered on the CPU first.
 MAX_STREAM_RUNS = 256
-# A host part read in place over PCIe is split into programs of about this many keys (up to the inner
-# backend's most splits): reads over PCIe take microseconds, so many must be in flight at once.
-PCIE_SPLIT_KEYS = 1024
+# A host part read in place over PCIe is split so that one decode row's launch puts about this many
+# programs on each SM (each of at least PCIE_MIN_SPLIT_KEYS keys): a read over PCIe takes microseconds,
+# so many must be in flight at once, and a model with few K/V heads (Qwen3-Next's 2) has few programs
+# per split. A workspace of the tier's own holds the splits' partials.
+PCIE_PROGRAMS_PER_SM = 4
+PCIE_MIN_SPLIT_KEYS = 256
+
+
+def pcie_splits(max_host_tokens: int, num_kv_heads: int, num_sms: int) -> int:
+    """Key splits for reads of a host part over PCIe: PCIE_PROGRAMS_PER_SM programs an SM for one row,
+    no split shorter than PCIE_MIN_SPLIT_KEYS keys of the longest host part."""
+    want = -(-PCIE_PROGRAMS_PER_SM * num_sms // max(num_kv_heads, 1))
+    return max(1, min(want, -(-max_host_tokens // PCIE_MIN_SPLIT_KEYS)))
 
 
 def block_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -179,7 +189,9 @@ class TieredAttention(AttentionBackend):
             self.pcie_table = torch.zeros(inner.meta.shape[1], max_blocks, dtype=torch.int32, device=self.device)
             self.pcie_meta = torch.zeros_like(inner.meta)
             # One split count for every step (the kernel gives a shorter host part fewer): graphs keep it.
-            self.pcie_splits = max(1, min(inner.workspace.max_splits, -(-max_host_tokens // PCIE_SPLIT_KEYS)))
+            self.pcie_splits = pcie_splits(max_host_tokens, host_pool.n_kv, inner.num_sms)
+            self.pcie_workspace = k_attn.SplitWorkspace(inner.workspace.max_rows, inner.out.shape[1], host_pool.head_dim,
+                                                        self.pcie_splits, self.device)
         # Set by the runner while it captures the graphs of steps with a host part read over PCIe.
         self.capture_pcie = False
         self.runs: dict[int, list[tuple[int, int, int]]] = {}  # streamed span -> its blocks' runs (direct copies)
@@ -549,7 +561,8 @@ class TieredAttention(AttentionBackend):
     def _over_pcie(self, layer: int, q: torch.Tensor):
         """Every row of the step q over its span's host part read in place over PCIe, one launch over the
         entries `set_host` wrote (`pcie_table`, `pcie_meta`; rows of no such span get o 0, lse -inf): the
-        paged attention kernel reading the pinned host pool, its keys split `pcie_splits` ways. (o, lse) in
+        paged attention kernel reading the pinned host pool, its keys split `pcie_splits` ways (`pcie_workspace`
+        holds the partials). (o, lse) in
         buffers the next layer reuses; no host state is read, so graphs capture it."""
         pool, t = self.host_pool, q.shape[0]
         ks, vs = (pool.k_scale[layer], pool.v_scale[layer]) if isinstance(pool, Int8Pool) else (None, None)
@@ -559,7 +572,7 @@ class TieredAttention(AttentionBackend):
             o_h, lse_h = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         o_h.zero_()
         lse_h.fill_(float("-inf"))
-        ws = self.inner.workspace
+        ws = self.pcie_workspace
         splits = self.pcie_splits if t <= ws.max_rows else 1
         k_attn.paged_attention_triton(q, pool.k[layer], pool.v[layer], self.pcie_table, *self.pcie_meta, o_h,
                                       block_size=pool.block_size, max_q_len=self.decode_rows, scale=self.scale,

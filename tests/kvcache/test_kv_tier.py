@@ -225,7 +225,7 @@ def test_batch_invariant_tiered_attention_is_bitwise_one_pool(backend, kind, tin
 
 
 @pytest.mark.parametrize("kind", ["auto", "int8"])
-@pytest.mark.parametrize("split_keys", [1024, 4], ids=["one-program", "split"])
+@pytest.mark.parametrize("split_keys", [1024, 4], ids=["one-program", "split"])  # PCIE_MIN_SPLIT_KEYS
 @pytest.mark.parametrize("decode_rows", [1, 20], ids=["chunk-streamed", "both-in-place"])
 def test_decode_rows_read_their_host_part_in_place_with_the_kernel(kind, split_keys, decode_rows, tiny_tiles,
                                                                    monkeypatch):
@@ -235,12 +235,14 @@ def test_decode_rows_read_their_host_part_in_place_with_the_kernel(kind, split_k
     of one attention over everything, and nothing ran on the CPU's side path."""
     from strata.attention.triton_backend import TritonPagedAttention
 
-    monkeypatch.setattr(tiered_mod, "PCIE_SPLIT_KEYS", split_keys)
+    monkeypatch.setattr(tiered_mod, "PCIE_MIN_SPLIT_KEYS", split_keys)
     full, dev, host, full_layout, tiered_layout, spans, qkv = _two_tiers(kind)
     want = _over_everything(full, full_layout, qkv)
     inner = TritonPagedAttention(dev, num_q_heads=4, max_seqs=3, max_rows=64, max_split_rows=8, device="cpu",
                                  dtype=torch.float32, max_context=64)
     tiered = TieredAttention(inner, host, device="cpu", decode_rows=decode_rows, max_host_tokens=64, num_layers=1)
+    assert (tiered.pcie_splits > 1) == (split_keys < 64)
+    assert tiered.pcie_workspace.max_splits == tiered.pcie_splits
     tiered.pcie_decode = True
     tiered.prepare(*tiered_layout)
     tiered.set_host([sp[:3] for sp in spans])
@@ -332,3 +334,13 @@ def test_host_tier_of_the_prefix_cache():
     host_run, dev_run = tier.lookup(keys)
     assert len(host_run) == 4 and dev_run == []
     device.free(taken)
+
+
+def test_pcie_reads_split_a_host_part_for_programs_on_every_sm():
+    """A few K/V heads (Qwen3-Next's 2) get more splits than many (an 8B's 8): one decode row's launch
+    puts PCIE_PROGRAMS_PER_SM programs on each SM, no split under PCIE_MIN_SPLIT_KEYS keys."""
+    per_sm, least = tiered_mod.PCIE_PROGRAMS_PER_SM, tiered_mod.PCIE_MIN_SPLIT_KEYS
+    assert tiered_mod.pcie_splits(229_376, 2, 132) == -(-per_sm * 132 // 2)
+    assert tiered_mod.pcie_splits(114_688, 8, 132) == -(-per_sm * 132 // 8)
+    assert tiered_mod.pcie_splits(4 * least, 2, 132) == 4  # a short host part: splits of the least keys
+    assert tiered_mod.pcie_splits(1, 8, 132) == 1
