@@ -2,11 +2,11 @@
 or the memory plan under `--gpu-memory`), timed as a user runs it: batch-1 decode and a 4K-token prompt
 read, for each CPU format of the experts asked for (`F+graphs`: decode steps replaying CUDA graph pieces,
 `--host-expert-graphs`; `F+cpu`, `F+pcie`, `F+both`: `--host-expert-decode`, else its auto, each row
-saying which way decode ran and how many of a row's experts the CPU took; consecutive arms of one format share one load, the later ones' engines built on the
-first's model; the same engine's decode is also timed with its graphs off), beside llama.cpp's
-figures on the same file
-(`--llamacpp`: llama-bench's JSON). It also reports the host's read bandwidth, what fraction of it the
-CPU expert computation reached during decode, and the peak GPU memory against the cap.
+saying which way decode ran and how many of a row's experts the CPU took; consecutive arms of one format
+share one load, the later ones' engines built on the first's model; the same engine's decode is also
+timed with its graphs off), beside llama.cpp's figures on the same file (`--llamacpp`: llama-bench's
+JSON). It also reports the host's read bandwidth, what fraction of it the CPU expert computation
+reached during decode, and the peak GPU memory against the cap.
 
     strata bench offload --model qwen3-30b-a3b-Q8_0.gguf --cpu-moe --formats int8,w8a8,int4 \\
         --llamacpp llama_bench.json

@@ -50,10 +50,18 @@ def set_up_host_experts(model: torch.nn.Module, mc: ModelConfig, cfg: EngineConf
     for m in moes:
         m.host_staging, m.streamer = pool, streamer
         m.stream_min_tokens = threshold if streamer else 0
-    fmt = ", ".join(sorted({m.host.fmt for m in moes}))
-    log.info("routed experts of %d MoE layers in host RAM (%s, %.2f GiB): steps of fewer than %s tokens on the CPU%s",
-             len(moes), fmt, sum(m.host.nbytes for m in moes) / 2**30, threshold if streamer else "any number of",
-             f", larger ones streamed to the GPU through 2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else "")
+    buffers = f"2 x {streamer.nbytes / 2 / 2**20:.0f} MiB" if streamer else ""
+    if computed:
+        fmt = ", ".join(sorted({m.host.fmt for m in computed}))
+        log.info("routed experts of %d MoE layers in host RAM (%s, %.2f GiB): steps of fewer than %s tokens on the "
+                 "CPU%s", len(computed), fmt, sum(m.host.nbytes for m in computed) / 2**30,
+                 threshold if streamer and threshold else "any number of",
+                 f", larger ones streamed to the GPU through {buffers}" if streamer and threshold else "")
+    if len(computed) < len(moes):
+        alone = [m for m in moes if not m.host.on_cpu]
+        log.info("routed experts of %d MoE layers in host RAM in the GPU's format alone (file, %.2f GiB): steps the "
+                 "fused decode kernels do not read over PCIe stream them to the GPU through %s", len(alone),
+                 sum(m.host.nbytes for m in alone) / 2**30, buffers)
     return pool, streamer
 
 
