@@ -376,6 +376,8 @@ class EngineConfig:
                                      "file"):
             raise ValueError(f"host_experts must be auto, float, int8, w8a8, fbgemm, compiled, compiled-int4, int4 "
                              f"or file, not {self.host_experts!r}")
+        if self.host_experts == "file" and self.device == "cpu":
+            raise ValueError("host_experts file keeps the experts in RAM for the GPU alone: it needs CUDA")
         if self.host_experts == "file" and self.host_expert_decode in ("cpu", "both"):
             raise ValueError(f"host_expert_decode {self.host_expert_decode} computes experts on the CPU: host_experts "
                              "file keeps no CPU copy of them (decode reads them over PCIe)")

@@ -94,6 +94,8 @@ def test_flags_must_agree():
         with pytest.raises(ValueError, match="no CPU copy"):
             EngineConfig(host_experts="file", host_expert_decode=way)
     assert EngineConfig(host_experts="file").host_expert_decode == "auto"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        EngineConfig(host_experts="file", device="cpu")
     with pytest.raises(ValueError, match="gpu_memory"):
         EngineConfig(gpu_memory=0)
 
