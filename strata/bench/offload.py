@@ -31,7 +31,7 @@ from strata.loaders import LoadedModel
 from strata.models.host_experts import host_step_seconds
 from strata.models.moe import MoE
 from strata.params import SamplingParams
-from strata.runner.host_offload import fastest_pcie_config, pcie_stacks_of, split_step_seconds
+from strata.runner.host_offload import fastest_pcie_config, pcie_stacks_of, split_counts, split_step_seconds
 
 
 def host_read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
@@ -169,9 +169,10 @@ def layer_step_figures(moes: list[MoE], k: int, dtype: torch.dtype, device: torc
         out["layer_step_pcie_ms"] = seconds * 1e3
         out["pcie_block_k"] = config.gate_up_block_k if config is not None else None  # None: the default tiles
         out["pcie_read_gb_s"] = k * m.host.stream.nbytes / m.host.num_experts / seconds / 1e9
-        # By how many of the row's experts the CPU computes while the GPU reads the others (0: none, k: all).
+        # By how many of the row's experts the CPU computes while the GPU reads the others (0: none, k: all;
+        # the shares the start-up probe times).
         out["layer_step_split_ms"] = {c: split_step_seconds(m.host, stacks, k, c, dtype, device, config) * 1e3
-                                      for c in range(k + 1 if m.host.on_cpu else 1)}
+                                      for c in (split_counts(k, "auto") if m.host.on_cpu else [0])}
     return out
 
 

@@ -413,16 +413,15 @@ class HostExperts:
         self.seconds += time.perf_counter() - t0
         return out
 
-    def _forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None,
-                 one_token: bool = True) -> torch.Tensor:
-        """`forward`, untimed; `one_token` False: a one-token step of the compiled format through the
-        kernel built for any number of pairs, not the one built for its count of experts."""
+    def _forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """`forward`, untimed."""
         if not self.on_cpu:
             raise RuntimeError("these routed experts are kept in RAM in the GPU's format only (host_experts file): "
                                "the CPU cannot compute them")
         t, k = ids.shape
         flat = ids.reshape(-1)
-        if self.fmt in COMPILED and (y := self._compiled(x, flat, weights, out, one_token)) is not None:
+        if self.fmt in COMPILED and (y := self._compiled(x, flat, weights, out)) is not None:
             return y
         if t == 1:  # one token: its k experts, no sort
             groups = [(e, slice(j, j + 1)) for j, e in enumerate(flat.tolist())]
@@ -458,8 +457,8 @@ class HostExperts:
         out.zero_()
         return out.index_add_(0, token_of, y)
 
-    def _compiled(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None,
-                  one_token: bool = True) -> torch.Tensor | None:
+    def _compiled(self, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
+                  ) -> torch.Tensor | None:
         """The compiled format's step: one generated kernel for the layer (`strata.kernels.host_moe`), or
         None where it cannot be built here."""
         t, k = x.shape[0], flat.shape[0] // x.shape[0]
@@ -469,7 +468,7 @@ class HostExperts:
             planes = tuple(t.view(-1, t.shape[-1]) for p in (g, d) for t in (p.w, p.scale, p.offset))
         else:
             planes = (g.w.view(-1, g.k), g.scale.view(-1), d.w.view(-1, d.k), d.scale.view(-1))
-        if t == 1 and one_token:
+        if t == 1:
             if (kernel := (one_token_moe_int4 if int4 else one_token_moe)()) is None:
                 return None
             y = kernel(x.float(), flat, weights.reshape(-1).float(), *planes)

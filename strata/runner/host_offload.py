@@ -12,7 +12,8 @@ import torch
 
 from strata.config import EngineConfig, ModelConfig
 from strata.kernels.quant import moe_decode_q
-from strata.models.host_experts import COMPILED, ExpertStreamer, HostStagingPool, host_step_seconds, stream_crossover
+from strata.models.host_experts import (COMPILED, ExpertStreamer, HostStaging, HostStagingPool, host_step_seconds,
+                                        stream_crossover)
 from strata.models.moe import MoE, grouped_mm_works, pcie_decode, pcie_serves
 
 log = logging.getLogger("strata")
@@ -91,9 +92,8 @@ def choose_host_decode(moes: list[MoE], way: str, k: int, dtype: torch.dtype, de
     if not why:
         config, _ = fastest_pcie_config(moes[largest].host, stacks[largest], k, dtype, device)
     if not why and way in ("auto", "both"):
-        counts = range(1, k) if way == "both" else range(k + 1)
         seconds = {c: split_step_seconds(moes[largest].host, stacks[largest], k, c, dtype, device, config)
-                   for c in counts}
+                   for c in split_counts(k, way) or [0]}
         cpu_slots = min(seconds, key=seconds.get)
         log.info("a decode row through one layer's experts in RAM, by how many of its %d experts the CPU "
                  "computes while the GPU reads the others over PCIe: %s", k,
@@ -229,40 +229,44 @@ def split_step_seconds(host, stacks: tuple, k: int, cpu_slots: int, dtype: torch
                        config=None, repeats: int = 4) -> float:
     """One decode row through a layer's experts in RAM (best of `repeats`, each on experts no earlier one
     chose where there are enough), its first `cpu_slots` of `k` chosen experts computed by the CPU while
-    the GPU's fused decode kernels read the others over PCIe: the row's copy down, the read queued, the
-    CPU's part, its sum's copy up. 0: the GPU reads them all (no copy); k: the CPU computes them all."""
+    the GPU's fused decode kernels read the others over PCIe, as an eager step runs it (`MoE._both`):
+    the row down to pinned staging, the read queued, the CPU's part through the kernel a one-token step
+    takes, its sum up and added. 0: the GPU reads them all (no copy); k: the CPU computes them all."""
     g = torch.Generator().manual_seed(1)
     order = torch.randperm(host.num_experts, generator=g)
     x = torch.randn(1, host.gate_up.k, generator=g).to(device, dtype)
-    w = torch.softmax(torch.randn(1, k, generator=g), dim=-1)
-    cuda = device.type == "cuda"
-    xh = torch.empty(x.shape, dtype=dtype, pin_memory=cuda)
-    act = dtype if host.fmt == "float" else torch.float32
-    copied = torch.cuda.Event() if cuda else None
+    w = torch.softmax(torch.randn(1, k, generator=g), dim=-1).to(device)
+    c = cpu_slots
+    staging = HostStaging(1, host.gate_up.k, k, dtype, device) if device.type == "cuda" and c else None
     seconds, read = host.seconds, host.bytes_read
     best = float("inf")
-    for r in range(repeats + 1):  # the first builds and warms the kernels
+    for r in range(repeats + 2):  # the first two build the kernels and wake the CPU's threads
         at = (r * k) % max(host.num_experts - k + 1, 1)
-        ids = order[at : at + k].view(1, k)
-        on_gpu = (ids[:, cpu_slots:].to(device), w[:, cpu_slots:].to(device))
+        ids = order[at : at + k].view(1, k).to(device)
         _sync(device)
         t0 = time.perf_counter()
-        if cpu_slots:
-            xh.copy_(x, non_blocking=True)
-            if copied is not None:
-                copied.record()
-        if cpu_slots < k:
-            pcie_decode(x, *on_gpu, *stacks, config=config)
-        if cpu_slots:
-            if copied is not None:
-                copied.synchronize()
-            y = host._forward(xh.to(act), ids[:, :cpu_slots], w[:, :cpu_slots], None, one_token=False)
-            y.to(device, dtype, non_blocking=True)
+        if staging is not None:
+            xh, idh, wh = staging.down(x, ids[:, :c], w[:, :c])
+        total = pcie_decode(x, ids[:, c:].contiguous(), w[:, c:].contiguous(), *stacks, config=config) if c < k else None
+        if c:
+            if staging is not None:
+                staging.event.synchronize()
+                part = staging.up(host._forward(xh, idh, wh, staging.out[:1]))
+            else:
+                part = host._forward(x if host.fmt == "float" else x.float(), ids[:, :c], w[:, :c], None).to(dtype)
+            total = part if total is None else total + part
         _sync(device)
-        if r:
+        if r > 1:
             best = min(best, time.perf_counter() - t0)
     host.seconds, host.bytes_read = seconds, read
     return best
+
+
+def split_counts(k: int, way: str) -> list[int]:
+    """The CPU's shares of a row's k experts the start-up probe times (each a kernel of its own to build
+    for the compiled formats): a quarter, half and three quarters, and under "auto" none and all too."""
+    inner = sorted({min(max(round(k * f), 1), k - 1) for f in (0.25, 0.5, 0.75)} if k > 1 else set())
+    return inner if way == "both" else [0, *inner, k]
 
 
 def _sync(device: torch.device) -> None:
