@@ -225,10 +225,13 @@ class HostProjection:
             self.w[first:last].copy_(q)
             self.scale[first:last].copy_(scale)
         elif self.fmt == "compiled-int4":
-            for i in range(w.shape[0]):  # one expert at a time: the rounding's temporaries stay small
-                planes = int4_words(w[i])
+            # On the host one expert at a time (the rounding's temporaries stay small); on a GPU the whole
+            # chunk at once, whose grid checks wait for the device once a chunk, not once an expert.
+            step = 1 if w.device.type == "cpu" else w.shape[0]
+            for i in range(0, w.shape[0], step):
+                planes = int4_words(w[i : i + step])
                 for dst, src in zip((self.w, self.scale, self.offset), planes):
-                    dst[first + i].copy_(src)
+                    dst[first + i : first + i + step].copy_(src)
         elif self.fmt == "fbgemm":
             q, scale = int8_rows(w)
             self.packed[first:last] = _packers().map(fbgemm_pack, q.cpu(), scale.cpu())

@@ -89,6 +89,22 @@ def test_int4_words_keep_a_4_bit_files_weights_exactly(ggml_type):
     assert torch.equal(back, w), float((back - w).abs().max())
 
 
+def test_int4_words_of_a_stack_are_those_of_each_expert():
+    """A chunk of experts rounded in one call (a GPU load's way) gives each expert's own words, scales and
+    offsets (the host's way, one at a time): a file's grid and a float expert's range alike."""
+    from strata.kernels.quant import format_module, random_blocks
+
+    mod = format_module("IQ3_S")
+    raw = random_blocks("IQ3_S", 3 * 16, 256, torch.Generator().manual_seed(6), "cpu")
+    file = mod.dequantize(mod.repack(raw), 3 * 16, 256).float().view(3, 16, 256)
+    floats = torch.randn(3, 16, 256, generator=torch.Generator().manual_seed(7))
+    for stack in (file, floats):
+        whole = int4_words(stack)
+        for e in range(3):
+            for got, want in zip(whole, int4_words(stack[e])):
+                assert torch.equal(got[e], want)
+
+
 def test_lattice_steps_find_a_groups_grid_or_none():
     """A grid with skipped levels is still found (its smallest gap is a multiple of the step); a group of
     one value has step 0; more than 16 distinct values, or values off any grid of 16 levels, have none."""
