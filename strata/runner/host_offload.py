@@ -11,6 +11,7 @@ import time
 import torch
 
 from strata.config import EngineConfig, ModelConfig
+from strata.kernels.moe_decode import moe_experts_decode_ref
 from strata.kernels.quant import moe_decode_q
 from strata.models.host_experts import (COMPILED, ExpertStreamer, HostStaging, HostStagingPool, host_step_seconds,
                                         stream_crossover)
@@ -144,19 +145,19 @@ def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -
 
 
 def stacks_reference(stacks: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, H]: the rows' chosen experts from (w13, w2) dequantized on x's device, in torch: what the
-    fused decode kernels should give over the same stacks."""
+    """What the fused decode kernels give for rows x over (w13, w2) wherever those lie: their definition
+    (`moe_experts_decode_ref`) on the chosen experts alone, dequantized on x's device, in fp32."""
     w13, w2 = stacks
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        for j, e in enumerate(ids[t].tolist()):
-            if isinstance(w13, torch.Tensor):
-                a, b = w13[e].to(x.device, torch.float32), w2[e].to(x.device, torch.float32)
-            else:
-                a, b = w13.dequantize_expert(e, x.device), w2.dequantize_expert(e, x.device)
-            gate, up = (x[t].float() @ a.t()).chunk(2)
-            out[t] += w[t, j].float() * ((torch.nn.functional.silu(gate) * up) @ b.t())
-    return out
+    used = torch.unique(ids).tolist()
+    index = torch.full((w13.shape[0] if isinstance(w13, torch.Tensor) else w13.num_experts,), -1, dtype=torch.long)
+    index[used] = torch.arange(len(used))
+
+    def chosen(stack) -> torch.Tensor:
+        if isinstance(stack, torch.Tensor):
+            return torch.stack([stack[e] for e in used]).to(x.device, torch.float32)
+        return torch.stack([stack.dequantize_expert(e, x.device) for e in used])
+
+    return moe_experts_decode_ref(x, index.to(ids.device)[ids], w, chosen(w13), chosen(w2)).float()
 
 
 def _probe_rows(host, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
