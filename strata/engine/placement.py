@@ -23,7 +23,9 @@ from strata.kernels.quant import FORMATS as KEPT_FORMATS
 from strata.kvcache.pool import kv_bytes_per_token
 from strata.kvcache.tier import device_context_buffers, tier_tokens, tiered_backends
 from strata.loaders.base import Checkpoint
-from strata.memory_plan import GiB, MiB, ModelSizes, Plan, PlanError, PlanRequest, plan_memory
+from strata.loaders.host import layer_format, ram_format
+from strata.memory_plan import GiB, MiB, ModelSizes, Plan, PlanError, PlanRequest, PlanRow, plan_memory
+from strata.models.host_experts import projection_bytes
 
 log = logging.getLogger("strata")
 
@@ -150,15 +152,38 @@ def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: 
                       kv_tokens_max=None if cfg.kv_size else kv_tokens_max, context=cfg.ctx, parallel=cfg.parallel,
                       cpu_moe=cfg.cpu_moe, n_cpu_moe=cfg.n_cpu_moe, stream_experts=cfg.expert_stream_tokens != 0)
     try:
-        return plan_memory(req)
+        return with_host_copy(plan_memory(req), cfg, mc, ckpt)
     except PlanError:
         if cfg.kv_size or tiered or demand <= cfg.ctx:
             raise
     # Not every slot's full context: one, with what is left for more (requests beyond it are preempted).
-    plan = plan_memory(dataclasses.replace(req, kv_tokens=cfg.ctx, kv_tokens_max=demand))
+    plan = with_host_copy(plan_memory(dataclasses.replace(req, kv_tokens=cfg.ctx, kv_tokens_max=demand)), cfg, mc, ckpt)
     return dataclasses.replace(plan, notes=plan.notes + (
         f"the KV pool holds {plan.kv_tokens} tokens, less than --ctx x --parallel ({demand}): a long request may "
         "be preempted while others run",))
+
+
+def with_host_copy(plan: Plan, cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint) -> Plan:
+    """`plan` with the host RAM that the CPU copy of its experts in RAM takes beside the file's (the row
+    after theirs), in the format the load will give each layer (`loaders.host.ram_format`, `layer_format`);
+    none for float experts, which the CPU reads where they lie, or `file`."""
+    if not plan.cpu_moe_layers:
+        return plan
+    ram = ram_format(ckpt, plan.cpu_moe_layers, cfg.host_experts, cfg.resolved_device.startswith("cuda"), quiet=True)
+    inter, hidden, experts = mc.moe_intermediate_size, mc.hidden_size, mc.num_experts
+    copies: dict[str, int] = {}
+    for i in plan.cpu_moe_layers:
+        names = [n for n in ckpt.names if n.startswith(f"model.layers.{i}.mlp.experts.")]
+        fmt = layer_format(ram, {ckpt.types.get(n) for n in names} if names else None, inter, hidden)
+        if fmt != "float":
+            nbytes = projection_bytes(fmt, experts, 2 * inter, hidden) + projection_bytes(fmt, experts, hidden, inter)
+            copies[fmt] = copies.get(fmt, 0) + nbytes
+    if not sum(copies.values()):
+        return plan
+    rows = list(plan.rows)
+    at = max(j for j, r in enumerate(rows) if r.where == "cpu") + 1
+    rows.insert(at, PlanRow(f"their CPU copy ({', '.join(sorted(copies))})", "cpu", sum(copies.values())))
+    return dataclasses.replace(plan, rows=tuple(rows))
 
 
 def plan_stages(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype,

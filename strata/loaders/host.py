@@ -65,32 +65,54 @@ def host_memory_available() -> int | None:
     return None
 
 
-def place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int], fmt: str,
-                       gpu: bool = False) -> set[str]:
-    """Marks the MoE layers among `layers` to keep their routed experts in RAM (`MoE.host_format`);
-    returns those experts' tensor names, which `HostLayers` gathers as they are read. `gpu`: a CUDA load,
-    where "auto" keeps the file's blocks alone (`file`) when RAM cannot hold a CPU copy beside them."""
-    from strata.models.moe import MoE
+FOUR_BITS = "4 bits"  # `ram_format`: no room for an int8 copy (no format of that name)
 
-    names: set[str] = set()
-    int8_fits = True
-    if fmt == "auto" and layers:
-        # An int8 copy of every expert placed in RAM, beside the file's blocks kept for streaming; failing
-        # that a 4-bit one (6 bits a weight with its scales and offsets).
-        prefixes = tuple(f"model.layers.{i}.mlp.experts." for i in layers)
-        mine = [n for n in ckpt.names if n.startswith(prefixes)]
-        weights, blocks = (sum(f(n) for n in mine) for f in (lambda n: math.prod(ckpt.shapes.get(n, ())),
-                                                             lambda n: ckpt.nbytes.get(n, 0)))
-        available = host_memory_available()
-        int8_fits = available is None or weights + blocks <= 0.9 * available
-        if not int8_fits and gpu and weights * 3 // 4 + blocks > 0.9 * available:
-            fmt = FILE
+
+def ram_format(ckpt: Checkpoint, layers: Collection[int], fmt: str, gpu: bool, quiet: bool = False) -> str | None:
+    """What host RAM leaves of `fmt` for the routed experts of MoE layers `layers`: under "auto", None when
+    it holds an int8 copy beside the file's blocks kept for streaming (each layer's `host_format` then
+    decides), else `FOUR_BITS` (`host_format` with no room for int8), or on CUDA (`gpu`) `file`
+    where it cannot hold a 4-bit one (6 bits a weight with its scales and offsets) either; any other
+    `fmt` as given. One answer for the load (`place_host_experts`) and the memory plan."""
+    if fmt != "auto":
+        return fmt
+    if not layers:
+        return None
+    prefixes = tuple(f"model.layers.{i}.mlp.experts." for i in layers)
+    mine = [n for n in ckpt.names if n.startswith(prefixes)]
+    weights, blocks = (sum(f(n) for n in mine) for f in (lambda n: math.prod(ckpt.shapes.get(n, ())),
+                                                         lambda n: ckpt.nbytes.get(n, 0)))
+    available = host_memory_available()
+    if available is None or weights + blocks <= 0.9 * available:
+        return None
+    if gpu and weights * 3 // 4 + blocks > 0.9 * available:
+        if not quiet:
             log.info("routed experts in RAM as the file's blocks only, read by the GPU (host_experts file): a 4-bit "
                      "CPU copy beside them (%.1f GiB) is more than the %.1f GiB of host memory available",
                      (weights * 3 // 4 + blocks) / 2**30, available / 2**30)
-        elif not int8_fits:
-            log.info("routed experts in RAM in 4 bits: an int8 copy (%.1f GiB with the streaming copy) is more than "
-                     "the %.1f GiB of host memory available", (weights + blocks) / 2**30, available / 2**30)
+        return FILE
+    if not quiet:
+        log.info("routed experts in RAM in 4 bits: an int8 copy (%.1f GiB with the streaming copy) is more than "
+                 "the %.1f GiB of host memory available", (weights + blocks) / 2**30, available / 2**30)
+    return FOUR_BITS
+
+
+def layer_format(ram: str | None, stored: set | None, inter: int, hidden: int) -> str:
+    """A layer's CPU format from `ram_format`'s answer and the layer's stored expert types."""
+    if ram is None or ram == FOUR_BITS:
+        return host_format(stored, [(2 * inter, hidden), (hidden, inter)], int8_fits=ram is None)
+    return ram
+
+
+def place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int], fmt: str,
+                       gpu: bool = False) -> set[str]:
+    """Marks the MoE layers among `layers` to keep their routed experts in RAM (`MoE.host_format`, as
+    `ram_format` and `layer_format` decide); returns those experts' tensor names, which `HostLayers`
+    gathers as they are read. `gpu`: a CUDA load."""
+    from strata.models.moe import MoE
+
+    names: set[str] = set()
+    ram = ram_format(ckpt, layers, fmt, gpu)
     for i in sorted(set(layers)):
         if i >= model.num_layers:
             raise LoadError(ckpt.path, f"no layer {i} to place experts of (the model has {model.num_layers})")
@@ -100,8 +122,7 @@ def place_host_experts(model: CausalLM, ckpt: Checkpoint, layers: Collection[int
         prefix = next(n for n, m in model.named_modules() if m is moe) + ".experts."
         mine = {n for n in ckpt.names if n.startswith(prefix)}
         inter, hidden = moe.experts[0].gate_proj.weight.shape
-        stored = {ckpt.types.get(n) for n in mine} if mine else None
-        moe.host_format = host_format(stored, [(2 * inter, hidden), (hidden, inter)], int8_fits) if fmt == "auto" else fmt
+        moe.host_format = layer_format(ram, {ckpt.types.get(n) for n in mine} if mine else None, inter, hidden)
         names |= mine
     return names
 

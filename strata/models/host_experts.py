@@ -190,6 +190,21 @@ def fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_prepack(qw, None)
 
 
+def projection_bytes(fmt: str, num_experts: int, n: int, k: int, float_bytes: int = 4) -> int:
+    """RAM that E experts' [n, k] projection takes in the CPU format `fmt` (float: `float_bytes` a value)."""
+    if fmt == FILE:
+        return 0
+    if fmt == "float":
+        return num_experts * n * k * float_bytes
+    if fmt in INT8_ROWS:  # the rows and a fp32 scale each
+        return num_experts * (n * k + 4 * n)
+    if fmt == "compiled-int4":  # words of 8 levels, a fp32 scale and offset per group of 32
+        return num_experts * (n * k // 2 + n * k // INT4_GROUP * 8)
+    if fmt == "fbgemm":  # the int8 rows, their scales, zero points and column offsets
+        return num_experts * n * (k + 16)
+    return num_experts * (n * k // 2 + k // INT4_GROUP * n * 2 * 4)
+
+
 class HostProjection:
     """E experts' [N, K] projection in one CPU format; `mm(e, x)` is x @ W_eᵀ in fp32."""
 
@@ -243,17 +258,8 @@ class HostProjection:
 
     @property
     def nbytes(self) -> int:
-        if self.fmt == FILE:
-            return 0
-        if self.fmt == "float":
-            return self.w.numel() * self.w.element_size()
-        if self.fmt in INT8_ROWS:
-            return self.w.numel() + self.scale.numel() * 4
-        if self.fmt == "compiled-int4":
-            return (self.w.numel() + self.scale.numel() + self.offset.numel()) * 4
-        if self.fmt == "fbgemm":  # the int8 rows, their scales, zero points and column offsets
-            return self.num_experts * self.n * (self.k + 16)
-        return self.num_experts * (self.n * self.k // 2 + self.k // INT4_GROUP * self.n * 2 * 4)
+        return projection_bytes(self.fmt, self.num_experts, self.n, self.k,
+                                self.w.element_size() if self.fmt == "float" else 4)
 
     def dequantize(self, e: int) -> torch.Tensor:
         """fp32 [N, K]: what `mm` multiplies by (int4: through the kernel, on the identity)."""

@@ -216,3 +216,32 @@ def test_auto_keeps_the_blocks_alone_on_cuda_when_ram_cannot_hold_a_cpu_copy(tmp
     monkeypatch.setattr(host, "host_memory_available", lambda: available)
     names = host.place_host_experts(model, ckpt, [0, 1], "auto", gpu=gpu)
     assert names and {m.host_format for m in model.modules() if isinstance(m, MoE)} == {want}
+
+
+def test_the_plan_counts_the_cpu_copy_of_the_experts_in_ram_beside_the_files_blocks(tmp_path, monkeypatch):
+    """The memory plan's host rows: the file's blocks of the layers in RAM, then their CPU copy in the
+    format the load gives them (compiled-int4 for IQ3_S where a C++ compiler is found), sized as that
+    format holds them; none with `file`, or where RAM leaves no room for a copy."""
+    import strata.loaders.host as host
+    from strata.config import EngineConfig, ModelConfig
+    from strata.engine import placement
+    from strata.loaders import read_checkpoint
+    from strata.models.host_experts import projection_bytes
+
+    ckpt = read_checkpoint(_iq3s_file(tmp_path))
+    mc = ModelConfig.from_hf(ckpt.config)
+
+    def plan(**kw):
+        cfg = EngineConfig(device="cuda", ctx=256, cpu_moe=True, gpu_memory=8.0, **kw).resolved()
+        return placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 8 << 30, mc.num_full_attention_layers)
+
+    monkeypatch.setattr(host, "host_memory_available", lambda: None)
+    rows = {r.component: r for r in plan().rows}
+    copy = next(r for name, r in rows.items() if name.startswith("their CPU copy"))
+    fmt = host.layer_format(None, {"IQ3_S"}, mc.moe_intermediate_size, mc.hidden_size)
+    assert copy.where == "cpu" and f"({fmt})" in copy.component
+    e, i, h = mc.num_experts, mc.moe_intermediate_size, mc.hidden_size
+    assert copy.nbytes == mc.num_hidden_layers * (projection_bytes(fmt, e, 2 * i, h) + projection_bytes(fmt, e, h, i))
+    assert not any(r.component.startswith("their CPU copy") for r in plan(host_experts="file").rows)
+    monkeypatch.setattr(host, "host_memory_available", lambda: 1 << 20)
+    assert not any(r.component.startswith("their CPU copy") for r in plan().rows)

@@ -235,3 +235,13 @@ def test_host_step_seconds_times_a_step_and_leaves_the_counters():
     seconds, read = host.seconds, host.bytes_read
     assert host_step_seconds(host, 4, 2) > 0
     assert (host.seconds, host.bytes_read) == (seconds, read)
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8", "compiled", "compiled-int4", "file"])
+def test_a_projections_size_is_what_its_format_holds(fmt):
+    from strata.models.host_experts import HostProjection, projection_bytes
+
+    p = HostProjection(fmt, 3, 64, 256)
+    held = sum(t.numel() * t.element_size() for t in (getattr(p, a, None) for a in ("w", "scale", "offset"))
+               if t is not None)
+    assert p.nbytes == held == projection_bytes(fmt, 3, 64, 256)
