@@ -95,15 +95,15 @@ class Plan:
     def table(self) -> str:
         """The plan as the engine prints it at start-up: one row per component, then the totals."""
         width = max(len(r.component) for r in self.rows)
-        lines = [f"memory plan (GPU budget {_size(self.gpu_budget)}"
+        lines = [f"memory plan (GPU budget {size_text(self.gpu_budget)}"
                  f"{'' if self.auto else ', experts placed by flag'}):"]
-        lines += [f"  {r.component:<{width}}  {r.where}  {_size(r.nbytes):>10}" for r in self.rows]
-        lines.append(f"  {'total':<{width}}  gpu  {_size(self.gpu_bytes):>10}"
-                     + (f", cpu {_size(self.host_bytes)}" if self.host_bytes else ""))
+        lines += [f"  {r.component:<{width}}  {r.where}  {size_text(r.nbytes):>10}" for r in self.rows]
+        lines.append(f"  {'total':<{width}}  gpu  {size_text(self.gpu_bytes):>10}"
+                     + (f", cpu {size_text(self.host_bytes)}" if self.host_bytes else ""))
         return "\n".join(lines + [f"  {n}" for n in self.notes])
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
@@ -132,8 +132,8 @@ def plan_memory(req: PlanRequest) -> Plan:
         on_gpu = sum(s.routed_experts[n_cpu:]) + _stream_bytes(req, n_cpu)
         if on_gpu > room:
             fit = _smallest_split(req, room)
-            raise PlanError(f"the routed experts of MoE layers {n_cpu}..{n_moe - 1} take {_size(on_gpu)} on the GPU "
-                            f"but {_size(room)} is left after the rest: use --n-cpu-moe {fit} or more"
+            raise PlanError(f"the routed experts of MoE layers {n_cpu}..{n_moe - 1} take {size_text(on_gpu)} on the GPU "
+                            f"but {size_text(room)} is left after the rest: use --n-cpu-moe {fit} or more"
                             f"{' (or --cpu-moe)' if fit == n_moe else ''}")
     else:
         n_cpu, auto = _smallest_split(req, room), True
@@ -142,7 +142,7 @@ def plan_memory(req: PlanRequest) -> Plan:
     left = room - gpu_experts - streaming
     if left < 0:
         raise PlanError(f"with every routed expert in RAM, streaming them to the GPU for prompt chunks takes two buffers of "
-                        f"{_size(streaming // 2)}, which {_size(room)} left does not hold: --expert-stream-tokens 0 "
+                        f"{size_text(streaming // 2)}, which {size_text(room)} left does not hold: --expert-stream-tokens 0 "
                         "computes every step's experts on the CPU")
     kv_tokens = req.kv_tokens
     if req.kv_tokens_max is not None and req.kv_tokens_max > kv_tokens and s.kv_bytes_per_token and n_cpu == 0:
@@ -207,8 +207,8 @@ def _too_small(req: PlanRequest, base: int) -> str:
     s = req.sizes
     fixed = sum(b for _, b in s.fixed) + s.shared_experts + req.scratch_bytes + s.state_bytes
     kv_bytes = req.kv_tokens * s.kv_bytes_per_token
-    msg = (f"the model does not fit the GPU budget of {_size(req.gpu_budget)}: weights that must stay on the GPU, "
-           f"scratch and states take {_size(fixed)} and the KV pool of {req.kv_tokens} tokens {_size(kv_bytes)}")
+    msg = (f"the model does not fit the GPU budget of {size_text(req.gpu_budget)}: weights that must stay on the GPU, "
+           f"scratch and states take {size_text(fixed)} and the KV pool of {req.kv_tokens} tokens {size_text(kv_bytes)}")
     if fixed >= req.gpu_budget:
         return msg + "; even without a KV cache it does not fit: a larger --gpu-memory or a smaller quantization"
     room = req.gpu_budget - fixed

@@ -23,8 +23,9 @@ from strata.kernels.quant import FORMATS as KEPT_FORMATS
 from strata.kvcache.pool import kv_bytes_per_token
 from strata.kvcache.tier import device_context_buffers, tier_tokens, tiered_backends
 from strata.loaders.base import Checkpoint
+from strata.loaders import host as host_ram
 from strata.loaders.host import layer_format, ram_format
-from strata.memory_plan import GiB, MiB, ModelSizes, Plan, PlanError, PlanRequest, PlanRow, plan_memory
+from strata.memory_plan import GiB, MiB, ModelSizes, Plan, PlanError, PlanRequest, PlanRow, plan_memory, size_text
 from strata.models.host_experts import projection_bytes
 
 log = logging.getLogger("strata")
@@ -126,9 +127,11 @@ def scratch_bytes(cfg: EngineConfig, mc: ModelConfig, logits: bool = True) -> in
 
 def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: torch.dtype, budget: int,
                    num_kv_layers: int, kv_tokens_max: int | None = None, state_bytes: int = 0,
-                   sizes: ModelSizes | None = None, scratch: int | None = None) -> Plan:
+                   sizes: ModelSizes | None = None, scratch: int | None = None, host_check: bool = True) -> Plan:
     """The memory plan of this run on a GPU budget of `budget` bytes (raises `PlanError`). `sizes`,
-    `scratch`: a pipeline stage's (`plan_stages`), instead of the whole model's."""
+    `scratch`: a pipeline stage's (`plan_stages`), instead of the whole model's. `host_check`: refuse a plan
+    whose experts in RAM the host's memory cannot hold (off for a plan made after the load, whose experts
+    already hold some of it)."""
     demand = cfg.kv_size or cfg.ctx * cfg.parallel
     scratch = scratch_bytes(cfg, mc) if scratch is None else scratch
     tiered = cfg.kv_resident is not None and not cfg.kv_size
@@ -152,23 +155,36 @@ def plan_placement(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: 
                       kv_tokens_max=None if cfg.kv_size else kv_tokens_max, context=cfg.ctx, parallel=cfg.parallel,
                       cpu_moe=cfg.cpu_moe, n_cpu_moe=cfg.n_cpu_moe, stream_experts=cfg.expert_stream_tokens != 0)
     try:
-        return with_host_copy(plan_memory(req), cfg, mc, ckpt)
+        return with_host_copy(plan_memory(req), cfg, mc, ckpt, host_check)
     except PlanError:
         if cfg.kv_size or tiered or demand <= cfg.ctx:
             raise
     # Not every slot's full context: one, with what is left for more (requests beyond it are preempted).
-    plan = with_host_copy(plan_memory(dataclasses.replace(req, kv_tokens=cfg.ctx, kv_tokens_max=demand)), cfg, mc, ckpt)
+    plan = with_host_copy(plan_memory(dataclasses.replace(req, kv_tokens=cfg.ctx, kv_tokens_max=demand)), cfg, mc, ckpt,
+                          host_check)
     return dataclasses.replace(plan, notes=plan.notes + (
         f"the KV pool holds {plan.kv_tokens} tokens, less than --ctx x --parallel ({demand}): a long request may "
         "be preempted while others run",))
 
 
-def with_host_copy(plan: Plan, cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint) -> Plan:
+def with_host_copy(plan: Plan, cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, check: bool = True) -> Plan:
     """`plan` with the host RAM that the CPU copy of its experts in RAM takes beside the file's (the row
     after theirs), in the format the load will give each layer (`loaders.host.ram_format`, `layer_format`);
-    none for float experts, which the CPU reads where they lie, or `file`."""
+    none for float experts, which the CPU reads where they lie, or `file`. With `check`, a plan whose host
+    rows exceed the host memory available is refused (`PlanError`), before any weight is read."""
     if not plan.cpu_moe_layers:
         return plan
+    plan = _with_copy_row(plan, cfg, mc, ckpt)
+    available = host_ram.host_memory_available() if check else None
+    if available is not None and plan.host_bytes > 0.95 * available:
+        copy = any(r.component.startswith("their CPU copy") for r in plan.rows)
+        raise PlanError(f"the routed experts kept in host RAM take {size_text(plan.host_bytes)} but "
+                        f"{size_text(available)} of host memory is available: a larger --gpu-memory (fewer layers' "
+                        f"experts in RAM){' or --host-experts file (no CPU copy)' if copy else ''}")
+    return plan
+
+
+def _with_copy_row(plan: Plan, cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint) -> Plan:
     ram = ram_format(ckpt, plan.cpu_moe_layers, cfg.host_experts, cfg.resolved_device.startswith("cuda"), quiet=True)
     inter, hidden, experts = mc.moe_intermediate_size, mc.hidden_size, mc.num_experts
     copies: dict[str, int] = {}

@@ -107,7 +107,7 @@ def refit_after_load(cfg: EngineConfig, mc: ModelConfig, ckpt, loaded: LoadedMod
     if again is None:
         return plan
     refit = placement.plan_placement(cfg, mc, ckpt, dtype, plan.gpu_budget, kv_layers(mc), kv_tokens_max=1 << 40,
-                                     state_bytes=again.state_bytes, sizes=again)
+                                     state_bytes=again.state_bytes, sizes=again, host_check=False)
     moved = [i for i in refit.cpu_moe_layers if i not in plan.cpu_moe_layers]
     if moved:
         t0 = time.perf_counter()

@@ -226,14 +226,16 @@ def test_the_plan_counts_the_cpu_copy_of_the_experts_in_ram_beside_the_files_blo
     from strata.config import EngineConfig, ModelConfig
     from strata.engine import placement
     from strata.loaders import read_checkpoint
+    from strata.memory_plan import PlanError
     from strata.models.host_experts import projection_bytes
 
     ckpt = read_checkpoint(_iq3s_file(tmp_path))
     mc = ModelConfig.from_hf(ckpt.config)
 
-    def plan(**kw):
+    def plan(host_check=True, **kw):
         cfg = EngineConfig(device="cuda", ctx=256, cpu_moe=True, gpu_memory=8.0, **kw).resolved()
-        return placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 8 << 30, mc.num_full_attention_layers)
+        return placement.plan_placement(cfg, mc, ckpt, torch.bfloat16, 8 << 30, mc.num_full_attention_layers,
+                                        host_check=host_check)
 
     monkeypatch.setattr(host, "host_memory_available", lambda: None)
     rows = {r.component: r for r in plan().rows}
@@ -243,5 +245,11 @@ def test_the_plan_counts_the_cpu_copy_of_the_experts_in_ram_beside_the_files_blo
     e, i, h = mc.num_experts, mc.moe_intermediate_size, mc.hidden_size
     assert copy.nbytes == mc.num_hidden_layers * (projection_bytes(fmt, e, 2 * i, h) + projection_bytes(fmt, e, h, i))
     assert not any(r.component.startswith("their CPU copy") for r in plan(host_experts="file").rows)
-    monkeypatch.setattr(host, "host_memory_available", lambda: 1 << 20)
+    # RAM for the blocks but not a copy: the blocks alone (file); for neither: refused before the load.
+    blocks = sum(r.nbytes for r in plan(host_experts="file").rows if r.where == "cpu")
+    monkeypatch.setattr(host, "host_memory_available", lambda: int(blocks * 1.1))
     assert not any(r.component.startswith("their CPU copy") for r in plan().rows)
+    monkeypatch.setattr(host, "host_memory_available", lambda: blocks // 2)
+    with pytest.raises(PlanError, match="host memory is available: a larger --gpu-memory"):
+        plan()
+    assert plan(host_check=False).host_bytes == blocks  # made after the load, whose experts hold that RAM
