@@ -175,13 +175,21 @@ def with_host_copy(plan: Plan, cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpo
     if not plan.cpu_moe_layers:
         return plan
     plan = _with_copy_row(plan, cfg, mc, ckpt)
-    available = host_ram.host_memory_available() if check else None
-    if available is not None and plan.host_bytes > 0.95 * available:
-        copy = any(r.component.startswith("their CPU copy") for r in plan.rows)
-        raise PlanError(f"the routed experts kept in host RAM take {size_text(plan.host_bytes)} but "
-                        f"{size_text(available)} of host memory is available: a larger --gpu-memory (fewer layers' "
-                        f"experts in RAM){' or --host-experts file (no CPU copy)' if copy else ''}")
+    if check:
+        check_host_room([plan])
     return plan
+
+
+def check_host_room(plans: list[Plan]) -> None:
+    """Refuses (`PlanError`) plans of one machine whose experts in RAM, together, the host's memory cannot
+    hold."""
+    held = sum(p.host_bytes for p in plans)
+    available = host_ram.host_memory_available()
+    if available is not None and held > 0.95 * available:
+        copy = any(r.component.startswith("their CPU copy") for p in plans for r in p.rows)
+        raise PlanError(f"the routed experts kept in host RAM take {size_text(held)} but {size_text(available)} of "
+                        f"host memory is available: a larger --gpu-memory (fewer layers' experts in RAM)"
+                        f"{' or --host-experts file (no CPU copy)' if copy else ''}")
 
 
 def _with_copy_row(plan: Plan, cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint) -> Plan:
@@ -239,7 +247,9 @@ def plan_stages(cfg: EngineConfig, mc: ModelConfig, ckpt: Checkpoint, dtype: tor
             local = dataclasses.replace(cfg, n_cpu_moe=sum(a <= i < b for i in moe[: cfg.n_cpu_moe]))
         scratch = scratch_bytes(cfg, mc, logits=holds_ends(mc, a, b, mtp_prefix is not None))
         plans.append(plan_placement(local, mc, ckpt, dtype, budget, kv_layers, kv_tokens_max=1 << 40,
-                                    state_bytes=states, sizes=sizes, scratch=scratch))
+                                    state_bytes=states, sizes=sizes, scratch=scratch, host_check=cfg.nnodes > 1))
+    if cfg.nnodes == 1:  # every stage's experts in this machine's RAM
+        check_host_room(plans)
     return plans
 
 

@@ -253,3 +253,8 @@ def test_the_plan_counts_the_cpu_copy_of_the_experts_in_ram_beside_the_files_blo
     with pytest.raises(PlanError, match="host memory is available: a larger --gpu-memory"):
         plan()
     assert plan(host_check=False).host_bytes == blocks  # made after the load, whose experts hold that RAM
+    # Pipeline stages of one machine: their experts in RAM counted together.
+    cfg = EngineConfig(device="cuda", ctx=256, cpu_moe=True, gpu_memory=8.0).resolved()
+    monkeypatch.setattr(host, "host_memory_available", lambda: int(blocks * 0.8))
+    with pytest.raises(PlanError, match="host memory is available"):
+        placement.plan_stages(cfg, mc, ckpt, torch.bfloat16, ((0, 1), (1, 2)), [8 << 30] * 2, False)
