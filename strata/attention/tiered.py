@@ -190,7 +190,9 @@ class TieredAttention(AttentionBackend):
             self.pcie_meta = torch.zeros_like(inner.meta)
             # One split count for every step (the kernel gives a shorter host part fewer): graphs keep it.
             self.pcie_splits = pcie_splits(max_host_tokens, host_pool.n_kv, inner.num_sms)
-            self.pcie_workspace = k_attn.SplitWorkspace(inner.workspace.max_rows, inner.out.shape[1], host_pool.head_dim,
+            # Rows for every sequence's decode rows (the PCIe way's steps; larger ones run unsplit).
+            rows = min(inner.workspace.max_rows, (inner.meta.shape[1] - 1) * decode_rows)
+            self.pcie_workspace = k_attn.SplitWorkspace(max(rows, 1), inner.out.shape[1], host_pool.head_dim,
                                                         self.pcie_splits, self.device)
         # Set by the runner while it captures the graphs of steps with a host part read over PCIe.
         self.capture_pcie = False
