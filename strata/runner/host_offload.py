@@ -145,19 +145,17 @@ def pcie_stacks_of(moe: MoE, k: int, dtype: torch.dtype, device: torch.device) -
 
 
 def stacks_reference(stacks: tuple, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the fused decode kernels give for rows x over (w13, w2) wherever those lie: their definition
-    (`moe_experts_decode_ref`) on the chosen experts alone, dequantized on x's device, in fp32."""
+    """What the fused decode kernels give for rows x over (w13, w2) wherever those lie, in fp32: their
+    definition on the chosen experts alone, dequantized on x's device (`moe_decode_q_ref`; float stacks:
+    the chosen experts copied there)."""
     w13, w2 = stacks
+    if not isinstance(w13, torch.Tensor):
+        return moe_decode_q.moe_decode_q_ref(x, ids, w, w13, w2).float()
     used = torch.unique(ids).tolist()
-    index = torch.full((w13.shape[0] if isinstance(w13, torch.Tensor) else w13.num_experts,), -1, dtype=torch.long)
+    index = torch.full((w13.shape[0],), -1, dtype=torch.long)
     index[used] = torch.arange(len(used))
-
-    def chosen(stack) -> torch.Tensor:
-        if isinstance(stack, torch.Tensor):
-            return torch.stack([stack[e] for e in used]).to(x.device, torch.float32)
-        return torch.stack([stack.dequantize_expert(e, x.device) for e in used])
-
-    return moe_experts_decode_ref(x, index.to(ids.device)[ids], w, chosen(w13), chosen(w2)).float()
+    f13, f2 = (torch.stack([s[e] for e in used]).to(x.device, torch.float32) for s in (w13, w2))
+    return moe_experts_decode_ref(x, index.to(ids.device)[ids], w, f13, f2).float()
 
 
 def _probe_rows(host, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

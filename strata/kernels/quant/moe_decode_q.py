@@ -206,14 +206,14 @@ def _check(x, topk_ids, topk_weights, w13, w2, out):
 
 def moe_decode_q_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2, out: torch.Tensor | None = None) -> torch.Tensor:
     """The definition: `moe_experts_decode_ref` (its rounding points) on the exact fp32 weights of the
-    experts the tokens chose (each dequantized once)."""
+    experts the tokens chose (each dequantized once, on x's device, wherever the blocks lie)."""
     _check(x, topk_ids, topk_weights, w13, w2, out)
     used = torch.unique(topk_ids).tolist()
     index = torch.full((w13.num_experts,), -1, dtype=torch.long)
     index[used] = torch.arange(len(used))
     ids = index.to(topk_ids.device)[topk_ids.long()]
-    f13 = torch.stack([w13.dequantize_expert(e) for e in used]).to(x.device)
-    f2 = torch.stack([w2.dequantize_expert(e) for e in used]).to(x.device)
+    f13 = torch.stack([w13.dequantize_expert(e, x.device) for e in used])
+    f2 = torch.stack([w2.dequantize_expert(e, x.device) for e in used])
     return k_moe.moe_experts_decode_ref(x, ids, topk_weights, f13, f2, out)
 
 
